@@ -1,0 +1,1 @@
+//! The runtime that drives the outbox.

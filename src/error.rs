@@ -1,0 +1,232 @@
+//! [`Error`] and [`Result`]: every way a store call can fail.
+//!
+//! Expected outcomes (a duplicate claim, a duplicate enqueue, a replayed
+//! response, a key in flight) are *values* in `Ok`, never errors. An `Err`
+//! always means the call did not do what it was asked, and that nothing it was
+//! asked to write was acknowledged.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// The result type of every fallible call in this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in a store call.
+///
+/// The enum is `#[non_exhaustive]`: match the variants you act on and keep a
+/// wildcard arm.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The storage engine (redb) or the file system failed: an I/O error, a
+    /// failed commit, a full disk. The call wrote nothing that was
+    /// acknowledged; retrying may work once the cause is fixed. After a failed
+    /// commit the store refuses further writes until it is reopened (the
+    /// reopen repairs the file).
+    Storage(redb::Error),
+    /// The record asked for does not exist (it was never written, was purged,
+    /// or the id belongs to another store file).
+    NotFound,
+    /// The operation is not allowed in the record's current state, for
+    /// example completing an outbox entry that already failed, or settling it
+    /// with a stale claim. Nothing was changed.
+    Conflict {
+        /// What the operation ran into.
+        reason: String,
+    },
+    /// An argument is malformed: an empty key, a bad inbox name, a time out of
+    /// range. Nothing was written.
+    InvalidInput {
+        /// The argument at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An argument is longer than the store accepts. Nothing was written; the
+    /// value was not truncated.
+    TooLarge {
+        /// The argument at fault.
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The largest length accepted.
+        max: usize,
+    },
+    /// Stored bytes could not be decoded: the file was damaged or written by
+    /// something else. The record is left as it is for inspection.
+    Corrupted {
+        /// The table holding the bad record.
+        table: &'static str,
+        /// The record's key, printed for people.
+        key: String,
+        /// What failed to decode.
+        reason: String,
+    },
+    /// The file is a store written by a newer, incompatible version of this
+    /// crate, or a redb database that is not an idemstore file at all.
+    IncompatibleFormat {
+        /// What was found in the file.
+        found: String,
+        /// What this build of the crate can read.
+        supported: u64,
+    },
+    /// The file is not a store: it is neither empty nor a redb database.
+    NotAStore {
+        /// The file that was opened.
+        path: PathBuf,
+        /// What the engine said about it.
+        reason: String,
+    },
+    /// The file is already open, in this process or another one. A store file
+    /// has one owner at a time: share a [`Store`](crate::Store) by cloning it.
+    AlreadyOpen {
+        /// The file that was opened.
+        path: PathBuf,
+    },
+    /// A store write method was called from inside a [`Store::write`]
+    /// closure (or an effect) on the same thread, which would deadlock: use
+    /// the `*_in` variants with the transaction the closure was given.
+    ///
+    /// [`Store::write`]: crate::Store::write
+    Reentrant,
+    /// The store's commit thread is gone (it panicked, or the store is shutting
+    /// down). Reopen the store.
+    Closed,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Storage(e) => write!(
+                f,
+                "storage engine error: {e}; nothing from this call was acknowledged \
+                 (after a failed commit, reopen the store to repair it)"
+            ),
+            Error::NotFound => f.write_str(
+                "no such record in the store (never written, purged, or from another store file)",
+            ),
+            Error::Conflict { reason } => write!(f, "conflict: {reason}; nothing was changed"),
+            Error::InvalidInput { field, reason } => {
+                write!(f, "invalid {field}: {reason}; nothing was written")
+            }
+            Error::TooLarge { field, len, max } => write!(
+                f,
+                "{field} is {len} bytes, over the limit of {max} bytes; nothing was written"
+            ),
+            Error::Corrupted { table, key, reason } => write!(
+                f,
+                "corrupted record in table `{table}` at key {key}: {reason}; \
+                 the file was damaged or written by something else"
+            ),
+            Error::IncompatibleFormat { found, supported } => write!(
+                f,
+                "incompatible store format: found {found}, this build reads format {supported}; \
+                 open it with the version of idemstore that wrote it"
+            ),
+            Error::NotAStore { path, reason } => write!(
+                f,
+                "{} is not an idemstore file ({reason}); point the store at a new or \
+                 existing store file",
+                path.display()
+            ),
+            Error::AlreadyOpen { path } => write!(
+                f,
+                "{} is already open by another Store, in this process or another one; \
+                 share one Store by cloning it, or stop the other process",
+                path.display()
+            ),
+            Error::Reentrant => f.write_str(
+                "a store write was called from inside a write closure on the same thread; \
+                 use the `*_in` variant with the closure's transaction instead",
+            ),
+            Error::Closed => f.write_str("the store's commit thread has stopped; reopen the store"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Storage(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidInput {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn conflict(reason: impl Into<String>) -> Self {
+        Error::Conflict {
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether this error came from the storage engine or the disk rather than
+    /// from the arguments or the records' states.
+    pub fn is_storage(&self) -> bool {
+        matches!(self, Error::Storage(_))
+    }
+}
+
+/// Checks a key-like argument: 1..=max bytes.
+pub(crate) fn check_len(field: &'static str, value: &str, max: usize) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if value.len() > max {
+        return Err(Error::TooLarge {
+            field,
+            len: value.len(),
+            max,
+        });
+    }
+    Ok(())
+}
+
+macro_rules! from_redb {
+    ($($t:ty),* $(,)?) => {$(
+        impl From<$t> for Error {
+            fn from(e: $t) -> Self {
+                Error::Storage(e.into())
+            }
+        }
+    )*};
+}
+
+from_redb!(
+    redb::TransactionError,
+    redb::CommitError,
+    redb::CompactionError,
+    redb::SetDurabilityError,
+    redb::DatabaseError,
+);
+
+impl From<redb::StorageError> for Error {
+    fn from(e: redb::StorageError) -> Self {
+        Error::Storage(e.into())
+    }
+}
+
+impl From<redb::TableError> for Error {
+    fn from(e: redb::TableError) -> Self {
+        match e {
+            m @ redb::TableError::TableTypeMismatch { .. } => Error::IncompatibleFormat {
+                found: format!("a table with other types ({m})"),
+                supported: crate::schema::FORMAT_VERSION,
+            },
+            other => Error::Storage(other.into()),
+        }
+    }
+}
+
+impl From<redb::Error> for Error {
+    fn from(e: redb::Error) -> Self {
+        Error::Storage(e)
+    }
+}

@@ -1,0 +1,343 @@
+//! [`Inbox`]: a dedup ledger of external event ids.
+//!
+//! Each event key is recorded once per inbox. The first delivery of a key
+//! claims it (`true`, or [`Claim::Applied`] with the effect's result); every
+//! later delivery — a duplicate, a replay, a concurrent retry — is told so and
+//! its effect does not run. With [`Inbox::claim_with`] and [`Inbox::claim_in`]
+//! the claim and the effect commit in one write transaction, or neither does.
+//!
+//! Layout: `(inbox, key) → seen_at` in [`INBOX`], the prune index
+//! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and a per-inbox row count in
+//! [`INBOX_COUNT`], all written together.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use redb::{ReadableTable, TableError, WriteTransaction};
+
+use crate::codec::{from_micros, micros};
+use crate::engine::Engine;
+use crate::error::{Error, Result, check_len};
+use crate::schema::{INBOX, INBOX_COUNT, INBOX_SEEN};
+
+/// Longest event key accepted, in bytes.
+pub const MAX_EVENT_KEY_LEN: usize = 1024;
+/// Longest inbox name accepted, in bytes.
+pub const MAX_INBOX_NAME_LEN: usize = 64;
+
+/// The outcome of [`Inbox::claim_with`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Claim<T> {
+    /// First delivery: the key is now claimed and the effect ran and
+    /// committed with it; here is what it returned.
+    Applied(T),
+    /// The key was claimed before: nothing ran, nothing changed.
+    Duplicate,
+}
+
+impl<T> Claim<T> {
+    /// Whether this delivery was the first.
+    pub fn is_applied(&self) -> bool {
+        matches!(self, Claim::Applied(_))
+    }
+
+    /// The effect's result, if it ran.
+    pub fn applied(self) -> Option<T> {
+        match self {
+            Claim::Applied(v) => Some(v),
+            Claim::Duplicate => None,
+        }
+    }
+}
+
+/// One dedup ledger, named by the module that owns it. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Inbox {
+    engine: Arc<Engine>,
+    name: Arc<str>,
+}
+
+impl Inbox {
+    pub(crate) fn new(engine: Arc<Engine>, name: &str) -> Result<Inbox> {
+        check_inbox_name(name)?;
+        Ok(Inbox {
+            engine,
+            name: name.into(),
+        })
+    }
+
+    /// The inbox's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Records `event_key`; `true` the first time, `false` for every later
+    /// delivery of the same key, including concurrent ones. Returns once the
+    /// claim (or the claim it collided with) is durable.
+    pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        check_event_key(event_key)?;
+        let name = self.name.clone();
+        let key = event_key.to_owned();
+        let at = micros(seen_at);
+        self.engine
+            .execute(move |tx| claim_raw(tx, &name, &key, at))
+    }
+
+    /// Records many event keys in one commit, for a caller that holds many
+    /// at once. Returns, for each key in order, whether this was its first
+    /// delivery (a key repeated within `event_keys` is `true` once). All keys
+    /// are checked before anything is written: one bad key fails the call
+    /// and claims nothing.
+    pub fn claim_many<I, K>(&self, event_keys: I, seen_at: DateTime<Utc>) -> Result<Vec<bool>>
+    where
+        I: IntoIterator<Item = K>,
+        K: AsRef<str>,
+    {
+        let keys: Vec<String> = event_keys
+            .into_iter()
+            .map(|k| {
+                let k = k.as_ref();
+                check_event_key(k).map(|()| k.to_owned())
+            })
+            .collect::<Result<_>>()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let name = self.name.clone();
+        let at = micros(seen_at);
+        self.engine.execute(move |tx| {
+            keys.iter()
+                .map(|k| claim_raw(tx, &name, k, at))
+                .collect()
+        })
+    }
+
+    /// Claims `event_key` and, on its first delivery, runs `effect` in the
+    /// same write transaction: both commit or neither does.
+    ///
+    /// - First delivery: `effect` runs once; if it returns `Ok(v)` the claim
+    ///   and everything it wrote commit together and this returns
+    ///   `Ok(Claim::Applied(v))` once durable.
+    /// - `effect` returns `Err(e)`: nothing commits, the key stays
+    ///   unclaimed (a later delivery runs the effect again), and `Err(e)` is
+    ///   returned.
+    /// - `effect` panics: nothing commits, the key stays unclaimed, the file
+    ///   is left clean, and the panic reaches the caller.
+    /// - Duplicate: `effect` does not run; `Ok(Claim::Duplicate)`.
+    ///
+    /// `effect` runs on the calling thread, at most once. Inside it, write
+    /// through the transaction it is given (your own tables,
+    /// [`Outbox::enqueue_in`](crate::Outbox::enqueue_in), …); the store's own
+    /// non-`_in` write calls there return [`Error::Reentrant`].
+    pub fn claim_with<T, E, F>(
+        &self,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+        effect: F,
+    ) -> Result<Claim<T>, E>
+    where
+        F: FnOnce(&WriteTransaction) -> Result<T, E>,
+        E: From<Error>,
+    {
+        check_event_key(event_key)?;
+        // A replay is answered from a read, without taking the writer.
+        if self.seen(event_key)? {
+            return Ok(Claim::Duplicate);
+        }
+        let at = micros(seen_at);
+        self.engine.write(|tx| {
+            if !claim_raw(tx, &self.name, event_key, at)? {
+                return Ok(Claim::Duplicate);
+            }
+            effect(tx).map(Claim::Applied)
+        })
+    }
+
+    /// Claims `event_key` inside the caller's own write transaction (from
+    /// [`Store::write`](crate::Store::write)); `true` the first time. The
+    /// claim commits or rolls back with the caller's transaction.
+    pub fn claim_in(&self, tx: &WriteTransaction, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        check_event_key(event_key)?;
+        claim_raw(tx, &self.name, event_key, micros(seen_at))
+    }
+
+    /// Whether `event_key` has been claimed (and not pruned).
+    pub fn seen(&self, event_key: &str) -> Result<bool> {
+        Ok(self.seen_at(event_key)?.is_some())
+    }
+
+    /// When `event_key` was claimed, if it was.
+    pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
+        check_event_key(event_key)?;
+        self.engine.read(|tx| {
+            let table = match tx.open_table(INBOX) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            match table.get((&*self.name, event_key))? {
+                Some(v) => from_micros(INBOX.name(), &event_key, v.value()).map(Some),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Removes the keys claimed strictly before `seen_before`; returns how
+    /// many. Costs what it removes (it walks the `seen_at` index, not the
+    /// ledger). A pruned key can be claimed again: prune only past the
+    /// window in which duplicates can still arrive.
+    pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
+        let name = self.name.clone();
+        let cutoff = micros(seen_before);
+        self.engine
+            .execute(move |tx| prune_raw(tx, &name, cutoff))
+    }
+
+    /// [`Inbox::prune`] inside the caller's own write transaction.
+    pub fn prune_in(&self, tx: &WriteTransaction, seen_before: DateTime<Utc>) -> Result<u64> {
+        prune_raw(tx, &self.name, micros(seen_before))
+    }
+
+    /// Number of keys recorded in this inbox.
+    pub fn len(&self) -> Result<u64> {
+        self.engine.read(|tx| {
+            let table = match tx.open_table(INBOX_COUNT) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(0),
+                Err(e) => return Err(e.into()),
+            };
+            Ok(table.get(&*self.name)?.map_or(0, |v| v.value()))
+        })
+    }
+
+    /// Whether this inbox holds no keys.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Up to `limit` keys in claim order (oldest first) with their
+    /// `seen_at`, starting strictly after `after` (a `(seen_at, key)` from a
+    /// previous page). For inspection tools.
+    pub fn list(
+        &self,
+        after: Option<(DateTime<Utc>, &str)>,
+        limit: usize,
+    ) -> Result<Vec<(String, DateTime<Utc>)>> {
+        self.engine.read(|tx| {
+            let index = match tx.open_table(INBOX_SEEN) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(e.into()),
+            };
+            let name: &str = &self.name;
+            let start = after.map_or((i64::MIN, ""), |(at, k)| (micros(at), k));
+            let mut out = Vec::new();
+            for row in index.range((name, start.0, start.1)..)? {
+                let (k, _) = row?;
+                let (n, at, key) = k.value();
+                if n != name {
+                    break;
+                }
+                if after.is_some() && (at, key) == start {
+                    continue;
+                }
+                if out.len() >= limit {
+                    break;
+                }
+                out.push((key.to_owned(), from_micros(INBOX_SEEN.name(), &key, at)?));
+            }
+            Ok(out)
+        })
+    }
+}
+
+fn check_event_key(key: &str) -> Result<()> {
+    check_len("event key", key, MAX_EVENT_KEY_LEN)
+}
+
+fn check_inbox_name(name: &str) -> Result<()> {
+    check_len("inbox name", name, MAX_INBOX_NAME_LEN)?;
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+    {
+        return Err(Error::invalid(
+            "inbox name",
+            format!("{c:?} is not allowed; use ASCII letters, digits, '_', '-' and '.'"),
+        ));
+    }
+    Ok(())
+}
+
+use redb::TableHandle as _;
+
+/// Claims `key` in inbox `name`: writes the row, its index row and the count.
+fn claim_raw(tx: &WriteTransaction, name: &str, key: &str, at: i64) -> Result<bool> {
+    let mut rows = tx.open_table(INBOX)?;
+    if rows.get((name, key))?.is_some() {
+        return Ok(false);
+    }
+    rows.insert((name, key), at)?;
+    tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
+    add_count(tx, name, 1)?;
+    Ok(true)
+}
+
+fn prune_raw(tx: &WriteTransaction, name: &str, cutoff: i64) -> Result<u64> {
+    let mut index = tx.open_table(INBOX_SEEN)?;
+    let doomed: Vec<(i64, String)> = index
+        .range((name, i64::MIN, "")..(name, cutoff, ""))?
+        .map(|row| {
+            row.map(|(k, _)| {
+                let (_, at, key) = k.value();
+                (at, key.to_owned())
+            })
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    if doomed.is_empty() {
+        return Ok(0);
+    }
+    let mut rows = tx.open_table(INBOX)?;
+    for (at, key) in &doomed {
+        index.remove((name, *at, key.as_str()))?;
+        rows.remove((name, key.as_str()))?;
+    }
+    let n = doomed.len() as u64;
+    add_count(tx, name, -i64::try_from(n).unwrap_or(i64::MAX))?;
+    Ok(n)
+}
+
+fn add_count(tx: &WriteTransaction, name: &str, delta: i64) -> Result<()> {
+    let mut counts = tx.open_table(INBOX_COUNT)?;
+    let current = counts.get(name)?.map_or(0, |v| v.value());
+    let next = current.saturating_add_signed(delta);
+    if next == 0 {
+        counts.remove(name)?;
+    } else {
+        counts.insert(name, next)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for bad in ["", "has space", "slash/", "nul\0", "ü"] {
+            assert!(
+                matches!(check_inbox_name(bad), Err(Error::InvalidInput { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            check_inbox_name(&"a".repeat(65)),
+            Err(Error::TooLarge { .. })
+        ));
+        for good in ["webhooks", "payments.v2", "a-b_c", &"a".repeat(64)] {
+            assert!(check_inbox_name(good).is_ok(), "{good:?}");
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! # idemstore
+//!
+//! An embedded, single-file store for **exactly-once effects**, built on
+//! [redb]. No SQL, no server: link it into a desktop or edge program and get
+//!
+//! - an [`Inbox`]: each external event id (a webhook, a message) is recorded
+//!   once, and its effect — a closure — commits in the same transaction as the
+//!   claim;
+//! - a transactional [`Outbox`]: side effects awaiting dispatch;
+//! - [`IdempotencyKeys`]: an HTTP `Idempotency-Key` response store.
+//!
+//! ```
+//! use chrono::Utc;
+//! use idemstore::{Claim, Store};
+//! use idemstore::redb::TableDefinition;
+//!
+//! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
+//!
+//! # let dir = tempfile::tempdir().unwrap();
+//! let store = Store::open(dir.path().join("app.idem"))?;
+//! let webhooks = store.inbox("webhooks")?;
+//!
+//! // The same delivery twice: the effect runs once.
+//! for _ in 0..2 {
+//!     let outcome = webhooks.claim_with("evt_123", Utc::now(), |tx| {
+//!         let mut balances = tx.open_table(BALANCES).map_err(idemstore::Error::from)?;
+//!         let old = balances.get("alice").map_err(idemstore::Error::from)?.map_or(0, |v| v.value());
+//!         balances.insert("alice", old + 10).map_err(idemstore::Error::from)?;
+//!         Ok::<_, idemstore::Error>(old + 10)
+//!     })?;
+//!     println!("{outcome:?}");
+//! }
+//! assert!(webhooks.seen("evt_123")?);
+//! assert_eq!(webhooks.len()?, 1);
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! Every `Ok` is durable when it returns (under the default
+//! [`Durability::Immediate`]), and no call answers from state that is not yet
+//! durable. Concurrent calls share fsyncs: see the `engine` notes in the
+//! README for how group commit keeps those promises.
+
+mod codec;
+mod dispatch;
+mod engine;
+mod error;
+mod idempotency;
+mod inbox;
+mod outbox;
+mod schema;
+mod store;
+
+pub use redb;
+
+pub use engine::Durability;
+pub use error::{Error, Result};
+pub use idempotency::IdempotencyKeys;
+pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
+pub use outbox::Outbox;
+pub use store::{
+    CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,
+    Store, StoreBuilder,
+};

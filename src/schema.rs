@@ -1,0 +1,71 @@
+//! Every table of the store file, and the format version.
+//!
+//! All tables are named under a versioned prefix (`idemstore.v1.…`) and keyed
+//! by typed tuples; no key is ever built by concatenating strings, so no
+//! choice of bytes in a tenant, an inbox name or a key can reach another
+//! namespace. Times are stored as `i64` microseconds since the Unix epoch.
+//! Records are postcard bytes behind [`crate::codec`].
+//!
+//! Invariants between tables (each checked by the tests):
+//! - inbox: a row `(inbox, key) → seen_at` exists iff `(inbox, seen_at, key)`
+//!   exists in [`INBOX_SEEN`]; [`INBOX_COUNT`] holds the number of rows of
+//!   each inbox.
+//! - outbox: see `src/outbox/` for the record and its four indexes.
+//! - idempotency keys: a row `(tenant, key)` exists iff
+//!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`].
+
+use redb::TableDefinition;
+
+/// The format this build writes and reads. A file with a larger number was
+/// written by a newer, incompatible version.
+pub(crate) const FORMAT_VERSION: u64 = 1;
+
+/// Store-wide settings and counters: `format_version`, `outbox.next_id`.
+pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("idemstore.meta");
+pub(crate) const META_FORMAT_VERSION: &str = "format_version";
+
+// ---------- inbox ----------
+
+/// `(inbox, event key) → seen_at µs`.
+pub(crate) const INBOX: TableDefinition<(&str, &str), i64> =
+    TableDefinition::new("idemstore.v1.inbox");
+/// `(inbox, seen_at µs, event key) → ()`: the prune index.
+pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
+    TableDefinition::new("idemstore.v1.inbox.seen_at");
+/// `inbox → number of keys`, so `len` does not scan.
+pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =
+    TableDefinition::new("idemstore.v1.inbox.count");
+
+// ---------- outbox ----------
+
+/// `id → record` (postcard).
+pub(crate) const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
+/// `(due µs, id) → ()` for `Pending` entries only.
+pub(crate) const OUTBOX_DUE: TableDefinition<(i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.due");
+/// `(claimed_at µs, id) → ()` for `Dispatching` entries only.
+pub(crate) const OUTBOX_CLAIMED: TableDefinition<(i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.claimed");
+/// `(destination, idempotency key) → id`: uniqueness.
+pub(crate) const OUTBOX_DEDUP: TableDefinition<(&str, &str), u64> =
+    TableDefinition::new("idemstore.v1.outbox.dedup");
+/// `(command id, created_at µs, id) → ()`: `list_for_command` in order.
+pub(crate) const OUTBOX_BY_COMMAND: TableDefinition<(&str, i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.by_command");
+/// `(completed_at µs, id) → ()` for `Completed` and `Failed` entries: retention.
+pub(crate) const OUTBOX_FINISHED: TableDefinition<(i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.finished");
+/// `status code → number of entries`.
+pub(crate) const OUTBOX_COUNT: TableDefinition<u8, u64> =
+    TableDefinition::new("idemstore.v1.outbox.count");
+/// Key in [`META`] of the next outbox id to hand out.
+pub(crate) const META_OUTBOX_NEXT_ID: &str = "outbox.next_id";
+
+// ---------- idempotency keys ----------
+
+/// `(tenant, key) → record` (postcard): a completed response or a reservation.
+pub(crate) const IDEM: TableDefinition<(&str, &str), &[u8]> =
+    TableDefinition::new("idemstore.v1.idempotency");
+/// `(created_at µs, tenant, key) → ()`: the expiry index.
+pub(crate) const IDEM_CREATED: TableDefinition<(i64, &str, &str), ()> =
+    TableDefinition::new("idemstore.v1.idempotency.created_at");

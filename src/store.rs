@@ -1,0 +1,363 @@
+//! [`Store`] and [`StoreBuilder`]: open the file, hand out the primitives.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redb::{StorageBackend, TableError};
+
+use crate::engine::{Durability, Engine, EngineConfig};
+use crate::error::{Error, Result};
+use crate::idempotency::IdempotencyKeys;
+use crate::inbox::Inbox;
+use crate::outbox::Outbox;
+use crate::schema::{FORMAT_VERSION, META, META_FORMAT_VERSION};
+
+/// Default page cache: 64 MiB.
+pub const DEFAULT_CACHE_SIZE: usize = 64 * 1024 * 1024;
+/// Default largest number of queued operations committed in one batch.
+pub const DEFAULT_MAX_BATCH: usize = 1024;
+/// Default flush interval under [`Durability::None`]: 100 ms.
+pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+/// Default largest stored response body (and outbox payload): 1 MiB.
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// An open store file. Cheap to clone (an `Arc` inside); clones share one
+/// database, one commit thread and one set of handles. The file is closed
+/// when the last clone (and every handle taken from it) is dropped.
+///
+/// All calls block the calling thread (file I/O): from async code, call them
+/// from a blocking-friendly context such as `spawn_blocking`.
+#[derive(Clone, Debug)]
+pub struct Store {
+    engine: Arc<Engine>,
+    limits: Limits,
+}
+
+/// Size limits shared by the primitives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub(crate) max_body: usize,
+}
+
+/// How to open a [`Store`]. Every setter states its default.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct StoreBuilder {
+    durability: Durability,
+    cache_size: usize,
+    quick_repair: bool,
+    max_batch: usize,
+    flush_interval: Duration,
+    max_body: usize,
+}
+
+impl Default for StoreBuilder {
+    fn default() -> Self {
+        StoreBuilder {
+            durability: Durability::Immediate,
+            cache_size: DEFAULT_CACHE_SIZE,
+            quick_repair: false,
+            max_batch: DEFAULT_MAX_BATCH,
+            flush_interval: DEFAULT_FLUSH_INTERVAL,
+            max_body: DEFAULT_MAX_BODY,
+        }
+    }
+}
+
+impl StoreBuilder {
+    /// How durable commits are. Default: [`Durability::Immediate`] (every
+    /// `Ok` has been fsynced; concurrent calls share fsyncs).
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Bytes of page cache. Default: 64 MiB — enough to keep the hot part of
+    /// a desktop or edge store (inbox tails, the outbox's due index, recent
+    /// idempotency keys) in memory, without redb's own default of 1 GiB,
+    /// which is too much to reserve in a process that is not a database
+    /// server.
+    pub fn cache_size(mut self, bytes: usize) -> Self {
+        self.cache_size = bytes;
+        self
+    }
+
+    /// Save the allocator state with every durable commit, so that reopening
+    /// after a crash is almost instant instead of a full repair that reads
+    /// the whole file (seconds per GiB). Each durable commit then costs
+    /// more; with group commit that cost is shared by the batch. Default:
+    /// off. See the README's performance section for the measured trade.
+    pub fn quick_repair(mut self, enabled: bool) -> Self {
+        self.quick_repair = enabled;
+        self
+    }
+
+    /// Largest number of queued operations committed in one batch. Default:
+    /// 1024. Larger batches share an fsync among more callers; smaller ones
+    /// bound the latency of a batch.
+    pub fn max_batch(mut self, operations: usize) -> Self {
+        self.max_batch = operations.max(1);
+        self
+    }
+
+    /// Under [`Durability::None`], how often dirty state is flushed to disk.
+    /// Default: 100 ms. Ignored under [`Durability::Immediate`].
+    pub fn flush_interval(mut self, interval: Duration) -> Self {
+        self.flush_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Largest response body or outbox payload accepted, in bytes. Default:
+    /// 1 MiB. Larger ones are refused with [`Error::TooLarge`], never
+    /// truncated.
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
+    /// Opens the store file at `path`, creating it if it does not exist.
+    pub fn open(self, path: impl AsRef<Path>) -> Result<Store> {
+        let path = path.as_ref().to_path_buf();
+        let builder = self.redb_builder();
+        let opened = catch_unwind(AssertUnwindSafe(|| builder.create(&path)));
+        let db = open_result(opened, &path)?;
+        self.finish(db, Some(path))
+    }
+
+    /// Opens a store in memory (redb's in-memory backend): nothing reaches a
+    /// disk, everything is gone when the store is dropped.
+    pub fn in_memory(self) -> Result<Store> {
+        self.open_with_backend(redb::backends::InMemoryBackend::new())
+    }
+
+    /// Opens a store on a custom redb storage backend (for example one that
+    /// injects I/O faults in tests).
+    pub fn open_with_backend(self, backend: impl StorageBackend) -> Result<Store> {
+        let builder = self.redb_builder();
+        let opened = catch_unwind(AssertUnwindSafe(|| builder.create_with_backend(backend)));
+        let db = open_result(opened, Path::new("<backend>"))?;
+        self.finish(db, None)
+    }
+
+    fn redb_builder(&self) -> redb::Builder {
+        let mut b = redb::Database::builder();
+        b.set_cache_size(self.cache_size);
+        b
+    }
+
+    fn finish(self, db: redb::Database, path: Option<PathBuf>) -> Result<Store> {
+        let engine = Engine::start(
+            db,
+            EngineConfig {
+                durability: self.durability,
+                quick_repair: self.quick_repair,
+                max_batch: self.max_batch,
+                flush_interval: self.flush_interval,
+            },
+            path,
+        )?;
+        let store = Store {
+            engine: Arc::new(engine),
+            limits: Limits {
+                max_body: self.max_body,
+            },
+        };
+        store.check_format()?;
+        Ok(store)
+    }
+}
+
+fn open_result(
+    opened: std::thread::Result<std::result::Result<redb::Database, redb::DatabaseError>>,
+    path: &Path,
+) -> Result<redb::Database> {
+    let not_a_store = |reason: String| Error::NotAStore {
+        path: path.to_path_buf(),
+        reason,
+    };
+    match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) => Err(Error::AlreadyOpen {
+            path: path.to_path_buf(),
+        }),
+        Ok(Err(redb::DatabaseError::UpgradeRequired(v))) => Err(Error::IncompatibleFormat {
+            found: format!("redb file format {v}"),
+            supported: FORMAT_VERSION,
+        }),
+        Ok(Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(reason)))) => {
+            Err(not_a_store(reason))
+        }
+        Ok(Err(redb::DatabaseError::Storage(redb::StorageError::Io(e))))
+            if e.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            Err(not_a_store(e.to_string()))
+        }
+        Ok(Err(e)) => Err(Error::from(e)),
+        Err(panic) => Err(not_a_store(format!(
+            "the engine could not read it: {}",
+            panic_message(&*panic)
+        ))),
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+/// Commit counters of a store since it was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommitStats {
+    /// Write transactions committed, durable or not.
+    pub commits: u64,
+    /// Durable (fsynced) commits made by the commit thread: the fsyncs paid.
+    pub durable_commits: u64,
+}
+
+impl Store {
+    /// Opens (or creates) the store file at `path` with the default settings.
+    pub fn open(path: impl AsRef<Path>) -> Result<Store> {
+        Store::builder().open(path)
+    }
+
+    /// A store in memory, for tests and caches: nothing survives the process.
+    pub fn in_memory() -> Result<Store> {
+        Store::builder().in_memory()
+    }
+
+    /// Settings for opening a store.
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder::default()
+    }
+
+    /// Runs `f` in one write transaction: commits if it returns `Ok`, rolls
+    /// back if it returns `Err` or panics (the panic then reaches the caller
+    /// and the file is left clean). Returns once the commit is durable.
+    ///
+    /// Use it to compose the `*_in` calls with your own tables (through the
+    /// re-exported [`redb`]) in one atomic commit. `f` runs exactly once, on
+    /// the calling thread; concurrent `write`s share fsyncs. Inside `f`, use
+    /// only the `*_in` calls with the transaction given: calling the store's
+    /// own write methods there returns [`Error::Reentrant`].
+    pub fn write<T, E>(
+        &self,
+        f: impl FnOnce(&redb::WriteTransaction) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        self.engine.write(f)
+    }
+
+    /// Runs `f` in a read transaction. Under [`Durability::Immediate`] it
+    /// returns only once everything `f` could see is durable. Do not keep
+    /// read transactions open for long: they pin pages and grow the file.
+    pub fn read<T, E>(&self, f: impl FnOnce(&redb::ReadTransaction) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        self.engine.read(f)
+    }
+
+    /// The inbox called `name`: its own namespace of event keys. Names are
+    /// 1–64 bytes of ASCII letters, digits, `_`, `-` and `.`.
+    pub fn inbox(&self, name: &str) -> Result<Inbox> {
+        Inbox::new(self.engine.clone(), name)
+    }
+
+    /// The store's outbox.
+    pub fn outbox(&self) -> Outbox {
+        Outbox::new(self.engine.clone(), self.limits.max_body)
+    }
+
+    /// The store's HTTP idempotency-key records.
+    pub fn idempotency_keys(&self) -> IdempotencyKeys {
+        IdempotencyKeys::new(self.engine.clone(), self.limits.max_body)
+    }
+
+    /// Makes every write so far durable. Under [`Durability::Immediate`]
+    /// every `Ok` already is; under [`Durability::None`] this is how to
+    /// flush before the interval.
+    pub fn sync(&self) -> Result<()> {
+        self.engine.sync()
+    }
+
+    /// Rewrites the file to return free space to the file system. Waits for
+    /// all other calls on this store to finish and blocks them meanwhile.
+    /// Returns whether anything was compacted.
+    pub fn compact(&self) -> Result<bool> {
+        self.engine
+            .exclusive(|db| db.compact().map_err(Error::from))
+    }
+
+    /// Runs redb's integrity check over the whole file (checksums of every
+    /// page, allocator state). Returns `true` if the file was consistent.
+    pub fn check_integrity(&self) -> Result<bool> {
+        self.engine
+            .exclusive(|db| db.check_integrity().map_err(Error::from))
+    }
+
+    /// The durability the store was opened with.
+    pub fn durability(&self) -> Durability {
+        self.engine.durability()
+    }
+
+    /// The store file's path (`None` for in-memory and custom backends).
+    pub fn path(&self) -> Option<&Path> {
+        self.engine.path()
+    }
+
+    /// Commits made since the store was opened.
+    pub fn commit_stats(&self) -> CommitStats {
+        let (commits, durable_commits) = self.engine.commit_counts();
+        CommitStats {
+            commits,
+            durable_commits,
+        }
+    }
+
+    /// Checks (and on a new file, writes) the format version.
+    fn check_format(&self) -> Result<()> {
+        let found = self.engine.read(|tx| {
+            let meta = match tx.open_table(META) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
+                Err(e) => return Err(Error::from(e)),
+            };
+            let version = meta.get(META_FORMAT_VERSION)?.map(|v| v.value());
+            Ok(Some(version))
+        })?;
+        match found {
+            Some(Some(FORMAT_VERSION)) => Ok(()),
+            Some(Some(v)) => Err(Error::IncompatibleFormat {
+                found: format!("store format {v}"),
+                supported: FORMAT_VERSION,
+            }),
+            Some(None) => Err(Error::IncompatibleFormat {
+                found: "a meta table without a format version".into(),
+                supported: FORMAT_VERSION,
+            }),
+            None => self.engine.write(|tx| {
+                let foreign = tx
+                    .list_tables()?
+                    .any(|t| redb::TableHandle::name(&t).starts_with("idemstore."));
+                if foreign {
+                    return Err(Error::IncompatibleFormat {
+                        found: "idemstore tables without a format version".into(),
+                        supported: FORMAT_VERSION,
+                    });
+                }
+                tx.open_table(META)?
+                    .insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
+                Ok(())
+            }),
+        }
+    }
+}

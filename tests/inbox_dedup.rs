@@ -1,0 +1,157 @@
+//! The inbox records each event key once, across threads and reopens.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier};
+
+use chrono::{DateTime, Duration, TimeZone, Utc};
+use idemstore::{Error, Result, Store};
+
+fn t(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+}
+
+#[test]
+fn first_claim_wins_and_survives_reopen() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.idem");
+    {
+        let store = Store::open(&path)?;
+        let inbox = store.inbox("webhooks")?;
+        assert!(inbox.claim("evt-1", t(0))?);
+        assert!(!inbox.claim("evt-1", t(1))?);
+        assert!(inbox.claim("evt-2", t(2))?);
+        assert_eq!(inbox.len()?, 2);
+    }
+    let store = Store::open(&path)?;
+    let inbox = store.inbox("webhooks")?;
+    assert!(!inbox.claim("evt-1", t(3))?, "a claim survives reopen");
+    assert!(inbox.seen("evt-2")?);
+    assert!(!inbox.seen("evt-3")?);
+    assert_eq!(inbox.seen_at("evt-1")?, Some(t(0)), "the first seen_at is kept");
+    assert_eq!(inbox.len()?, 2);
+    Ok(())
+}
+
+#[test]
+fn racing_threads_get_exactly_one_winner_per_key() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("store.idem"))?;
+    let inbox = store.inbox("race")?;
+    let threads = 16;
+    let keys = 50;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|i| {
+            let inbox = inbox.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || -> Result<Vec<String>> {
+                barrier.wait();
+                let mut won = Vec::new();
+                for k in 0..keys {
+                    // Each thread walks the keys in a different order.
+                    let key = format!("key-{}", (k + i * 7) % keys);
+                    if inbox.claim(&key, t(0))? {
+                        won.push(key);
+                    }
+                }
+                Ok(won)
+            })
+        })
+        .collect();
+    let mut wins: HashMap<String, usize> = HashMap::new();
+    for h in handles {
+        for key in h.join().expect("claim thread panicked")? {
+            *wins.entry(key).or_default() += 1;
+        }
+    }
+    assert_eq!(wins.len(), keys, "every key was won");
+    assert!(wins.values().all(|&n| n == 1), "exactly one winner per key: {wins:?}");
+    assert_eq!(inbox.len()?, keys as u64);
+    Ok(())
+}
+
+#[test]
+fn claim_many_is_one_call_with_per_key_answers() -> Result<()> {
+    let store = Store::in_memory()?;
+    let inbox = store.inbox("bulk")?;
+    assert!(inbox.claim("b", t(0))?);
+    let answers = inbox.claim_many(["a", "b", "c", "a"], t(1))?;
+    assert_eq!(answers, vec![true, false, true, false]);
+    assert_eq!(inbox.len()?, 3);
+    // One bad key: nothing is claimed.
+    let err = inbox.claim_many(["d", ""], t(2)).unwrap_err();
+    assert!(matches!(err, Error::InvalidInput { .. }), "{err}");
+    assert!(!inbox.seen("d")?);
+    assert_eq!(inbox.claim_many(Vec::<String>::new(), t(2))?, Vec::<bool>::new());
+    Ok(())
+}
+
+#[test]
+fn prune_removes_only_older_keys_and_counts_them() -> Result<()> {
+    let store = Store::in_memory()?;
+    let inbox = store.inbox("p")?;
+    let other = store.inbox("q")?;
+    for i in 0..10 {
+        assert!(inbox.claim(&format!("k{i}"), t(i))?);
+        assert!(other.claim(&format!("k{i}"), t(i))?);
+    }
+    assert_eq!(inbox.prune(t(4))?, 4, "k0..k3 are strictly before t(4)");
+    assert_eq!(inbox.len()?, 6);
+    assert!(!inbox.seen("k3")?);
+    assert!(inbox.seen("k4")?);
+    assert_eq!(inbox.prune(t(4))?, 0, "pruning again removes nothing");
+    assert_eq!(other.len()?, 10, "another inbox is untouched");
+    // A pruned key can be claimed again.
+    assert!(inbox.claim("k0", t(20))?);
+    assert_eq!(inbox.prune(t(100))?, 7);
+    assert!(inbox.is_empty()?);
+    let listed = other.list(None, 3)?;
+    assert_eq!(
+        listed,
+        vec![("k0".to_string(), t(0)), ("k1".to_string(), t(1)), ("k2".to_string(), t(2))]
+    );
+    let next = other.list(Some((t(2), "k2")), 100)?;
+    assert_eq!(next.len(), 7);
+    assert_eq!(next[0].0, "k3");
+    Ok(())
+}
+
+#[test]
+fn inboxes_are_separate_namespaces() -> Result<()> {
+    let store = Store::in_memory()?;
+    let a = store.inbox("a")?;
+    let b = store.inbox("b")?;
+    assert!(a.claim("same-key", t(0))?);
+    assert!(b.claim("same-key", t(0))?, "another inbox has its own ledger");
+    assert!(!a.claim("same-key", t(1))?);
+    assert_eq!(a.len()?, 1);
+    assert_eq!(b.len()?, 1);
+    Ok(())
+}
+
+#[test]
+fn bad_keys_and_names_are_refused_and_write_nothing() -> Result<()> {
+    let store = Store::in_memory()?;
+    let inbox = store.inbox("x")?;
+    assert!(matches!(inbox.claim("", t(0)), Err(Error::InvalidInput { .. })));
+    let long = "k".repeat(1025);
+    assert!(matches!(
+        inbox.claim(&long, t(0)),
+        Err(Error::TooLarge { len: 1025, max: 1024, .. })
+    ));
+    assert!(inbox.claim(&"k".repeat(1024), t(0))?, "1024 bytes is allowed");
+    assert!(matches!(inbox.seen(""), Err(Error::InvalidInput { .. })));
+    let effect_ran = std::cell::Cell::new(false);
+    let r = inbox.claim_with("", t(0), |_| {
+        effect_ran.set(true);
+        Ok::<_, Error>(())
+    });
+    assert!(matches!(r, Err(Error::InvalidInput { .. })));
+    assert!(!effect_ran.get());
+    for bad in ["", "a b", "a/b", "ä", &"n".repeat(65)] {
+        assert!(store.inbox(bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(inbox.len()?, 1);
+    let _ = Duration::seconds(1);
+    Ok(())
+}
