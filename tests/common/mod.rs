@@ -1,0 +1,176 @@
+//! Test helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::io;
+use std::sync::Arc;
+
+use chrono::{DateTime, TimeZone, Utc};
+use idemstore::redb::StorageBackend;
+use parking_lot::Mutex;
+
+/// A fixed instant plus `secs` seconds.
+pub fn t(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+}
+
+#[derive(Debug, Default)]
+struct Disk {
+    /// What the process sees (the page cache).
+    live: Vec<u8>,
+    /// What survived the last `sync_data` (the platter).
+    durable: Vec<u8>,
+    syncs: u64,
+    writes: u64,
+    /// After a power loss every call fails.
+    dead: bool,
+    /// Lose power when `syncs` reaches this number (before that sync lands).
+    lose_power_at_sync: Option<u64>,
+    /// Fail the Nth write (1-based) with an I/O error, once.
+    fail_write: Option<u64>,
+    /// Fail the Nth sync (1-based) with an I/O error, once; nothing reaches the platter.
+    fail_sync: Option<u64>,
+}
+
+/// An in-memory disk that keeps only what was synced when "power is lost",
+/// and can fail chosen writes or syncs. Clones share one disk.
+#[derive(Debug, Clone, Default)]
+pub struct FaultyDisk(Arc<Mutex<Disk>>);
+
+impl FaultyDisk {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A disk whose content is `image` (both live and durable).
+    pub fn from_image(image: Vec<u8>) -> Self {
+        let d = Disk {
+            live: image.clone(),
+            durable: image,
+            ..Disk::default()
+        };
+        FaultyDisk(Arc::new(Mutex::new(d)))
+    }
+
+    pub fn backend(&self) -> FaultyBackend {
+        FaultyBackend(self.clone())
+    }
+
+    /// Cuts the power now: from here on every call fails, and only what was
+    /// synced is on the platter.
+    pub fn lose_power(&self) {
+        self.0.lock().dead = true;
+    }
+
+    pub fn lose_power_at_sync(&self, n: u64) {
+        self.0.lock().lose_power_at_sync = Some(n);
+    }
+
+    pub fn fail_write(&self, n: u64) {
+        self.0.lock().fail_write = Some(n);
+    }
+
+    pub fn fail_sync(&self, n: u64) {
+        self.0.lock().fail_sync = Some(n);
+    }
+
+    pub fn syncs(&self) -> u64 {
+        self.0.lock().syncs
+    }
+
+    pub fn writes(&self) -> u64 {
+        self.0.lock().writes
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.0.lock().dead
+    }
+
+    /// The platter after a power loss: what was synced.
+    pub fn durable_image(&self) -> Vec<u8> {
+        self.0.lock().durable.clone()
+    }
+}
+
+/// The [`StorageBackend`] view of a [`FaultyDisk`].
+#[derive(Debug)]
+pub struct FaultyBackend(FaultyDisk);
+
+fn power_lost() -> io::Error {
+    io::Error::other("power lost")
+}
+
+impl StorageBackend for FaultyBackend {
+    fn len(&self) -> io::Result<u64> {
+        let d = self.0.0.lock();
+        if d.dead {
+            return Err(power_lost());
+        }
+        Ok(d.live.len() as u64)
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        let d = self.0.0.lock();
+        if d.dead {
+            return Err(power_lost());
+        }
+        let start = usize::try_from(offset).unwrap();
+        let end = start + out.len();
+        if end > d.live.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past end",
+            ));
+        }
+        out.copy_from_slice(&d.live[start..end]);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut d = self.0.0.lock();
+        if d.dead {
+            return Err(power_lost());
+        }
+        d.live.resize(usize::try_from(len).unwrap(), 0);
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let mut d = self.0.0.lock();
+        if d.dead {
+            return Err(power_lost());
+        }
+        let n = d.syncs + 1;
+        if d.lose_power_at_sync == Some(n) {
+            d.dead = true;
+            return Err(power_lost());
+        }
+        if d.fail_sync == Some(n) {
+            d.fail_sync = None;
+            d.syncs = n;
+            return Err(io::Error::other("injected sync failure"));
+        }
+        d.syncs = n;
+        d.durable = d.live.clone();
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut d = self.0.0.lock();
+        if d.dead {
+            return Err(power_lost());
+        }
+        let n = d.writes + 1;
+        d.writes = n;
+        if d.fail_write == Some(n) {
+            d.fail_write = None;
+            return Err(io::Error::other("injected write failure"));
+        }
+        let start = usize::try_from(offset).unwrap();
+        let end = start + data.len();
+        if end > d.live.len() {
+            d.live.resize(end, 0);
+        }
+        d.live[start..end].copy_from_slice(data);
+        Ok(())
+    }
+}
