@@ -8,22 +8,25 @@
 //!
 //! - **Operations** (the store's own calls: claims, enqueues, settlements,
 //!   reservations) are `Fn(&WriteTransaction) -> Result<T> + Send + 'static`
-//!   closures over owned data. They are queued to the store's commit thread,
-//!   which drains the queue, runs every queued operation in **one** write
-//!   transaction and commits it once. Each caller is answered after that
-//!   commit. An operation checks before it writes, so an operation that
-//!   returns `Err` wrote nothing and the others in its batch commit as usual.
-//!   An operation that panics poisons the transaction: it is aborted and the
-//!   rest of the batch is run again without it (operations are `Fn`, so they
-//!   may run more than once; they write only what they compute).
+//!   closures over owned data. A caller queues its operation; if no batch is
+//!   being led, it leads one itself: it takes every queued operation, runs
+//!   them in **one** write transaction, commits once, answers each caller,
+//!   and hands the lead to the first caller still waiting. A lone caller
+//!   therefore commits on its own thread with no hand-off, and under load
+//!   each fsync is shared by everyone who queued while the last one ran.
+//!   An operation checks before it writes, so one that returns `Err` wrote
+//!   nothing and the others in its batch commit as usual. One that panics
+//!   poisons the transaction: it is aborted and the rest of the batch is run
+//!   again without it (operations are `Fn`, so they may run more than once;
+//!   they write only what they compute from the transaction's state).
 //! - **Caller closures** ([`Engine::write`]: `Store::write`, `claim_with`
 //!   effects) are `FnOnce` and need not be `Send`. Each runs on its caller's
 //!   own thread in a write transaction of its own, committed with
 //!   [`redb::Durability::None`] (about 10 µs, no fsync). The caller then
-//!   waits until a later durable commit covers it: the commit thread's next
-//!   batch, or an empty durable commit it makes on request. A closure that
-//!   fails or panics aborts only its own transaction; nobody else's work is
-//!   touched, so no closure is ever run twice.
+//!   waits until a later durable commit covers it: the next batch, or an
+//!   empty durable batch it queues. A closure that fails or panics aborts
+//!   only its own transaction; nobody else's work is touched, and no closure
+//!   ever runs twice.
 //!
 //! A durable redb commit persists every non-durable commit before it, so
 //! either way one fsync makes a whole group durable.
@@ -47,10 +50,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use parking_lot::{Condvar, Mutex, RwLock};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::{Mutex, RwLock};
 use redb::{Database, ReadTransaction, ReadableDatabase, WriteTransaction};
 
 use crate::error::{Error, Result};
@@ -108,7 +111,7 @@ impl Drop for WriteScope {
     }
 }
 
-/// Durability bookkeeping shared by callers and the commit thread.
+/// Durability bookkeeping shared by all callers.
 #[derive(Debug, Default)]
 struct SyncState {
     /// The largest commit sequence number known to be on disk.
@@ -123,7 +126,7 @@ struct Shared {
     /// Sequence number of the latest commit started (taken under redb's write lock).
     seq: AtomicU64,
     sync: Mutex<SyncState>,
-    synced: Condvar,
+    queue: Mutex<Queue>,
     /// Durable commits made, for the tests and the benchmarks' fsync counts.
     durable_commits: AtomicU64,
     /// Write transactions committed, durable or not.
@@ -144,13 +147,10 @@ impl Shared {
         if seq > s.durable {
             s.durable = seq;
         }
-        drop(s);
-        self.synced.notify_all();
     }
 
     fn mark_broken(&self) {
         self.sync.lock().broken = true;
-        self.synced.notify_all();
     }
 
     fn is_durable(&self, seq: u64) -> Result<bool> {
@@ -169,20 +169,34 @@ fn previous_commit_failed() -> Error {
     Error::Storage(redb::Error::PreviousIo)
 }
 
-/// A queued operation, as the commit thread sees it.
+/// A queued operation, as the batch leader sees it.
 trait Job: Send {
     /// Runs the operation in `tx`; `false` if it panicked.
     fn run(&mut self, tx: &WriteTransaction) -> bool;
     /// Answers the caller once the batch's fate is known.
     fn finish(self: Box<Self>, committed: Result<(), Error>);
+    /// Tells the job's waiting caller to lead the next batch.
+    fn promote(&self);
+    /// Whether this job needs its batch committed durably whatever the
+    /// store's durability (a `sync`).
+    fn forces_durable(&self) -> bool;
 }
 
 type Reply<T> = std::result::Result<Result<T>, Box<dyn Any + Send>>;
 
+/// What a waiting caller is told.
+enum Wake<T> {
+    /// The batch holding the caller's operation is settled.
+    Done(Reply<T>),
+    /// The caller leads the next batch.
+    Lead,
+}
+
 struct OpJob<T, F> {
     op: F,
     result: Option<Reply<T>>,
-    reply: Sender<Reply<T>>,
+    reply: Sender<Wake<T>>,
+    forces_durable: bool,
 }
 
 impl<T, F> Job for OpJob<T, F>
@@ -204,22 +218,31 @@ where
             (Err(e), _) => Ok(Err(e)),
             (Ok(()), None) => Ok(Err(Error::Closed)),
         };
-        // The caller may have gone away (it cannot, it blocks); ignore a closed channel.
-        let _ = self.reply.send(answer);
+        // The caller blocks until it hears back, so the channel is open.
+        let _ = self.reply.send(Wake::Done(answer));
+    }
+
+    fn promote(&self) {
+        let _ = self.reply.send(Wake::Lead);
+    }
+
+    fn forces_durable(&self) -> bool {
+        self.forces_durable
     }
 }
 
-enum Request {
-    Job(Box<dyn Job>),
-    /// Make every commit so far durable.
-    Sync,
+/// Operations waiting for a batch, and whether some caller is leading one.
+#[derive(Default)]
+struct Queue {
+    jobs: Vec<Box<dyn Job>>,
+    leading: bool,
 }
 
-/// The store's database and its commit thread.
+/// The store's database, its batch queue and, under [`Durability::None`],
+/// its flusher thread.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
-    requests: Option<Sender<Request>>,
-    thread: Option<JoinHandle<()>>,
+    flusher: Option<(Sender<()>, JoinHandle<()>)>,
     path: Option<PathBuf>,
 }
 
@@ -243,20 +266,24 @@ impl Engine {
             config,
             seq: AtomicU64::new(0),
             sync: Mutex::new(SyncState::default()),
-            synced: Condvar::new(),
+            queue: Mutex::new(Queue::default()),
             durable_commits: AtomicU64::new(0),
             commits: AtomicU64::new(0),
         });
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let thread_shared = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("idemstore-commit".into())
-            .spawn(move || commit_loop(&thread_shared, &rx))
-            .map_err(|e| Error::Storage(redb::Error::Io(e)))?;
+        let flusher = if shared.config.durability == Durability::None {
+            let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
+            let thread_shared = shared.clone();
+            let handle = std::thread::Builder::new()
+                .name("idemstore-flush".into())
+                .spawn(move || flush_loop(&thread_shared, &stopped))
+                .map_err(|e| Error::Storage(redb::Error::Io(e)))?;
+            Some((stop, handle))
+        } else {
+            None
+        };
         Ok(Engine {
             shared,
-            requests: Some(tx),
-            thread: Some(thread),
+            flusher,
             path,
         })
     }
@@ -269,9 +296,8 @@ impl Engine {
         self.shared.config.durability
     }
 
-    /// Runs a store operation in the commit thread's next batch and returns
-    /// its result once the batch is committed (durably, under
-    /// [`Durability::Immediate`]).
+    /// Runs a store operation in the next batch and returns its result once
+    /// the batch is committed (durably, under [`Durability::Immediate`]).
     ///
     /// `op` must check before it writes: returning `Err` means it wrote
     /// nothing. It may be run more than once (after another operation in its
@@ -285,18 +311,7 @@ impl Engine {
         if IN_WRITE.with(Cell::get) {
             return Err(Error::Reentrant);
         }
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        let job = OpJob {
-            op,
-            result: None,
-            reply,
-        };
-        self.send(Request::Job(Box::new(job)))?;
-        match answer.recv() {
-            Ok(Ok(result)) => result,
-            Ok(Err(panic)) => resume_unwind(panic),
-            Err(_) => Err(Error::Closed),
-        }
+        self.shared.submit(op, false)
     }
 
     /// Runs a caller closure in a write transaction of its own on this
@@ -311,7 +326,7 @@ impl Engine {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
-        let db = self.shared.db.read();
+        let db = self.shared.db.read_recursive();
         let mut tx = db.begin_write().map_err(Error::from)?;
         tx.set_durability(redb::Durability::None)
             .map_err(Error::from)?;
@@ -349,7 +364,7 @@ impl Engine {
     where
         E: From<Error>,
     {
-        let db = self.shared.db.read();
+        let db = self.shared.db.read_recursive();
         let tx = db.begin_read().map_err(Error::from)?;
         let seen = self.shared.current_seq();
         let out = f(&tx);
@@ -364,38 +379,17 @@ impl Engine {
     /// Under [`Durability::Immediate`], waits until commit `seq` is durable.
     fn settle(&self, seq: u64) -> Result<()> {
         if self.shared.config.durability == Durability::Immediate {
-            self.wait_durable(seq)?;
-        }
-        Ok(())
-    }
-
-    fn wait_durable(&self, seq: u64) -> Result<()> {
-        if self.shared.is_durable(seq)? {
-            return Ok(());
-        }
-        self.send(Request::Sync)?;
-        let mut s = self.shared.sync.lock();
-        while s.durable < seq {
-            if s.broken {
-                return Err(previous_commit_failed());
-            }
-            self.shared.synced.wait(&mut s);
+            self.shared.wait_durable(seq)?;
         }
         Ok(())
     }
 
     /// Makes every commit so far durable, whatever the store's durability.
     pub(crate) fn sync(&self) -> Result<()> {
-        let seq = self.shared.current_seq();
-        self.wait_durable(seq)
-    }
-
-    fn send(&self, request: Request) -> Result<()> {
-        self.requests
-            .as_ref()
-            .ok_or(Error::Closed)?
-            .send(request)
-            .map_err(|_| Error::Closed)
+        if IN_WRITE.with(Cell::get) {
+            return Err(Error::Reentrant);
+        }
+        self.shared.wait_durable(self.shared.current_seq())
     }
 
     /// Runs `f` with the database to itself: no transaction of this store is
@@ -417,85 +411,104 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Closing the channel ends the commit thread after it has drained
-        // the queue and, under Durability::None, flushed.
-        drop(self.requests.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Some((stop, handle)) = self.flusher.take() {
+            drop(stop);
+            let _ = handle.join();
+        }
+        // Under Durability::None, what is still only in memory reaches the
+        // disk now; a failure here has nobody left to tell.
+        if !self
+            .shared
+            .is_durable(self.shared.current_seq())
+            .unwrap_or(true)
+        {
+            let _ = self.shared.wait_durable(self.shared.current_seq());
         }
     }
 }
 
-/// The commit thread: drains queued operations and commits them in batches.
-fn commit_loop(shared: &Shared, requests: &Receiver<Request>) {
-    let durable_mode = shared.config.durability == Durability::Immediate;
-    let mut last_flush = Instant::now();
-    let mut dirty = false;
-    loop {
-        let first = if dirty {
-            match requests.recv_timeout(shared.config.flush_interval) {
-                Ok(r) => Some(r),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
-        } else {
-            match requests.recv() {
-                Ok(r) => Some(r),
-                Err(_) => break,
-            }
+impl Shared {
+    /// Queues `op` and waits for its batch, leading batches when asked to.
+    fn submit<T, F>(&self, op: F, forces_durable: bool) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
+    {
+        let (reply, wake) = crossbeam_channel::bounded(2);
+        let job = OpJob {
+            op,
+            result: None,
+            reply,
+            forces_durable,
         };
-        let mut jobs: Vec<Box<dyn Job>> = Vec::new();
-        let mut want_sync = first.is_none();
-        let mut next = first;
-        let mut disconnected = false;
+        let lead_now = {
+            let mut q = self.queue.lock();
+            q.jobs.push(Box::new(job));
+            !std::mem::replace(&mut q.leading, true)
+        };
+        if lead_now {
+            self.lead();
+        }
         loop {
-            match next {
-                Some(Request::Job(j)) => jobs.push(j),
-                Some(Request::Sync) => want_sync = true,
-                None => {}
+            match wake.recv() {
+                Ok(Wake::Done(Ok(result))) => return result,
+                Ok(Wake::Done(Err(panic))) => resume_unwind(panic),
+                Ok(Wake::Lead) => self.lead(),
+                Err(_) => return Err(Error::Closed),
             }
-            if jobs.len() >= shared.config.max_batch {
-                break;
-            }
-            next = match requests.try_recv() {
-                Ok(r) => Some(r),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    disconnected = true;
-                    break;
-                }
-            };
-        }
-        let flush_due = last_flush.elapsed() >= shared.config.flush_interval;
-        let durable = durable_mode || want_sync || (dirty && flush_due);
-        if jobs.is_empty() && shared.is_durable(shared.current_seq()).unwrap_or(true) {
-            // Nothing to run and nothing to make durable: just wake the waiters.
-            dirty = false;
-            shared.synced.notify_all();
-            if disconnected {
-                break;
-            }
-            continue;
-        }
-        commit_batch(shared, jobs, durable);
-        if durable {
-            last_flush = Instant::now();
-            dirty = false;
-        } else {
-            dirty = true;
-        }
-        if disconnected {
-            break;
         }
     }
-    if dirty || !shared.is_durable(shared.current_seq()).unwrap_or(true) {
-        commit_batch(shared, Vec::new(), true);
+
+    /// Commits the queued operations as one batch, then hands leadership to
+    /// the next waiting caller, if any.
+    fn lead(&self) {
+        let jobs = {
+            let mut q = self.queue.lock();
+            let n = q.jobs.len().min(self.config.max_batch);
+            q.jobs.drain(..n).collect::<Vec<_>>()
+        };
+        let durable = self.config.durability == Durability::Immediate
+            || jobs.iter().any(|j| j.forces_durable());
+        if !jobs.is_empty() {
+            commit_batch(self, jobs, durable);
+        }
+        let mut q = self.queue.lock();
+        match q.jobs.first() {
+            Some(next) => next.promote(),
+            None => q.leading = false,
+        }
+    }
+
+    /// Waits until commit `seq` is durable, making a durable commit if none
+    /// is on its way.
+    fn wait_durable(&self, seq: u64) -> Result<()> {
+        while !self.is_durable(seq)? {
+            // An empty durable batch: it covers every commit before it.
+            self.submit(|_| Ok(()), true)?;
+        }
+        Ok(())
+    }
+}
+
+/// Under [`Durability::None`]: flushes dirty state every flush interval
+/// until `stop` closes.
+fn flush_loop(shared: &Shared, stop: &Receiver<()>) {
+    loop {
+        match stop.recv_timeout(shared.config.flush_interval) {
+            Err(RecvTimeoutError::Timeout) => {
+                let seq = shared.current_seq();
+                if !shared.is_durable(seq).unwrap_or(true) {
+                    let _ = shared.wait_durable(seq);
+                }
+            }
+            _ => return,
+        }
     }
 }
 
 /// Runs `jobs` in one write transaction and commits it; answers every job.
 fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) {
-    let db = shared.db.read();
+    let db = shared.db.read_recursive();
     loop {
         let mut tx = match db.begin_write() {
             Ok(tx) => tx,

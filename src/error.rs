@@ -89,8 +89,7 @@ pub enum Error {
     ///
     /// [`Store::write`]: crate::Store::write
     Reentrant,
-    /// The store's commit thread is gone (it panicked, or the store is shutting
-    /// down). Reopen the store.
+    /// The store is shutting down and took no more work. Reopen the store.
     Closed,
 }
 
@@ -139,7 +138,7 @@ impl fmt::Display for Error {
                 "a store write was called from inside a write closure on the same thread; \
                  use the `*_in` variant with the closure's transaction instead",
             ),
-            Error::Closed => f.write_str("the store's commit thread has stopped; reopen the store"),
+            Error::Closed => f.write_str("the store is closed; reopen it"),
         }
     }
 }

@@ -24,7 +24,7 @@ pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// An open store file. Cheap to clone (an `Arc` inside); clones share one
-/// database, one commit thread and one set of handles. The file is closed
+/// database and one commit queue. The file is closed
 /// when the last clone (and every handle taken from it) is dropped.
 ///
 /// All calls block the calling thread (file I/O): from async code, call them
@@ -217,7 +217,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub struct CommitStats {
     /// Write transactions committed, durable or not.
     pub commits: u64,
-    /// Durable (fsynced) commits made by the commit thread: the fsyncs paid.
+    /// Durable (fsynced) commits: the fsyncs paid.
     pub durable_commits: u64,
 }
 

@@ -1,0 +1,281 @@
+//! Durable claim throughput: idemstore beside raw redb and SQLite, one run.
+//!
+//! ```text
+//! cargo run --release --example throughput            # the full table (~1 min)
+//! cargo run --release --example throughput -- --quick # shorter runs
+//! ```
+//!
+//! Every figure is measured in this run, on this machine, so the ratios are
+//! what to read: absolute numbers drift on a shared machine.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use idemstore::redb::{Database, ReadableTable, TableDefinition};
+use idemstore::{Durability, Store};
+
+const RAW: TableDefinition<(&str, &str), i64> = TableDefinition::new("raw.inbox");
+
+struct Config {
+    run_for: Duration,
+    crash_mib: u64,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--crash-child") {
+        return crash_child(Path::new(&args[2]), args[3] == "quick", args[4].parse()?);
+    }
+    let quick = args.iter().any(|a| a == "--quick");
+    let cfg = Config {
+        run_for: Duration::from_millis(if quick { 400 } else { 1500 }),
+        crash_mib: if quick { 32 } else { 128 },
+    };
+    let dir = tempfile::tempdir()?;
+    println!(
+        "durable claims per second ({} s per cell, median of 3 where noted)\n",
+        cfg.run_for.as_secs_f64()
+    );
+    println!(
+        "{:>8} | {:>12} | {:>12} | {:>12} | {:>9} | {:>9}",
+        "threads", "idemstore", "raw redb", "SQLite FULL", "vs redb", "vs SQLite"
+    );
+    println!("{}", "-".repeat(78));
+    let mut single = (0.0, 0.0);
+    for threads in [1usize, 16, 64] {
+        let ours = median3(|| {
+            idemstore_claims(
+                dir.path(),
+                threads,
+                cfg.run_for,
+                Durability::Immediate,
+                false,
+            )
+        })?;
+        let redb = median3(|| raw_redb_claims(dir.path(), threads, cfg.run_for))?;
+        let sqlite = median3(|| sqlite_claims(dir.path(), threads, cfg.run_for))?;
+        if threads == 1 {
+            single = (ours, redb);
+        }
+        println!(
+            "{threads:>8} | {ours:>12.0} | {redb:>12.0} | {sqlite:>12.0} | {:>8.1}x | {:>8.1}x",
+            ours / redb,
+            ours / sqlite
+        );
+    }
+    println!(
+        "\n1 thread: one durable claim costs {:.0} µs, raw redb insert+commit {:.0} µs: {:.2}x",
+        1e6 / single.0,
+        1e6 / single.1,
+        single.1 / single.0
+    );
+    let none = median3(|| idemstore_claims(dir.path(), 1, cfg.run_for, Durability::None, false))?;
+    println!("Durability::None, 1 thread: {none:.0} claims/s");
+
+    println!("\nquick repair: commit cost vs reopen time after a crash");
+    println!(
+        "{:>13} | {:>14} | {:>15} | {:>16}",
+        "quick_repair", "1 thread /s", "64 threads /s", "reopen after kill"
+    );
+    println!("{}", "-".repeat(68));
+    for quick_repair in [false, true] {
+        let one = median3(|| {
+            idemstore_claims(
+                dir.path(),
+                1,
+                cfg.run_for,
+                Durability::Immediate,
+                quick_repair,
+            )
+        })?;
+        let many = median3(|| {
+            idemstore_claims(
+                dir.path(),
+                64,
+                cfg.run_for,
+                Durability::Immediate,
+                quick_repair,
+            )
+        })?;
+        let reopen = reopen_after_crash(dir.path(), quick_repair, cfg.crash_mib)?;
+        println!(
+            "{:>13} | {one:>14.0} | {many:>15.0} | {:>10.0} ms ({} MiB file)",
+            quick_repair,
+            reopen.0.as_secs_f64() * 1e3,
+            reopen.1 / (1024 * 1024)
+        );
+    }
+    Ok(())
+}
+
+fn median3(
+    mut f: impl FnMut() -> Result<f64, Box<dyn std::error::Error>>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let mut v = [f()?, f()?, f()?];
+    v.sort_by(f64::total_cmp);
+    Ok(v[1])
+}
+
+/// Runs `threads` workers calling `claim` on fresh keys for `run_for`;
+/// returns calls per second.
+fn drive(
+    threads: usize,
+    run_for: Duration,
+    work: impl Fn(usize, u64) + Send + Sync + 'static,
+) -> f64 {
+    let work = Arc::new(work);
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (work, stop, done, barrier) =
+                (work.clone(), stop.clone(), done.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    work(t, n);
+                    n += 1;
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    std::thread::sleep(run_for);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().expect("worker panicked");
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn fresh(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+fn idemstore_claims(
+    dir: &Path,
+    threads: usize,
+    run_for: Duration,
+    durability: Durability,
+    quick_repair: bool,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let store = Store::builder()
+        .durability(durability)
+        .quick_repair(quick_repair)
+        .open(fresh(dir, "idemstore.idem"))?;
+    let inbox = store.inbox("bench")?;
+    let now = Utc::now();
+    Ok(drive(threads, run_for, move |t, n| {
+        let first = inbox.claim(&format!("evt-{t}-{n}"), now).expect("claim");
+        assert!(first);
+    }))
+}
+
+fn raw_redb_claims(
+    dir: &Path,
+    threads: usize,
+    run_for: Duration,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let db = Arc::new(Database::create(fresh(dir, "raw.redb"))?);
+    let now = Utc::now().timestamp_micros();
+    Ok(drive(threads, run_for, move |t, n| {
+        let key = format!("evt-{t}-{n}");
+        let tx = db.begin_write().expect("begin");
+        {
+            let mut table = tx.open_table(RAW).expect("table");
+            if table.get(("bench", key.as_str())).expect("get").is_none() {
+                table.insert(("bench", key.as_str()), now).expect("insert");
+            }
+        }
+        tx.commit().expect("commit");
+    }))
+}
+
+fn sqlite_claims(
+    dir: &Path,
+    threads: usize,
+    run_for: Duration,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let path = fresh(dir, "sqlite.db");
+    let _ = std::fs::remove_file(path.with_extension("db-wal"));
+    let _ = std::fs::remove_file(path.with_extension("db-shm"));
+    {
+        let c = rusqlite::Connection::open(&path)?;
+        c.pragma_update(None, "journal_mode", "WAL")?;
+        c.execute_batch(
+            "CREATE TABLE inbox (name TEXT NOT NULL, key TEXT NOT NULL, seen_at INTEGER NOT NULL,
+                                 PRIMARY KEY (name, key)) WITHOUT ROWID;",
+        )?;
+    }
+    let now = Utc::now().timestamp_micros();
+    let conns: Vec<_> = (0..threads)
+        .map(|_| {
+            let c = rusqlite::Connection::open(&path).expect("open");
+            c.pragma_update(None, "synchronous", "FULL")
+                .expect("pragma");
+            c.busy_timeout(Duration::from_secs(30)).expect("busy");
+            parking_lot::Mutex::new(c)
+        })
+        .collect();
+    let conns = Arc::new(conns);
+    Ok(drive(threads, run_for, move |t, n| {
+        let c = conns[t].lock();
+        c.prepare_cached(
+            "INSERT INTO inbox (name, key, seen_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+        )
+        .expect("prepare")
+        .execute(rusqlite::params!["bench", format!("evt-{t}-{n}"), now])
+        .expect("insert");
+    }))
+}
+
+/// Kills a child process that is writing a store of about `mib` MiB and
+/// times the reopen (the repair).
+fn reopen_after_crash(
+    dir: &Path,
+    quick_repair: bool,
+    mib: u64,
+) -> Result<(Duration, u64), Box<dyn std::error::Error>> {
+    let path = fresh(dir, "crash.idem");
+    let status = std::process::Command::new(std::env::current_exe()?)
+        .arg("--crash-child")
+        .arg(&path)
+        .arg(if quick_repair { "quick" } else { "full" })
+        .arg(mib.to_string())
+        .status()?;
+    assert!(!status.success(), "the child aborts on purpose");
+    let size = std::fs::metadata(&path)?.len();
+    let start = Instant::now();
+    let store = Store::builder().quick_repair(quick_repair).open(&path)?;
+    let took = start.elapsed();
+    assert!(store.inbox("bulk")?.len()? > 0);
+    Ok((took, size))
+}
+
+fn crash_child(
+    path: &Path,
+    quick_repair: bool,
+    mib: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let store = Store::builder().quick_repair(quick_repair).open(path)?;
+    let inbox = store.inbox("bulk")?;
+    let now = Utc::now();
+    let pad = "x".repeat(200);
+    let mut n = 0u64;
+    while std::fs::metadata(path)?.len() < mib * 1024 * 1024 {
+        let keys: Vec<String> = (0..2000).map(|i| format!("{pad}-{n}-{i}")).collect();
+        inbox.claim_many(&keys, now)?;
+        n += 1;
+    }
+    // A crash: no clean close, no destructors.
+    std::process::abort();
+}
