@@ -1,4 +1,4 @@
-//! Durable claim throughput: idemstore beside raw redb and SQLite, one run.
+//! Durable claim throughput: idemstore beside raw `redb` and `SQLite`, one run.
 //!
 //! ```text
 //! cargo run --release --example throughput            # the full table (~1 min)

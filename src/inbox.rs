@@ -76,7 +76,10 @@ impl Inbox {
     /// delivery of the same key, including concurrent ones. Returns once the
     /// claim (or the claim it collided with) is durable.
     pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
-        check_event_key(event_key)?;
+        // A duplicate is answered from a read, without a commit.
+        if self.seen(event_key)? {
+            return Ok(false);
+        }
         let name = self.name.clone();
         let key = event_key.to_owned();
         let at = micros(seen_at);

@@ -40,6 +40,11 @@
 //! durable. Concurrent calls share fsyncs: see the `engine` notes in the
 //! README for how group commit keeps those promises.
 
+/// The README's code samples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 mod codec;
 mod dispatch;
 mod engine;

@@ -17,7 +17,7 @@ fn random_bytes_are_not_a_store() {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
-                (seed >> 24) as u8
+                seed.to_le_bytes()[3]
             })
             .collect();
         std::fs::write(&path, &bytes).unwrap();

@@ -1,5 +1,6 @@
 //! Test helpers shared by the integration tests.
-#![allow(dead_code)]
+// Each test binary uses a different part of this module.
+#![allow(dead_code, unreachable_pub)]
 
 use std::io;
 use std::sync::Arc;
@@ -150,7 +151,8 @@ impl StorageBackend for FaultyBackend {
             return Err(io::Error::other("injected sync failure"));
         }
         d.syncs = n;
-        d.durable = d.live.clone();
+        let d = &mut *d;
+        d.durable.clone_from(&d.live);
         Ok(())
     }
 
