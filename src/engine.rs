@@ -53,7 +53,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 use redb::{Database, ReadTransaction, ReadableDatabase, WriteTransaction};
 
 use crate::error::{Error, Result};
@@ -118,6 +118,8 @@ struct SyncState {
     durable: u64,
     /// A durable commit failed: nothing after `durable` can be promised.
     broken: bool,
+    /// The sequence number of the durable commit in progress, or 0.
+    committing: u64,
 }
 
 struct Shared {
@@ -126,6 +128,8 @@ struct Shared {
     /// Sequence number of the latest commit started (taken under redb's write lock).
     seq: AtomicU64,
     sync: Mutex<SyncState>,
+    /// Signalled when a durable commit ends, well or badly.
+    synced: Condvar,
     queue: Mutex<Queue>,
     /// Durable commits made, for the tests and the benchmarks' fsync counts.
     durable_commits: AtomicU64,
@@ -142,15 +146,30 @@ impl Shared {
         self.seq.load(Ordering::SeqCst)
     }
 
+    /// Takes the sequence number of a durable commit about to start.
+    fn begin_durable(&self) -> u64 {
+        let mut s = self.sync.lock();
+        let seq = self.next_seq();
+        s.committing = seq;
+        seq
+    }
+
     fn mark_durable(&self, seq: u64) {
         let mut s = self.sync.lock();
-        if seq > s.durable {
-            s.durable = seq;
+        s.durable = s.durable.max(seq);
+        if s.committing == seq {
+            s.committing = 0;
         }
+        drop(s);
+        self.synced.notify_all();
     }
 
     fn mark_broken(&self) {
-        self.sync.lock().broken = true;
+        let mut s = self.sync.lock();
+        s.broken = true;
+        s.committing = 0;
+        drop(s);
+        self.synced.notify_all();
     }
 
     fn is_durable(&self, seq: u64) -> Result<bool> {
@@ -266,6 +285,7 @@ impl Engine {
             config,
             seq: AtomicU64::new(0),
             sync: Mutex::new(SyncState::default()),
+            synced: Condvar::new(),
             queue: Mutex::new(Queue::default()),
             durable_commits: AtomicU64::new(0),
             commits: AtomicU64::new(0),
@@ -376,8 +396,22 @@ impl Engine {
         out
     }
 
+    /// Runs `f` in a read transaction and returns its answer at once, with
+    /// the sequence number to [`Engine::settle`] before acting on the answer
+    /// towards a caller (D2). For answers that only decide what to do next.
+    pub(crate) fn read_unsettled<T>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T>,
+    ) -> Result<(T, u64)> {
+        let db = self.shared.db.read_recursive();
+        let tx = db.begin_read()?;
+        let seen = self.shared.current_seq();
+        let out = f(&tx)?;
+        Ok((out, seen))
+    }
+
     /// Under [`Durability::Immediate`], waits until commit `seq` is durable.
-    fn settle(&self, seq: u64) -> Result<()> {
+    pub(crate) fn settle(&self, seq: u64) -> Result<()> {
         if self.shared.config.durability == Durability::Immediate {
             self.shared.wait_durable(seq)?;
         }
@@ -482,11 +516,27 @@ impl Shared {
     /// Waits until commit `seq` is durable, making a durable commit if none
     /// is on its way.
     fn wait_durable(&self, seq: u64) -> Result<()> {
-        while !self.is_durable(seq)? {
-            // An empty durable batch: it covers every commit before it.
+        loop {
+            {
+                let mut s = self.sync.lock();
+                loop {
+                    if s.durable >= seq {
+                        return Ok(());
+                    }
+                    if s.broken {
+                        return Err(previous_commit_failed());
+                    }
+                    if s.committing < seq {
+                        break;
+                    }
+                    // A durable commit that covers `seq` is on its way.
+                    self.synced.wait(&mut s);
+                }
+            }
+            // Nothing on its way covers `seq`: an empty durable batch will,
+            // as it persists every commit before it.
             self.submit(|_| Ok(()), true)?;
         }
-        Ok(())
     }
 }
 
@@ -535,7 +585,11 @@ fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) {
             jobs.remove(i).finish(Ok(()));
             continue;
         }
-        let seq = shared.next_seq();
+        let seq = if durable {
+            shared.begin_durable()
+        } else {
+            shared.next_seq()
+        };
         match tx.commit() {
             Ok(()) => {
                 shared.commits.fetch_add(1, Ordering::Relaxed);

@@ -76,8 +76,9 @@ impl Inbox {
     /// delivery of the same key, including concurrent ones. Returns once the
     /// claim (or the claim it collided with) is durable.
     pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        check_event_key(event_key)?;
         // A duplicate is answered from a read, without a commit.
-        if self.seen(event_key)? {
+        if self.seen_unsettled(event_key)? {
             return Ok(false);
         }
         let name = self.name.clone();
@@ -142,7 +143,7 @@ impl Inbox {
     {
         check_event_key(event_key)?;
         // A replay is answered from a read, without taking the writer.
-        if self.seen(event_key)? {
+        if self.seen_unsettled(event_key)? {
             return Ok(Claim::Duplicate);
         }
         let at = micros(seen_at);
@@ -165,6 +166,23 @@ impl Inbox {
     ) -> Result<bool> {
         check_event_key(event_key)?;
         claim_raw(tx, &self.name, event_key, micros(seen_at))
+    }
+
+    /// Whether `event_key` is claimed; a `true` is returned only once that
+    /// claim is durable (D2), a `false` at once (the caller goes on to claim).
+    fn seen_unsettled(&self, event_key: &str) -> Result<bool> {
+        let (seen, seq) = self.engine.read_unsettled(|tx| {
+            let table = match tx.open_table(INBOX) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            };
+            Ok(table.get((&*self.name, event_key))?.is_some())
+        })?;
+        if seen {
+            self.engine.settle(seq)?;
+        }
+        Ok(seen)
     }
 
     /// Whether `event_key` has been claimed (and not pruned).
