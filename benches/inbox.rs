@@ -17,7 +17,9 @@ const EFFECT: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
 fn durable_single_thread(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let mut group = c.benchmark_group("inbox/durable");
-    group.sample_size(30).measurement_time(Duration::from_secs(4));
+    group
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(4));
     let n = AtomicU64::new(0);
 
     let db = Database::create(dir.path().join("raw.redb")).unwrap();

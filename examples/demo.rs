@@ -79,7 +79,14 @@ fn run() -> Result<bool, Error> {
     // every event changes nothing.
     let store = Store::open(&path)?;
     ok &= replay_after_reopen(&store)?;
-    println!("\nresult: {}", if ok { "OK — every effect applied exactly once" } else { "FAILED" });
+    println!(
+        "\nresult: {}",
+        if ok {
+            "OK — every effect applied exactly once"
+        } else {
+            "FAILED"
+        }
+    );
     Ok(ok)
 }
 
@@ -101,7 +108,9 @@ fn deliver(store: &Store, hook: &Webhook) -> Result<Claim<i64>, Error> {
         let new = balances.get(hook.account)?.map_or(0, |v| v.value()) + hook.amount;
         balances.insert(hook.account, new)?;
         let mut applied = tx.open_table(APPLIED)?;
-        let n = applied.get(hook.event_id.as_str())?.map_or(0, |v| v.value());
+        let n = applied
+            .get(hook.event_id.as_str())?
+            .map_or(0, |v| v.value());
         applied.insert(hook.event_id.as_str(), n + 1)?;
         Ok(new)
     })
@@ -169,7 +178,10 @@ fn webhooks(store: &Store) -> Result<bool, Error> {
 fn replay_after_reopen(store: &Store) -> Result<bool, Error> {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let hooks = make_webhooks(&mut rng);
-    println!("\n2. reopen the file and replay all {} events once more", hooks.len());
+    println!(
+        "\n2. reopen the file and replay all {} events once more",
+        hooks.len()
+    );
     let hooks = Arc::new(hooks);
     let replayed: usize = (0..WORKERS)
         .map(|w| {
@@ -188,7 +200,10 @@ fn replay_after_reopen(store: &Store) -> Result<bool, Error> {
         .into_iter()
         .map(|h| h.join().expect("replay worker panicked"))
         .sum::<Result<usize, Error>>()?;
-    println!("   {replayed} of {} replays recognised as duplicates", hooks.len());
+    println!(
+        "   {replayed} of {} replays recognised as duplicates",
+        hooks.len()
+    );
     let ok = replayed == hooks.len();
     if !ok {
         println!("   FAILED: some replays were applied again");
@@ -216,7 +231,10 @@ fn check_effects(store: &Store, hooks: &[Webhook], when: &str) -> Result<bool, E
         Ok::<_, Error>((balances, applied))
     })?;
     let twice = applied.values().filter(|&&n| n > 1).count();
-    let missing = hooks.iter().filter(|h| !applied.contains_key(&h.event_id)).count();
+    let missing = hooks
+        .iter()
+        .filter(|h| !applied.contains_key(&h.event_id))
+        .count();
     let balances_ok = expected
         .iter()
         .all(|(account, sum)| balances.get(*account) == Some(sum));

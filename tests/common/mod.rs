@@ -86,6 +86,12 @@ impl FaultyDisk {
         self.0.lock().dead
     }
 
+    /// What the process saw: every write, synced or not (a crash of the
+    /// process alone, with the operating system's cache intact).
+    pub fn live_image(&self) -> Vec<u8> {
+        self.0.lock().live.clone()
+    }
+
     /// The platter after a power loss: what was synced.
     pub fn durable_image(&self) -> Vec<u8> {
         self.0.lock().durable.clone()

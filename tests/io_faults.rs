@@ -1,0 +1,202 @@
+//! I/O faults through redb's storage seam: a failed write, a failed fsync, a
+//! power loss at the Nth fsync. Swept over every fault point of a workload:
+//! a call that returned `Ok` survives; after a power loss a call that
+//! returned `Err` left nothing; the store always reopens; an I/O error is an
+//! `Error::Storage`, never a panic.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{FaultyDisk, t};
+use idemstore::redb::{ReadableTable, TableDefinition};
+use idemstore::{Error, Result, Store};
+
+const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
+
+#[derive(Debug, Default)]
+struct Outcome {
+    acked: BTreeSet<String>,
+    failed: BTreeSet<String>,
+}
+
+/// A fixed single-threaded workload of claims, effects and caller writes.
+fn workload(store: &Store) -> Outcome {
+    let mut out = Outcome::default();
+    let inbox = match store.inbox("faults") {
+        Ok(i) => i,
+        Err(e) => panic!("opening a handle does no I/O: {e}"),
+    };
+    for i in 0..24u64 {
+        let key = format!("k{i:02}");
+        let r: Result<()> = match i % 4 {
+            0 => inbox.claim(&key, t(0)).map(|first| assert!(first)),
+            1 => inbox
+                .claim_with(&key, t(0), |tx| {
+                    tx.open_table(EFFECTS)?.insert(key.as_str(), i)?;
+                    Ok::<_, Error>(())
+                })
+                .map(|c| assert!(c.is_applied())),
+            2 => store.write(|tx| {
+                assert!(inbox.claim_in(tx, &key, t(0))?);
+                tx.open_table(EFFECTS)?.insert(key.as_str(), i)?;
+                Ok(())
+            }),
+            _ => inbox
+                .claim_many([key.clone()], t(0))
+                .map(|v| assert_eq!(v, vec![true])),
+        };
+        match r {
+            Ok(()) => {
+                out.acked.insert(key);
+            }
+            Err(e) => {
+                assert!(e.is_storage(), "an I/O fault is Error::Storage, got {e:?}");
+                out.failed.insert(key);
+            }
+        }
+    }
+    out
+}
+
+/// What a reopened store holds: keys claimed, and keys with an effect row
+/// (for the keys whose call writes one).
+fn contents(image: Vec<u8>) -> Result<(BTreeSet<String>, BTreeSet<String>)> {
+    let store = Store::builder().open_with_backend(FaultyDisk::from_image(image).backend())?;
+    let inbox = store.inbox("faults")?;
+    let claimed = inbox
+        .list(None, usize::MAX)?
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    let effects = store.read(|tx| match tx.open_table(EFFECTS) {
+        Ok(t) => t
+            .iter()?
+            .map(|r| r.map(|(k, _)| k.value().to_owned()).map_err(Error::from))
+            .collect(),
+        Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(BTreeSet::new()),
+        Err(e) => Err(e.into()),
+    })?;
+    Ok((claimed, effects))
+}
+
+fn has_effect(key: &str) -> bool {
+    let i: u64 = key[1..].parse().unwrap();
+    i % 4 == 1 || i % 4 == 2
+}
+
+/// Checks one faulted run: `strict` when the image is what survived a power
+/// loss (then failed calls must have left nothing).
+fn check(out: &Outcome, image: Vec<u8>, strict: bool, what: &str) -> Result<()> {
+    let (claimed, effects) = contents(image)?;
+    for key in &out.acked {
+        assert!(claimed.contains(key), "{what}: acknowledged {key} was lost");
+        if has_effect(key) {
+            assert!(effects.contains(key), "{what}: {key}'s effect was lost");
+        }
+    }
+    for key in &claimed {
+        // A claim and its effect are one commit: never one without the other.
+        assert_eq!(
+            has_effect(key),
+            effects.contains(key),
+            "{what}: {key} half-applied"
+        );
+    }
+    if strict {
+        for key in &out.failed {
+            assert!(
+                !claimed.contains(key),
+                "{what}: failed call {key} left its write"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn fresh_store(disk: &FaultyDisk) -> Store {
+    Store::builder()
+        .open_with_backend(disk.backend())
+        .expect("a fresh disk opens")
+}
+
+#[test]
+fn sweep_failed_writes() -> Result<()> {
+    // Count the writes of a clean run, then fail each one in turn.
+    let clean = FaultyDisk::new();
+    let base = {
+        let store = fresh_store(&clean);
+        let before = clean.writes();
+        let out = workload(&store);
+        assert_eq!(out.acked.len(), 24);
+        (before, clean.writes())
+    };
+    let mut points = 0;
+    for n in base.0 + 1..=base.1 {
+        let disk = FaultyDisk::new();
+        let store = fresh_store(&disk);
+        disk.fail_write(n);
+        let out = workload(&store);
+        drop(store);
+        // The process lives on: the page cache (live image) is what a reopen sees.
+        check(
+            &out,
+            disk.durable_image(),
+            false,
+            &format!("write {n} failed, power lost"),
+        )?;
+        check(&out, disk.live_image(), false, &format!("write {n} failed"))?;
+        points += 1;
+    }
+    println!("io faults: swept {points} failed-write points");
+    assert!(points > 20);
+    Ok(())
+}
+
+#[test]
+fn sweep_failed_syncs_and_power_loss() -> Result<()> {
+    let clean = FaultyDisk::new();
+    let (first, last) = {
+        let store = fresh_store(&clean);
+        let before = clean.syncs();
+        workload(&store);
+        (before, clean.syncs())
+    };
+    let mut points = 0;
+    for n in first + 1..=last {
+        // A failed fsync: the call fails, and a power loss right after keeps
+        // nothing of it.
+        let disk = FaultyDisk::new();
+        let store = fresh_store(&disk);
+        disk.fail_sync(n);
+        let out = workload(&store);
+        assert!(
+            !out.failed.is_empty(),
+            "sync {n} failed but every call succeeded"
+        );
+        drop(store);
+        check(
+            &out,
+            disk.durable_image(),
+            true,
+            &format!("sync {n} failed"),
+        )?;
+
+        // Power lost at the Nth fsync.
+        let disk = FaultyDisk::new();
+        let store = fresh_store(&disk);
+        disk.lose_power_at_sync(n);
+        let out = workload(&store);
+        drop(store);
+        check(
+            &out,
+            disk.durable_image(),
+            true,
+            &format!("power lost at sync {n}"),
+        )?;
+        points += 2;
+    }
+    println!("io faults: swept {points} sync-failure and power-loss points");
+    assert!(points >= 40);
+    Ok(())
+}
