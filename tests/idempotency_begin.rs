@@ -41,11 +41,16 @@ fn every_begin_outcome() -> Result<()> {
     assert_eq!(r.lease_until(), t(60), "default lease is 60 s");
 
     // Same request while the first runs: in flight, with the lease end.
-    assert_eq!(keys.begin("", "k1", &fp, t(10))?, Begin::InFlight { lease_until: t(60) });
+    assert_eq!(
+        keys.begin("", "k1", &fp, t(10))?,
+        Begin::InFlight { lease_until: t(60) }
+    );
     // Another request with the key while it runs: mismatch.
     assert_eq!(
         keys.begin("", "k1", &other, t(10))?,
-        Begin::Mismatch { stored_fingerprint: fp.clone() }
+        Begin::Mismatch {
+            stored_fingerprint: fp.clone()
+        }
     );
     // A live reservation reads as no response.
     assert_eq!(keys.get("", "k1", t(0))?, None);
@@ -54,12 +59,20 @@ fn every_begin_outcome() -> Result<()> {
     response.content_type = Some("application/json".into());
     response.headers = vec![("location".into(), "/orders/7".into())];
     assert!(keys.complete(&r, response.clone(), t(20))?);
-    let stored = idemstore::ResponseRecord { created_at: t(20), ..response };
+    let stored = idemstore::ResponseRecord {
+        created_at: t(20),
+        ..response
+    };
 
-    assert_eq!(keys.begin("", "k1", &fp, t(30))?, Begin::Replay(stored.clone()));
+    assert_eq!(
+        keys.begin("", "k1", &fp, t(30))?,
+        Begin::Replay(stored.clone())
+    );
     assert_eq!(
         keys.begin("", "k1", &other, t(30))?,
-        Begin::Mismatch { stored_fingerprint: fp.clone() }
+        Begin::Mismatch {
+            stored_fingerprint: fp.clone()
+        }
     );
     assert_eq!(keys.get("", "k1", t(0))?, Some(stored));
     // Completing twice: the reservation is gone.
@@ -67,7 +80,10 @@ fn every_begin_outcome() -> Result<()> {
 
     // After the TTL the key is free again.
     let keys = keys.with_ttl(Duration::from_secs(3600));
-    assert!(matches!(keys.begin("", "k1", &fp, t(20 + 3600))?, Begin::Replay(_)), "created exactly at the cutoff: kept");
+    assert!(
+        matches!(keys.begin("", "k1", &fp, t(20 + 3600))?, Begin::Replay(_)),
+        "created exactly at the cutoff: kept"
+    );
     let again = proceed(keys.begin("", "k1", &other, t(21 + 3600))?);
     assert!(again.fence() > r.fence(), "fence tokens grow");
     Ok(())
@@ -79,7 +95,10 @@ fn expired_lease_is_taken_over_and_the_old_holder_is_fenced_out() -> Result<()> 
     let keys = keys.with_lease(Duration::from_secs(30));
     let fp = fingerprint("POST", "/pay", b"1");
     let old = proceed(keys.begin("t", "k", &fp, t(0))?);
-    assert_eq!(keys.begin("t", "k", &fp, t(29))?, Begin::InFlight { lease_until: t(30) });
+    assert_eq!(
+        keys.begin("t", "k", &fp, t(29))?,
+        Begin::InFlight { lease_until: t(30) }
+    );
     // At lease_until the lease has ended.
     let new = proceed(keys.begin("t", "k", &fp, t(30))?);
     assert!(new.fence() > old.fence());
@@ -87,7 +106,10 @@ fn expired_lease_is_taken_over_and_the_old_holder_is_fenced_out() -> Result<()> 
 
     // The old holder wakes up: its release frees nothing, its complete fails.
     keys.release(&old)?;
-    assert_eq!(keys.begin("t", "k", &fp, t(31))?, Begin::InFlight { lease_until: t(60) });
+    assert_eq!(
+        keys.begin("t", "k", &fp, t(31))?,
+        Begin::InFlight { lease_until: t(60) }
+    );
     assert!(!keys.complete(&old, old.response(200, b"late".to_vec(), t(31)), t(31))?);
     assert_eq!(keys.get("t", "k", t(0))?, None, "still only a reservation");
 
@@ -112,7 +134,10 @@ fn an_ended_lease_nobody_took_over_can_still_complete() -> Result<()> {
     let fp = fingerprint("PUT", "/x", b"");
     let r = proceed(keys.begin("", "k", &fp, t(0))?);
     assert!(keys.complete(&r, r.response(204, Vec::new(), t(500)), t(500))?);
-    assert!(matches!(keys.begin("", "k", &fp, t(501))?, Begin::Replay(_)));
+    assert!(matches!(
+        keys.begin("", "k", &fp, t(501))?,
+        Begin::Replay(_)
+    ));
     Ok(())
 }
 
@@ -125,7 +150,10 @@ fn release_lets_a_retry_proceed_and_a_stale_release_frees_nothing() -> Result<()
     let second = proceed(keys.begin("", "k", &fp, t(1))?);
     // The first holder releasing again must not free the second's hold.
     keys.release(&first)?;
-    assert!(matches!(keys.begin("", "k", &fp, t(2))?, Begin::InFlight { .. }));
+    assert!(matches!(
+        keys.begin("", "k", &fp, t(2))?,
+        Begin::InFlight { .. }
+    ));
     assert!(!keys.complete(&first, first.response(200, Vec::new(), t(2)), t(2))?);
     assert!(keys.complete(&second, second.response(200, Vec::new(), t(2)), t(2))?);
     assert_eq!(keys.stats().released, 1);
@@ -172,7 +200,8 @@ fn complete_in_commits_with_the_handler_or_not_at_all() -> Result<()> {
         other => panic!("expected Replay, got {other:?}"),
     }
     // A fenced-out complete_in writes nothing and lets the handler decide.
-    let done = store.write(|tx| keys.complete_in(tx, &r, r.response(200, Vec::new(), t(5)), t(5)))?;
+    let done =
+        store.write(|tx| keys.complete_in(tx, &r, r.response(200, Vec::new(), t(5)), t(5)))?;
     assert!(!done);
     Ok(())
 }
@@ -184,13 +213,26 @@ fn complete_refuses_a_response_for_another_key() -> Result<()> {
     let r = proceed(keys.begin("", "k", &fp, t(0))?);
     let mut wrong = r.response(200, Vec::new(), t(0));
     wrong.idempotency_key = "other".into();
-    assert!(matches!(keys.complete(&r, wrong, t(0)), Err(Error::InvalidInput { .. })));
+    assert!(matches!(
+        keys.complete(&r, wrong, t(0)),
+        Err(Error::InvalidInput { .. })
+    ));
     let mut bad = r.response(99, Vec::new(), t(0));
-    assert!(matches!(keys.complete(&r, bad.clone(), t(0)), Err(Error::InvalidInput { .. })));
+    assert!(matches!(
+        keys.complete(&r, bad.clone(), t(0)),
+        Err(Error::InvalidInput { .. })
+    ));
     bad.response_status = 200;
-    bad.headers.push(("x-bad".into(), "a\r\nset-cookie: x".into()));
-    assert!(matches!(keys.complete(&r, bad, t(0)), Err(Error::InvalidInput { .. })));
-    assert!(matches!(keys.begin("", "k", &fp, t(1))?, Begin::InFlight { .. }));
+    bad.headers
+        .push(("x-bad".into(), "a\r\nset-cookie: x".into()));
+    assert!(matches!(
+        keys.complete(&r, bad, t(0)),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        keys.begin("", "k", &fp, t(1))?,
+        Begin::InFlight { .. }
+    ));
     assert!(keys.check_indexes()?.is_empty());
     Ok(())
 }
@@ -252,7 +294,10 @@ fn stats_move_and_are_shared_by_handles_of_one_store() -> Result<()> {
     assert_eq!(s.replays, 2);
     assert_eq!(s, keys.stats());
     // Another store has its own counters.
-    assert_eq!(Store::in_memory()?.idempotency_keys().stats(), idemstore::IdempotencyStats::default());
+    assert_eq!(
+        Store::in_memory()?.idempotency_keys().stats(),
+        idemstore::IdempotencyStats::default()
+    );
     Ok(())
 }
 
@@ -271,7 +316,12 @@ fn fences_keep_growing_across_reopen() -> Result<()> {
     let store = Store::open(&path)?;
     let keys = store.idempotency_keys();
     let second = proceed(keys.begin("", "k", &fp, t(1))?);
-    assert!(second.fence() > first.fence(), "{} > {}", second.fence(), first.fence());
+    assert!(
+        second.fence() > first.fence(),
+        "{} > {}",
+        second.fence(),
+        first.fence()
+    );
     // The reservation from before the reopen cannot complete the new one.
     assert!(!keys.complete(&first, first.response(200, Vec::new(), t(2)), t(2))?);
     assert!(keys.complete(&second, second.response(200, Vec::new(), t(2)), t(2))?);

@@ -205,8 +205,9 @@ pub(crate) fn release(tx: &WriteTransaction, tenant: &str, key: &str, fence: u64
     Ok(true)
 }
 
-/// First write wins: stores `row` (a response) under a fresh fence unless a
-/// row is there that is not expired at `expired_before`.
+/// First write wins: stores `row` (a response created at `now`) under a fresh
+/// fence unless a row is there that is still live: a response created at or
+/// after `expired_before`, or a reservation whose lease ends after `now`.
 pub(crate) fn put(
     tx: &WriteTransaction,
     tenant: &str,
@@ -214,9 +215,15 @@ pub(crate) fn put(
     row: &Row,
     expired_before: i64,
 ) -> Result<bool> {
+    let now = row.created_at();
     let mut rows = tx.open_table(IDEM)?;
     let old = read_row(&rows, tenant, key)?;
-    if old.as_ref().is_some_and(|r| !r.expired(expired_before)) {
+    let live = match &old {
+        None => false,
+        Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
+        Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
+    };
+    if live {
         return Ok(false);
     }
     let fence = next_fence(tx)?;
