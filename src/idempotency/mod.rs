@@ -422,7 +422,8 @@ impl IdempotencyKeys {
         check_tenant(&record.tenant)?;
         check_key(&record.idempotency_key)?;
         check_fingerprint(&record.request_fingerprint)?;
-        let row = self.completed_row(record, 0, record.created_at)?;
+        self.check_record(record)?;
+        let row = into_row(record.clone(), 0, record.created_at);
         let expired_before = row.created_at().saturating_sub(span_micros(self.ttl));
         let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
         let stored = self
@@ -555,7 +556,7 @@ impl IdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let row = self.reservation_row(r, &response, now)?;
+        let row = self.reservation_row(r, response, now)?;
         let (t, k) = (r.tenant.clone(), r.key.clone());
         let done = self
             .engine
@@ -580,7 +581,7 @@ impl IdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let row = self.reservation_row(r, &response, now)?;
+        let row = self.reservation_row(r, response, now)?;
         let done = raw::complete(tx, &r.tenant, &r.key, &row)?;
         self.count_completion(done);
         Ok(done)
@@ -731,7 +732,7 @@ impl IdempotencyKeys {
     fn reservation_row(
         &self,
         r: &Reservation,
-        response: &ResponseRecord,
+        response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<Row> {
         if response.tenant != r.tenant
@@ -749,27 +750,32 @@ impl IdempotencyKeys {
                 ),
             ));
         }
-        self.completed_row(response, r.fence, now)
+        self.check_record(&response)?;
+        Ok(into_row(response, r.fence, now))
     }
 
-    /// A completed row from `record`, checked; `created_at` is `at`.
-    fn completed_row(&self, record: &ResponseRecord, fence: u64, at: DateTime<Utc>) -> Result<Row> {
+    /// Checks a response's status, headers and body against the limits.
+    fn check_record(&self, record: &ResponseRecord) -> Result<()> {
         check_response(
             record.response_status,
             record.content_type.as_deref(),
             &record.headers,
             &record.response_body,
             self.max_body,
-        )?;
-        Ok(Row::Completed {
-            fingerprint: record.request_fingerprint.clone(),
-            fence,
-            created_at: micros(at),
-            status: record.response_status,
-            content_type: record.content_type.clone(),
-            headers: record.headers.clone(),
-            body: record.response_body.clone(),
-        })
+        )
+    }
+}
+
+/// The completed row for `record` (already checked); `created_at` is `at`.
+fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) -> Row {
+    Row::Completed {
+        fingerprint: record.request_fingerprint,
+        fence,
+        created_at: micros(at),
+        status: record.response_status,
+        content_type: record.content_type,
+        headers: record.headers,
+        body: record.response_body,
     }
 }
 

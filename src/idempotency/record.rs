@@ -99,7 +99,7 @@ pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
     }
     let digest = h.finalize();
     let mut out = String::with_capacity(64);
-    for b in digest.iter() {
+    for b in &digest {
         use std::fmt::Write as _;
         let _ = write!(out, "{b:02x}");
     }
