@@ -93,11 +93,11 @@ fn replay(c: &mut Criterion) {
         .unwrap();
     tx.commit().unwrap();
 
-    let mut g = c.benchmark_group("idempotency/replay");
-    g.bench_function("begin_on_completed_key", |b| {
+    let mut group = c.benchmark_group("idempotency/replay");
+    group.bench_function("begin_on_completed_key", |b| {
         b.iter(|| black_box(keys.begin("bench", "replayed", &fp, now()).unwrap()));
     });
-    g.bench_function("raw_redb_read_get", |b| {
+    group.bench_function("raw_redb_read_get", |b| {
         b.iter(|| {
             let tx = raw.begin_read().unwrap();
             let t = tx.open_table(RAW).unwrap();
@@ -108,17 +108,17 @@ fn replay(c: &mut Criterion) {
             )
         });
     });
-    g.finish();
+    group.finish();
 
-    let k = keys.clone();
+    let handle = keys.clone();
     let fp2 = fp.clone();
     let ours = throughput(1, move |_, _| {
-        black_box(k.begin("bench", "replayed", &fp2, now()).unwrap());
+        let _ = black_box(handle.begin("bench", "replayed", &fp2, now()).unwrap());
     });
     let raw = Arc::new(raw);
-    let r = raw.clone();
+    let db = raw.clone();
     let base = throughput(1, move |_, _| {
-        let tx = r.begin_read().unwrap();
+        let tx = db.begin_read().unwrap();
         let t = tx.open_table(RAW).unwrap();
         black_box(
             t.get(("bench", "replayed"))
