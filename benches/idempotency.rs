@@ -133,8 +133,8 @@ fn replay(c: &mut Criterion) {
     println!("  commits during replays: {:?}", store.commit_stats());
 }
 
-fn reserve_complete(keys: &IdempotencyKeys, fp: &str, thread: usize, i: u64) {
-    let key = format!("rc-{thread}-{i}");
+fn reserve_complete(keys: &IdempotencyKeys, fp: &str, run: usize, thread: usize, i: u64) {
+    let key = format!("rc-{run}-{thread}-{i}");
     match keys.begin("bench", &key, fp, now()).unwrap() {
         Begin::Proceed(r) => {
             let resp = r.response(201, vec![b'x'; 256], now());
@@ -144,8 +144,8 @@ fn reserve_complete(keys: &IdempotencyKeys, fp: &str, thread: usize, i: u64) {
     }
 }
 
-fn raw_insert_commit(db: &redb::Database, thread: usize, i: u64) {
-    let key = format!("raw-{thread}-{i}");
+fn raw_insert_commit(db: &redb::Database, run: usize, thread: usize, i: u64) {
+    let key = format!("raw-{run}-{thread}-{i}");
     let tx = db.begin_write().unwrap();
     tx.open_table(RAW)
         .unwrap()
@@ -162,15 +162,15 @@ fn durable_writes(_c: &mut Criterion) {
     let raw = Arc::new(raw_db(dir.path(), "raw.redb"));
 
     let r = raw.clone();
-    let base1 = throughput(1, move |t, i| raw_insert_commit(&r, t, i));
+    let base1 = throughput(1, move |t, i| raw_insert_commit(&r, 1, t, i));
     let r = raw.clone();
-    let base32 = throughput(32, move |t, i| raw_insert_commit(&r, t, i));
+    let base32 = throughput(32, move |t, i| raw_insert_commit(&r, 32, t, i));
 
     let mut rates = Vec::new();
     for threads in [1, 32] {
         let (k, f) = (keys.clone(), fp.clone());
         let before = store.commit_stats().durable_commits;
-        let rate = throughput(threads, move |t, i| reserve_complete(&k, &f, t, i));
+        let rate = throughput(threads, move |t, i| reserve_complete(&k, &f, threads, t, i));
         let fsyncs = store.commit_stats().durable_commits - before;
         println!(
             "reserve+complete, {threads:>2} threads: {rate:>8.0} requests/s ({fsyncs} durable commits) | \

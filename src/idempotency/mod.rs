@@ -85,6 +85,31 @@ const PURGE_CHUNK: usize = 1024;
 /// before writing: keys are 1–255 bytes, tenants 0–255 bytes, fingerprints
 /// 1–128 bytes; bad ones are [`Error::InvalidInput`] or [`Error::TooLarge`]
 /// and write nothing.
+///
+/// ```
+/// use chrono::Utc;
+/// use idemstore::{Begin, Store, fingerprint};
+///
+/// # let dir = tempfile::tempdir().unwrap();
+/// let store = Store::open(dir.path().join("api.idem"))?;
+/// let keys = store.idempotency_keys();
+/// let fp = fingerprint("POST", "/orders", b"{\"sku\":42}");
+///
+/// // The first request with the key runs the handler and stores its response.
+/// let Begin::Proceed(r) = keys.begin("acme", "key-1", &fp, Utc::now())? else { unreachable!() };
+/// let response = r.response(201, b"{\"order\":7}".to_vec(), Utc::now());
+/// assert!(keys.complete(&r, response, Utc::now())?);
+///
+/// // A retry gets the same response, from a read.
+/// match keys.begin("acme", "key-1", &fp, Utc::now())? {
+///     Begin::Replay(stored) => assert_eq!(stored.response_status, 201),
+///     other => panic!("{other:?}"),
+/// }
+/// // The same key with another body is refused (HTTP 422).
+/// let other = fingerprint("POST", "/orders", b"{\"sku\":43}");
+/// assert!(matches!(keys.begin("acme", "key-1", &other, Utc::now())?, Begin::Mismatch { .. }));
+/// # Ok::<_, idemstore::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct IdempotencyKeys {
     engine: Arc<Engine>,
