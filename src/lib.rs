@@ -12,7 +12,7 @@
 //! ```
 //! use chrono::Utc;
 //! use idemstore::{Claim, Store};
-//! use idemstore::redb::{ReadableTable, TableDefinition};
+//! use idemstore::redb::{ReadableTable as _, TableDefinition};
 //!
 //! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
 //!
@@ -59,7 +59,11 @@ pub use redb;
 
 pub use engine::Durability;
 pub use error::{Error, Result};
-pub use idempotency::IdempotencyKeys;
+pub use idempotency::{
+    Begin, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyKeys, IdempotencyStats, KeyEntry, KeyState,
+    MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
+    MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint,
+};
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use outbox::Outbox;
 pub use store::{

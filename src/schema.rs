@@ -12,7 +12,10 @@
 //!   each inbox.
 //! - outbox: see `src/outbox/` for the record and its four indexes.
 //! - idempotency keys: a row `(tenant, key)` exists iff
-//!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`].
+//!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`], where
+//!   `created_at` is the response's creation time for a completed row and the
+//!   reservation time for a reserved one. Every fence token stored is below
+//!   `META_IDEM_NEXT_FENCE` in [`META`].
 
 use redb::TableDefinition;
 
@@ -20,7 +23,8 @@ use redb::TableDefinition;
 /// written by a newer, incompatible version.
 pub(crate) const FORMAT_VERSION: u64 = 1;
 
-/// Store-wide settings and counters: `format_version`, `outbox.next_id`.
+/// Store-wide settings and counters: `format_version`, `outbox.next_id`,
+/// `idempotency.next_fence`.
 pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("idemstore.meta");
 pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 
@@ -69,3 +73,7 @@ pub(crate) const IDEM: TableDefinition<(&str, &str), &[u8]> =
 /// `(created_at µs, tenant, key) → ()`: the expiry index.
 pub(crate) const IDEM_CREATED: TableDefinition<(i64, &str, &str), ()> =
     TableDefinition::new("idemstore.v1.idempotency.created_at");
+/// Key in [`META`] of the next reservation fence token to hand out. Store-wide
+/// (not per row) so a token never repeats after a row is released, purged
+/// or expired, nor across reopens.
+pub(crate) const META_IDEM_NEXT_FENCE: &str = "idempotency.next_fence";

@@ -33,6 +33,8 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 pub struct Store {
     engine: Arc<Engine>,
     limits: Limits,
+    /// Counters shared by every `IdempotencyKeys` handle of this store.
+    idempotency_counters: Arc<crate::idempotency::Counters>,
 }
 
 /// Size limits shared by the primitives.
@@ -163,6 +165,7 @@ impl StoreBuilder {
             limits: Limits {
                 max_body: self.max_body,
             },
+            idempotency_counters: Arc::default(),
         };
         store.check_format()?;
         Ok(store)
@@ -280,6 +283,7 @@ impl Store {
     /// The store's HTTP idempotency-key records.
     pub fn idempotency_keys(&self) -> IdempotencyKeys {
         IdempotencyKeys::new(self.engine.clone(), self.limits.max_body)
+            .with_counters(self.idempotency_counters.clone())
     }
 
     /// Makes every write so far durable. Under [`Durability::Immediate`]

@@ -1,0 +1,118 @@
+//! Inspection: listing the rows and checking them against the expiry index.
+
+use redb::{ReadableTable, TableError};
+
+use super::IdempotencyKeys;
+use super::raw::{self, key_name};
+use super::record::check_tenant;
+use super::types::{KeyEntry, key_entry};
+use crate::error::{Error, Result};
+use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE};
+
+impl IdempotencyKeys {
+    /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
+    /// of one tenant only if `tenant` is given. For inspection tools.
+    pub fn list(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
+        if let Some(t) = tenant {
+            check_tenant(t)?;
+        }
+        self.engine.read(|tx| {
+            let rows = match tx.open_table(IDEM) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(e.into()),
+            };
+            let mut out = Vec::new();
+            for entry in rows.range((tenant.unwrap_or(""), "")..)? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = entry?;
+                let (t, key) = k.value();
+                if tenant.is_some_and(|want| want != t) {
+                    break;
+                }
+                out.push(key_entry(t, key, raw::decode_row(t, key, v.value())?)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Checks the invariants between the rows and the expiry index: every
+    /// row decodes, has its `(created_at, tenant, key)` index entry and a
+    /// fence below the store's next one, and every index entry has its row.
+    /// Returns one human-readable line per problem; empty when consistent.
+    pub fn check_indexes(&self) -> Result<Vec<String>> {
+        self.engine.read(|tx| {
+            let mut findings = Vec::new();
+            let rows = match tx.open_table(IDEM) {
+                Ok(t) => Some(t),
+                Err(TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(Error::from(e)),
+            };
+            let index = match tx.open_table(IDEM_CREATED) {
+                Ok(t) => Some(t),
+                Err(TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(Error::from(e)),
+            };
+            let next_fence = match tx.open_table(META) {
+                Ok(m) => m.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value()),
+                Err(TableError::TableDoesNotExist(_)) => 1,
+                Err(e) => return Err(Error::from(e)),
+            };
+            if let Some(rows) = &rows {
+                for entry in rows.iter()? {
+                    let (k, v) = entry?;
+                    let (t, key) = k.value();
+                    let name = key_name(t, key);
+                    let row = match raw::decode_row(t, key, v.value()) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            findings.push(format!("row {name} does not decode: {e}"));
+                            continue;
+                        }
+                    };
+                    let at = row.created_at();
+                    let indexed = match &index {
+                        Some(i) => i.get((at, t, key))?.is_some(),
+                        None => false,
+                    };
+                    if !indexed {
+                        findings.push(format!("row {name} has no expiry index entry at {at} µs"));
+                    }
+                    if row.fence() >= next_fence {
+                        findings.push(format!(
+                            "row {name} has fence {} but the next fence to hand out is {next_fence}",
+                            row.fence()
+                        ));
+                    }
+                }
+            }
+            if let Some(index) = &index {
+                for entry in index.iter()? {
+                    let (k, _) = entry?;
+                    let (at, t, key) = k.value();
+                    let name = key_name(t, key);
+                    let row = match &rows {
+                        Some(r) => r.get((t, key))?,
+                        None => None,
+                    };
+                    match row {
+                        None => findings.push(format!("index entry at {at} µs for {name} has no row")),
+                        Some(v) => {
+                            if let Ok(row) = raw::decode_row(t, key, v.value())
+                                && row.created_at() != at
+                            {
+                                findings.push(format!(
+                                    "index entry at {at} µs for {name}, but the row's created_at is {} µs",
+                                    row.created_at()
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(findings)
+        })
+    }
+}

@@ -1,0 +1,496 @@
+//! [`IdempotencyKeys`]: the HTTP `Idempotency-Key` response store.
+//!
+//! A request carrying an idempotency key calls [`IdempotencyKeys::begin`]
+//! with its [`fingerprint`]. The first one gets [`Begin::Proceed`] with a
+//! [`Reservation`]: it runs its handler and stores the response with
+//! [`IdempotencyKeys::complete`] (or [`IdempotencyKeys::complete_in`], inside
+//! the handler's own transaction), or gives the key back with
+//! [`IdempotencyKeys::release`] if the handler failed. Every later request
+//! with that key gets the stored response ([`Begin::Replay`]), is told the
+//! first one is still running ([`Begin::InFlight`], HTTP 409), or that it
+//! reuses the key for another request ([`Begin::Mismatch`], HTTP 422).
+//!
+//! # Layout
+//!
+//! One row per `(tenant, key)` in the idempotency table (typed tuple keys,
+//! so tenants and keys of any bytes, separators and NULs included, never
+//! meet), holding either a reservation `{fingerprint, fence, reserved_at,
+//! lease_until}` or a completed response `{fingerprint, fence, created_at,
+//! status, content type, headers, body}`; and the expiry index
+//! `(created_at, tenant, key)`, with `created_at` the reservation time of a
+//! reservation. A row exists iff its index entry does
+//! ([`IdempotencyKeys::check_indexes`]).
+//!
+//! # Fencing
+//!
+//! Every reservation takes a fence token from one store-wide counter (kept
+//! in the meta table, so it grows across releases, purges, takeovers and
+//! reopens and is never handed out twice). A reservation can be completed or
+//! released only while the row still holds a reservation with its token: a
+//! holder whose lease ran out and whose key was taken over (or released, or
+//! completed by another holder) gets `false` from `complete` and frees
+//! nothing with `release`.
+//!
+//! # Reads stay reads
+//!
+//! `begin` on a completed key (a replay), a mismatch or an in-flight key is
+//! answered from a read transaction: no write, no fsync. Only reserving (a
+//! new key, an expired response, a takeover) goes through the commit thread,
+//! where the decision is taken again on the state of that moment. `get` on
+//! an expired row deletes it the same way; a `get` that finds nothing
+//! expired never writes.
+
+mod inspect;
+mod raw;
+mod record;
+mod types;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use redb::{TableError, TableHandle as _, WriteTransaction};
+
+use crate::codec::{from_micros, micros};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::schema::IDEM;
+
+use raw::{Began, Look, key_name};
+pub use record::{
+    MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
+    MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, fingerprint,
+};
+use record::{Row, check_fingerprint, check_key, check_response, check_tenant};
+pub(crate) use types::Counters;
+pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
+use types::{bump, to_response};
+
+/// Default time a completed response is kept and replayed: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// Default time a reservation holds a key: 60 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// Longest TTL or lease accepted (longer ones are cut to it): 100 years.
+const MAX_SPAN_MICROS: i64 = 100 * 366 * 24 * 60 * 60 * 1_000_000;
+/// Rows removed per commit by [`IdempotencyKeys::purge_expired`].
+const PURGE_CHUNK: usize = 1024;
+
+/// The store's HTTP idempotency-key records. Cheap to clone; clones share the
+/// store and its [`IdempotencyStats`].
+///
+/// Carries a TTL (default [`DEFAULT_TTL`], 24 h) after which `begin` treats a
+/// completed response as gone, and a lease (default [`DEFAULT_LEASE`], 60 s)
+/// for which a reservation holds its key. Every call validates its inputs
+/// before writing: keys are 1–255 bytes, tenants 0–255 bytes, fingerprints
+/// 1–128 bytes; bad ones are [`Error::InvalidInput`] or [`Error::TooLarge`]
+/// and write nothing.
+///
+/// ```
+/// use chrono::Utc;
+/// use idemstore::{Begin, Store, fingerprint};
+///
+/// # let dir = tempfile::tempdir().unwrap();
+/// let store = Store::open(dir.path().join("api.idem"))?;
+/// let keys = store.idempotency_keys();
+/// let fp = fingerprint("POST", "/orders", b"{\"sku\":42}");
+///
+/// // The first request with the key runs the handler and stores its response.
+/// let Begin::Proceed(r) = keys.begin("acme", "key-1", &fp, Utc::now())? else { unreachable!() };
+/// let response = r.response(201, b"{\"order\":7}".to_vec(), Utc::now());
+/// assert!(keys.complete(&r, response, Utc::now())?);
+///
+/// // A retry gets the same response, from a read.
+/// match keys.begin("acme", "key-1", &fp, Utc::now())? {
+///     Begin::Replay(stored) => assert_eq!(stored.response_status, 201),
+///     other => panic!("{other:?}"),
+/// }
+/// // The same key with another body is refused (HTTP 422).
+/// let other = fingerprint("POST", "/orders", b"{\"sku\":43}");
+/// assert!(matches!(keys.begin("acme", "key-1", &other, Utc::now())?, Begin::Mismatch { .. }));
+/// # Ok::<_, idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct IdempotencyKeys {
+    engine: Arc<Engine>,
+    max_body: usize,
+    ttl: Duration,
+    lease: Duration,
+    counters: Arc<Counters>,
+}
+
+fn span_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).map_or(MAX_SPAN_MICROS, |us| us.min(MAX_SPAN_MICROS))
+}
+
+fn time(field: &'static str, at: i64) -> Result<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(at)
+        .ok_or_else(|| Error::invalid(field, "is too close to the end of representable time"))
+}
+
+impl IdempotencyKeys {
+    pub(crate) fn new(engine: Arc<Engine>, max_body: usize) -> IdempotencyKeys {
+        IdempotencyKeys {
+            engine,
+            max_body,
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            counters: Arc::default(),
+        }
+    }
+
+    /// Shares `counters` (the store's) instead of the handle's own.
+    pub(crate) fn with_counters(mut self, counters: Arc<Counters>) -> IdempotencyKeys {
+        self.counters = counters;
+        self
+    }
+
+    /// How long `begin` replays a completed response, counted from its
+    /// `created_at`. Default: 24 h. After it, the next `begin` with the key
+    /// deletes the old response and proceeds as for a new key. (`get` and
+    /// `purge_expired` take their cutoff as an argument instead.) Values
+    /// over 100 years are cut to 100 years.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a reservation holds its key. Default: 60 s. There is no
+    /// renewal: set it above your slowest handler. After it, another request
+    /// with the key may take it over, and the first holder's `complete`
+    /// then returns `false`. Values over 100 years are cut to 100 years.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The TTL `begin` applies.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The lease `begin` grants.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The counters of every handle of this store since it was opened.
+    pub fn stats(&self) -> IdempotencyStats {
+        let c = &*self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IdempotencyStats {
+            replays: l(&c.replays),
+            mismatches: l(&c.mismatches),
+            in_flight: l(&c.in_flight),
+            reserved: l(&c.reserved),
+            takeovers: l(&c.takeovers),
+            completed: l(&c.completed),
+            fenced_out: l(&c.fenced_out),
+            released: l(&c.released),
+            stored: l(&c.stored),
+            expired_deleted: l(&c.expired_deleted),
+            purged: l(&c.purged),
+        }
+    }
+
+    /// The completed response stored at `(tenant, key)`, if any.
+    ///
+    /// A record created strictly before `expired_before` counts as absent
+    /// and is deleted (one write, only then; a `get` that finds nothing
+    /// expired is a plain read). A reservation reads as `None` (there is no
+    /// response yet); one made before `expired_before` whose lease ended by
+    /// then is deleted too.
+    pub fn get(
+        &self,
+        tenant: &str,
+        key: &str,
+        expired_before: DateTime<Utc>,
+    ) -> Result<Option<ResponseRecord>> {
+        check_tenant(tenant)?;
+        check_key(key)?;
+        let cutoff = micros(expired_before);
+        let row = self.read_row(tenant, key)?;
+        let row = match row {
+            Some(r) if r.expired(cutoff) => {
+                let (t, k) = (tenant.to_owned(), key.to_owned());
+                let (deleted, now) = self
+                    .engine
+                    .execute(move |tx| raw::delete_expired(tx, &t, &k, cutoff))?;
+                if deleted {
+                    bump(&self.counters.expired_deleted, 1);
+                }
+                now
+            }
+            other => other,
+        };
+        match row {
+            Some(r @ Row::Completed { .. }) => to_response(tenant, key, r).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Stores `record` if its key is free; `true` if stored, `false` if a
+    /// record was already there (nothing is overwritten: first write wins).
+    ///
+    /// "Free" means no row, or a row expired as of `record.created_at`: a
+    /// response older than the handle's TTL, or a reservation whose lease
+    /// ended. A live reservation is **not** overwritten: its holder is still
+    /// running, and its own `complete` decides. A stored record replaces an
+    /// ended reservation and fences its holder out. For responses produced
+    /// under a reservation, use [`complete`](Self::complete) instead.
+    pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
+        check_tenant(&record.tenant)?;
+        check_key(&record.idempotency_key)?;
+        check_fingerprint(&record.request_fingerprint)?;
+        self.check_record(record)?;
+        let row = into_row(record.clone(), 0, record.created_at);
+        let expired_before = row.created_at().saturating_sub(span_micros(self.ttl));
+        let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
+        let stored = self
+            .engine
+            .execute(move |tx| raw::put(tx, &t, &k, &row, expired_before))?;
+        if stored {
+            bump(&self.counters.stored, 1);
+        }
+        Ok(stored)
+    }
+
+    /// Removes every record created strictly before `expired_before` (a
+    /// reservation only once its lease has also ended by then) with their
+    /// index entries; returns how many. Walks the `created_at` index, so it
+    /// costs what it removes, in commits of at most 1024 rows.
+    pub fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
+        let cutoff = micros(expired_before);
+        let mut total = 0;
+        let mut cursor: raw::PurgeCursor = None;
+        loop {
+            let after = cursor.clone();
+            let (n, next) = self
+                .engine
+                .execute(move |tx| raw::purge_chunk(tx, &after, cutoff, PURGE_CHUNK))?;
+            total += n;
+            bump(&self.counters.purged, n);
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(total),
+            }
+        }
+    }
+
+    /// The request path: what to do with a request carrying `key` whose
+    /// [`fingerprint`] is `fingerprint`, at `now`.
+    ///
+    /// - no record, or a response older than the TTL → the key is reserved
+    ///   until `now + lease`: [`Begin::Proceed`];
+    /// - a response with the same fingerprint → [`Begin::Replay`];
+    /// - a response or a live reservation with another fingerprint →
+    ///   [`Begin::Mismatch`] (the key is bound to its first request from the
+    ///   moment it is reserved);
+    /// - a live reservation with the same fingerprint → [`Begin::InFlight`];
+    /// - a reservation whose lease ended (`lease_until <= now`) → taken
+    ///   over: a new [`Begin::Proceed`] whose fence shuts the old holder out.
+    ///
+    /// Answers that write nothing (replay, mismatch, in flight) come from a
+    /// read transaction and cost no commit. Concurrent `begin`s on a free key
+    /// get exactly one `Proceed`.
+    pub fn begin(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Begin> {
+        check_tenant(tenant)?;
+        check_key(key)?;
+        check_fingerprint(fingerprint)?;
+        let now_us = micros(now);
+        let expired_before = now_us.saturating_sub(span_micros(self.ttl));
+        let lease_until_us = now_us.saturating_add(span_micros(self.lease));
+        let lease_until = time("now", lease_until_us)?;
+        let row = self.read_row(tenant, key)?;
+        match raw::decide(row, fingerprint, now_us, expired_before) {
+            Look::Reserve { .. } => {}
+            answer => return self.answer(tenant, key, answer),
+        }
+        let (t, k, f) = (tenant.to_owned(), key.to_owned(), fingerprint.to_owned());
+        let began = self.engine.execute(move |tx| {
+            raw::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)
+        })?;
+        match began {
+            Began::Answered(answer) => self.answer(tenant, key, answer),
+            Began::Reserved {
+                fence,
+                takeover,
+                expired,
+            } => {
+                bump(&self.counters.reserved, 1);
+                bump(&self.counters.takeovers, u64::from(takeover));
+                bump(&self.counters.expired_deleted, u64::from(expired));
+                Ok(Begin::Proceed(Reservation {
+                    tenant: tenant.to_owned(),
+                    key: key.to_owned(),
+                    fingerprint: fingerprint.to_owned(),
+                    fence,
+                    reserved_at: now,
+                    lease_until,
+                }))
+            }
+        }
+    }
+
+    fn answer(&self, tenant: &str, key: &str, look: Look) -> Result<Begin> {
+        match look {
+            Look::Replay(row) => {
+                let r = to_response(tenant, key, row)?;
+                bump(&self.counters.replays, 1);
+                Ok(Begin::Replay(r))
+            }
+            Look::Mismatch(stored_fingerprint) => {
+                bump(&self.counters.mismatches, 1);
+                Ok(Begin::Mismatch { stored_fingerprint })
+            }
+            Look::InFlight(until) => {
+                bump(&self.counters.in_flight, 1);
+                Ok(Begin::InFlight {
+                    lease_until: from_micros(IDEM.name(), &key_name(tenant, key), until)?,
+                })
+            }
+            Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
+        }
+    }
+
+    /// Stores `response` for the reservation `r` and ends it; `true` if
+    /// stored. `false` if `r` no longer holds the key: its lease ended and
+    /// another request took the key over, or it was released or completed
+    /// already. Then nothing is written.
+    ///
+    /// `response` must name `r`'s tenant, key and fingerprint
+    /// ([`Reservation::response`] builds one), else [`Error::InvalidInput`];
+    /// its status, headers and body are checked as for [`put`](Self::put)
+    /// (a body over `max_body` is [`Error::TooLarge`]). The stored
+    /// `created_at` is `now`: the TTL runs from completion. A holder whose
+    /// lease ended but whose key nobody took over may still complete.
+    pub fn complete(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let row = self.reservation_row(r, response, now)?;
+        let (t, k) = (r.tenant.clone(), r.key.clone());
+        let done = self
+            .engine
+            .execute(move |tx| raw::complete(tx, &t, &k, &row))?;
+        self.count_completion(done);
+        Ok(done)
+    }
+
+    /// [`complete`](Self::complete) inside the caller's own write transaction
+    /// (from [`Store::write`](crate::Store::write)), so the response row
+    /// commits with the handler's own writes, or not at all: a response is
+    /// stored iff the handler's writes committed.
+    ///
+    /// If the caller's transaction rolls back, the key stays reserved by `r`
+    /// (the reservation was committed by `begin`): call
+    /// [`release`](Self::release) to let a retry run at once, or let the
+    /// lease run out.
+    pub fn complete_in(
+        &self,
+        tx: &WriteTransaction,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let row = self.reservation_row(r, response, now)?;
+        let done = raw::complete(tx, &r.tenant, &r.key, &row)?;
+        self.count_completion(done);
+        Ok(done)
+    }
+
+    fn count_completion(&self, done: bool) {
+        if done {
+            bump(&self.counters.completed, 1);
+        } else {
+            bump(&self.counters.fenced_out, 1);
+        }
+    }
+
+    /// Gives up the reservation `r` (its handler failed and wrote nothing):
+    /// the key is free and a retry gets [`Begin::Proceed`]. If `r` no longer
+    /// holds the key (taken over, completed, released) nothing changes: a
+    /// stale holder never frees a newer holder's reservation nor deletes a
+    /// response.
+    pub fn release(&self, r: &Reservation) -> Result<()> {
+        let (t, k, fence) = (r.tenant.clone(), r.key.clone(), r.fence);
+        if self
+            .engine
+            .execute(move |tx| raw::release(tx, &t, &k, fence))?
+        {
+            bump(&self.counters.released, 1);
+        }
+        Ok(())
+    }
+
+    fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
+        self.engine.read(|tx| {
+            let table = match tx.open_table(IDEM) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            raw::read_row(&table, tenant, key)
+        })
+    }
+
+    /// The row `complete` stores for `r`, after checking `response` fits it.
+    fn reservation_row(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<Row> {
+        if response.tenant != r.tenant
+            || response.idempotency_key != r.key
+            || response.request_fingerprint != r.fingerprint
+        {
+            return Err(Error::invalid(
+                "response",
+                format!(
+                    "it names {} with fingerprint {:?}, but the reservation is for {} with fingerprint {:?}",
+                    key_name(&response.tenant, &response.idempotency_key),
+                    response.request_fingerprint,
+                    key_name(&r.tenant, &r.key),
+                    r.fingerprint,
+                ),
+            ));
+        }
+        self.check_record(&response)?;
+        Ok(into_row(response, r.fence, now))
+    }
+
+    /// Checks a response's status, headers and body against the limits.
+    fn check_record(&self, record: &ResponseRecord) -> Result<()> {
+        check_response(
+            record.response_status,
+            record.content_type.as_deref(),
+            &record.headers,
+            &record.response_body,
+            self.max_body,
+        )
+    }
+}
+
+/// The completed row for `record` (already checked); `created_at` is `at`.
+fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) -> Row {
+    Row::Completed {
+        fingerprint: record.request_fingerprint,
+        fence,
+        created_at: micros(at),
+        status: record.response_status,
+        content_type: record.content_type,
+        headers: record.headers,
+        body: record.response_body,
+    }
+}

@@ -1,0 +1,331 @@
+//! The idempotency rows inside one write transaction: every write path of the
+//! module ends here, so the row/index invariant is kept in one place.
+//!
+//! Each function reads what it needs first and writes only once it knows it
+//! will succeed, so a function that returns `Err` wrote nothing (the engine's
+//! rule for queued operations), and it computes its writes from the
+//! transaction's state and its arguments only (it may be run twice).
+
+use redb::{ReadableTable, TableError, TableHandle as _, WriteTransaction};
+
+use super::record::Row;
+use crate::codec::{decode, encode};
+use crate::error::Result;
+use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE};
+
+/// How a row's key is printed in errors.
+pub(crate) fn key_name(tenant: &str, key: &str) -> String {
+    format!("(tenant {tenant:?}, key {key:?})")
+}
+
+/// Decodes a stored row.
+pub(crate) fn decode_row(tenant: &str, key: &str, bytes: &[u8]) -> Result<Row> {
+    decode(IDEM.name(), &key_name(tenant, key), bytes)
+}
+
+/// Reads the row at `(tenant, key)` from any readable idempotency table.
+pub(crate) fn read_row<T>(table: &T, tenant: &str, key: &str) -> Result<Option<Row>>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    match table.get((tenant, key))? {
+        Some(v) => decode_row(tenant, key, v.value()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// What `begin` does about the row it found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// Answer without writing.
+    Replay(Row),
+    Mismatch(String),
+    InFlight(i64),
+    /// Reserve the key. `takeover`: a reservation whose lease ended is
+    /// replaced; `expired`: an expired response is replaced.
+    Reserve {
+        takeover: bool,
+        expired: bool,
+    },
+}
+
+/// The request path's decision for the row found at a key, given the
+/// request's fingerprint, `now` and the TTL cutoff (all µs).
+pub(crate) fn decide(row: Option<Row>, fingerprint: &str, now: i64, expired_before: i64) -> Look {
+    match row {
+        None => Look::Reserve {
+            takeover: false,
+            expired: false,
+        },
+        Some(r @ Row::Completed { .. }) => {
+            if r.created_at() < expired_before {
+                Look::Reserve {
+                    takeover: false,
+                    expired: true,
+                }
+            } else if r.fingerprint() == fingerprint {
+                Look::Replay(r)
+            } else {
+                Look::Mismatch(r.fingerprint().to_owned())
+            }
+        }
+        Some(r @ Row::Reserved { lease_until, .. }) => {
+            if lease_until <= now {
+                Look::Reserve {
+                    takeover: true,
+                    expired: false,
+                }
+            } else if r.fingerprint() == fingerprint {
+                Look::InFlight(lease_until)
+            } else {
+                Look::Mismatch(r.fingerprint().to_owned())
+            }
+        }
+    }
+}
+
+/// What [`begin`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Began {
+    Answered(Look),
+    Reserved {
+        fence: u64,
+        takeover: bool,
+        expired: bool,
+    },
+}
+
+/// Decides again inside the transaction (the row may have changed since the
+/// caller's read) and reserves the key when the decision says so.
+pub(crate) fn begin(
+    tx: &WriteTransaction,
+    tenant: &str,
+    key: &str,
+    fingerprint: &str,
+    now: i64,
+    expired_before: i64,
+    lease_until: i64,
+) -> Result<Began> {
+    let mut rows = tx.open_table(IDEM)?;
+    let old = read_row(&rows, tenant, key)?;
+    let old_at = old.as_ref().map(Row::created_at);
+    let (takeover, expired) = match decide(old, fingerprint, now, expired_before) {
+        Look::Reserve { takeover, expired } => (takeover, expired),
+        answer => return Ok(Began::Answered(answer)),
+    };
+    let fence = next_fence(tx)?;
+    let row = Row::Reserved {
+        fingerprint: fingerprint.to_owned(),
+        fence,
+        reserved_at: now,
+        lease_until,
+    };
+    rows.insert((tenant, key), encode(&row).as_slice())?;
+    drop(rows);
+    reindex(tx, tenant, key, old_at, Some(now))?;
+    Ok(Began::Reserved {
+        fence,
+        takeover,
+        expired,
+    })
+}
+
+/// Takes the next fence token (store-wide, starting at 1, never reused).
+fn next_fence(tx: &WriteTransaction) -> Result<u64> {
+    let mut meta = tx.open_table(META)?;
+    let fence = meta.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value());
+    meta.insert(META_IDEM_NEXT_FENCE, fence + 1)?;
+    Ok(fence)
+}
+
+/// Moves the expiry index entry of `(tenant, key)` from `old` to `new`.
+fn reindex(
+    tx: &WriteTransaction,
+    tenant: &str,
+    key: &str,
+    old: Option<i64>,
+    new: Option<i64>,
+) -> Result<()> {
+    if old == new {
+        return Ok(());
+    }
+    let mut index = tx.open_table(IDEM_CREATED)?;
+    if let Some(at) = old {
+        index.remove((at, tenant, key))?;
+    }
+    if let Some(at) = new {
+        index.insert((at, tenant, key), ())?;
+    }
+    Ok(())
+}
+
+/// Stores `response` (a `Row::Completed` carrying the reservation's fence)
+/// if the row is still the reservation with that fence. `false` otherwise:
+/// the holder was fenced out, released, or already completed.
+pub(crate) fn complete(
+    tx: &WriteTransaction,
+    tenant: &str,
+    key: &str,
+    response: &Row,
+) -> Result<bool> {
+    let mut rows = tx.open_table(IDEM)?;
+    let Some(old) = read_row(&rows, tenant, key)? else {
+        return Ok(false);
+    };
+    match &old {
+        Row::Reserved { fence, .. } if *fence == response.fence() => {}
+        _ => return Ok(false),
+    }
+    rows.insert((tenant, key), encode(response).as_slice())?;
+    drop(rows);
+    reindex(
+        tx,
+        tenant,
+        key,
+        Some(old.created_at()),
+        Some(response.created_at()),
+    )?;
+    Ok(true)
+}
+
+/// Frees the reservation with `fence`; anything else at the key (a newer
+/// reservation, a response) is left alone. `true` if it freed the key.
+pub(crate) fn release(tx: &WriteTransaction, tenant: &str, key: &str, fence: u64) -> Result<bool> {
+    let mut rows = tx.open_table(IDEM)?;
+    let Some(old) = read_row(&rows, tenant, key)? else {
+        return Ok(false);
+    };
+    match &old {
+        Row::Reserved { fence: f, .. } if *f == fence => {}
+        _ => return Ok(false),
+    }
+    rows.remove((tenant, key))?;
+    drop(rows);
+    reindex(tx, tenant, key, Some(old.created_at()), None)?;
+    Ok(true)
+}
+
+/// First write wins: stores `row` (a response created at `now`) under a fresh
+/// fence unless a row is there that is still live: a response created at or
+/// after `expired_before`, or a reservation whose lease ends after `now`.
+pub(crate) fn put(
+    tx: &WriteTransaction,
+    tenant: &str,
+    key: &str,
+    row: &Row,
+    expired_before: i64,
+) -> Result<bool> {
+    let now = row.created_at();
+    let mut rows = tx.open_table(IDEM)?;
+    let old = read_row(&rows, tenant, key)?;
+    let live = match &old {
+        None => false,
+        Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
+        Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
+    };
+    if live {
+        return Ok(false);
+    }
+    let fence = next_fence(tx)?;
+    let row = with_fence(row, fence);
+    rows.insert((tenant, key), encode(&row).as_slice())?;
+    drop(rows);
+    reindex(
+        tx,
+        tenant,
+        key,
+        old.as_ref().map(Row::created_at),
+        Some(row.created_at()),
+    )?;
+    Ok(true)
+}
+
+fn with_fence(row: &Row, new: u64) -> Row {
+    let mut row = row.clone();
+    match &mut row {
+        Row::Reserved { fence, .. } | Row::Completed { fence, .. } => *fence = new,
+    }
+    row
+}
+
+/// Deletes the row at `(tenant, key)` if it is (still) expired at `cutoff`.
+/// Returns whether it deleted it, and what is there afterwards.
+pub(crate) fn delete_expired(
+    tx: &WriteTransaction,
+    tenant: &str,
+    key: &str,
+    cutoff: i64,
+) -> Result<(bool, Option<Row>)> {
+    let mut rows = tx.open_table(IDEM)?;
+    let Some(old) = read_row(&rows, tenant, key)? else {
+        return Ok((false, None));
+    };
+    if !old.expired(cutoff) {
+        return Ok((false, Some(old)));
+    }
+    rows.remove((tenant, key))?;
+    drop(rows);
+    reindex(tx, tenant, key, Some(old.created_at()), None)?;
+    Ok((true, None))
+}
+
+/// Where a purge resumes: the index entry after which to continue.
+pub(crate) type PurgeCursor = Option<(i64, String, String)>;
+
+/// Removes up to `limit` rows expired at `cutoff`, walking the expiry index
+/// from `after`. Returns the rows removed and where to continue (`None` when
+/// the index has nothing more before `cutoff`).
+pub(crate) fn purge_chunk(
+    tx: &WriteTransaction,
+    after: &PurgeCursor,
+    cutoff: i64,
+    limit: usize,
+) -> Result<(u64, PurgeCursor)> {
+    let mut index = match tx.open_table(IDEM_CREATED) {
+        Ok(t) => t,
+        Err(TableError::TableDoesNotExist(_)) => return Ok((0, None)),
+        Err(e) => return Err(e.into()),
+    };
+    let mut candidates: Vec<(i64, String, String)> = Vec::new();
+    let mut more = false;
+    {
+        let start = after
+            .as_ref()
+            .map_or((i64::MIN, "", ""), |(a, t, k)| (*a, t.as_str(), k.as_str()));
+        for entry in index.range(start..(cutoff, "", ""))? {
+            let (k, _) = entry?;
+            let (at, tenant, key) = k.value();
+            if after.is_some() && (at, tenant, key) == start {
+                continue;
+            }
+            if candidates.len() >= limit {
+                more = true;
+                break;
+            }
+            candidates.push((at, tenant.to_owned(), key.to_owned()));
+        }
+    }
+    let mut rows = tx.open_table(IDEM)?;
+    // Decide everything before writing anything.
+    let mut doomed: Vec<(bool, usize)> = Vec::new();
+    for (i, (at, tenant, key)) in candidates.iter().enumerate() {
+        match read_row(&rows, tenant, key)? {
+            // An index entry without its row: drop it, count nothing.
+            None => doomed.push((false, i)),
+            Some(row) if row.created_at() != *at => doomed.push((false, i)),
+            Some(row) if row.expired(cutoff) => doomed.push((true, i)),
+            Some(_) => {}
+        }
+    }
+    let mut removed = 0;
+    for (has_row, i) in doomed {
+        let (at, tenant, key) = &candidates[i];
+        index.remove((*at, tenant.as_str(), key.as_str()))?;
+        if has_row {
+            rows.remove((tenant.as_str(), key.as_str()))?;
+            removed += 1;
+        }
+    }
+    let next = if more { candidates.pop() } else { None };
+    Ok((removed, next))
+}

@@ -1,0 +1,288 @@
+//! The public data types of the idempotency-key store and the counters
+//! behind [`IdempotencyStats`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use chrono::{DateTime, Utc};
+use redb::TableHandle as _;
+
+use super::raw::key_name;
+use super::record::Row;
+use crate::codec::from_micros;
+use crate::error::{Error, Result};
+use crate::schema::IDEM;
+
+/// A stored HTTP response, as [`Begin::Replay`] and
+/// [`IdempotencyKeys::get`] return it and [`IdempotencyKeys::put`] stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseRecord {
+    /// The tenant (0–255 bytes; `""` is the default tenant).
+    pub tenant: String,
+    /// The idempotency key (1–255 bytes).
+    pub idempotency_key: String,
+    /// The [`fingerprint`] of the request that produced the response (1–128
+    /// bytes).
+    pub request_fingerprint: String,
+    /// The HTTP status, 100–599.
+    pub response_status: u16,
+    /// The `Content-Type`, if any (at most 255 bytes, no control characters).
+    pub content_type: Option<String>,
+    /// Other headers to replay (at most 64; names are HTTP tokens of at most
+    /// 256 bytes, values at most 8 KiB without control characters).
+    pub headers: Vec<(String, String)>,
+    /// The body (at most the store's `max_body`, default 1 MiB).
+    pub response_body: Vec<u8>,
+    /// When the response was stored; the TTL runs from here.
+    pub created_at: DateTime<Utc>,
+}
+
+/// The outcome of [`IdempotencyKeys::begin`]. Each is an expected answer, not
+/// an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Begin {
+    /// The key is now reserved for this request: run the handler, then
+    /// [`complete`](IdempotencyKeys::complete) or
+    /// [`release`](IdempotencyKeys::release) the reservation.
+    Proceed(Reservation),
+    /// The key was completed by a request with the same fingerprint: send
+    /// this response again, do not run the handler.
+    Replay(ResponseRecord),
+    /// Another request with the same fingerprint holds the key and has not
+    /// finished (HTTP 409 with `Retry-After`); its lease ends at
+    /// `lease_until`, after which a retry may take the key over.
+    InFlight {
+        /// When the holder's lease ends.
+        lease_until: DateTime<Utc>,
+    },
+    /// The key is bound to another request (another fingerprint), whether
+    /// completed or still running (HTTP 422): the client reused a key for a
+    /// different request.
+    Mismatch {
+        /// The fingerprint the key is bound to.
+        stored_fingerprint: String,
+    },
+}
+
+/// A request's hold on a key, from [`Begin::Proceed`]. Pass it to
+/// [`IdempotencyKeys::complete`], [`IdempotencyKeys::complete_in`] or
+/// [`IdempotencyKeys::release`]; it is fenced by a token that no later
+/// reservation of any key shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub(super) tenant: String,
+    pub(super) key: String,
+    pub(super) fingerprint: String,
+    pub(super) fence: u64,
+    pub(super) reserved_at: DateTime<Utc>,
+    pub(super) lease_until: DateTime<Utc>,
+}
+
+impl Reservation {
+    /// The tenant holding the key.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// The idempotency key held.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The fingerprint of the request holding the key.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// The fence token: store-wide increasing, never reused.
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// The `now` the reservation was made at.
+    pub fn reserved_at(&self) -> DateTime<Utc> {
+        self.reserved_at
+    }
+
+    /// When the lease ends: from then on another request with the key may
+    /// take it over, and this reservation's `complete` returns `false` once
+    /// it has.
+    pub fn lease_until(&self) -> DateTime<Utc> {
+        self.lease_until
+    }
+
+    /// A response for this reservation (no content type, no headers), to
+    /// fill in and pass to [`IdempotencyKeys::complete`].
+    pub fn response(
+        &self,
+        status: u16,
+        body: impl Into<Vec<u8>>,
+        created_at: DateTime<Utc>,
+    ) -> ResponseRecord {
+        ResponseRecord {
+            tenant: self.tenant.clone(),
+            idempotency_key: self.key.clone(),
+            request_fingerprint: self.fingerprint.clone(),
+            response_status: status,
+            content_type: None,
+            headers: Vec::new(),
+            response_body: body.into(),
+            created_at,
+        }
+    }
+}
+
+/// Counters since the store was opened, shared by every
+/// [`IdempotencyKeys`] handle of one store. For metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct IdempotencyStats {
+    /// `begin` answered [`Begin::Replay`].
+    pub replays: u64,
+    /// `begin` answered [`Begin::Mismatch`].
+    pub mismatches: u64,
+    /// `begin` answered [`Begin::InFlight`].
+    pub in_flight: u64,
+    /// `begin` answered [`Begin::Proceed`] (takeovers included).
+    pub reserved: u64,
+    /// Of those, reservations that took over one whose lease had ended.
+    pub takeovers: u64,
+    /// `complete` / `complete_in` stored a response (for `complete_in`: its
+    /// call returned `true`, whether or not the caller's transaction then
+    /// committed).
+    pub completed: u64,
+    /// `complete` / `complete_in` returned `false`: the holder was fenced out.
+    pub fenced_out: u64,
+    /// `release` freed a key.
+    pub released: u64,
+    /// `put` stored a record.
+    pub stored: u64,
+    /// Expired rows deleted by `get` and `begin` (lazily).
+    pub expired_deleted: u64,
+    /// Rows removed by `purge_expired`.
+    pub purged: u64,
+}
+
+/// The atomics behind [`IdempotencyStats`]: one set per store.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(super) replays: AtomicU64,
+    pub(super) mismatches: AtomicU64,
+    pub(super) in_flight: AtomicU64,
+    pub(super) reserved: AtomicU64,
+    pub(super) takeovers: AtomicU64,
+    pub(super) completed: AtomicU64,
+    pub(super) fenced_out: AtomicU64,
+    pub(super) released: AtomicU64,
+    pub(super) stored: AtomicU64,
+    pub(super) expired_deleted: AtomicU64,
+    pub(super) purged: AtomicU64,
+}
+
+pub(super) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// One row of [`IdempotencyKeys::list`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyEntry {
+    /// The tenant.
+    pub tenant: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The fingerprint the key is bound to.
+    pub fingerprint: String,
+    /// The fence token of the reservation that wrote the row.
+    pub fence: u64,
+    /// Completed or reserved.
+    pub state: KeyState,
+}
+
+/// The state of a key in [`KeyEntry`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyState {
+    /// A stored response.
+    Completed {
+        /// Its HTTP status.
+        status: u16,
+        /// Its body length in bytes.
+        body_len: usize,
+        /// When it was stored.
+        created_at: DateTime<Utc>,
+    },
+    /// A reservation (its lease may have ended: the key is then free to be
+    /// taken over).
+    Reserved {
+        /// When it was made.
+        reserved_at: DateTime<Utc>,
+        /// When its lease ends.
+        lease_until: DateTime<Utc>,
+    },
+}
+
+pub(super) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseRecord> {
+    match row {
+        Row::Completed {
+            fingerprint,
+            created_at,
+            status,
+            content_type,
+            headers,
+            body,
+            ..
+        } => Ok(ResponseRecord {
+            tenant: tenant.to_owned(),
+            idempotency_key: key.to_owned(),
+            request_fingerprint: fingerprint,
+            response_status: status,
+            content_type,
+            headers,
+            response_body: body,
+            created_at: from_micros(IDEM.name(), &key_name(tenant, key), created_at)?,
+        }),
+        Row::Reserved { .. } => Err(Error::conflict(
+            "the key holds a reservation, not a response",
+        )),
+    }
+}
+
+pub(super) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
+    let name = key_name(tenant, key);
+    let at = |us| from_micros(IDEM.name(), &name, us);
+    let fence = row.fence();
+    let (fingerprint, state) = match row {
+        Row::Completed {
+            fingerprint,
+            created_at,
+            status,
+            body,
+            ..
+        } => (
+            fingerprint,
+            KeyState::Completed {
+                status,
+                body_len: body.len(),
+                created_at: at(created_at)?,
+            },
+        ),
+        Row::Reserved {
+            fingerprint,
+            reserved_at,
+            lease_until,
+            ..
+        } => (
+            fingerprint,
+            KeyState::Reserved {
+                reserved_at: at(reserved_at)?,
+                lease_until: at(lease_until)?,
+            },
+        ),
+    };
+    Ok(KeyEntry {
+        tenant: tenant.to_owned(),
+        key: key.to_owned(),
+        fingerprint,
+        fence,
+        state,
+    })
+}
