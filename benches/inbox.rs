@@ -1,1 +1,2 @@
+//! Inbox benchmarks (placeholder).
 fn main() {}

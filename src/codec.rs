@@ -53,7 +53,11 @@ pub(crate) fn micros(at: DateTime<Utc>) -> i64 {
 
 /// A stored timestamp back as a `DateTime`; out-of-range values are
 /// [`Error::Corrupted`].
-pub(crate) fn from_micros(table: &'static str, key: &dyn Display, us: i64) -> Result<DateTime<Utc>> {
+pub(crate) fn from_micros(
+    table: &'static str,
+    key: &dyn Display,
+    us: i64,
+) -> Result<DateTime<Utc>> {
     DateTime::from_timestamp_micros(us).ok_or_else(|| Error::Corrupted {
         table,
         key: key.to_string(),

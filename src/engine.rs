@@ -342,7 +342,10 @@ impl Engine {
     /// Runs `f` in a read transaction. Under [`Durability::Immediate`] the
     /// answer is returned only once everything the transaction could see is
     /// durable (D2).
-    pub(crate) fn read<T, E>(&self, f: impl FnOnce(&ReadTransaction) -> Result<T, E>) -> Result<T, E>
+    pub(crate) fn read<T, E>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<Error>,
     {
@@ -559,9 +562,9 @@ fn fail_all(jobs: Vec<Box<dyn Job>>, e: &Error) {
 /// error" with the same message where they cannot be cloned.
 fn clone_error(e: &Error) -> Error {
     match e {
-        Error::Storage(inner) => Error::Storage(redb::Error::Io(std::io::Error::other(
-            inner.to_string(),
-        ))),
+        Error::Storage(inner) => {
+            Error::Storage(redb::Error::Io(std::io::Error::other(inner.to_string())))
+        }
         Error::Closed => Error::Closed,
         other => Error::Storage(redb::Error::Io(std::io::Error::other(other.to_string()))),
     }

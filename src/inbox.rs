@@ -106,11 +106,8 @@ impl Inbox {
         }
         let name = self.name.clone();
         let at = micros(seen_at);
-        self.engine.execute(move |tx| {
-            keys.iter()
-                .map(|k| claim_raw(tx, &name, k, at))
-                .collect()
-        })
+        self.engine
+            .execute(move |tx| keys.iter().map(|k| claim_raw(tx, &name, k, at)).collect())
     }
 
     /// Claims `event_key` and, on its first delivery, runs `effect` in the
@@ -157,7 +154,12 @@ impl Inbox {
     /// Claims `event_key` inside the caller's own write transaction (from
     /// [`Store::write`](crate::Store::write)); `true` the first time. The
     /// claim commits or rolls back with the caller's transaction.
-    pub fn claim_in(&self, tx: &WriteTransaction, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+    pub fn claim_in(
+        &self,
+        tx: &WriteTransaction,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+    ) -> Result<bool> {
         check_event_key(event_key)?;
         claim_raw(tx, &self.name, event_key, micros(seen_at))
     }
@@ -190,8 +192,7 @@ impl Inbox {
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
         let name = self.name.clone();
         let cutoff = micros(seen_before);
-        self.engine
-            .execute(move |tx| prune_raw(tx, &name, cutoff))
+        self.engine.execute(move |tx| prune_raw(tx, &name, cutoff))
     }
 
     /// [`Inbox::prune`] inside the caller's own write transaction.

@@ -56,7 +56,10 @@ pub use engine::Durability;
 pub use error::{Error, Result};
 pub use idempotency::IdempotencyKeys;
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
-pub use outbox::Outbox;
+pub use outbox::{
+    Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox, OutboxClaim, OutboxCounts,
+    OutboxEntry, OutboxId, OutboxRecord, OutboxStatus, Settlement,
+};
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,
     Store, StoreBuilder,

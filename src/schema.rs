@@ -64,8 +64,10 @@ pub(crate) const META_OUTBOX_NEXT_ID: &str = "outbox.next_id";
 // ---------- idempotency keys ----------
 
 /// `(tenant, key) → record` (postcard): a completed response or a reservation.
+#[allow(dead_code, reason = "used once the idempotency-key store lands")]
 pub(crate) const IDEM: TableDefinition<(&str, &str), &[u8]> =
     TableDefinition::new("idemstore.v1.idempotency");
 /// `(created_at µs, tenant, key) → ()`: the expiry index.
+#[allow(dead_code, reason = "used once the idempotency-key store lands")]
 pub(crate) const IDEM_CREATED: TableDefinition<(i64, &str, &str), ()> =
     TableDefinition::new("idemstore.v1.idempotency.created_at");

@@ -27,7 +27,11 @@ fn first_claim_wins_and_survives_reopen() -> Result<()> {
     assert!(!inbox.claim("evt-1", t(3))?, "a claim survives reopen");
     assert!(inbox.seen("evt-2")?);
     assert!(!inbox.seen("evt-3")?);
-    assert_eq!(inbox.seen_at("evt-1")?, Some(t(0)), "the first seen_at is kept");
+    assert_eq!(
+        inbox.seen_at("evt-1")?,
+        Some(t(0)),
+        "the first seen_at is kept"
+    );
     assert_eq!(inbox.len()?, 2);
     Ok(())
 }
@@ -65,7 +69,10 @@ fn racing_threads_get_exactly_one_winner_per_key() -> Result<()> {
         }
     }
     assert_eq!(wins.len(), keys, "every key was won");
-    assert!(wins.values().all(|&n| n == 1), "exactly one winner per key: {wins:?}");
+    assert!(
+        wins.values().all(|&n| n == 1),
+        "exactly one winner per key: {wins:?}"
+    );
     assert_eq!(inbox.len()?, keys as u64);
     Ok(())
 }
@@ -82,7 +89,10 @@ fn claim_many_is_one_call_with_per_key_answers() -> Result<()> {
     let err = inbox.claim_many(["d", ""], t(2)).unwrap_err();
     assert!(matches!(err, Error::InvalidInput { .. }), "{err}");
     assert!(!inbox.seen("d")?);
-    assert_eq!(inbox.claim_many(Vec::<String>::new(), t(2))?, Vec::<bool>::new());
+    assert_eq!(
+        inbox.claim_many(Vec::<String>::new(), t(2))?,
+        Vec::<bool>::new()
+    );
     Ok(())
 }
 
@@ -108,7 +118,11 @@ fn prune_removes_only_older_keys_and_counts_them() -> Result<()> {
     let listed = other.list(None, 3)?;
     assert_eq!(
         listed,
-        vec![("k0".to_string(), t(0)), ("k1".to_string(), t(1)), ("k2".to_string(), t(2))]
+        vec![
+            ("k0".to_string(), t(0)),
+            ("k1".to_string(), t(1)),
+            ("k2".to_string(), t(2))
+        ]
     );
     let next = other.list(Some((t(2), "k2")), 100)?;
     assert_eq!(next.len(), 7);
@@ -122,7 +136,10 @@ fn inboxes_are_separate_namespaces() -> Result<()> {
     let a = store.inbox("a")?;
     let b = store.inbox("b")?;
     assert!(a.claim("same-key", t(0))?);
-    assert!(b.claim("same-key", t(0))?, "another inbox has its own ledger");
+    assert!(
+        b.claim("same-key", t(0))?,
+        "another inbox has its own ledger"
+    );
     assert!(!a.claim("same-key", t(1))?);
     assert_eq!(a.len()?, 1);
     assert_eq!(b.len()?, 1);
@@ -133,13 +150,23 @@ fn inboxes_are_separate_namespaces() -> Result<()> {
 fn bad_keys_and_names_are_refused_and_write_nothing() -> Result<()> {
     let store = Store::in_memory()?;
     let inbox = store.inbox("x")?;
-    assert!(matches!(inbox.claim("", t(0)), Err(Error::InvalidInput { .. })));
+    assert!(matches!(
+        inbox.claim("", t(0)),
+        Err(Error::InvalidInput { .. })
+    ));
     let long = "k".repeat(1025);
     assert!(matches!(
         inbox.claim(&long, t(0)),
-        Err(Error::TooLarge { len: 1025, max: 1024, .. })
+        Err(Error::TooLarge {
+            len: 1025,
+            max: 1024,
+            ..
+        })
     ));
-    assert!(inbox.claim(&"k".repeat(1024), t(0))?, "1024 bytes is allowed");
+    assert!(
+        inbox.claim(&"k".repeat(1024), t(0))?,
+        "1024 bytes is allowed"
+    );
     assert!(matches!(inbox.seen(""), Err(Error::InvalidInput { .. })));
     let effect_ran = std::cell::Cell::new(false);
     let r = inbox.claim_with("", t(0), |_| {
