@@ -24,6 +24,7 @@ fn ids(entries: &[idemstore::OutboxEntry]) -> Vec<u64> {
 }
 
 #[test]
+#[expect(clippy::many_single_char_names, reason = "entries named by their keys")]
 fn claims_earliest_due_first_then_by_id_and_respects_limit() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();

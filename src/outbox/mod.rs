@@ -256,7 +256,6 @@ pub struct OutboxRecord {
 
 /// The outcome of an enqueue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[must_use]
 pub enum Enqueued {
     /// A new entry.
     New(OutboxId),
