@@ -311,8 +311,24 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
     }
 }
 
-/// An id to act on: mostly a live one, sometimes purged or never issued.
+/// An id to act on: mostly a live one (more often one that is being
+/// dispatched, where most settlements apply), sometimes purged or never
+/// issued.
 fn pick_id(rng: &mut Rng, model: &Model) -> u64 {
+    let in_flight: Vec<u64> = model
+        .records
+        .values()
+        .filter(|r| {
+            matches!(
+                r.entry.status,
+                OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown
+            )
+        })
+        .map(|r| r.entry.id.0)
+        .collect();
+    if !in_flight.is_empty() && rng.chance(60) {
+        return *rng.pick(&in_flight);
+    }
     let live: Vec<u64> = model.records.keys().copied().collect();
     if live.is_empty() || rng.chance(10) {
         1 + rng.below(model.next_id + 2)
