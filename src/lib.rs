@@ -12,7 +12,7 @@
 //! ```
 //! use chrono::Utc;
 //! use idemstore::{Claim, Store};
-//! use idemstore::redb::TableDefinition;
+//! use idemstore::redb::{ReadableTable, TableDefinition};
 //!
 //! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
 //!

@@ -428,6 +428,37 @@ impl Notifier {
 /// The store's outbox. Cheap to clone; every clone (and every
 /// [`Store::outbox`](crate::Store::outbox) of the same store) shares one
 /// set of wake-up subscribers.
+///
+/// ```
+/// use chrono::Utc;
+/// use idemstore::redb::TableDefinition;
+/// use idemstore::{NewEntry, Settlement, Store};
+///
+/// const ORDERS: TableDefinition<&str, &str> = TableDefinition::new("app.orders");
+///
+/// let store = Store::in_memory()?;
+/// let outbox = store.outbox();
+/// let wake = outbox.subscribe();
+///
+/// // The order and the email about it commit together, or neither does.
+/// let now = Utc::now();
+/// store.write(|tx| {
+///     tx.open_table(ORDERS).map_err(idemstore::Error::from)?
+///         .insert("order-1", "paid").map_err(idemstore::Error::from)?;
+///     let email = NewEntry::new("order-1", "mailer", "order-1/receipt", b"Thanks!".to_vec());
+///     outbox.enqueue_in(tx, email, now)
+/// })?;
+/// outbox.notify(); // the commit was ours: wake the dispatchers
+/// assert!(wake.try_recv().is_ok());
+///
+/// // A dispatcher claims due work, performs it, and settles each attempt.
+/// for entry in outbox.claim_due(Utc::now(), 10, "worker-1")? {
+///     // ... send entry.payload to entry.destination ...
+///     outbox.settle(entry.fence(), Settlement::Completed, Utc::now())?;
+/// }
+/// assert_eq!(outbox.counts()?.completed, 1);
+/// # Ok::<_, idemstore::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct Outbox {
     engine: Arc<Engine>,

@@ -118,18 +118,20 @@ pub(super) fn change_many(
     let mut t = Tables::open(tx)?;
     let mut out = Vec::with_capacity(changes.len());
     for (id, attempt, c) in changes {
-        let one = match t.load(*id)? {
-            None => Err(Error::NotFound),
-            Some(old) => match plan(*id, &old, c, Some(*attempt)) {
-                Ok(Some(new)) => {
-                    t.replace(*id, &old, &new)?;
-                    Ok(())
-                }
-                Ok(None) => Ok(()),
-                Err(e) => Err(e),
-            },
-        };
-        out.push(one);
+        // A record that does not decode fails its own settlement only:
+        // earlier ones in the batch may have written already.
+        let planned = t
+            .load(*id)
+            .and_then(|old| old.ok_or(Error::NotFound))
+            .and_then(|old| Ok((plan(*id, &old, c, Some(*attempt))?, old)));
+        out.push(match planned {
+            Ok((Some(new), old)) => {
+                t.replace(*id, &old, &new)?;
+                Ok(())
+            }
+            Ok((None, _)) => Ok(()),
+            Err(e) => Err(e),
+        });
     }
     Ok(out)
 }

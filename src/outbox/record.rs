@@ -81,7 +81,15 @@ impl Stored {
     /// Decodes and checks a stored row (status code, timestamps in range).
     pub(super) fn decode(id: u64, bytes: &[u8]) -> Result<Stored> {
         let stored: Stored = crate::codec::decode(OUTBOX.name(), &id, bytes)?;
-        stored.to_record(id)?;
+        stored.status(id)?;
+        let times = [stored.created_at]
+            .into_iter()
+            .chain(stored.next_attempt_at)
+            .chain(stored.completed_at)
+            .chain(stored.claim.as_ref().map(|c| c.1));
+        for us in times {
+            from_micros(OUTBOX.name(), &id, us)?;
+        }
         Ok(stored)
     }
 
