@@ -546,3 +546,22 @@ fn concurrent_claimers_take_each_entry_exactly_once() -> Result<()> {
     assert!(outbox.check_indexes()?.is_empty());
     Ok(())
 }
+
+#[test]
+fn public_types_are_send_sync_and_wakeups_cross_threads() -> Result<()> {
+    fn assert_send_sync<T: Send + Sync + 'static>() {}
+    assert_send_sync::<idemstore::Outbox>();
+    assert_send_sync::<idemstore::OutboxRecord>();
+    assert_send_sync::<Settlement>();
+    assert_send_sync::<Fence>();
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let wake = store.outbox().subscribe();
+    let waiter = std::thread::spawn(move || wake.recv().is_ok());
+    outbox.enqueue(entry("wake"), t(0))?;
+    assert!(
+        waiter.join().expect("waiter panicked"),
+        "an enqueue through another handle wakes"
+    );
+    Ok(())
+}

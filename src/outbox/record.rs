@@ -299,3 +299,51 @@ pub(super) fn plan(
     );
     Ok(Some(new))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::encode;
+
+    fn stored(status: u8) -> Stored {
+        Stored {
+            command_id: "c".into(),
+            destination: "d".into(),
+            idempotency_key: "k".into(),
+            payload: vec![1, 2, 3],
+            status,
+            attempt_count: 0,
+            next_attempt_at: None,
+            created_at: 1_700_000_000_000_000,
+            completed_at: None,
+            claim: None,
+            last_failure: None,
+            remote_ref: None,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_rejects_unknown_statuses_and_times() {
+        let good = stored(OutboxStatus::Pending.code());
+        assert_eq!(Stored::decode(1, &encode(&good)).unwrap(), good);
+        let bad_status = encode(&stored(9));
+        assert!(matches!(
+            Stored::decode(1, &bad_status),
+            Err(Error::Corrupted { .. })
+        ));
+        let mut bad_time = stored(0);
+        bad_time.next_attempt_at = Some(i64::MAX);
+        assert!(matches!(
+            Stored::decode(1, &encode(&bad_time)),
+            Err(Error::Corrupted { .. })
+        ));
+    }
+
+    #[test]
+    fn status_codes_round_trip() {
+        for s in OutboxStatus::ALL {
+            assert_eq!(OutboxStatus::from_code(s.code()), Some(s));
+        }
+        assert_eq!(OutboxStatus::from_code(5), None);
+    }
+}
