@@ -58,6 +58,8 @@ pub(super) struct Tables<'tx> {
     pub(super) by_command: Table<'tx, (&'static str, i64, u64), ()>,
     pub(super) finished: Table<'tx, (i64, u64), ()>,
     count: Table<'tx, u8, u64>,
+    /// Count changes per status code, written by [`Tables::finish`].
+    deltas: [i64; 5],
 }
 
 impl<'tx> Tables<'tx> {
@@ -70,6 +72,7 @@ impl<'tx> Tables<'tx> {
             by_command: tx.open_table(OUTBOX_BY_COMMAND)?,
             finished: tx.open_table(OUTBOX_FINISHED)?,
             count: tx.open_table(OUTBOX_COUNT)?,
+            deltas: [0; 5],
         })
     }
 
@@ -100,7 +103,8 @@ impl<'tx> Tables<'tx> {
         self.by_command
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
-        self.add_count(s.status, 1)
+        self.add_count(s.status, 1);
+        Ok(())
     }
 
     /// Replaces record `id` (`old` as stored) by `new`, moving its status
@@ -114,8 +118,8 @@ impl<'tx> Tables<'tx> {
             self.put_status_keys(id, new_keys)?;
         }
         if old.status != new.status {
-            self.add_count(old.status, -1)?;
-            self.add_count(new.status, 1)?;
+            self.add_count(old.status, -1);
+            self.add_count(new.status, 1);
         }
         Ok(())
     }
@@ -129,7 +133,8 @@ impl<'tx> Tables<'tx> {
         self.by_command
             .remove((old.command_id.as_str(), old.created_at, id))?;
         self.remove_status_keys(id, keys)?;
-        self.add_count(old.status, -1)
+        self.add_count(old.status, -1);
+        Ok(())
     }
 
     fn put_status_keys(
@@ -166,23 +171,33 @@ impl<'tx> Tables<'tx> {
         Ok(())
     }
 
-    fn add_count(&mut self, status: u8, delta: i64) -> Result<()> {
-        let current = self.count.get(status)?.map_or(0, |v| v.value());
-        let next = current.saturating_add_signed(delta);
-        if next == 0 {
-            self.count.remove(status)?;
-        } else {
-            self.count.insert(status, next)?;
+    /// Notes a count change; [`Tables::finish`] writes it.
+    fn add_count(&mut self, status: u8, delta: i64) {
+        self.deltas[usize::from(status)] += delta;
+    }
+
+    /// Writes the status counters changed since `open`: once per operation,
+    /// not once per entry. Every operation that writes ends with it.
+    pub(super) fn finish(mut self) -> Result<()> {
+        for (code, delta) in (0u8..).zip(self.deltas) {
+            if delta == 0 {
+                continue;
+            }
+            let current = self.count.get(code)?.map_or(0, |v| v.value());
+            let next = current.saturating_add_signed(delta);
+            if next == 0 {
+                self.count.remove(code)?;
+            } else {
+                self.count.insert(code, next)?;
+            }
         }
         Ok(())
     }
 }
 
-/// Hands out the next outbox id (ids start at 1 and only grow).
-pub(super) fn next_id(meta: &mut Table<'_, &'static str, u64>) -> Result<u64> {
-    let id = meta.get(META_OUTBOX_NEXT_ID)?.map_or(1, |v| v.value());
-    meta.insert(META_OUTBOX_NEXT_ID, id + 1)?;
-    Ok(id)
+/// The next outbox id to hand out (ids start at 1 and only grow).
+pub(super) fn next_id(meta: &Table<'_, &'static str, u64>) -> Result<u64> {
+    Ok(meta.get(META_OUTBOX_NEXT_ID)?.map_or(1, |v| v.value()))
 }
 
 /// Opens a table for reading; a table never written is `None`.

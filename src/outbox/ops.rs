@@ -10,7 +10,7 @@ use super::record::{Change, Stored, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
 use crate::codec::micros;
 use crate::error::{Error, Result};
-use crate::schema::{META, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED};
+use crate::schema::{META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED};
 
 /// Enqueues `entries` (already validated) in order; a repeated
 /// `(destination, key)` — stored before or earlier in `entries` — is a
@@ -22,6 +22,8 @@ pub(super) fn enqueue(
 ) -> Result<Vec<Enqueued>> {
     let mut t = Tables::open(tx)?;
     let mut meta = tx.open_table(META)?;
+    let first_id = next_id(&meta)?;
+    let mut id = first_id;
     let mut out = Vec::with_capacity(entries.len());
     for e in entries {
         let existing = t
@@ -32,7 +34,6 @@ pub(super) fn enqueue(
             out.push(Enqueued::Duplicate(OutboxId(id)));
             continue;
         }
-        let id = next_id(&mut meta)?;
         let stored = Stored {
             command_id: e.command_id.clone(),
             destination: e.destination.clone(),
@@ -49,7 +50,12 @@ pub(super) fn enqueue(
         };
         t.insert_new(id, &stored)?;
         out.push(Enqueued::New(OutboxId(id)));
+        id += 1;
     }
+    if id != first_id {
+        meta.insert(META_OUTBOX_NEXT_ID, id)?;
+    }
+    t.finish()?;
     Ok(out)
 }
 
@@ -88,6 +94,7 @@ pub(super) fn claim_due(
         t.replace(id, &old, &new)?;
         out.push(entry);
     }
+    t.finish()?;
     Ok(out)
 }
 
@@ -104,6 +111,7 @@ pub(super) fn change(
     match plan(id, &old, change, fence)? {
         Some(new) => {
             t.replace(id, &old, &new)?;
+            t.finish()?;
             new.status(id)
         }
         None => old.status(id),
@@ -133,6 +141,7 @@ pub(super) fn change_many(
             Err(e) => Err(e),
         });
     }
+    t.finish()?;
     Ok(out)
 }
 
@@ -158,6 +167,7 @@ pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<
     for (id, old, new) in &plans {
         t.replace(*id, old, new)?;
     }
+    t.finish()?;
     Ok(plans.into_iter().map(|(id, ..)| OutboxId(id)).collect())
 }
 
@@ -181,6 +191,7 @@ pub(super) fn purge_finished(tx: &WriteTransaction, cutoff: i64) -> Result<u64> 
     for (id, old) in &doomed {
         t.delete(*id, old)?;
     }
+    t.finish()?;
     Ok(doomed.len() as u64)
 }
 
