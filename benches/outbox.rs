@@ -8,7 +8,8 @@
 //!   work, not the disk.
 //! - enqueue → claim → complete cycles, durable (`Durability::Immediate`
 //!   against `SQLite` WAL with `synchronous=FULL`): one entry per cycle, and
-//!   100 entries per cycle through the bulk calls.
+//!   100 entries per cycle through the bulk calls, and one entry per cycle
+//!   from 8 threads at once (where group commit shares fsyncs).
 //!
 //! Run with `cargo bench --bench outbox`.
 
@@ -328,6 +329,74 @@ fn cycles(c: &mut Criterion) {
     group.finish();
 }
 
+/// Threads in the concurrent cycle benchmark.
+const THREADS: u64 = 8;
+
+/// Runs `cycle(thread, n)` on [`THREADS`] threads, `iters` cycles in all;
+/// returns the wall time.
+fn on_threads(iters: u64, cycle: impl Fn(u64, u64) + Sync) -> Duration {
+    let per_thread = iters.div_ceil(THREADS);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for thread in 0..THREADS {
+            let cycle = &cycle;
+            s.spawn(move || cycle(thread, per_thread));
+        }
+    });
+    start.elapsed()
+}
+
+fn concurrent_cycles(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cycle_durable_8_threads");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(4));
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("threads.idem")).unwrap();
+    let outbox = store.outbox();
+    let round = std::sync::atomic::AtomicU64::new(0);
+    group.bench_function("idemstore", |b| {
+        b.iter_custom(|iters| {
+            let base = round.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32;
+            let d = on_threads(iters, |thread, n| {
+                let worker = format!("w{thread}");
+                for i in 0..n {
+                    let key = base | (thread << 24) | i;
+                    outbox.enqueue(entry(key), t(0)).unwrap();
+                    for e in outbox.claim_due(t(10), 1, &worker).unwrap() {
+                        outbox
+                            .settle(e.fence(), Settlement::Completed, t(20))
+                            .unwrap();
+                    }
+                }
+            });
+            record("threads idemstore", d, iters.div_ceil(THREADS) * THREADS);
+            d
+        });
+    });
+    drop(store);
+    let path = dir.path().join("threads.sqlite");
+    drop(sqlite(&path, "FULL"));
+    group.bench_function("sqlite", |b| {
+        b.iter_custom(|iters| {
+            let base = round.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32;
+            let d = on_threads(iters, |thread, n| {
+                let conn = sqlite(&path, "FULL");
+                conn.busy_timeout(Duration::from_secs(30)).unwrap();
+                for i in 0..n {
+                    sql_insert(&conn, base | (thread << 24) | i);
+                    let claimed = sql_claim(&conn, 1);
+                    sql_complete(&conn, &claimed);
+                }
+            });
+            record("threads sqlite", d, iters.div_ceil(THREADS) * THREADS);
+            d
+        });
+    });
+    group.finish();
+}
+
 fn summary() {
     let small = micros_per_iter("idemstore/5k");
     let large = micros_per_iter("idemstore/200k");
@@ -362,12 +431,19 @@ fn summary() {
         "  100 per cycle: idemstore {hundred:9.0} entries/s   SQLite {sql_hundred:9.0} entries/s   ratio {:.2}x",
         hundred / sql_hundred
     );
+    let threads = 1e6 / micros_per_iter("threads idemstore");
+    let sql_threads = 1e6 / micros_per_iter("threads sqlite");
+    println!(
+        "  {THREADS} threads, 1 per cycle each: idemstore {threads:9.0} entries/s   SQLite {sql_threads:9.0} entries/s   ratio {:.2}x",
+        threads / sql_threads
+    );
 }
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     claim_scaling(&mut c);
     cycles(&mut c);
+    concurrent_cycles(&mut c);
     c.final_summary();
     if !FIGURES.lock().unwrap().is_empty() {
         summary();
