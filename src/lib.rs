@@ -65,7 +65,10 @@ pub use idempotency::{
     MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint,
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
-pub use outbox::Outbox;
+pub use outbox::{
+    Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox, OutboxClaim, OutboxCounts,
+    OutboxEntry, OutboxId, OutboxRecord, OutboxStatus, Settlement,
+};
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,
     Store, StoreBuilder,

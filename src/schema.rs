@@ -10,7 +10,8 @@
 //! - inbox: a row `(inbox, key) → seen_at` exists iff `(inbox, seen_at, key)`
 //!   exists in [`INBOX_SEEN`]; [`INBOX_COUNT`] holds the number of rows of
 //!   each inbox.
-//! - outbox: see `src/outbox/` for the record and its four indexes.
+//! - outbox: see `src/outbox/index.rs` for the record, its five indexes and
+//!   the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
 //!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`], where
 //!   `created_at` is the response's creation time for a completed row and the

@@ -35,6 +35,8 @@ pub struct Store {
     limits: Limits,
     /// Counters shared by every `IdempotencyKeys` handle of this store.
     idempotency_counters: Arc<crate::idempotency::Counters>,
+    /// One outbox per store, so its wake-up subscribers are shared.
+    outbox: Outbox,
 }
 
 /// Size limits shared by the primitives.
@@ -160,8 +162,10 @@ impl StoreBuilder {
             },
             path,
         )?;
+        let engine = Arc::new(engine);
         let store = Store {
-            engine: Arc::new(engine),
+            outbox: Outbox::new(engine.clone(), self.max_body),
+            engine,
             limits: Limits {
                 max_body: self.max_body,
             },
@@ -275,9 +279,10 @@ impl Store {
         Inbox::new(self.engine.clone(), name)
     }
 
-    /// The store's outbox.
+    /// The store's outbox. Every call returns a handle to the same outbox
+    /// (sharing its wake-up subscribers).
     pub fn outbox(&self) -> Outbox {
-        Outbox::new(self.engine.clone(), self.limits.max_body)
+        self.outbox.clone()
     }
 
     /// The store's HTTP idempotency-key records.

@@ -1,16 +1,469 @@
 //! [`Outbox`]: external side effects awaiting dispatch.
+//!
+//! An application enqueues an effect (a [`NewEntry`]) in the same write
+//! transaction as the state change that calls for it
+//! ([`Outbox::enqueue_in`]), so the effect is recorded if and only if the
+//! change commits. A dispatcher then claims due entries
+//! ([`Outbox::claim_due`]), performs them and settles each claim with its
+//! [`Fence`] ([`Outbox::settle`]).
+//!
+//! # Statuses
+//!
+//! An entry is `Pending` until due and claimed, `Dispatching` while a
+//! worker performs it, then `Completed`, `Failed` (given up), back to
+//! `Pending` (a retry, a reschedule, a released claim), or `OutcomeUnknown`
+//! (the worker cannot tell whether the effect happened) until someone
+//! settles it. `Completed` and `Failed` are terminal; an operator's
+//! [`Outbox::requeue`] is the one way back from `Failed`.
+//!
+//! The exact table, with the accepted no-op cells, is on
+//! [`OutboxStatus`]. Every refused edge is [`Error::Conflict`] and changes
+//! nothing; an unknown id is [`Error::NotFound`].
+//!
+//! # Fencing
+//!
+//! Every claim increments the entry's `attempt_count`, which never
+//! decreases. [`OutboxEntry::fence`] captures `(id, attempt)` at claim time;
+//! [`Outbox::settle`] applies a [`Settlement`] only if the entry is still at
+//! that attempt and still `Dispatching` or `OutcomeUnknown`. A dispatcher
+//! whose claim expired and was released (and perhaps claimed by another
+//! worker) gets [`Error::Conflict`] and changes nothing. Repeating a
+//! settlement that already took effect (complete twice, fail finally twice)
+//! is accepted, so a dispatcher may retry a settle call whose answer it lost.
+//! The unfenced `mark_*` calls are for operators.
+//!
+//! # Wake-ups
+//!
+//! [`Outbox::subscribe`] hands out a channel that receives `()` after a
+//! commit that may have made work due sooner: an enqueue, a retry, a
+//! reschedule, a requeue or a released claim. Signals coalesce (one pending
+//! signal per subscriber). A dispatcher waits on it with a timeout of
+//! [`Outbox::next_due`] minus now. The `*_in` calls cannot signal, because
+//! the commit is the caller's: call [`Outbox::notify`] after your
+//! [`Store::write`](crate::Store::write) returns.
+//!
+//! # Layout
+//!
+//! One row per entry (`id → record`) and five index tables written in the
+//! same transaction: see `src/outbox/index.rs` for the invariants, which
+//! [`Outbox::check_indexes`] verifies.
 
+mod index;
+mod ops;
+mod record;
+
+use std::fmt;
 use std::sync::Arc;
 
-use crate::engine::Engine;
+use chrono::{DateTime, Utc};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use parking_lot::Mutex;
+use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
-/// The store's outbox. Cheap to clone.
+use crate::codec::{from_micros, micros};
+use crate::engine::Engine;
+use crate::error::{Error, Result, check_len};
+use crate::schema::{OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE};
+use index::open_read;
+use record::{Change, Stored};
+
+/// Longest `command_id`, `destination`, `idempotency_key`, `worker_id`,
+/// failure reason and remote reference accepted, in bytes.
+pub const MAX_OUTBOX_FIELD_LEN: usize = 1024;
+
+/// An outbox entry's id: assigned by the store, increasing in enqueue order
+/// (also across reopens), never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OutboxId(pub u64);
+
+impl fmt::Display for OutboxId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where an outbox entry is in its life.
+///
+/// | from \ op      | claim_due | mark_completed | mark_failed(retry) | mark_failed(none) | mark_outcome_unknown | reschedule | release_expired | requeue |
+/// |----------------|-----------|----------------|--------------------|-------------------|----------------------|------------|-----------------|---------|
+/// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict |
+/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →OutcomeUnknown      | →Pending   | →Pending (if claimed before cutoff) | Conflict |
+/// | OutcomeUnknown | —         | →Completed     | →Pending           | →Failed           | accepted; fills a missing remote_ref | →Pending | — | →Pending |
+/// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict |
+/// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OutboxStatus {
+    /// Waiting to be claimed once due.
+    Pending,
+    /// Claimed by a worker, which is performing the effect.
+    Dispatching,
+    /// The effect happened. Terminal.
+    Completed,
+    /// The effect was given up on. Terminal (an operator may
+    /// [`requeue`](Outbox::requeue) it).
+    Failed,
+    /// The worker cannot tell whether the effect happened (a timeout after
+    /// sending). Needs reconciliation: complete, fail or requeue it.
+    OutcomeUnknown,
+}
+
+impl OutboxStatus {
+    /// Every status, in code order.
+    pub const ALL: [OutboxStatus; 5] = [
+        OutboxStatus::Pending,
+        OutboxStatus::Dispatching,
+        OutboxStatus::Completed,
+        OutboxStatus::Failed,
+        OutboxStatus::OutcomeUnknown,
+    ];
+
+    /// Whether some operation moves an entry from `self` to `to`: the edges
+    /// of the table above. `Pending → Pending` (a new due time) and
+    /// `OutcomeUnknown → OutcomeUnknown` (a remote reference filled in)
+    /// count; the accepted no-op cells on `Completed` and `Failed` change
+    /// nothing and do not.
+    pub fn can_transition(self, to: OutboxStatus) -> bool {
+        use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
+        matches!(
+            (self, to),
+            (Pending, Pending | Dispatching)
+                | (
+                    Dispatching | OutcomeUnknown,
+                    Pending | Completed | Failed | OutcomeUnknown
+                )
+                | (Failed, Pending)
+        )
+    }
+
+    /// Whether the entry is finished (`Completed` or `Failed`): it has a
+    /// `completed_at` and is what [`Outbox::purge_finished`] removes.
+    pub fn is_finished(self) -> bool {
+        matches!(self, OutboxStatus::Completed | OutboxStatus::Failed)
+    }
+}
+
+/// An effect to enqueue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEntry {
+    /// The command (or business operation) the effect belongs to; entries
+    /// are listed by it. 1–1024 bytes.
+    pub command_id: String,
+    /// Where the effect goes (a service, a topic). 1–1024 bytes.
+    pub destination: String,
+    /// Unique per destination: a second enqueue with the same
+    /// `(destination, idempotency_key)` is a [`Enqueued::Duplicate`]. Send
+    /// it with the effect so the receiver can deduplicate too. 1–1024 bytes.
+    pub idempotency_key: String,
+    /// The effect's body, up to the store's `max_body` (default 1 MiB).
+    pub payload: Vec<u8>,
+    /// Not due before this time (default: due at once).
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+impl NewEntry {
+    /// An entry due at once.
+    pub fn new(
+        command_id: impl Into<String>,
+        destination: impl Into<String>,
+        idempotency_key: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        NewEntry {
+            command_id: command_id.into(),
+            destination: destination.into(),
+            idempotency_key: idempotency_key.into(),
+            payload: payload.into(),
+            not_before: None,
+        }
+    }
+
+    /// Makes the entry due from `at` on (its `next_attempt_at`).
+    #[must_use]
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(at);
+        self
+    }
+}
+
+/// An outbox entry as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEntry {
+    /// Its id.
+    pub id: OutboxId,
+    /// As enqueued.
+    pub command_id: String,
+    /// As enqueued.
+    pub destination: String,
+    /// As enqueued.
+    pub idempotency_key: String,
+    /// As enqueued.
+    pub payload: Vec<u8>,
+    /// Where it is in its life.
+    pub status: OutboxStatus,
+    /// How many times it was claimed; the current claim's attempt number
+    /// while `Dispatching`. Never decreases.
+    pub attempt_count: u32,
+    /// When it is (or was) due, if not at creation: `not_before`, a retry
+    /// time, a reschedule. `None` once finished.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The `now` of its enqueue.
+    pub created_at: DateTime<Utc>,
+    /// When it was completed or finally failed; `None` otherwise.
+    pub completed_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxEntry {
+    /// The fence of the entry's current attempt, to settle it with
+    /// [`Outbox::settle`]. Take it from an entry [`Outbox::claim_due`]
+    /// returned.
+    pub fn fence(&self) -> Fence {
+        Fence {
+            id: self.id,
+            attempt: self.attempt_count,
+        }
+    }
+
+    /// When the entry is due if `Pending`: `next_attempt_at`, else
+    /// `created_at`.
+    pub fn due_at(&self) -> DateTime<Utc> {
+        self.next_attempt_at.unwrap_or(self.created_at)
+    }
+}
+
+/// Who holds an entry's current attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxClaim {
+    /// The `worker_id` given to [`Outbox::claim_due`].
+    pub worker_id: String,
+    /// The `now` of that claim.
+    pub claimed_at: DateTime<Utc>,
+}
+
+/// An entry with its claim and settlement details.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// The entry.
+    pub entry: OutboxEntry,
+    /// The current claim: present while `Dispatching`, and kept while
+    /// `OutcomeUnknown` (the attempt in doubt); `None` otherwise.
+    pub claim: Option<OutboxClaim>,
+    /// The reason of the latest `mark_failed`, kept across retries.
+    pub last_failure: Option<String>,
+    /// The remote system's reference for the attempt, from
+    /// `mark_outcome_unknown`, kept once set.
+    pub remote_ref: Option<String>,
+}
+
+/// The outcome of an enqueue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Enqueued {
+    /// A new entry.
+    New(OutboxId),
+    /// `(destination, idempotency_key)` was already enqueued, as this id;
+    /// nothing changed.
+    Duplicate(OutboxId),
+}
+
+impl Enqueued {
+    /// The entry's id, new or existing.
+    pub fn id(&self) -> OutboxId {
+        match *self {
+            Enqueued::New(id) | Enqueued::Duplicate(id) => id,
+        }
+    }
+
+    /// Whether the enqueue created the entry.
+    pub fn is_new(&self) -> bool {
+        matches!(self, Enqueued::New(_))
+    }
+}
+
+/// One claimed attempt of one entry: the right to settle it.
+///
+/// Taken from a claimed entry with [`OutboxEntry::fence`]. It stays valid
+/// while the entry is at this attempt and `Dispatching` or
+/// `OutcomeUnknown`; after a release, a reschedule or a new claim it is
+/// stale and [`Outbox::settle`] refuses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fence {
+    /// The entry.
+    pub id: OutboxId,
+    /// The attempt number (`attempt_count` right after the claim).
+    pub attempt: u32,
+}
+
+impl fmt::Display for Fence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.id, self.attempt)
+    }
+}
+
+/// How a dispatcher settles an attempt ([`Outbox::settle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settlement {
+    /// The effect happened: `Completed`, `completed_at = now`.
+    Completed,
+    /// The attempt failed with `reason` (a stable code): retry at
+    /// `retry_at` (`Pending`), or give up (`Failed`, `completed_at = now`).
+    Failed {
+        /// A stable failure code, stored as `last_failure`. 1–1024 bytes.
+        reason: String,
+        /// When to try again; `None` gives up.
+        retry_at: Option<DateTime<Utc>>,
+    },
+    /// The effect may or may not have happened: `OutcomeUnknown`.
+    OutcomeUnknown {
+        /// The remote system's reference, if one came back. 1–1024 bytes.
+        remote_ref: Option<String>,
+    },
+    /// Give the attempt back without a failure: `Pending`, due at `at`
+    /// (for example, the destination asked to slow down).
+    Rescheduled {
+        /// The new due time.
+        at: DateTime<Utc>,
+    },
+}
+
+impl Settlement {
+    fn check(&self) -> Result<()> {
+        match self {
+            Settlement::Failed { reason, .. } => check_field("reason", reason),
+            Settlement::OutcomeUnknown {
+                remote_ref: Some(r),
+            } => check_field("remote_ref", r),
+            _ => Ok(()),
+        }
+    }
+
+    fn into_change(self, now: DateTime<Utc>) -> Change {
+        match self {
+            Settlement::Completed => Change::Complete { now: micros(now) },
+            Settlement::Failed { reason, retry_at } => Change::Fail {
+                reason,
+                retry_at: retry_at.map(micros),
+                now: micros(now),
+            },
+            Settlement::OutcomeUnknown { remote_ref } => Change::OutcomeUnknown { remote_ref },
+            Settlement::Rescheduled { at } => Change::Reschedule { at: micros(at) },
+        }
+    }
+
+    /// Whether applying it may make work due (a wake-up is worth sending).
+    fn makes_work(&self) -> bool {
+        matches!(
+            self,
+            Settlement::Rescheduled { .. }
+                | Settlement::Failed {
+                    retry_at: Some(_),
+                    ..
+                }
+        )
+    }
+}
+
+/// Number of entries in each status ([`Outbox::counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct OutboxCounts {
+    /// `Pending` entries (due or not).
+    pub pending: u64,
+    /// `Dispatching` entries.
+    pub dispatching: u64,
+    /// `Completed` entries not yet purged.
+    pub completed: u64,
+    /// `Failed` entries not yet purged.
+    pub failed: u64,
+    /// `OutcomeUnknown` entries.
+    pub outcome_unknown: u64,
+}
+
+impl OutboxCounts {
+    /// The count of one status.
+    pub fn get(&self, status: OutboxStatus) -> u64 {
+        match status {
+            OutboxStatus::Pending => self.pending,
+            OutboxStatus::Dispatching => self.dispatching,
+            OutboxStatus::Completed => self.completed,
+            OutboxStatus::Failed => self.failed,
+            OutboxStatus::OutcomeUnknown => self.outcome_unknown,
+        }
+    }
+
+    /// All entries.
+    pub fn total(&self) -> u64 {
+        OutboxStatus::ALL.iter().map(|s| self.get(*s)).sum()
+    }
+
+    fn slot(&mut self, status: OutboxStatus) -> &mut u64 {
+        match status {
+            OutboxStatus::Pending => &mut self.pending,
+            OutboxStatus::Dispatching => &mut self.dispatching,
+            OutboxStatus::Completed => &mut self.completed,
+            OutboxStatus::Failed => &mut self.failed,
+            OutboxStatus::OutcomeUnknown => &mut self.outcome_unknown,
+        }
+    }
+}
+
+/// In-process wake-ups for dispatchers.
+#[derive(Debug, Default)]
+struct Notifier {
+    subscribers: Mutex<Vec<Sender<()>>>,
+}
+
+impl Notifier {
+    fn subscribe(&self) -> Receiver<()> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.subscribers.lock().push(tx);
+        rx
+    }
+
+    fn notify(&self) {
+        // A full channel already holds a signal; a closed one is dropped.
+        self.subscribers
+            .lock()
+            .retain(|s| !matches!(s.try_send(()), Err(TrySendError::Disconnected(()))));
+    }
+}
+
+/// The store's outbox. Cheap to clone; every clone (and every
+/// [`Store::outbox`](crate::Store::outbox) of the same store) shares one
+/// set of wake-up subscribers.
+///
+/// ```
+/// use chrono::Utc;
+/// use idemstore::redb::TableDefinition;
+/// use idemstore::{NewEntry, Settlement, Store};
+///
+/// const ORDERS: TableDefinition<&str, &str> = TableDefinition::new("app.orders");
+///
+/// let store = Store::in_memory()?;
+/// let outbox = store.outbox();
+/// let wake = outbox.subscribe();
+///
+/// // The order and the email about it commit together, or neither does.
+/// let now = Utc::now();
+/// store.write(|tx| {
+///     tx.open_table(ORDERS).map_err(idemstore::Error::from)?
+///         .insert("order-1", "paid").map_err(idemstore::Error::from)?;
+///     let email = NewEntry::new("order-1", "mailer", "order-1/receipt", b"Thanks!".to_vec());
+///     outbox.enqueue_in(tx, email, now)
+/// })?;
+/// outbox.notify(); // the commit was ours: wake the dispatchers
+/// assert!(wake.try_recv().is_ok());
+///
+/// // A dispatcher claims due work, performs it, and settles each attempt.
+/// for entry in outbox.claim_due(Utc::now(), 10, "worker-1")? {
+///     // ... send entry.payload to entry.destination ...
+///     outbox.settle(entry.fence(), Settlement::Completed, Utc::now())?;
+/// }
+/// assert_eq!(outbox.counts()?.completed, 1);
+/// # Ok::<_, idemstore::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct Outbox {
-    #[allow(dead_code)]
     engine: Arc<Engine>,
-    #[allow(dead_code)]
     max_payload: usize,
+    notifier: Arc<Notifier>,
 }
 
 impl Outbox {
@@ -18,6 +471,409 @@ impl Outbox {
         Outbox {
             engine,
             max_payload,
+            notifier: Arc::default(),
         }
+    }
+
+    /// Enqueues `entry`, created at `now`: `Enqueued::New(id)`, or
+    /// `Enqueued::Duplicate(existing)` (nothing changed) if its
+    /// `(destination, idempotency_key)` is already in the outbox. Returns
+    /// once durable, and wakes subscribers if new.
+    pub fn enqueue(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
+        let mut out = self.enqueue_many(vec![entry], now)?;
+        Ok(out.remove(0))
+    }
+
+    /// [`Outbox::enqueue`] inside the caller's own write transaction (from
+    /// [`Store::write`](crate::Store::write)): the entry commits or rolls
+    /// back with the caller's writes. Call [`Outbox::notify`] after the
+    /// `write` returns to wake dispatchers.
+    pub fn enqueue_in(
+        &self,
+        tx: &WriteTransaction,
+        entry: NewEntry,
+        now: DateTime<Utc>,
+    ) -> Result<Enqueued> {
+        self.check_entry(&entry)?;
+        let mut out = ops::enqueue(tx, &[entry], micros(now))?;
+        Ok(out.remove(0))
+    }
+
+    /// Enqueues many entries in one commit, in order. Every entry is checked
+    /// first: one bad entry fails the call and enqueues nothing. An entry
+    /// repeating an earlier one's `(destination, idempotency_key)` is a
+    /// `Duplicate` of it.
+    pub fn enqueue_many(
+        &self,
+        entries: impl IntoIterator<Item = NewEntry>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Enqueued>> {
+        let entries: Vec<NewEntry> = entries.into_iter().collect();
+        for e in &entries {
+            self.check_entry(e)?;
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = micros(now);
+        let out = self
+            .engine
+            .execute(move |tx| ops::enqueue(tx, &entries, now))?;
+        if out.iter().any(Enqueued::is_new) {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// Claims up to `limit` due `Pending` entries for `worker_id`: those
+    /// with `next_attempt_at` absent or `<= now`, earliest due first
+    /// (`next_attempt_at`, else `created_at`), then by id. Each becomes
+    /// `Dispatching` with `attempt_count + 1` and the claim
+    /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
+    /// [`Outbox::get`] returns for them afterwards. Concurrent claimers never
+    /// get the same entry. Costs O(limit · log n), whatever the backlog.
+    pub fn claim_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        check_field("worker_id", worker_id)?;
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let worker = worker_id.to_owned();
+        let now = micros(now);
+        self.engine
+            .execute(move |tx| ops::claim_due(tx, now, limit, &worker))
+    }
+
+    /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
+    /// `settlement`, at `now`.
+    ///
+    /// [`Error::Conflict`], changing nothing, if the fence is stale (the
+    /// entry moved on to another attempt, or was released, rescheduled or
+    /// settled otherwise) or the settlement is not allowed from the entry's
+    /// status. Settling the same attempt again the same final way
+    /// (completed twice, failed without retry twice) is accepted and changes
+    /// nothing. [`Error::NotFound`] if the entry is gone.
+    pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
+        settlement.check()?;
+        let wake = settlement.makes_work();
+        let change = settlement.into_change(now);
+        self.engine
+            .execute(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))?;
+        if wake {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    /// [`Outbox::settle`] inside the caller's own write transaction (for a
+    /// dispatcher that records the effect's result in its own tables in the
+    /// same commit). Call [`Outbox::notify`] after the `write` returns if
+    /// the settlement was a retry or a reschedule.
+    pub fn settle_in(
+        &self,
+        tx: &WriteTransaction,
+        fence: Fence,
+        settlement: &Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        settlement.check()?;
+        ops::change(
+            tx,
+            fence.id.0,
+            &settlement.clone().into_change(now),
+            Some(fence.attempt),
+        )
+        .map(drop)
+    }
+
+    /// Settles many attempts in one commit (a dispatcher finishing a batch).
+    /// Each settlement succeeds or fails on its own, exactly as
+    /// [`Outbox::settle`] would: the answer holds one result per input, in
+    /// order. The outer `Err` is for bad input (nothing written) and storage
+    /// failures.
+    pub fn settle_many(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
+        let mut wake = false;
+        let mut changes = Vec::new();
+        for (fence, s) in settlements {
+            s.check()?;
+            wake |= s.makes_work();
+            changes.push((fence.id.0, fence.attempt, s.into_change(now)));
+        }
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let out = self
+            .engine
+            .execute(move |tx| ops::change_many(tx, &changes))?;
+        if wake && out.iter().any(Result::is_ok) {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// Operator call: marks `id` `Completed` at `now`, unfenced. Allowed from
+    /// `Dispatching` and `OutcomeUnknown`; accepted without change on
+    /// `Completed`; otherwise [`Error::Conflict`].
+    pub fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, Change::Complete { now: micros(now) })
+    }
+
+    /// Operator call, unfenced: records `reason` (a stable code, 1–1024
+    /// bytes) as `last_failure`, then with `retry_at` moves the entry to
+    /// `Pending` due then (from `Pending`, `Dispatching`, `OutcomeUnknown`),
+    /// without it to `Failed` stamped `completed_at = now` (from
+    /// `Dispatching`, `OutcomeUnknown`; accepted without change on
+    /// `Failed`). Otherwise [`Error::Conflict`].
+    pub fn mark_failed(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        retry_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        check_field("reason", reason)?;
+        self.change(
+            id,
+            Change::Fail {
+                reason: reason.to_owned(),
+                retry_at: retry_at.map(micros),
+                now: micros(now),
+            },
+        )
+    }
+
+    /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
+    /// `remote_ref` if given. On `OutcomeUnknown` it is accepted and fills
+    /// the remote reference only if none is stored yet. Otherwise
+    /// [`Error::Conflict`].
+    pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
+        if let Some(r) = remote_ref {
+            check_field("remote_ref", r)?;
+        }
+        self.change(
+            id,
+            Change::OutcomeUnknown {
+                remote_ref: remote_ref.map(str::to_owned),
+            },
+        )
+    }
+
+    /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
+    /// `OutcomeUnknown` entry to `Pending` due at `next_attempt_at` (the
+    /// claim, if any, is dropped; `attempt_count` stays). Otherwise
+    /// [`Error::Conflict`].
+    pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        self.change(
+            id,
+            Change::Reschedule {
+                at: micros(next_attempt_at),
+            },
+        )
+    }
+
+    /// Operator call: the one way out of a terminal status. Moves a `Failed`
+    /// or `OutcomeUnknown` entry back to `Pending`, due at `due`, clearing
+    /// `completed_at` and the claim (`attempt_count`, `last_failure` and
+    /// `remote_ref` stay). Anything else is [`Error::Conflict`].
+    pub fn requeue(&self, id: OutboxId, due: DateTime<Utc>) -> Result<()> {
+        self.change(id, Change::Requeue { due: micros(due) })
+    }
+
+    /// Moves every `Dispatching` entry claimed strictly before
+    /// `claimed_before` back to `Pending` (the reaper for crashed
+    /// dispatchers) and returns their ids, oldest claim first. A released
+    /// entry is due at its `claimed_at` — it was due then, so it is due
+    /// immediately and keeps its place ahead of work that became due later.
+    /// Costs what it releases (it walks the claims index).
+    pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        let cutoff = micros(claimed_before);
+        let out = self
+            .engine
+            .execute(move |tx| ops::release_expired(tx, cutoff))?;
+        if !out.is_empty() {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// Deletes `Completed` and `Failed` entries whose `completed_at` is
+    /// strictly before `before`, with all their index rows; returns how many.
+    /// Costs what it removes. A purged entry's `(destination,
+    /// idempotency_key)` can be enqueued again: purge only past the window in
+    /// which duplicates can arrive.
+    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+        let cutoff = micros(before);
+        self.engine
+            .execute(move |tx| ops::purge_finished(tx, cutoff))
+    }
+
+    /// The entry `id` with its claim and settlement details;
+    /// [`Error::NotFound`] if there is none.
+    pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
+        self.engine.read(|tx| {
+            let Some(rows) = open_read(tx, OUTBOX)? else {
+                return Err(Error::NotFound);
+            };
+            let row = rows.get(id.0)?.ok_or(Error::NotFound)?;
+            Stored::decode(id.0, row.value())?.to_record(id.0)
+        })
+    }
+
+    /// The entry enqueued as `(destination, idempotency_key)`, if any.
+    pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
+        check_field("destination", destination)?;
+        check_field("idempotency_key", idempotency_key)?;
+        self.engine.read(|tx| {
+            let Some(dedup) = open_read(tx, OUTBOX_DEDUP)? else {
+                return Ok(None);
+            };
+            let Some(id) = dedup
+                .get((destination, idempotency_key))?
+                .map(|v| v.value())
+            else {
+                return Ok(None);
+            };
+            let rows = open_read(tx, OUTBOX)?.ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))?;
+            let row = rows
+                .get(id)?
+                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))?;
+            Stored::decode(id, row.value())?.to_record(id).map(Some)
+        })
+    }
+
+    /// Every entry of `command_id`, by `created_at`, then id.
+    pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
+        check_field("command_id", command_id)?;
+        self.engine.read(|tx| {
+            let (Some(index), Some(rows)) =
+                (open_read(tx, OUTBOX_BY_COMMAND)?, open_read(tx, OUTBOX)?)
+            else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
+                let id = key?.0.value().2;
+                let row = rows
+                    .get(id)?
+                    .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?;
+                out.push(Stored::decode(id, row.value())?.to_record(id)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// How many entries are in each status (from counters, no scan).
+    pub fn counts(&self) -> Result<OutboxCounts> {
+        self.engine.read(|tx| {
+            let mut counts = OutboxCounts::default();
+            if let Some(t) = open_read(tx, OUTBOX_COUNT)? {
+                for row in t.iter()? {
+                    let (k, v) = row?;
+                    let status =
+                        OutboxStatus::from_code(k.value()).ok_or_else(|| Error::Corrupted {
+                            table: OUTBOX_COUNT.name(),
+                            key: k.value().to_string(),
+                            reason: "unknown status code".into(),
+                        })?;
+                    *counts.slot(status) = v.value();
+                }
+            }
+            Ok(counts)
+        })
+    }
+
+    /// The earliest due time of any `Pending` entry (possibly in the past:
+    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
+    /// until then, or until a [`subscribe`](Outbox::subscribe) signal.
+    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read(|tx| {
+            let Some(due) = open_read(tx, OUTBOX_DUE)? else {
+                return Ok(None);
+            };
+            match due.first()? {
+                Some((k, _)) => {
+                    let (at, id) = k.value();
+                    from_micros(OUTBOX_DUE.name(), &id, at).map(Some)
+                }
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Checks every invariant between outbox rows, their index rows and the
+    /// counters (see the module docs); returns one human-readable finding
+    /// per violation, none if the outbox is consistent. Reads the whole
+    /// outbox in one read transaction: for tests and offline checks.
+    pub fn check_indexes(&self) -> Result<Vec<String>> {
+        self.engine.read(index::check)
+    }
+
+    /// A channel that receives `()` after a commit of this store's outbox
+    /// that may have made work due sooner (enqueue, retry, reschedule,
+    /// requeue, released claims), and after [`Outbox::notify`]. Signals
+    /// coalesce: at most one waits in the channel. Dropping the receiver
+    /// unsubscribes.
+    pub fn subscribe(&self) -> Receiver<()> {
+        self.notifier.subscribe()
+    }
+
+    /// Wakes every subscriber. The store calls it itself after its own
+    /// commits; call it after a [`Store::write`](crate::Store::write) that
+    /// used [`Outbox::enqueue_in`] or [`Outbox::settle_in`] has returned
+    /// (never before: the work must be committed when a dispatcher looks).
+    pub fn notify(&self) {
+        self.notifier.notify();
+    }
+
+    fn change(&self, id: OutboxId, change: Change) -> Result<()> {
+        let wake = matches!(
+            change,
+            Change::Reschedule { .. }
+                | Change::Requeue { .. }
+                | Change::Fail {
+                    retry_at: Some(_),
+                    ..
+                }
+        );
+        self.engine
+            .execute(move |tx| ops::change(tx, id.0, &change, None))?;
+        if wake {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    fn check_entry(&self, e: &NewEntry) -> Result<()> {
+        check_field("command_id", &e.command_id)?;
+        check_field("destination", &e.destination)?;
+        check_field("idempotency_key", &e.idempotency_key)?;
+        if e.payload.len() > self.max_payload {
+            return Err(Error::TooLarge {
+                field: "payload",
+                len: e.payload.len(),
+                max: self.max_payload,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_field(field: &'static str, value: &str) -> Result<()> {
+    check_len(field, value, MAX_OUTBOX_FIELD_LEN)
+}
+
+fn dangling(table: &'static str, id: u64) -> Error {
+    Error::Corrupted {
+        table,
+        key: id.to_string(),
+        reason: "index row without its outbox record".into(),
     }
 }

@@ -1,0 +1,347 @@
+//! Every outbox status × every operation of the status table: the result,
+//! the status after, and that refused or no-op operations change nothing.
+
+use chrono::{DateTime, TimeZone, Utc};
+use idemstore::{
+    Error, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Result, Settlement, Store,
+};
+
+fn t(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+}
+
+const CREATED: i64 = 0;
+const CLAIMED: i64 = 10;
+const OP_TIME: i64 = 20;
+const RETRY: i64 = 500;
+
+/// A fresh outbox holding one entry in `status`, reached the ordinary way
+/// (claimed at `CLAIMED`, so at attempt 1 unless `Pending`).
+fn entry_in(status: OutboxStatus) -> Result<(Store, Outbox, OutboxId)> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let id = outbox
+        .enqueue(
+            NewEntry::new("cmd", "dest", "key", b"payload".to_vec()),
+            t(CREATED),
+        )?
+        .id();
+    if status != OutboxStatus::Pending {
+        let claimed = outbox.claim_due(t(CLAIMED), 1, "worker-a")?;
+        assert_eq!(claimed.len(), 1);
+    }
+    match status {
+        OutboxStatus::Pending | OutboxStatus::Dispatching => {}
+        OutboxStatus::Completed => outbox.mark_completed(id, t(15))?,
+        OutboxStatus::Failed => outbox.mark_failed(id, "gave_up", None, t(15))?,
+        OutboxStatus::OutcomeUnknown => outbox.mark_outcome_unknown(id, None)?,
+    }
+    assert_eq!(outbox.get(id)?.entry.status, status);
+    Ok((store, outbox, id))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    ClaimDue,
+    MarkCompleted,
+    MarkFailedRetry,
+    MarkFailedFinal,
+    MarkOutcomeUnknown,
+    Reschedule,
+    ReleaseExpired,
+    Requeue,
+}
+
+const OPS: [Op; 8] = [
+    Op::ClaimDue,
+    Op::MarkCompleted,
+    Op::MarkFailedRetry,
+    Op::MarkFailedFinal,
+    Op::MarkOutcomeUnknown,
+    Op::Reschedule,
+    Op::ReleaseExpired,
+    Op::Requeue,
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// `Ok` and the entry is now in this status.
+    To(OutboxStatus),
+    /// `Ok` and nothing changed ("accepted, no change", and the "—" cells).
+    Unchanged,
+    /// `Err(Conflict)` and nothing changed.
+    Conflict,
+}
+
+/// DESIGN.md's table, plus `requeue`.
+#[expect(
+    clippy::match_same_arms,
+    reason = "one arm per group of cells reads like the table"
+)]
+fn expected(from: OutboxStatus, op: Op) -> Expect {
+    use Expect::{Conflict, To, Unchanged};
+    use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
+    match (from, op) {
+        (Pending, Op::ClaimDue) => To(Dispatching),
+        (Dispatching, Op::ReleaseExpired) => To(Pending),
+        (_, Op::ClaimDue | Op::ReleaseExpired) => Unchanged,
+        (Dispatching | OutcomeUnknown, Op::MarkCompleted) => To(Completed),
+        (Completed, Op::MarkCompleted) | (Failed, Op::MarkFailedFinal) => Unchanged,
+        (Pending | Dispatching | OutcomeUnknown, Op::MarkFailedRetry | Op::Reschedule) => {
+            To(Pending)
+        }
+        (Dispatching | OutcomeUnknown, Op::MarkFailedFinal) => To(Failed),
+        (Dispatching | OutcomeUnknown, Op::MarkOutcomeUnknown) => To(OutcomeUnknown),
+        (Failed | OutcomeUnknown, Op::Requeue) => To(Pending),
+        _ => Conflict,
+    }
+}
+
+fn apply(outbox: &Outbox, id: OutboxId, op: Op) -> Result<()> {
+    match op {
+        Op::ClaimDue => outbox.claim_due(t(OP_TIME), 10, "worker-b").map(drop),
+        Op::MarkCompleted => outbox.mark_completed(id, t(OP_TIME)),
+        Op::MarkFailedRetry => outbox.mark_failed(id, "http_503", Some(t(RETRY)), t(OP_TIME)),
+        Op::MarkFailedFinal => outbox.mark_failed(id, "http_400", None, t(OP_TIME)),
+        Op::MarkOutcomeUnknown => outbox.mark_outcome_unknown(id, Some("remote-7")),
+        Op::Reschedule => outbox.reschedule(id, t(RETRY)),
+        Op::ReleaseExpired => outbox.release_expired_claims(t(OP_TIME)).map(drop),
+        Op::Requeue => outbox.requeue(id, t(RETRY)),
+    }
+}
+
+/// The fields an operation must set, beyond the status.
+fn check_details(from: OutboxStatus, op: Op, before: &OutboxRecord, after: &OutboxRecord) {
+    let e = &after.entry;
+    let ctx = format!("{from:?} × {op:?}: {after:?}");
+    assert_eq!(e.payload, before.entry.payload, "{ctx}");
+    assert_eq!(e.created_at, before.entry.created_at, "{ctx}");
+    match op {
+        Op::ClaimDue => {
+            assert_eq!(e.attempt_count, before.entry.attempt_count + 1, "{ctx}");
+            let claim = after.claim.as_ref().expect("a claim");
+            assert_eq!(
+                (claim.worker_id.as_str(), claim.claimed_at),
+                ("worker-b", t(OP_TIME))
+            );
+        }
+        Op::MarkCompleted => {
+            assert_eq!(e.completed_at, Some(t(OP_TIME)), "{ctx}");
+            assert_eq!(after.claim, None, "{ctx}");
+        }
+        Op::MarkFailedRetry | Op::Reschedule | Op::Requeue => {
+            assert_eq!(e.next_attempt_at, Some(t(RETRY)), "{ctx}");
+            assert_eq!(e.completed_at, None, "{ctx}");
+            assert_eq!(after.claim, None, "{ctx}");
+            if op == Op::MarkFailedRetry {
+                assert_eq!(after.last_failure.as_deref(), Some("http_503"), "{ctx}");
+            } else {
+                assert_eq!(after.last_failure, before.last_failure, "{ctx}");
+            }
+        }
+        Op::MarkFailedFinal => {
+            assert_eq!(e.completed_at, Some(t(OP_TIME)), "{ctx}");
+            assert_eq!(after.last_failure.as_deref(), Some("http_400"), "{ctx}");
+        }
+        Op::MarkOutcomeUnknown => {
+            assert_eq!(after.remote_ref.as_deref(), Some("remote-7"), "{ctx}");
+            assert_eq!(
+                after.claim, before.claim,
+                "the claim of the attempt in doubt stays"
+            );
+        }
+        Op::ReleaseExpired => {
+            // Due again at once: at its claim time.
+            assert_eq!(e.next_attempt_at, Some(t(CLAIMED)), "{ctx}");
+            assert_eq!(after.claim, None, "{ctx}");
+        }
+    }
+    if op != Op::ClaimDue {
+        assert_eq!(e.attempt_count, before.entry.attempt_count, "{ctx}");
+    }
+}
+
+#[test]
+fn every_status_times_every_operation() -> Result<()> {
+    for from in OutboxStatus::ALL {
+        for op in OPS {
+            let (_store, outbox, id) = entry_in(from)?;
+            let before = outbox.get(id)?;
+            let result = apply(&outbox, id, op);
+            let after = outbox.get(id)?;
+            let expect = expected(from, op);
+            match expect {
+                Expect::To(to) => {
+                    result.unwrap_or_else(|e| panic!("{from:?} × {op:?}: {e}"));
+                    assert_eq!(after.entry.status, to, "{from:?} × {op:?}");
+                    assert!(from.can_transition(to), "{from:?} → {to:?} is an edge");
+                    check_details(from, op, &before, &after);
+                }
+                Expect::Unchanged => {
+                    result.unwrap_or_else(|e| panic!("{from:?} × {op:?}: {e}"));
+                    assert_eq!(after, before, "{from:?} × {op:?} changes nothing");
+                }
+                Expect::Conflict => {
+                    assert!(
+                        matches!(result, Err(Error::Conflict { .. })),
+                        "{from:?} × {op:?}: {result:?}"
+                    );
+                    assert_eq!(after, before, "{from:?} × {op:?} refused, nothing changed");
+                }
+            }
+            assert_eq!(
+                outbox.check_indexes()?,
+                Vec::<String>::new(),
+                "{from:?} × {op:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn can_transition_is_exactly_the_tables_edges() {
+    use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
+    let edges = [
+        (Pending, Pending),
+        (Pending, Dispatching),
+        (Dispatching, Pending),
+        (Dispatching, Completed),
+        (Dispatching, Failed),
+        (Dispatching, OutcomeUnknown),
+        (OutcomeUnknown, Pending),
+        (OutcomeUnknown, Completed),
+        (OutcomeUnknown, Failed),
+        (OutcomeUnknown, OutcomeUnknown),
+        (Failed, Pending),
+    ];
+    for from in OutboxStatus::ALL {
+        for to in OutboxStatus::ALL {
+            assert_eq!(
+                from.can_transition(to),
+                edges.contains(&(from, to)),
+                "{from:?} → {to:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn outcome_unknown_fills_a_missing_remote_ref_once() -> Result<()> {
+    let (_store, outbox, id) = entry_in(OutboxStatus::OutcomeUnknown)?;
+    assert_eq!(outbox.get(id)?.remote_ref, None);
+    outbox.mark_outcome_unknown(id, None)?;
+    assert_eq!(outbox.get(id)?.remote_ref, None);
+    outbox.mark_outcome_unknown(id, Some("first"))?;
+    outbox.mark_outcome_unknown(id, Some("second"))?;
+    let rec = outbox.get(id)?;
+    assert_eq!(rec.remote_ref.as_deref(), Some("first"));
+    assert_eq!(rec.entry.status, OutboxStatus::OutcomeUnknown);
+    Ok(())
+}
+
+#[test]
+fn mark_failed_keeps_the_reason_across_a_retry_and_pending_moves_time() -> Result<()> {
+    let (_store, outbox, id) = entry_in(OutboxStatus::Pending)?;
+    outbox.mark_failed(id, "rate_limited", Some(t(60)), t(1))?;
+    let rec = outbox.get(id)?;
+    assert_eq!(rec.entry.status, OutboxStatus::Pending);
+    assert_eq!(rec.entry.next_attempt_at, Some(t(60)));
+    assert_eq!(rec.last_failure.as_deref(), Some("rate_limited"));
+    assert!(
+        outbox.claim_due(t(59), 1, "w")?.is_empty(),
+        "not due before the retry time"
+    );
+    let claimed = outbox.claim_due(t(60), 1, "w")?;
+    assert_eq!(claimed[0].id, id);
+    assert_eq!(
+        outbox.get(id)?.last_failure.as_deref(),
+        Some("rate_limited")
+    );
+    Ok(())
+}
+
+/// A settlement carrying `fence` applied in each status, at the right and
+/// at stale attempts.
+#[test]
+fn fenced_settlements_follow_the_table_only_while_holding_the_attempt() -> Result<()> {
+    let settlements = [
+        Settlement::Completed,
+        Settlement::Failed {
+            reason: "http_503".into(),
+            retry_at: Some(t(RETRY)),
+        },
+        Settlement::Failed {
+            reason: "http_400".into(),
+            retry_at: None,
+        },
+        Settlement::OutcomeUnknown {
+            remote_ref: Some("remote-7".into()),
+        },
+        Settlement::Rescheduled { at: t(RETRY) },
+    ];
+    for from in OutboxStatus::ALL {
+        for s in &settlements {
+            for attempt in [0, 1, 2] {
+                let (_store, outbox, id) = entry_in(from)?;
+                let before = outbox.get(id)?;
+                let result = outbox.settle(Fence { id, attempt }, s.clone(), t(OP_TIME));
+                let after = outbox.get(id)?;
+                let holds = attempt == 1
+                    && matches!(
+                        from,
+                        OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown
+                    );
+                let repeat = attempt == 1
+                    && matches!(
+                        (from, s),
+                        (OutboxStatus::Completed, Settlement::Completed)
+                            | (
+                                OutboxStatus::Failed,
+                                Settlement::Failed { retry_at: None, .. }
+                            )
+                    );
+                let ctx = format!("{from:?} × {s:?} at attempt {attempt}: {result:?}");
+                if holds {
+                    result.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    assert_ne!(after, before, "{ctx}");
+                } else if repeat {
+                    result.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    assert_eq!(after, before, "{ctx}");
+                } else {
+                    assert!(matches!(result, Err(Error::Conflict { .. })), "{ctx}");
+                    assert_eq!(after, before, "{ctx}");
+                }
+                assert!(outbox.check_indexes()?.is_empty(), "{ctx}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn unknown_ids_are_not_found() -> Result<()> {
+    let (_store, outbox, id) = entry_in(OutboxStatus::Dispatching)?;
+    let ghost = OutboxId(id.0 + 100);
+    let now = t(OP_TIME);
+    let results = [
+        outbox.get(ghost).map(drop),
+        outbox.mark_completed(ghost, now),
+        outbox.mark_failed(ghost, "x", None, now),
+        outbox.mark_outcome_unknown(ghost, None),
+        outbox.reschedule(ghost, now),
+        outbox.requeue(ghost, now),
+        outbox.settle(
+            Fence {
+                id: ghost,
+                attempt: 1,
+            },
+            Settlement::Completed,
+            now,
+        ),
+    ];
+    for r in results {
+        assert!(matches!(r, Err(Error::NotFound)), "{r:?}");
+    }
+    Ok(())
+}
