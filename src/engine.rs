@@ -44,7 +44,7 @@
 //!   after their batch's durable commit, which covers everything they saw.
 
 use std::any::Any;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -90,6 +90,24 @@ pub(crate) struct EngineConfig {
 thread_local! {
     /// Set while this thread runs a caller closure inside a write transaction.
     static IN_WRITE: Cell<bool> = const { Cell::new(false) };
+    /// What to run once the current caller closure's commit is durable.
+    static AFTER_COMMIT: RefCell<Vec<Box<dyn FnOnce()>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `hook` once the caller transaction this thread is in has committed
+/// durably (under [`Durability::Immediate`]; committed, under
+/// [`Durability::None`]); drops it if that transaction rolls back. Outside a
+/// caller transaction, runs it at once.
+pub(crate) fn after_commit(hook: impl FnOnce() + 'static) {
+    if IN_WRITE.with(Cell::get) {
+        AFTER_COMMIT.with(|h| h.borrow_mut().push(Box::new(hook)));
+    } else {
+        hook();
+    }
+}
+
+fn take_after_commit() -> Vec<Box<dyn FnOnce()>> {
+    AFTER_COMMIT.with(|h| std::mem::take(&mut *h.borrow_mut()))
 }
 
 /// Marks the current thread as inside a write closure for its lifetime.
@@ -109,6 +127,11 @@ impl Drop for WriteScope {
     fn drop(&mut self) {
         IN_WRITE.with(|c| c.set(false));
     }
+}
+
+/// Drops the after-commit hooks of a transaction that did not commit.
+fn discard_after_commit() {
+    drop(take_after_commit());
 }
 
 /// Durability bookkeeping shared by all callers.
@@ -356,19 +379,26 @@ impl Engine {
                 // unwinds would flag the file for a full repair.
                 let _ = tx.abort();
                 drop(scope);
+                discard_after_commit();
                 resume_unwind(panic)
             }
             Ok(Err(e)) => {
+                drop(scope);
+                discard_after_commit();
                 tx.abort().map_err(Error::from)?;
                 Err(e)
             }
             Ok(Ok(value)) => {
                 let seq = self.shared.next_seq();
+                drop(scope);
+                let hooks = take_after_commit();
                 tx.commit().map_err(Error::from)?;
                 self.shared.commits.fetch_add(1, Ordering::Relaxed);
                 drop(db);
-                drop(scope);
                 self.settle(seq)?;
+                for hook in hooks {
+                    hook();
+                }
                 Ok(value)
             }
         }

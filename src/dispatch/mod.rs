@@ -1,1 +1,529 @@
-//! The runtime that drives the outbox.
+//! The runtime that drives the outbox: [`Dispatcher`] workers that claim due
+//! entries and call your `send`, a reaper for crashed deliveries, and an
+//! optional [`Janitor`].
+//!
+//! # Guarantees
+//!
+//! Delivery is **at least once**. An entry is claimed (durably), sent, then
+//! settled (durably). If the process dies between the send and the
+//! settlement, the claim stays `Dispatching` until its lease runs out; then
+//! the reaper of the next dispatcher on that file releases it and it is sent
+//! again. Make `send` idempotent towards the remote (pass the entry's
+//! `idempotency_key` along — that is what it is for), or accept duplicates.
+//!
+//! The dispatcher uses only the outbox's public, fenced calls: a worker whose
+//! claim expired and was taken over cannot overwrite the newer attempt's
+//! outcome (its settlement is refused and counted in
+//! [`DispatchStats::fenced`]).
+//!
+//! # Wake-ups
+//!
+//! No polling: an idle worker sleeps until the earliest due entry
+//! ([`Outbox::next_due`]) or until a commit that made work due wakes it
+//! ([`Outbox::subscribe`]). Never holds a read transaction while waiting.
+
+mod clock;
+mod janitor;
+mod retry;
+mod stats;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use crossbeam_channel::{Receiver, Sender, select};
+
+use crate::error::{Error, Result};
+use crate::outbox::{Fence, Outbox, OutboxEntry, Settlement};
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use janitor::{DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION, Janitor, JanitorReport};
+pub use retry::RetryPolicy;
+use stats::{Counters, bump};
+pub use stats::{DispatchStats, LatencySummary};
+
+/// What one `send` did, as the `send` function reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// The remote accepted it: the entry is `Completed`.
+    Delivered,
+    /// A retryable failure: try again after the [`RetryPolicy`]'s back-off
+    /// (or fail for good with reason `max_attempts` when they are used up).
+    Retry {
+        /// A stable failure code, stored on the entry.
+        reason: String,
+    },
+    /// A retryable failure with the time the remote asked for (`Retry-After`).
+    RetryAt {
+        /// When to try again.
+        at: DateTime<Utc>,
+        /// A stable failure code, stored on the entry.
+        reason: String,
+    },
+    /// A permanent failure: the entry is `Failed`.
+    Failed {
+        /// A stable failure code, stored on the entry.
+        reason: String,
+    },
+    /// The send may or may not have happened (a timeout after the request
+    /// left): the entry is `OutcomeUnknown`, for reconciliation.
+    Unknown {
+        /// The remote's reference for the attempt, if one came back.
+        remote_ref: Option<String>,
+    },
+}
+
+/// The reason stored on an entry whose attempts ran out.
+pub const REASON_MAX_ATTEMPTS: &str = "max_attempts";
+/// The reason stored on an entry whose `send` panicked.
+pub const REASON_PANIC: &str = "panic";
+
+/// Default number of worker threads: 2.
+pub const DEFAULT_WORKERS: usize = 2;
+/// Default number of entries a worker claims at once: 16.
+pub const DEFAULT_BATCH_SIZE: usize = 16;
+/// Default claim lease: 60 s. A claim older than this is released by the
+/// reaper and the entry is sent again; set it above the slowest batch of
+/// sends.
+pub const DEFAULT_CLAIM_LEASE: Duration = Duration::from_secs(60);
+
+/// Entry point: `Dispatcher::builder(outbox)…start(send)`.
+#[derive(Debug)]
+pub struct Dispatcher;
+
+impl Dispatcher {
+    /// A dispatcher for `outbox`, with the defaults.
+    pub fn builder(outbox: Outbox) -> DispatcherBuilder {
+        DispatcherBuilder {
+            outbox,
+            workers: DEFAULT_WORKERS,
+            batch_size: DEFAULT_BATCH_SIZE,
+            lease: DEFAULT_CLAIM_LEASE,
+            retry: RetryPolicy::default(),
+            clock: Arc::new(SystemClock),
+            worker_id: "dispatcher".into(),
+            janitor: None,
+        }
+    }
+}
+
+/// How to run a [`Dispatcher`]. Every setter states its default.
+#[must_use]
+pub struct DispatcherBuilder {
+    outbox: Outbox,
+    workers: usize,
+    batch_size: usize,
+    lease: Duration,
+    retry: RetryPolicy,
+    clock: Arc<dyn Clock>,
+    worker_id: String,
+    janitor: Option<Janitor>,
+}
+
+impl std::fmt::Debug for DispatcherBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatcherBuilder")
+            .field("workers", &self.workers)
+            .field("batch_size", &self.batch_size)
+            .field("lease", &self.lease)
+            .field("retry", &self.retry)
+            .field("worker_id", &self.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DispatcherBuilder {
+    /// Worker threads, each claiming and sending its own batches. Default: 2.
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n.max(1);
+        self
+    }
+
+    /// Entries a worker claims at once. Default: 16.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// How long a claim holds its entry. Default: 60 s. The reaper releases
+    /// claims older than this (a crashed process's entries are sent again),
+    /// so it must exceed the time a worker needs for one batch of sends.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The back-off for retries. Default: [`RetryPolicy::default`].
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Where `now` comes from. Default: [`SystemClock`].
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The prefix of the workers' ids (`{prefix}-{n}`), stored on their
+    /// claims. Default: `dispatcher`.
+    pub fn worker_id(mut self, prefix: impl Into<String>) -> Self {
+        self.worker_id = prefix.into();
+        self
+    }
+
+    /// Runs `janitor` on its schedule beside the workers. Default: none.
+    pub fn janitor(mut self, janitor: Janitor) -> Self {
+        self.janitor = Some(janitor);
+        self
+    }
+
+    /// Starts the workers, the reaper and the janitor; `send` is called for
+    /// each claimed entry, from the worker threads (never twice at once for
+    /// one entry while its claim is live).
+    pub fn start(
+        self,
+        send: impl Fn(&OutboxEntry) -> Delivery + Send + Sync + 'static,
+    ) -> Result<DispatcherHandle> {
+        if self.worker_id.is_empty() || self.worker_id.len() > 200 {
+            return Err(Error::invalid("worker_id", "must be 1 to 200 bytes"));
+        }
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+        let ctx = Arc::new(Ctx {
+            outbox: self.outbox,
+            send: Box::new(send),
+            clock: self.clock,
+            retry: self.retry,
+            batch_size: self.batch_size,
+            lease: self.lease,
+            stopping: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        let mut threads = Vec::new();
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| Error::Storage(redb::Error::Io(e)))
+        };
+        // The reaper first, so a restart releases a crashed run's claims
+        // before the workers look for work.
+        {
+            let (ctx, stop) = (ctx.clone(), stop_rx.clone());
+            threads.push(spawn(
+                "idemstore-reaper".into(),
+                Box::new(move || reaper(&ctx, &stop)),
+            )?);
+        }
+        for i in 0..self.workers {
+            let (ctx, stop) = (ctx.clone(), stop_rx.clone());
+            let id = format!("{}-{i}", self.worker_id);
+            threads.push(spawn(
+                format!("idemstore-{id}"),
+                Box::new(move || worker(&ctx, &id, &stop)),
+            )?);
+        }
+        if let Some(janitor) = self.janitor {
+            let (clock, stop) = (ctx.clock.clone(), stop_rx.clone());
+            threads.push(spawn(
+                "idemstore-janitor".into(),
+                Box::new(move || janitor.run(&*clock, &stop)),
+            )?);
+        }
+        Ok(DispatcherHandle {
+            ctx,
+            stop: Some(stop_tx),
+            threads,
+        })
+    }
+}
+
+/// A running dispatcher. Dropping it shuts it down too (and waits), but
+/// [`DispatcherHandle::shutdown`] reports how that went.
+pub struct DispatcherHandle {
+    ctx: Arc<Ctx>,
+    stop: Option<Sender<()>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for DispatcherHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatcherHandle")
+            .field("threads", &self.threads.len())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DispatcherHandle {
+    /// What the dispatcher did so far.
+    pub fn stats(&self) -> DispatchStats {
+        self.ctx.counters.snapshot()
+    }
+
+    /// Stops claiming, lets the sends in progress finish and settles them,
+    /// gives the rest of each claimed batch back (`Pending`, due now), and
+    /// returns once every thread has stopped. A clean shutdown leaves no
+    /// entry `Dispatching`.
+    pub fn shutdown(mut self) -> Result<()> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<()> {
+        self.ctx.stopping.store(true, Ordering::SeqCst);
+        drop(self.stop.take());
+        let mut panicked = false;
+        for t in self.threads.drain(..) {
+            panicked |= t.join().is_err();
+        }
+        if panicked {
+            return Err(Error::conflict(
+                "a dispatcher thread panicked; see its panic message",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DispatcherHandle {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}
+
+type SendFn = Box<dyn Fn(&OutboxEntry) -> Delivery + Send + Sync>;
+
+struct Ctx {
+    outbox: Outbox,
+    send: SendFn,
+    clock: Arc<dyn Clock>,
+    retry: RetryPolicy,
+    batch_size: usize,
+    lease: Duration,
+    stopping: AtomicBool,
+    counters: Counters,
+}
+
+impl Ctx {
+    fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `deadline` (by the clock), a wake-up, a clock change or
+    /// the stop signal; returns `false` on stop.
+    fn wait(
+        &self,
+        deadline: Option<DateTime<Utc>>,
+        cap: Duration,
+        wake: &Receiver<()>,
+        changes: &Receiver<()>,
+        stop: &Receiver<()>,
+    ) -> bool {
+        let timeout = deadline
+            .map_or(cap, |d| {
+                (d - self.clock.now()).to_std().unwrap_or(Duration::ZERO)
+            })
+            .min(cap);
+        if timeout.is_zero() {
+            return !self.stopping();
+        }
+        select! {
+            recv(stop) -> _ => false,
+            recv(wake) -> _ => !self.stopping(),
+            recv(changes) -> _ => !self.stopping(),
+            default(timeout) => !self.stopping(),
+        }
+    }
+
+    /// Backs off after a store error.
+    fn back_off(&self, stop: &Receiver<()>) -> bool {
+        bump(&self.counters.store_errors, 1);
+        select! {
+            recv(stop) -> _ => false,
+            default(Duration::from_millis(100)) => !self.stopping(),
+        }
+    }
+}
+
+/// The longest an idle worker sleeps before looking again (a safety net:
+/// wake-ups normally come first).
+const IDLE_CAP: Duration = Duration::from_secs(60);
+
+fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
+    let wake = ctx.outbox.subscribe();
+    let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
+    let mut rng = Rng::seeded(worker_id);
+    while !ctx.stopping() {
+        let entries = match ctx
+            .outbox
+            .claim_due(ctx.clock.now(), ctx.batch_size, worker_id)
+        {
+            Ok(e) => e,
+            Err(_) => {
+                if !ctx.back_off(stop) {
+                    break;
+                }
+                continue;
+            }
+        };
+        if entries.is_empty() {
+            let next = match ctx.outbox.next_due() {
+                Ok(n) => n,
+                Err(_) => {
+                    if !ctx.back_off(stop) {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            if !ctx.wait(next, IDLE_CAP, &wake, &changes, stop) {
+                break;
+            }
+            continue;
+        }
+        deliver_batch(ctx, &entries, &mut rng);
+    }
+}
+
+/// Sends each entry of a claimed batch and settles the batch in one commit.
+fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) {
+    let mut settlements: Vec<(Fence, Settlement)> = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.iter().enumerate() {
+        if ctx.stopping() {
+            // Give the unsent rest back, due now.
+            let now = ctx.clock.now();
+            for rest in &entries[i..] {
+                settlements.push((rest.fence(), Settlement::Rescheduled { at: now }));
+            }
+            bump(&ctx.counters.returned, (entries.len() - i) as u64);
+            break;
+        }
+        let started = ctx.clock.now();
+        if entry.attempt_count == 1 && entry.next_attempt_at.is_none() {
+            if let Ok(latency) = (started - entry.created_at).to_std() {
+                ctx.counters.latency.lock().record(latency);
+            }
+        }
+        let outcome = catch_unwind(AssertUnwindSafe(|| (ctx.send)(entry)));
+        settlements.push((entry.fence(), settle_for(ctx, entry, outcome, rng)));
+    }
+    match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
+        Ok(results) => {
+            let fenced = results.iter().filter(|r| r.is_err()).count();
+            bump(&ctx.counters.fenced, fenced as u64);
+        }
+        Err(_) => bump(&ctx.counters.store_errors, 1),
+    }
+}
+
+fn settle_for(
+    ctx: &Ctx,
+    entry: &OutboxEntry,
+    outcome: std::thread::Result<Delivery>,
+    rng: &mut Rng,
+) -> Settlement {
+    let c = &ctx.counters;
+    let (reason, at) = match outcome {
+        Ok(Delivery::Delivered) => {
+            bump(&c.delivered, 1);
+            return Settlement::Completed;
+        }
+        Ok(Delivery::Failed { reason }) => {
+            bump(&c.failed, 1);
+            return Settlement::Failed {
+                reason: non_empty(reason),
+                retry_at: None,
+            };
+        }
+        Ok(Delivery::Unknown { remote_ref }) => {
+            bump(&c.unknown, 1);
+            return Settlement::OutcomeUnknown {
+                remote_ref: remote_ref.filter(|r| !r.is_empty()),
+            };
+        }
+        Ok(Delivery::Retry { reason }) => (non_empty(reason), None),
+        Ok(Delivery::RetryAt { at, reason }) => (non_empty(reason), Some(at)),
+        Err(_) => {
+            bump(&c.panics, 1);
+            (REASON_PANIC.to_owned(), None)
+        }
+    };
+    let now = ctx.clock.now();
+    let policy_at = ctx.retry.next_attempt(entry.attempt_count, now, rng.unit());
+    match policy_at {
+        None => {
+            bump(&c.failed, 1);
+            Settlement::Failed {
+                reason: REASON_MAX_ATTEMPTS.to_owned(),
+                retry_at: None,
+            }
+        }
+        Some(backoff) => {
+            bump(&c.retried, 1);
+            Settlement::Failed {
+                reason,
+                retry_at: Some(at.unwrap_or(backoff)),
+            }
+        }
+    }
+}
+
+fn non_empty(reason: String) -> String {
+    if reason.is_empty() {
+        "unspecified".to_owned()
+    } else {
+        reason
+    }
+}
+
+/// Releases claims older than the lease, every half lease (and at once on
+/// start).
+fn reaper(ctx: &Ctx, stop: &Receiver<()>) {
+    let never = crossbeam_channel::never();
+    let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
+    let lease = chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::MAX);
+    while !ctx.stopping() {
+        let now = ctx.clock.now();
+        let cutoff = now
+            .checked_sub_signed(lease)
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
+        match ctx.outbox.release_expired_claims(cutoff) {
+            Ok(ids) => bump(&ctx.counters.released, ids.len() as u64),
+            Err(_) => bump(&ctx.counters.store_errors, 1),
+        }
+        if !ctx.wait(
+            None,
+            (ctx.lease / 2).max(Duration::from_millis(1)),
+            &never,
+            &changes,
+            stop,
+        ) {
+            break;
+        }
+    }
+}
+
+/// A small xorshift generator for jitter: no dependency, seeded per worker.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded(worker_id: &str) -> Rng {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ u64::from(std::process::id());
+        for b in worker_id.bytes() {
+            seed = (seed ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        seed ^= u64::try_from(Utc::now().timestamp_micros()).unwrap_or(1);
+        Rng(seed | 1)
+    }
+
+    /// A number in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}

@@ -38,9 +38,9 @@
 //! commit that may have made work due sooner: an enqueue, a retry, a
 //! reschedule, a requeue or a released claim. Signals coalesce (one pending
 //! signal per subscriber). A dispatcher waits on it with a timeout of
-//! [`Outbox::next_due`] minus now. The `*_in` calls cannot signal, because
-//! the commit is the caller's: call [`Outbox::notify`] after your
-//! [`Store::write`](crate::Store::write) returns.
+//! [`Outbox::next_due`] minus now. The `*_in` calls signal too, once the
+//! caller's [`Store::write`](crate::Store::write) has committed (durably);
+//! a rolled-back write signals nothing.
 //!
 //! # Layout
 //!
@@ -448,7 +448,7 @@ impl Notifier {
 ///     let email = NewEntry::new("order-1", "mailer", "order-1/receipt", b"Thanks!".to_vec());
 ///     outbox.enqueue_in(tx, email, now)
 /// })?;
-/// outbox.notify(); // the commit was ours: wake the dispatchers
+/// // The commit woke the dispatchers.
 /// assert!(wake.try_recv().is_ok());
 ///
 /// // A dispatcher claims due work, performs it, and settles each attempt.
@@ -486,8 +486,8 @@ impl Outbox {
 
     /// [`Outbox::enqueue`] inside the caller's own write transaction (from
     /// [`Store::write`](crate::Store::write)): the entry commits or rolls
-    /// back with the caller's writes. Call [`Outbox::notify`] after the
-    /// `write` returns to wake dispatchers.
+    /// back with the caller's writes. A new entry wakes the dispatchers once
+    /// the caller's `write` has committed.
     pub fn enqueue_in(
         &self,
         tx: &WriteTransaction,
@@ -496,7 +496,11 @@ impl Outbox {
     ) -> Result<Enqueued> {
         self.check_entry(&entry)?;
         let mut out = ops::enqueue(tx, &[entry], micros(now))?;
-        Ok(out.remove(0))
+        let enqueued = out.remove(0);
+        if enqueued.is_new() {
+            self.notify_after_commit();
+        }
+        Ok(enqueued)
     }
 
     /// Enqueues many entries in one commit, in order. Every entry is checked
@@ -571,8 +575,8 @@ impl Outbox {
 
     /// [`Outbox::settle`] inside the caller's own write transaction (for a
     /// dispatcher that records the effect's result in its own tables in the
-    /// same commit). Call [`Outbox::notify`] after the `write` returns if
-    /// the settlement was a retry or a reschedule.
+    /// same commit). A retry or a reschedule wakes the dispatchers once the
+    /// caller's `write` has committed.
     pub fn settle_in(
         &self,
         tx: &WriteTransaction,
@@ -586,8 +590,11 @@ impl Outbox {
             fence.id.0,
             &settlement.clone().into_change(now),
             Some(fence.attempt),
-        )
-        .map(drop)
+        )?;
+        if settlement.makes_work() {
+            self.notify_after_commit();
+        }
+        Ok(())
     }
 
     /// Settles many attempts in one commit (a dispatcher finishing a batch).
@@ -825,12 +832,18 @@ impl Outbox {
         self.notifier.subscribe()
     }
 
-    /// Wakes every subscriber. The store calls it itself after its own
-    /// commits; call it after a [`Store::write`](crate::Store::write) that
-    /// used [`Outbox::enqueue_in`] or [`Outbox::settle_in`] has returned
-    /// (never before: the work must be committed when a dispatcher looks).
+    /// Wakes every subscriber. The store calls it itself after every commit
+    /// that made work due, the caller's own `Store::write`s included; call it
+    /// by hand only after changing the clock a dispatcher reads.
     pub fn notify(&self) {
         self.notifier.notify();
+    }
+
+    /// Wakes the subscribers once the caller transaction in progress on this
+    /// thread is durable (at once outside one).
+    fn notify_after_commit(&self) {
+        let notifier = self.notifier.clone();
+        crate::engine::after_commit(move || notifier.notify());
     }
 
     fn change(&self, id: OutboxId, change: Change) -> Result<()> {

@@ -1,0 +1,111 @@
+//! [`Clock`]: where the runtime gets `now`. Storage calls never read a clock;
+//! only the dispatcher and the janitor hold one.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use parking_lot::Mutex;
+
+/// A source of the current time.
+pub trait Clock: Send + Sync + 'static {
+    /// The current time.
+    fn now(&self) -> DateTime<Utc>;
+
+    /// A channel signalled whenever the clock jumps (a manual clock being
+    /// advanced), so that sleepers recompute their deadlines. `None` (the
+    /// default) for clocks that move with real time.
+    fn changes(&self) -> Option<Receiver<()>> {
+        None
+    }
+}
+
+/// The system's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// A clock that moves only when told to, for tests. Clones share one time.
+#[derive(Debug, Clone)]
+pub struct ManualClock {
+    inner: Arc<Mutex<ManualInner>>,
+}
+
+#[derive(Debug)]
+struct ManualInner {
+    now: DateTime<Utc>,
+    watchers: Vec<Sender<()>>,
+}
+
+impl ManualClock {
+    /// A clock standing at `start`.
+    pub fn new(start: DateTime<Utc>) -> Self {
+        ManualClock {
+            inner: Arc::new(Mutex::new(ManualInner {
+                now: start,
+                watchers: Vec::new(),
+            })),
+        }
+    }
+
+    /// Moves the clock forward by `by` and wakes whoever waits on it.
+    pub fn advance(&self, by: std::time::Duration) {
+        let by = chrono::Duration::from_std(by).unwrap_or(chrono::Duration::MAX);
+        let mut inner = self.inner.lock();
+        inner.now = inner.now.checked_add_signed(by).unwrap_or(inner.now);
+        Self::wake(&mut inner);
+    }
+
+    /// Sets the clock to `at` (forwards or backwards) and wakes whoever
+    /// waits on it.
+    pub fn set(&self, at: DateTime<Utc>) {
+        let mut inner = self.inner.lock();
+        inner.now = at;
+        Self::wake(&mut inner);
+    }
+
+    fn wake(inner: &mut ManualInner) {
+        inner
+            .watchers
+            .retain(|w| !matches!(w.try_send(()), Err(TrySendError::Disconnected(()))));
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> DateTime<Utc> {
+        self.inner.lock().now
+    }
+
+    fn changes(&self) -> Option<Receiver<()>> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.inner.lock().watchers.push(tx);
+        Some(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn manual_clock_moves_only_when_told_and_signals() {
+        let start = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let clock = ManualClock::new(start);
+        let changes = clock.changes().unwrap();
+        assert_eq!(clock.now(), start);
+        assert!(changes.try_recv().is_err());
+        clock.advance(Duration::from_secs(5));
+        assert_eq!(clock.now(), start + chrono::Duration::seconds(5));
+        assert!(changes.try_recv().is_ok());
+        clock.set(start);
+        assert_eq!(clock.now(), start);
+        assert!(changes.try_recv().is_ok());
+        assert!(SystemClock.changes().is_none());
+    }
+}

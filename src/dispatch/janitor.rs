@@ -1,0 +1,125 @@
+//! [`Janitor`]: retention on a schedule — prunes inboxes, purges finished
+//! outbox entries and expired idempotency keys.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use crossbeam_channel::{Receiver, select};
+
+use super::clock::Clock;
+use crate::error::Result;
+use crate::idempotency::IdempotencyKeys;
+use crate::inbox::Inbox;
+use crate::outbox::Outbox;
+
+/// Default time between janitor runs: 1 hour.
+pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60 * 60);
+/// Default retention of finished (`Completed`, `Failed`) outbox entries and
+/// of inbox keys: 7 days.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// Periodic clean-up, run by a [`Dispatcher`](super::Dispatcher) (see
+/// [`DispatcherBuilder::janitor`](super::DispatcherBuilder::janitor)) or by
+/// hand with [`Janitor::run_once`]. Each task costs what it removes.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct Janitor {
+    interval: Option<Duration>,
+    outbox: Option<(Outbox, Duration)>,
+    inboxes: Vec<(Inbox, Duration)>,
+    keys: Option<IdempotencyKeys>,
+}
+
+/// What one janitor run removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct JanitorReport {
+    /// Finished outbox entries purged.
+    pub outbox_purged: u64,
+    /// Inbox keys pruned, over all inboxes.
+    pub inbox_pruned: u64,
+    /// Expired idempotency records purged.
+    pub keys_purged: u64,
+}
+
+impl Janitor {
+    /// A janitor with nothing to do yet; add tasks with the methods below.
+    pub fn new() -> Self {
+        Janitor::default()
+    }
+
+    /// Time between runs (by the dispatcher's clock). Default: 1 hour.
+    pub fn every(mut self, interval: Duration) -> Self {
+        self.interval = Some(interval.max(Duration::from_millis(1)));
+        self
+    }
+
+    /// Purge outbox entries finished more than `keep` ago (7 days is the
+    /// usual choice: [`DEFAULT_RETENTION`]).
+    pub fn outbox(mut self, outbox: Outbox, keep: Duration) -> Self {
+        self.outbox = Some((outbox, keep));
+        self
+    }
+
+    /// Prune `inbox` keys claimed more than `keep` ago. Keep them longer
+    /// than duplicates can arrive: a pruned key can be claimed again.
+    pub fn inbox(mut self, inbox: Inbox, keep: Duration) -> Self {
+        self.inboxes.push((inbox, keep));
+        self
+    }
+
+    /// Purge idempotency records past their TTL (the handle's
+    /// [`IdempotencyKeys::ttl`]).
+    pub fn idempotency_keys(mut self, keys: IdempotencyKeys) -> Self {
+        self.keys = Some(keys);
+        self
+    }
+
+    /// Runs every task once, as of `now`.
+    pub fn run_once(&self, now: DateTime<Utc>) -> Result<JanitorReport> {
+        let before = |keep: Duration| {
+            chrono::Duration::from_std(keep)
+                .ok()
+                .and_then(|k| now.checked_sub_signed(k))
+                .unwrap_or(DateTime::<Utc>::MIN_UTC)
+        };
+        let mut report = JanitorReport::default();
+        if let Some((outbox, keep)) = &self.outbox {
+            report.outbox_purged = outbox.purge_finished(before(*keep))?;
+        }
+        for (inbox, keep) in &self.inboxes {
+            report.inbox_pruned += inbox.prune(before(*keep))?;
+        }
+        if let Some(keys) = &self.keys {
+            report.keys_purged = keys.purge_expired(before(keys.ttl()))?;
+        }
+        Ok(report)
+    }
+
+    /// The loop a dispatcher runs: a run at start, then one per interval,
+    /// until `stop` closes. Errors are retried at the next run.
+    pub(crate) fn run(&self, clock: &dyn Clock, stop: &Receiver<()>) {
+        let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
+        let step = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
+        let changes = clock.changes().unwrap_or_else(crossbeam_channel::never);
+        let mut next = clock.now();
+        loop {
+            let now = clock.now();
+            if now >= next {
+                let _ = self.run_once(now);
+                next = now
+                    .checked_add_signed(step)
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC);
+            }
+            let wait = (next - clock.now())
+                .to_std()
+                .unwrap_or(Duration::ZERO)
+                .min(interval);
+            select! {
+                recv(stop) -> _ => return,
+                recv(changes) -> _ => {}
+                default(wait) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! [`DispatchStats`]: what a dispatcher did, for metrics and reports.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+/// Counters of a running dispatcher, and its enqueue→send latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DispatchStats {
+    /// Sends that returned [`Delivery::Delivered`](super::Delivery::Delivered).
+    pub delivered: u64,
+    /// Sends that asked for a retry (and got one).
+    pub retried: u64,
+    /// Entries that failed for good (a [`Delivery::Failed`](super::Delivery::Failed), or `max_attempts`).
+    pub failed: u64,
+    /// Sends that returned [`Delivery::Unknown`](super::Delivery::Unknown).
+    pub unknown: u64,
+    /// Sends that panicked (each counted as a retryable failure).
+    pub panics: u64,
+    /// Settlements refused because the claim had expired and the entry had
+    /// moved on (the reaper released it, or another worker claimed it).
+    pub fenced: u64,
+    /// Claims the reaper released after their lease ran out.
+    pub released: u64,
+    /// Entries given back unsent at shutdown.
+    pub returned: u64,
+    /// Store calls that failed (the dispatcher backs off and carries on).
+    pub store_errors: u64,
+    /// Time from an entry's enqueue (its `created_at`) to the start of its
+    /// first send, for entries due at once.
+    pub latency: LatencySummary,
+}
+
+/// Percentiles of a latency distribution (about 12 % precision).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LatencySummary {
+    /// Samples recorded.
+    pub count: u64,
+    /// Median.
+    pub p50: Duration,
+    /// 90th percentile.
+    pub p90: Duration,
+    /// 99th percentile.
+    pub p99: Duration,
+    /// Largest sample.
+    pub max: Duration,
+}
+
+/// Log-linear histogram of microseconds: 8 buckets per power of two.
+#[derive(Debug)]
+pub(crate) struct Histogram {
+    buckets: Vec<u64>,
+    count: u64,
+    max_us: u64,
+}
+
+const SUB: u32 = 8;
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: vec![0; (64 * SUB) as usize],
+            count: 0,
+            max_us: 0,
+        }
+    }
+}
+
+impl Histogram {
+    fn index(us: u64) -> usize {
+        if us < u64::from(SUB) {
+            return usize::try_from(us).unwrap_or(0);
+        }
+        let log = 63 - us.leading_zeros();
+        let sub = (us >> (log - 3)) & u64::from(SUB - 1);
+        usize::try_from(u64::from(log) * u64::from(SUB) + sub).unwrap_or(0)
+    }
+
+    /// The upper edge of a bucket, in microseconds.
+    fn upper(index: usize) -> u64 {
+        let index = u64::try_from(index).unwrap_or(0);
+        if index < u64::from(SUB) {
+            return index;
+        }
+        let log = index / u64::from(SUB);
+        let sub = index % u64::from(SUB);
+        ((u64::from(SUB) + sub + 1) << (log - 3)).saturating_sub(1)
+    }
+
+    pub(crate) fn record(&mut self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.buckets[Self::index(us)] += 1;
+        self.count += 1;
+        self.max_us = self.max_us.max(us);
+    }
+
+    fn quantile(&self, q: f64) -> Duration {
+        if self.count == 0 {
+            return Duration::ZERO;
+        }
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a rank within the sample count"
+        )]
+        let rank = ((self.count as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return Duration::from_micros(Self::upper(i).min(self.max_us));
+            }
+        }
+        Duration::from_micros(self.max_us)
+    }
+
+    pub(crate) fn summary(&self) -> LatencySummary {
+        LatencySummary {
+            count: self.count,
+            p50: self.quantile(0.50),
+            p90: self.quantile(0.90),
+            p99: self.quantile(0.99),
+            max: Duration::from_micros(self.max_us),
+        }
+    }
+}
+
+/// The live counters behind [`DispatchStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) delivered: AtomicU64,
+    pub(crate) retried: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) unknown: AtomicU64,
+    pub(crate) panics: AtomicU64,
+    pub(crate) fenced: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) returned: AtomicU64,
+    pub(crate) store_errors: AtomicU64,
+    pub(crate) latency: Mutex<Histogram>,
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> DispatchStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DispatchStats {
+            delivered: get(&self.delivered),
+            retried: get(&self.retried),
+            failed: get(&self.failed),
+            unknown: get(&self.unknown),
+            panics: get(&self.panics),
+            fenced: get(&self.fenced),
+            released: get(&self.released),
+            returned: get(&self.returned),
+            store_errors: get(&self.store_errors),
+            latency: self.latency.lock().summary(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_within_a_bucket() {
+        let mut h = Histogram::default();
+        for us in 1..=1000u64 {
+            h.record(Duration::from_micros(us));
+        }
+        let s = h.summary();
+        assert_eq!(s.count, 1000);
+        let p50 = s.p50.as_micros();
+        assert!((500..=570).contains(&p50), "{p50}");
+        let p99 = s.p99.as_micros();
+        assert!((990..=1000).contains(&p99), "{p99}");
+        assert_eq!(s.max, Duration::from_micros(1000));
+        assert_eq!(Histogram::default().summary(), LatencySummary::default());
+        for us in [0u64, 7, 8, 9, 1 << 20, u64::MAX >> 1] {
+            assert!(Histogram::upper(Histogram::index(us)) >= us, "{us}");
+        }
+    }
+}
