@@ -295,14 +295,18 @@ fn outbox_list(
     }
     println!(
         "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  IDEMPOTENCY KEY",
-        "ID", "STATUS", "ATTEMPTS", "DUE/FINISHED", "DESTINATION"
+        "ID", "STATUS", "ATTEMPTS", "DUE/CLAIMED/FINISHED", "DESTINATION"
     );
     for r in &rows {
         let e = &r.entry;
-        let at = e.completed_at.or(e.next_attempt_at).unwrap_or(e.created_at);
+        // Finished, claimed, or due: the time that matters in each status.
+        let at = e
+            .completed_at
+            .or(r.claim.as_ref().map(|c| c.claimed_at))
+            .unwrap_or_else(|| e.due_at());
         println!(
             "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {}",
-            e.id,
+            e.id.0,
             status_name(e.status),
             e.attempt_count,
             at.format("%Y-%m-%dT%H:%M:%SZ"),
