@@ -464,6 +464,23 @@ impl Engine {
         f(&mut db)
     }
 
+    /// Runs `f` in a write transaction that is always aborted, never
+    /// committed: for what only a write transaction can tell (redb's
+    /// [`WriteTransaction::stats`]). Waits for the writer like any write.
+    pub(crate) fn inspect_write<T>(
+        &self,
+        f: impl FnOnce(&WriteTransaction) -> Result<T>,
+    ) -> Result<T> {
+        let scope = WriteScope::enter()?;
+        let db = self.shared.db.read_recursive();
+        let tx = db.begin_write()?;
+        let out = f(&tx);
+        tx.abort()?;
+        drop(db);
+        drop(scope);
+        out
+    }
+
     /// Commit counters: `(all commits, durable commits)`.
     pub(crate) fn commit_counts(&self) -> (u64, u64) {
         (

@@ -10,10 +10,11 @@
 //! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and a per-inbox row count in
 //! [`INBOX_COUNT`], all written together.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use redb::{ReadableTable, TableError, WriteTransaction};
+use redb::{ReadTransaction, ReadableTable, TableError, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
@@ -272,6 +273,111 @@ impl Inbox {
             Ok(out)
         })
     }
+}
+
+/// Opens a table for reading; a table never written is `None`.
+fn open_read<K: redb::Key + 'static, V: redb::Value + 'static>(
+    tx: &ReadTransaction,
+    def: redb::TableDefinition<'static, K, V>,
+) -> Result<Option<redb::ReadOnlyTable<K, V>>> {
+    match tx.open_table(def) {
+        Ok(t) => Ok(Some(t)),
+        Err(TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The names of the inboxes holding at least one key, in name order (from
+/// the count table, one row per non-empty inbox).
+pub(crate) fn names(tx: &ReadTransaction) -> Result<Vec<String>> {
+    let Some(counts) = open_read(tx, INBOX_COUNT)? else {
+        return Ok(Vec::new());
+    };
+    counts
+        .iter()?
+        .map(|row| Ok(row?.0.value().to_owned()))
+        .collect()
+}
+
+/// Checks the invariants of the module docs over every inbox: each row
+/// `(inbox, key) → seen_at` has its index row `(inbox, seen_at, key)` and
+/// each index row its row, and [`INBOX_COUNT`] holds each inbox's number
+/// of rows (no zero counts). Returns one human-readable finding per
+/// violation; none when consistent. Reads every row.
+pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
+    let mut findings = Vec::new();
+    let mut rows: BTreeMap<(String, String), i64> = BTreeMap::new();
+    if let Some(t) = open_read(tx, INBOX)? {
+        for row in t.iter()? {
+            let (k, v) = row?;
+            let (name, key) = k.value();
+            rows.insert((name.to_owned(), key.to_owned()), v.value());
+        }
+    }
+    let mut indexed: BTreeMap<(String, String), i64> = BTreeMap::new();
+    if let Some(t) = open_read(tx, INBOX_SEEN)? {
+        for row in t.iter()? {
+            let (k, _) = row?;
+            let (name, at, key) = k.value();
+            let id = (name.to_owned(), key.to_owned());
+            if let Some(earlier) = indexed.insert(id, at) {
+                findings.push(format!(
+                    "{}: key {key:?} of inbox {name:?} is indexed twice (at {earlier} µs and {at} µs)",
+                    INBOX_SEEN.name()
+                ));
+            }
+        }
+    }
+    for ((name, key), at) in &rows {
+        match indexed.get(&(name.clone(), key.clone())) {
+            None => findings.push(format!(
+                "{}: missing index row for key {key:?} of inbox {name:?} seen at {at} µs",
+                INBOX_SEEN.name()
+            )),
+            Some(i) if i != at => findings.push(format!(
+                "{}: key {key:?} of inbox {name:?} is indexed at {i} µs but was seen at {at} µs",
+                INBOX_SEEN.name()
+            )),
+            Some(_) => {}
+        }
+    }
+    for ((name, key), at) in &indexed {
+        if !rows.contains_key(&(name.clone(), key.clone())) {
+            findings.push(format!(
+                "{}: index row at {at} µs for key {key:?} of inbox {name:?} has no row",
+                INBOX_SEEN.name()
+            ));
+        }
+    }
+    let mut expected: BTreeMap<&str, u64> = BTreeMap::new();
+    for (name, _) in rows.keys() {
+        *expected.entry(name.as_str()).or_default() += 1;
+    }
+    let mut stored: BTreeMap<String, u64> = BTreeMap::new();
+    if let Some(t) = open_read(tx, INBOX_COUNT)? {
+        for row in t.iter()? {
+            let (k, v) = row?;
+            stored.insert(k.value().to_owned(), v.value());
+        }
+    }
+    for (name, n) in &stored {
+        let want = expected.get(name.as_str()).copied().unwrap_or(0);
+        if *n != want {
+            findings.push(format!(
+                "{}: inbox {name:?} is counted {n} but holds {want} keys",
+                INBOX_COUNT.name()
+            ));
+        }
+    }
+    for (name, n) in &expected {
+        if !stored.contains_key(*name) {
+            findings.push(format!(
+                "{}: inbox {name:?} holds {n} keys but has no count",
+                INBOX_COUNT.name()
+            ));
+        }
+    }
+    Ok(findings)
 }
 
 fn check_event_key(key: &str) -> Result<()> {

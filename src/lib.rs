@@ -67,15 +67,16 @@ pub use engine::Durability;
 pub use error::{Error, Result};
 pub use idempotency::{
     Begin, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyKeys, IdempotencyStats, KeyEntry, KeyState,
-    MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
-    MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint,
+    KeySummary, MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN,
+    MAX_HEADER_VALUE_LEN, MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, Reservation,
+    ResponseRecord, fingerprint,
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use outbox::{
     Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox, OutboxClaim, OutboxCounts,
-    OutboxEntry, OutboxId, OutboxRecord, OutboxStatus, Settlement,
+    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,
-    Store, StoreBuilder,
+    Store, StoreBuilder, StoreStats,
 };

@@ -219,6 +219,29 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// What a store file holds and how much of it is in use ([`Store::stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// The file's size on disk in bytes (`None` for in-memory and custom
+    /// backends).
+    pub file_bytes: Option<u64>,
+    /// The store format version recorded in the file.
+    pub format_version: u64,
+    /// Bytes of keys and values stored, without index overhead.
+    pub stored_bytes: u64,
+    /// Bytes of branch-page keys and other engine metadata.
+    pub metadata_bytes: u64,
+    /// Bytes allocated but not holding data: what [`Store::compact`] may
+    /// return to the file system.
+    pub fragmented_bytes: u64,
+    /// Pages allocated by the engine.
+    pub allocated_pages: u64,
+    /// Bytes per page.
+    pub page_size: u64,
+    /// Deepest B-tree, across all tables.
+    pub tree_height: u32,
+}
+
 /// Commit counters of a store since it was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CommitStats {
@@ -330,6 +353,54 @@ impl Store {
             commits,
             durable_commits,
         }
+    }
+
+    /// The file's size, format version and the engine's space accounting
+    /// (stored, metadata and fragmented bytes). Takes the writer for a
+    /// moment (redb computes these in a write transaction, which is then
+    /// aborted: nothing is written).
+    pub fn stats(&self) -> Result<StoreStats> {
+        let format_version = self.engine.read(|tx| match tx.open_table(META) {
+            Ok(meta) => Ok(meta.get(META_FORMAT_VERSION)?.map_or(0, |v| v.value())),
+            Err(TableError::TableDoesNotExist(_)) => Ok(0),
+            Err(e) => Err(Error::from(e)),
+        })?;
+        let s = self.engine.inspect_write(|tx| Ok(tx.stats()?))?;
+        let file_bytes = match self.path() {
+            Some(p) => Some(
+                std::fs::metadata(p)
+                    .map_err(|e| Error::Storage(redb::Error::Io(e)))?
+                    .len(),
+            ),
+            None => None,
+        };
+        Ok(StoreStats {
+            file_bytes,
+            format_version,
+            stored_bytes: s.stored_bytes(),
+            metadata_bytes: s.metadata_bytes(),
+            fragmented_bytes: s.fragmented_bytes(),
+            allocated_pages: s.allocated_pages(),
+            page_size: s.page_size() as u64,
+            tree_height: s.tree_height(),
+        })
+    }
+
+    /// The names of the inboxes that hold at least one key, in name order.
+    /// (An inbox is not registered anywhere: one whose keys were all pruned,
+    /// or that never claimed one, is not listed.)
+    pub fn inbox_names(&self) -> Result<Vec<String>> {
+        self.engine.read(crate::inbox::names)
+    }
+
+    /// Checks every inbox's rows against its `seen_at` index and its count:
+    /// each `(inbox, key)` row has its `(inbox, seen_at, key)` index row and
+    /// vice versa, and each inbox's count matches its rows. Returns one
+    /// human-readable finding per violation, none when consistent. Reads
+    /// every inbox row in one read transaction: for tests and offline
+    /// checks.
+    pub fn check_inbox_indexes(&self) -> Result<Vec<String>> {
+        self.engine.read(crate::inbox::check_indexes)
     }
 
     /// Checks (and on a new file, writes) the format version.

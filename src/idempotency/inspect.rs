@@ -1,11 +1,13 @@
 //! Inspection: listing the rows and checking them against the expiry index.
 
-use redb::{ReadableTable, TableError};
+use chrono::{DateTime, Utc};
+use redb::{ReadableTable, TableError, TableHandle as _};
 
 use super::IdempotencyKeys;
 use super::raw::{self, key_name};
-use super::record::check_tenant;
-use super::types::{KeyEntry, key_entry};
+use super::record::{Row, check_key, check_tenant};
+use super::types::{KeyEntry, ResponseRecord, key_entry, to_response};
+use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE};
 
@@ -33,6 +35,49 @@ impl IdempotencyKeys {
                     break;
                 }
                 out.push(key_entry(t, key, raw::decode_row(t, key, v.value())?)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The completed response stored at `(tenant, key)`, whatever its age:
+    /// a plain read that never deletes (unlike [`get`](Self::get), which
+    /// treats expired records as gone). `None` for no row or a reservation.
+    /// For inspection tools and backups.
+    pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
+        check_tenant(tenant)?;
+        check_key(key)?;
+        match self.read_row(tenant, key)? {
+            Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// How many rows are completed responses and how many reservations, and
+    /// the oldest row's `created_at` (what the next
+    /// [`purge_expired`](Self::purge_expired) would reach first). Reads
+    /// every row in one read transaction: for inspection tools.
+    pub fn summary(&self) -> Result<KeySummary> {
+        self.engine.read(|tx| {
+            let mut out = KeySummary::default();
+            let rows = match tx.open_table(IDEM) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(out),
+                Err(e) => return Err(Error::from(e)),
+            };
+            for entry in rows.iter()? {
+                let (k, v) = entry?;
+                let (t, key) = k.value();
+                match raw::decode_row(t, key, v.value())? {
+                    Row::Completed { .. } => out.completed += 1,
+                    Row::Reserved { .. } => out.reserved += 1,
+                }
+            }
+            if let Ok(index) = tx.open_table(IDEM_CREATED)
+                && let Some((k, _)) = index.first()?
+            {
+                let (at, t, key) = k.value();
+                out.oldest = Some(from_micros(IDEM_CREATED.name(), &key_name(t, key), at)?);
             }
             Ok(out)
         })
@@ -115,4 +160,17 @@ impl IdempotencyKeys {
             Ok(findings)
         })
     }
+}
+
+/// Rows of the idempotency-key store by kind ([`IdempotencyKeys::summary`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KeySummary {
+    /// Stored responses.
+    pub completed: u64,
+    /// Reservations: handlers in flight, or whose holder died before its
+    /// lease ended.
+    pub reserved: u64,
+    /// The oldest row's `created_at` (a reservation's is its reservation
+    /// time), `None` when there are no rows.
+    pub oldest: Option<DateTime<Utc>>,
 }

@@ -57,6 +57,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::schema::IDEM;
 
+pub use inspect::KeySummary;
 use raw::{Began, Look, key_name};
 pub use record::{
     MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
@@ -433,7 +434,7 @@ impl IdempotencyKeys {
         Ok(())
     }
 
-    fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
+    pub(super) fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
         self.engine.read(|tx| {
             let table = match tx.open_table(IDEM) {
                 Ok(t) => t,

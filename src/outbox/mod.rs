@@ -63,7 +63,9 @@ use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result, check_len};
-use crate::schema::{OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE};
+use crate::schema::{
+    OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE,
+};
 use index::open_read;
 use record::{Change, Stored};
 
@@ -358,6 +360,50 @@ impl Settlement {
                     ..
                 }
         )
+    }
+}
+
+/// Which entries [`Outbox::list`] returns: all of them by default; each
+/// setter narrows the listing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[must_use]
+pub struct OutboxFilter {
+    status: Option<OutboxStatus>,
+    destination: Option<String>,
+    after: Option<OutboxId>,
+}
+
+impl OutboxFilter {
+    /// Every entry. Default: no status, destination or start restriction.
+    pub fn any() -> Self {
+        OutboxFilter::default()
+    }
+
+    /// Only entries in `status`. Default: any status.
+    pub fn status(mut self, status: OutboxStatus) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Only entries for `destination`. Default: any destination.
+    pub fn destination(mut self, destination: impl Into<String>) -> Self {
+        self.destination = Some(destination.into());
+        self
+    }
+
+    /// Only entries with an id strictly above `id`: the next page after a
+    /// listing whose last entry was `id`. Default: from the first id.
+    pub fn after(mut self, id: OutboxId) -> Self {
+        self.after = Some(id);
+        self
+    }
+
+    fn matches(&self, s: &Stored) -> bool {
+        self.status.is_none_or(|st| st.code() == s.status)
+            && self
+                .destination
+                .as_deref()
+                .is_none_or(|d| d == s.destination)
     }
 }
 
@@ -809,6 +855,59 @@ impl Outbox {
                 Some((k, _)) => {
                     let (at, id) = k.value();
                     from_micros(OUTBOX_DUE.name(), &id, at).map(Some)
+                }
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Up to `limit` entries matching `filter`, by id (enqueue order).
+    /// Walks the rows from the filter's start and skips those that do not
+    /// match, so a narrow filter over a large outbox reads much of it: for
+    /// inspection tools, not for a dispatcher (use
+    /// [`claim_due`](Outbox::claim_due)). Page with
+    /// [`OutboxFilter::after`] and the last id returned.
+    pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
+        if let Some(d) = &filter.destination {
+            check_field("destination", d)?;
+        }
+        self.engine.read(|tx| {
+            let Some(rows) = open_read(tx, OUTBOX)? else {
+                return Ok(Vec::new());
+            };
+            let start = filter.after.map_or(Some(0), |id| id.0.checked_add(1));
+            let Some(start) = start else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for row in rows.range(start..)? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = row?;
+                let id = k.value();
+                let stored = Stored::decode(id, v.value())?;
+                if filter.matches(&stored) {
+                    out.push(stored.to_record(id)?);
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// The claim time of the longest-held `Dispatching` entry, or `None` if
+    /// nothing is being dispatched: how far back a reaper's
+    /// [`release_expired_claims`](Outbox::release_expired_claims) cutoff
+    /// would reach.
+    pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read(|tx| {
+            let Some(claimed) = open_read(tx, OUTBOX_CLAIMED)? else {
+                return Ok(None);
+            };
+            match claimed.first()? {
+                Some((k, _)) => {
+                    let (at, id) = k.value();
+                    from_micros(OUTBOX_CLAIMED.name(), &id, at).map(Some)
                 }
                 None => Ok(None),
             }

@@ -1,0 +1,605 @@
+//! One function per command.
+
+use std::io::{BufWriter, Write as _};
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+use idemstore::{KeyState, OutboxFilter, OutboxId, OutboxStatus};
+use serde_json::{Value, json};
+
+use crate::output::{
+    bar, bytes, key_json, outbox_json, preview, print_json, spinner, status_name, ts, ts_opt, when,
+    when_opt,
+};
+use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open};
+
+/// Rows read per read transaction when walking a whole table.
+const PAGE: usize = 1000;
+
+/// Runs the command `cli` names.
+pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
+    let json = cli.json;
+    match &cli.command {
+        Command::Stats { file } => stats(file, json),
+        Command::Inbox(InboxCommand::List { file, name, limit }) => {
+            inbox_list(file, name, *limit, json)
+        }
+        Command::Inbox(InboxCommand::Prune { file, name, before }) => {
+            let store = open(file)?;
+            let pb = spinner(&format!("pruning inbox {name}"));
+            let n = store.inbox(name)?.prune(*before)?;
+            pb.finish_and_clear();
+            report(
+                json,
+                &json!({"inbox": name, "pruned": n, "before": ts(*before)}),
+                || {
+                    format!(
+                        "pruned {n} keys seen before {} from inbox {name}",
+                        ts(*before)
+                    )
+                },
+            )
+        }
+        Command::Outbox(c) => outbox(c, json),
+        Command::Keys(KeysCommand::List {
+            file,
+            tenant,
+            limit,
+        }) => keys_list(file, tenant.as_deref(), *limit, json),
+        Command::Keys(KeysCommand::Purge { file, before }) => {
+            let store = open(file)?;
+            let pb = spinner("purging idempotency keys");
+            let n = store.idempotency_keys().purge_expired(*before)?;
+            pb.finish_and_clear();
+            report(json, &json!({"purged": n, "before": ts(*before)}), || {
+                format!(
+                    "purged {n} idempotency records created before {}",
+                    ts(*before)
+                )
+            })
+        }
+        Command::Compact { file } => compact(file, json),
+        Command::Check { file } => check(file, json),
+        Command::Export { file, .. } => export(file),
+    }
+}
+
+/// Prints `v` with `--json`, else the text `human` makes.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "commands end with `report(..)` as their result"
+)]
+fn report(json: bool, v: &Value, human: impl FnOnce() -> String) -> Result<Outcome, Failure> {
+    if json {
+        print_json(v);
+    } else {
+        println!("{}", human());
+    }
+    Ok(Outcome::Ok)
+}
+
+/// `0` means no limit.
+fn limit_or_all(limit: usize) -> usize {
+    if limit == 0 { usize::MAX } else { limit }
+}
+
+fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
+    let store = open(file)?;
+    let now = Utc::now();
+    let s = store.stats()?;
+    let mut inboxes = Vec::new();
+    for name in store.inbox_names()? {
+        let inbox = store.inbox(&name)?;
+        let oldest = inbox.list(None, 1)?.first().map(|(_, at)| *at);
+        inboxes.push((name, inbox.len()?, oldest));
+    }
+    let outbox = store.outbox();
+    let counts = outbox.counts()?;
+    let (next_due, oldest_claim) = (outbox.next_due()?, outbox.oldest_claim()?);
+    let keys = store.idempotency_keys().summary()?;
+    if json {
+        let per_status: serde_json::Map<String, Value> = OutboxStatus::ALL
+            .iter()
+            .map(|st| (status_name(*st).to_owned(), json!(counts.get(*st))))
+            .collect();
+        print_json(&json!({
+            "file": file.display().to_string(),
+            "file_bytes": s.file_bytes,
+            "format_version": s.format_version,
+            "space": {
+                "stored_bytes": s.stored_bytes,
+                "metadata_bytes": s.metadata_bytes,
+                "fragmented_bytes": s.fragmented_bytes,
+                "allocated_pages": s.allocated_pages,
+                "page_size": s.page_size,
+                "tree_height": s.tree_height,
+            },
+            "inboxes": inboxes.iter().map(|(name, n, oldest)| json!({
+                "name": name, "keys": n, "oldest_seen_at": ts_opt(*oldest),
+            })).collect::<Vec<_>>(),
+            "outbox": {
+                "total": counts.total(),
+                "counts": per_status,
+                "oldest_due": ts_opt(next_due),
+                "oldest_claim": ts_opt(oldest_claim),
+            },
+            "keys": {
+                "completed": keys.completed,
+                "in_flight": keys.reserved,
+                "oldest": ts_opt(keys.oldest),
+            },
+        }));
+        return Ok(Outcome::Ok);
+    }
+    println!("file       {}", file.display());
+    if let Some(n) = s.file_bytes {
+        println!("size       {} ({n} bytes)", bytes(n));
+    }
+    println!("format     {}", s.format_version);
+    println!(
+        "space      {} stored, {} metadata, {} fragmented (compact can reclaim it); \
+         {} pages of {} B",
+        bytes(s.stored_bytes),
+        bytes(s.metadata_bytes),
+        bytes(s.fragmented_bytes),
+        s.allocated_pages,
+        s.page_size,
+    );
+    println!("inboxes    {}", inboxes.len());
+    for (name, n, oldest) in &inboxes {
+        println!("  {name}: {n} keys, oldest seen {}", when_opt(*oldest, now));
+    }
+    let parts: Vec<String> = OutboxStatus::ALL
+        .iter()
+        .map(|st| format!("{} {}", counts.get(*st), status_name(*st)))
+        .collect();
+    println!(
+        "outbox     {} entries: {}",
+        counts.total(),
+        parts.join(", ")
+    );
+    println!("  oldest due    {}", when_opt(next_due, now));
+    println!("  oldest claim  {}", when_opt(oldest_claim, now));
+    println!(
+        "keys       {} completed, {} in flight; oldest {}",
+        keys.completed,
+        keys.reserved,
+        when_opt(keys.oldest, now)
+    );
+    Ok(Outcome::Ok)
+}
+
+fn inbox_list(file: &Path, name: &str, limit: usize, json: bool) -> Result<Outcome, Failure> {
+    let store = open(file)?;
+    let inbox = store.inbox(name)?;
+    let limit = limit_or_all(limit);
+    let mut rows: Vec<(String, DateTime<Utc>)> = Vec::new();
+    while rows.len() < limit {
+        let after = rows.last().map(|(k, at)| (*at, k.as_str()));
+        let page = inbox.list(after, PAGE.min(limit - rows.len()))?;
+        if page.is_empty() {
+            break;
+        }
+        rows.extend(page);
+    }
+    if json {
+        let v: Vec<Value> = rows
+            .iter()
+            .map(|(k, at)| json!({"key": k, "seen_at": ts(*at)}))
+            .collect();
+        print_json(&Value::Array(v));
+    } else {
+        let now = Utc::now();
+        for (k, at) in &rows {
+            println!("{}  {k}", when(*at, now));
+        }
+        println!("{} of {} keys in inbox {name}", rows.len(), inbox.len()?);
+    }
+    Ok(Outcome::Ok)
+}
+
+fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
+    match c {
+        OutboxCommand::List {
+            file,
+            status,
+            destination,
+            limit,
+        } => {
+            let mut filter = OutboxFilter::any();
+            if let Some(s) = status {
+                filter = filter.status((*s).into());
+            }
+            if let Some(d) = destination {
+                filter = filter.destination(d.clone());
+            }
+            outbox_list(file, filter, limit_or_all(*limit), json)
+        }
+        OutboxCommand::Show { file, id } => {
+            let r = open(file)?.outbox().get(OutboxId(*id))?;
+            if json {
+                print_json(&outbox_json(&r, true));
+            } else {
+                print_record(&r);
+            }
+            Ok(Outcome::Ok)
+        }
+        OutboxCommand::Retry { file, ids } => retry(file, ids, json),
+        OutboxCommand::Resolve {
+            file,
+            id,
+            failed,
+            completed: _,
+        } => resolve(file, OutboxId(*id), failed.as_deref(), json),
+        OutboxCommand::Release {
+            file,
+            claimed_before,
+        } => {
+            let ids = open(file)?
+                .outbox()
+                .release_expired_claims(*claimed_before)?;
+            let list: Vec<u64> = ids.iter().map(|i| i.0).collect();
+            report(json, &json!({"released": list}), || {
+                let shown: Vec<String> = list.iter().map(u64::to_string).collect();
+                format!(
+                    "released {} claims made before {} back to pending{}{}",
+                    list.len(),
+                    ts(*claimed_before),
+                    if list.is_empty() { "" } else { ": " },
+                    shown.join(" ")
+                )
+            })
+        }
+        OutboxCommand::Purge {
+            file,
+            finished_before,
+        } => {
+            let store = open(file)?;
+            let pb = spinner("purging finished outbox entries");
+            let n = store.outbox().purge_finished(*finished_before)?;
+            pb.finish_and_clear();
+            report(
+                json,
+                &json!({"purged": n, "finished_before": ts(*finished_before)}),
+                || {
+                    format!(
+                        "purged {n} completed or failed entries finished before {}",
+                        ts(*finished_before)
+                    )
+                },
+            )
+        }
+    }
+}
+
+fn outbox_list(
+    file: &Path,
+    filter: OutboxFilter,
+    limit: usize,
+    json: bool,
+) -> Result<Outcome, Failure> {
+    let outbox = open(file)?.outbox();
+    let mut rows = Vec::new();
+    let mut filter = filter;
+    while rows.len() < limit {
+        let page = outbox.list(&filter, PAGE.min(limit - rows.len()))?;
+        let Some(last) = page.last() else { break };
+        filter = filter.after(last.entry.id);
+        rows.extend(page);
+    }
+    if json {
+        print_json(&Value::Array(
+            rows.iter().map(|r| outbox_json(r, false)).collect(),
+        ));
+        return Ok(Outcome::Ok);
+    }
+    println!(
+        "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  IDEMPOTENCY KEY",
+        "ID", "STATUS", "ATTEMPTS", "DUE/CLAIMED/FINISHED", "DESTINATION"
+    );
+    for r in &rows {
+        let e = &r.entry;
+        // Finished, claimed, or due: the time that matters in each status.
+        let at = e
+            .completed_at
+            .or(r.claim.as_ref().map(|c| c.claimed_at))
+            .unwrap_or_else(|| e.due_at());
+        println!(
+            "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {}",
+            e.id.0,
+            status_name(e.status),
+            e.attempt_count,
+            at.format("%Y-%m-%dT%H:%M:%SZ"),
+            e.destination,
+            e.idempotency_key
+        );
+    }
+    println!("{} entries", rows.len());
+    Ok(Outcome::Ok)
+}
+
+fn print_record(r: &idemstore::OutboxRecord) {
+    let now = Utc::now();
+    let e = &r.entry;
+    println!("id               {}", e.id);
+    println!("status           {}", status_name(e.status));
+    println!("command          {}", e.command_id);
+    println!("destination      {}", e.destination);
+    println!("idempotency key  {}", e.idempotency_key);
+    println!("attempts         {}", e.attempt_count);
+    println!("created          {}", when(e.created_at, now));
+    println!("next attempt     {}", when_opt(e.next_attempt_at, now));
+    println!("finished         {}", when_opt(e.completed_at, now));
+    match &r.claim {
+        Some(c) => println!(
+            "claim            {} at {}",
+            c.worker_id,
+            when(c.claimed_at, now)
+        ),
+        None => println!("claim            -"),
+    }
+    println!(
+        "last failure     {}",
+        r.last_failure.as_deref().unwrap_or("-")
+    );
+    println!(
+        "remote ref       {}",
+        r.remote_ref.as_deref().unwrap_or("-")
+    );
+    println!("payload          {}", preview(&e.payload));
+}
+
+fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
+    let outbox = open(file)?.outbox();
+    let now = Utc::now();
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for &id in ids {
+        let attempt = outbox.get(OutboxId(id)).and_then(|before| {
+            outbox
+                .requeue(OutboxId(id), now)
+                .map(|()| before.entry.status)
+        });
+        match attempt {
+            Ok(was) => {
+                if !json {
+                    println!("{id}: {} -> pending, due now", status_name(was));
+                }
+                done.push(json!({"id": id, "was": status_name(was)}));
+            }
+            Err(e) => {
+                eprintln!("idemstore: error: entry {id}: {e}");
+                failed.push(json!({"id": id, "error": e.to_string()}));
+            }
+        }
+    }
+    if json {
+        print_json(&json!({"requeued": done, "failed": failed, "due": ts(now)}));
+    } else {
+        println!("requeued {} of {} entries", done.len(), ids.len());
+    }
+    Ok(if failed.is_empty() {
+        Outcome::Ok
+    } else {
+        Outcome::Findings
+    })
+}
+
+fn resolve(
+    file: &Path,
+    id: OutboxId,
+    failed: Option<&str>,
+    json: bool,
+) -> Result<Outcome, Failure> {
+    let outbox = open(file)?.outbox();
+    let before = outbox.get(id)?;
+    if before.entry.status != OutboxStatus::OutcomeUnknown {
+        return Err(Failure(format!(
+            "entry {id} is {}, not outcome_unknown; resolve settles only entries whose \
+             outcome is unknown (use retry for failed ones)",
+            status_name(before.entry.status)
+        )));
+    }
+    let now = Utc::now();
+    match failed {
+        Some(reason) => outbox.mark_failed(id, reason, None, now)?,
+        None => outbox.mark_completed(id, now)?,
+    }
+    let to = if failed.is_some() {
+        OutboxStatus::Failed
+    } else {
+        OutboxStatus::Completed
+    };
+    report(
+        json,
+        &json!({"id": id.0, "was": status_name(before.entry.status), "now": status_name(to),
+                "reason": failed, "finished_at": ts(now)}),
+        || {
+            let why = failed.map(|r| format!(" ({r})")).unwrap_or_default();
+            format!("{id}: outcome_unknown -> {}{why}", status_name(to))
+        },
+    )
+}
+
+fn keys_list(
+    file: &Path,
+    tenant: Option<&str>,
+    limit: usize,
+    json: bool,
+) -> Result<Outcome, Failure> {
+    let rows = open(file)?
+        .idempotency_keys()
+        .list(tenant, limit_or_all(limit))?;
+    if json {
+        print_json(&Value::Array(
+            rows.iter().map(|k| key_json(k, None)).collect(),
+        ));
+        return Ok(Outcome::Ok);
+    }
+    let now = Utc::now();
+    for k in &rows {
+        let state = match &k.state {
+            KeyState::Completed {
+                status,
+                body_len,
+                created_at,
+            } => format!(
+                "completed {status}, {body_len} B body, stored {}",
+                when(*created_at, now)
+            ),
+            KeyState::Reserved { lease_until, .. } => {
+                format!("in flight, lease until {}", when(*lease_until, now))
+            }
+        };
+        println!("{:?} {:?}: {state}", k.tenant, k.key);
+    }
+    println!("{} keys", rows.len());
+    Ok(Outcome::Ok)
+}
+
+fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
+    let before = std::fs::metadata(file)?.len();
+    let store = open(file)?;
+    let pb = spinner("compacting");
+    let compacted = store.compact()?;
+    pb.finish_and_clear();
+    drop(store);
+    let after = std::fs::metadata(file)?.len();
+    report(
+        json,
+        &json!({"compacted": compacted, "bytes_before": before, "bytes_after": after}),
+        || {
+            if compacted {
+                format!(
+                    "compacted {}: {} -> {}",
+                    file.display(),
+                    bytes(before),
+                    bytes(after)
+                )
+            } else {
+                format!(
+                    "nothing to compact in {} ({})",
+                    file.display(),
+                    bytes(before)
+                )
+            }
+        },
+    )
+}
+
+fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
+    let store = open(file)?;
+    let pb = spinner("checking");
+    let mut findings: Vec<(&str, String)> = Vec::new();
+    pb.set_message("checking the engine's integrity");
+    if !store.check_integrity()? {
+        findings.push((
+            "engine",
+            "redb's integrity check failed (the engine repaired its allocator state)".into(),
+        ));
+    }
+    pb.set_message("checking inbox indexes");
+    findings.extend(
+        store
+            .check_inbox_indexes()?
+            .into_iter()
+            .map(|f| ("inbox", f)),
+    );
+    pb.set_message("checking outbox indexes");
+    findings.extend(
+        store
+            .outbox()
+            .check_indexes()?
+            .into_iter()
+            .map(|f| ("outbox", f)),
+    );
+    pb.set_message("checking idempotency key indexes");
+    findings.extend(
+        store
+            .idempotency_keys()
+            .check_indexes()?
+            .into_iter()
+            .map(|f| ("keys", f)),
+    );
+    pb.finish_and_clear();
+    if json {
+        let v: Vec<Value> = findings
+            .iter()
+            .map(|(part, f)| json!({"part": part, "finding": f}))
+            .collect();
+        print_json(&json!({"ok": findings.is_empty(), "findings": v}));
+    } else if findings.is_empty() {
+        println!(
+            "ok: {} passed the integrity check and every index agrees with its rows",
+            file.display()
+        );
+    } else {
+        for (part, f) in &findings {
+            println!("{part}: {f}");
+        }
+        println!("{} findings in {}", findings.len(), file.display());
+    }
+    Ok(if findings.is_empty() {
+        Outcome::Ok
+    } else {
+        Outcome::Findings
+    })
+}
+
+/// Every record as one JSON object per line on stdout: inbox keys, outbox
+/// entries (payload in base64), idempotency rows (body in base64).
+fn export(file: &Path) -> Result<Outcome, Failure> {
+    let store = open(file)?;
+    let inboxes = store.inbox_names()?;
+    let mut total = 0;
+    for name in &inboxes {
+        total += store.inbox(name)?.len()?;
+    }
+    total += store.outbox().counts()?.total();
+    let keys = store.idempotency_keys().summary()?;
+    total += keys.completed + keys.reserved;
+    let pb = bar(total, "exporting");
+    let mut out = BufWriter::new(std::io::stdout().lock());
+    for name in &inboxes {
+        let inbox = store.inbox(name)?;
+        let mut after: Option<(DateTime<Utc>, String)> = None;
+        loop {
+            let page = inbox.list(after.as_ref().map(|(at, k)| (*at, k.as_str())), PAGE)?;
+            let Some((k, at)) = page.last() else { break };
+            after = Some((*at, k.clone()));
+            for (key, seen_at) in &page {
+                let v =
+                    json!({"kind": "inbox", "inbox": name, "key": key, "seen_at": ts(*seen_at)});
+                writeln!(out, "{v}")?;
+            }
+            pb.inc(page.len() as u64);
+        }
+    }
+    let outbox = store.outbox();
+    let mut filter = OutboxFilter::any();
+    loop {
+        let page = outbox.list(&filter, PAGE)?;
+        let Some(last) = page.last() else { break };
+        filter = filter.after(last.entry.id);
+        for r in &page {
+            let mut v = outbox_json(r, true);
+            v["kind"] = json!("outbox");
+            writeln!(out, "{v}")?;
+        }
+        pb.inc(page.len() as u64);
+    }
+    let idem = store.idempotency_keys();
+    for k in idem.list(None, usize::MAX)? {
+        let response = match k.state {
+            KeyState::Completed { .. } => idem.response(&k.tenant, &k.key)?,
+            KeyState::Reserved { .. } => None,
+        };
+        let mut v = key_json(&k, response.as_ref());
+        v["kind"] = json!("key");
+        writeln!(out, "{v}")?;
+        pb.inc(1);
+    }
+    out.flush()?;
+    pb.finish_and_clear();
+    Ok(Outcome::Ok)
+}

@@ -1,0 +1,264 @@
+//! `idemstore`: the operator's tool for an idemstore file.
+//!
+//! Inspect a store (`stats`, `inbox list`, `outbox list|show`, `keys list`),
+//! repair by hand (`outbox retry|resolve|release`), reclaim space (`inbox
+//! prune`, `outbox purge`, `keys purge`, `compact`), verify it (`check`) and
+//! back it up (`export --jsonl`). Output is for people by default and JSON
+//! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
+//! usage.
+
+mod commands;
+mod output;
+mod time;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use chrono::{DateTime, Utc};
+use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
+use idemstore::{Error, OutboxStatus, Store};
+
+/// Inspect, repair and back up an idemstore file.
+///
+/// TIME is RFC 3339 (2025-01-31T12:00:00Z) or an age meaning now minus that:
+/// 7d, 24h, 30m, 45s (or combined, 1d12h).
+///
+/// Exit codes: 0 ok, 1 findings (check) or a failed operation, 2 bad usage.
+#[derive(Debug, Parser)]
+#[command(name = "idemstore", version, about, long_about)]
+pub(crate) struct Cli {
+    /// Print JSON for scripts instead of text for people.
+    #[arg(long, global = true)]
+    pub(crate) json: bool,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// File size, format, space, and what each inbox, the outbox and the
+    /// idempotency keys hold.
+    Stats {
+        /// The store file.
+        file: PathBuf,
+    },
+    /// Inbox ledgers.
+    #[command(subcommand)]
+    Inbox(InboxCommand),
+    /// The outbox.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// HTTP idempotency keys.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// Rewrite the file to return free space to the file system.
+    Compact {
+        /// The store file.
+        file: PathBuf,
+    },
+    /// Check the engine's integrity and that every index agrees with its
+    /// rows; exit 1 on any finding.
+    Check {
+        /// The store file.
+        file: PathBuf,
+    },
+    /// Write every record as JSON lines on stdout (payloads and bodies in
+    /// base64), for backups and debugging.
+    Export {
+        /// The store file.
+        file: PathBuf,
+        /// One JSON object per line (the only format).
+        #[arg(long, required = true)]
+        jsonl: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum InboxCommand {
+    /// The keys of an inbox, oldest first.
+    List {
+        /// The store file.
+        file: PathBuf,
+        /// The inbox's name.
+        name: String,
+        /// At most this many keys (0: all).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Forget the keys of an inbox seen before TIME.
+    Prune {
+        /// The store file.
+        file: PathBuf,
+        /// The inbox's name.
+        name: String,
+        /// Remove keys seen strictly before this TIME.
+        #[arg(long, value_parser = time::parse_time)]
+        before: DateTime<Utc>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum OutboxCommand {
+    /// Entries by id, optionally of one status or destination.
+    List {
+        /// The store file.
+        file: PathBuf,
+        /// Only entries in this status.
+        #[arg(long, value_enum)]
+        status: Option<StatusArg>,
+        /// Only entries for this destination.
+        #[arg(long)]
+        destination: Option<String>,
+        /// At most this many entries (0: all).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// One entry in full.
+    Show {
+        /// The store file.
+        file: PathBuf,
+        /// The entry's id.
+        id: u64,
+    },
+    /// Move failed or outcome-unknown entries back to pending, due now.
+    Retry {
+        /// The store file.
+        file: PathBuf,
+        /// The entries' ids.
+        #[arg(required = true)]
+        ids: Vec<u64>,
+    },
+    /// Settle an outcome-unknown entry after reconciling it by hand.
+    #[command(group(ArgGroup::new("outcome").required(true).args(["completed", "failed"])))]
+    Resolve {
+        /// The store file.
+        file: PathBuf,
+        /// The entry's id.
+        id: u64,
+        /// The effect happened: mark it Completed.
+        #[arg(long)]
+        completed: bool,
+        /// The effect did not happen: mark it Failed with this reason code.
+        #[arg(long, value_name = "REASON")]
+        failed: Option<String>,
+    },
+    /// Release Dispatching entries claimed before TIME back to Pending (their
+    /// dispatcher died).
+    Release {
+        /// The store file.
+        file: PathBuf,
+        /// Release claims made strictly before this TIME.
+        #[arg(long, value_parser = time::parse_time)]
+        claimed_before: DateTime<Utc>,
+    },
+    /// Delete Completed and Failed entries finished before TIME.
+    Purge {
+        /// The store file.
+        file: PathBuf,
+        /// Delete entries finished strictly before this TIME.
+        #[arg(long, value_parser = time::parse_time)]
+        finished_before: DateTime<Utc>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum KeysCommand {
+    /// Stored responses and reservations, by tenant and key.
+    List {
+        /// The store file.
+        file: PathBuf,
+        /// Only this tenant's keys ("" is the default tenant).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// At most this many keys (0: all).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Delete records created before TIME (reservations once their lease
+    /// has ended too).
+    Purge {
+        /// The store file.
+        file: PathBuf,
+        /// Delete records created strictly before this TIME.
+        #[arg(long, value_parser = time::parse_time)]
+        before: DateTime<Utc>,
+    },
+}
+
+/// An outbox status on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum StatusArg {
+    Pending,
+    Dispatching,
+    Completed,
+    Failed,
+    #[value(alias = "outcome_unknown", alias = "unknown")]
+    OutcomeUnknown,
+}
+
+impl From<StatusArg> for OutboxStatus {
+    fn from(s: StatusArg) -> Self {
+        match s {
+            StatusArg::Pending => OutboxStatus::Pending,
+            StatusArg::Dispatching => OutboxStatus::Dispatching,
+            StatusArg::Completed => OutboxStatus::Completed,
+            StatusArg::Failed => OutboxStatus::Failed,
+            StatusArg::OutcomeUnknown => OutboxStatus::OutcomeUnknown,
+        }
+    }
+}
+
+/// Why a command failed, as told on stderr.
+#[derive(Debug)]
+pub(crate) struct Failure(pub(crate) String);
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::AlreadyOpen { path } => Failure(format!(
+                "{} is in use by another process (the store is already open); \
+                 stop that process or run this command from it",
+                path.display()
+            )),
+            other => Failure(other.to_string()),
+        }
+    }
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Self {
+        Failure(format!("I/O error: {e}"))
+    }
+}
+
+/// What a command ended with, when it did not fail.
+pub(crate) enum Outcome {
+    /// Everything as asked.
+    Ok,
+    /// The command ran but found problems (check) or some items failed
+    /// (retry): exit 1.
+    Findings,
+}
+
+/// Opens an existing store file; never creates one.
+pub(crate) fn open(file: &Path) -> Result<Store, Failure> {
+    if !file.exists() {
+        return Err(Failure(format!(
+            "{}: no such file (idemstore opens existing store files only)",
+            file.display()
+        )));
+    }
+    Ok(Store::open(file)?)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match commands::run(&cli) {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::Findings) => ExitCode::FAILURE,
+        Err(Failure(message)) => {
+            eprintln!("idemstore: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

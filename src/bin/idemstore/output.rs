@@ -1,0 +1,207 @@
+//! Rendering for people and for scripts, and progress on a terminal.
+
+use std::io::IsTerminal as _;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use chrono::{DateTime, SecondsFormat, Utc};
+use idemstore::{KeyEntry, KeyState, OutboxRecord, OutboxStatus, ResponseRecord};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+
+/// A status as scripts and people read it.
+pub(crate) fn status_name(s: OutboxStatus) -> &'static str {
+    match s {
+        OutboxStatus::Pending => "pending",
+        OutboxStatus::Dispatching => "dispatching",
+        OutboxStatus::Completed => "completed",
+        OutboxStatus::Failed => "failed",
+        OutboxStatus::OutcomeUnknown => "outcome_unknown",
+    }
+}
+
+/// An instant for scripts: RFC 3339 with microseconds (the store's
+/// precision), so it reads back exactly.
+pub(crate) fn ts(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// An optional instant for scripts.
+pub(crate) fn ts_opt(t: Option<DateTime<Utc>>) -> Value {
+    t.map_or(Value::Null, |t| Value::String(ts(t)))
+}
+
+/// An instant for people: to the second, with its age.
+pub(crate) fn when(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    let secs = (now - t).num_seconds();
+    let text = t.to_rfc3339_opts(SecondsFormat::Secs, true);
+    if secs >= 0 {
+        format!("{text} ({} ago)", age(secs.unsigned_abs()))
+    } else {
+        format!("{text} (in {})", age(secs.unsigned_abs()))
+    }
+}
+
+/// An optional instant for people.
+pub(crate) fn when_opt(t: Option<DateTime<Utc>>, now: DateTime<Utc>) -> String {
+    t.map_or_else(|| "-".to_owned(), |t| when(t, now))
+}
+
+/// A duration in the largest two units: `3d 4h`, `12m 5s`.
+fn age(secs: u64) -> String {
+    let (d, h, m, s) = (secs / 86_400, secs / 3_600 % 24, secs / 60 % 60, secs % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m {s}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
+    }
+}
+
+/// A byte count for people: `1.5 MiB`.
+pub(crate) fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// Bytes as base64, for JSON.
+pub(crate) fn b64(data: &[u8]) -> String {
+    BASE64.encode(data)
+}
+
+/// A payload for people: the text if it is short UTF-8, else its size.
+pub(crate) fn preview(data: &[u8]) -> String {
+    match std::str::from_utf8(data) {
+        Ok(s) if s.chars().all(|c| !c.is_control() || c == '\n') => {
+            let short: String = s.chars().take(200).collect();
+            let more = if short.len() < s.len() { "…" } else { "" };
+            format!("{} bytes: {short:?}{more}", data.len())
+        }
+        _ => format!("{} bytes (binary; base64 with --json)", data.len()),
+    }
+}
+
+/// An outbox record as one JSON object; the payload in base64 if asked.
+pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
+    let e = &r.entry;
+    let mut v = json!({
+        "id": e.id.0,
+        "command_id": e.command_id,
+        "destination": e.destination,
+        "idempotency_key": e.idempotency_key,
+        "status": status_name(e.status),
+        "attempt_count": e.attempt_count,
+        "next_attempt_at": ts_opt(e.next_attempt_at),
+        "created_at": ts(e.created_at),
+        "completed_at": ts_opt(e.completed_at),
+        "claim": r.claim.as_ref().map(|c| json!({
+            "worker_id": c.worker_id,
+            "claimed_at": ts(c.claimed_at),
+        })),
+        "last_failure": r.last_failure,
+        "remote_ref": r.remote_ref,
+        "payload_len": e.payload.len(),
+    });
+    if with_payload {
+        v["payload"] = Value::String(b64(&e.payload));
+    }
+    v
+}
+
+/// An idempotency-key row as one JSON object; with the stored response
+/// (headers and body in base64) when given.
+pub(crate) fn key_json(k: &KeyEntry, response: Option<&ResponseRecord>) -> Value {
+    let mut v = json!({
+        "tenant": k.tenant,
+        "key": k.key,
+        "fingerprint": k.fingerprint,
+        "fence": k.fence,
+    });
+    match &k.state {
+        KeyState::Completed {
+            status,
+            body_len,
+            created_at,
+        } => {
+            v["state"] = json!("completed");
+            v["response_status"] = json!(status);
+            v["body_len"] = json!(body_len);
+            v["created_at"] = json!(ts(*created_at));
+        }
+        KeyState::Reserved {
+            reserved_at,
+            lease_until,
+        } => {
+            v["state"] = json!("reserved");
+            v["reserved_at"] = json!(ts(*reserved_at));
+            v["lease_until"] = json!(ts(*lease_until));
+        }
+    }
+    if let Some(r) = response {
+        v["content_type"] = json!(r.content_type);
+        v["headers"] = json!(r.headers);
+        v["body"] = json!(b64(&r.response_body));
+    }
+    v
+}
+
+/// Prints one JSON value on stdout.
+pub(crate) fn print_json(v: &Value) {
+    println!("{v:#}");
+}
+
+/// A spinner on stderr while a long call runs; hidden when stderr is not a
+/// terminal (piped, in scripts and tests).
+pub(crate) fn spinner(message: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new_spinner();
+    pb.set_message(message.to_owned());
+    pb.enable_steady_tick(Duration::from_millis(100));
+    pb
+}
+
+/// A progress bar on stderr over `len` items; hidden when stderr is not a
+/// terminal.
+pub(crate) fn bar(len: u64, message: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({per_sec}, {eta} left)")
+    {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(message.to_owned());
+    pb
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_ages_read_well() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 * 1024 * 1024), "3.0 MiB");
+        assert_eq!(age(5), "5s");
+        assert_eq!(age(65), "1m 5s");
+        assert_eq!(age(3_700), "1h 1m");
+        assert_eq!(age(90_000), "1d 1h");
+    }
+}

@@ -1,0 +1,561 @@
+//! The `idemstore` operator binary against real store files.
+#![cfg(feature = "cli")]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use chrono::{DateTime, TimeDelta, Utc};
+use idemstore::redb::{self, ReadableTable as _, TableDefinition};
+use idemstore::{Begin, NewEntry, OutboxId, OutboxStatus, ResponseRecord, Store};
+use serde_json::Value;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const OUTBOX_DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
+    TableDefinition::new("idemstore.v1.inbox.seen_at");
+
+fn ago(secs: i64) -> DateTime<Utc> {
+    Utc::now() - TimeDelta::seconds(secs)
+}
+
+const H: i64 = 3_600;
+const D: i64 = 86_400;
+
+/// Runs the binary with `args`.
+fn run(args: &[&str]) -> Result<Output, std::io::Error> {
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .output()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs the binary and expects exit 0.
+fn ok(args: &[&str]) -> Result<String, Box<dyn std::error::Error>> {
+    let o = run(args)?;
+    assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+    Ok(stdout(&o))
+}
+
+/// Runs the binary with `--json` and parses its output.
+fn json(args: &[&str]) -> Result<Value, Box<dyn std::error::Error>> {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    Ok(serde_json::from_str(&ok(&all)?)?)
+}
+
+/// A store with two inboxes, six outbox entries (ids 1–6: pending,
+/// completed, failed, outcome unknown, dispatching, outcome unknown) and
+/// three idempotency rows (two responses, one reservation).
+fn fixture(dir: &Path) -> Result<PathBuf, Box<dyn std::error::Error>> {
+    let path = dir.join("store.idem");
+    let store = Store::open(&path)?;
+    let webhooks = store.inbox("webhooks")?;
+    webhooks.claim("evt_old", ago(3 * D))?;
+    webhooks.claim("evt_mid", ago(2 * D))?;
+    webhooks.claim("evt_new", ago(H))?;
+    store.inbox("payments")?.claim("pay_1", ago(5 * H))?;
+
+    let outbox = store.outbox();
+    let future = NewEntry::new("cmd-1", "mail", "k1", b"hello".to_vec()).not_before(ago(-D));
+    outbox.enqueue(future, ago(30 * D))?;
+    for (i, created) in [(2, 20), (3, 19), (4, 18), (5, 17), (6, 16)] {
+        let payload = vec![0xff, 0x00, u8::try_from(i)?];
+        let e = NewEntry::new(format!("cmd-{i}"), "bank", format!("k{i}"), payload);
+        outbox.enqueue(e, ago(created * D))?;
+    }
+    let claim = |at| outbox.claim_due(at, 1, "worker-a");
+    assert_eq!(claim(ago(11 * D))?[0].id, OutboxId(2));
+    outbox.mark_completed(OutboxId(2), ago(10 * D))?;
+    assert_eq!(claim(ago(3 * H))?[0].id, OutboxId(3));
+    outbox.mark_failed(OutboxId(3), "bank_down", None, ago(H))?;
+    assert_eq!(claim(ago(3 * H))?[0].id, OutboxId(4));
+    outbox.mark_outcome_unknown(OutboxId(4), Some("ref-4"))?;
+    assert_eq!(claim(ago(2 * H))?[0].id, OutboxId(5));
+    assert_eq!(claim(ago(H))?[0].id, OutboxId(6));
+    outbox.mark_outcome_unknown(OutboxId(6), None)?;
+
+    let keys = store.idempotency_keys();
+    let old = ResponseRecord {
+        tenant: "acme".into(),
+        idempotency_key: "order-1".into(),
+        request_fingerprint: idemstore::fingerprint("POST", "/orders", b"{}"),
+        response_status: 201,
+        content_type: Some("application/json".into()),
+        headers: vec![("location".into(), "/orders/1".into())],
+        response_body: vec![b'{', 0xfe, b'}'],
+        created_at: ago(3 * D),
+    };
+    assert!(keys.put(&old)?);
+    let new = ResponseRecord {
+        tenant: String::new(),
+        idempotency_key: "order-2".into(),
+        response_body: b"ok".to_vec(),
+        created_at: ago(H),
+        ..old
+    };
+    assert!(keys.put(&new)?);
+    let fp = idemstore::fingerprint("POST", "/orders", b"[]");
+    assert!(matches!(
+        keys.begin("acme", "order-3", &fp, Utc::now())?,
+        Begin::Proceed(_)
+    ));
+    Ok(path)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap_or_default()
+}
+
+#[test]
+fn stats_counts_what_the_store_holds() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["stats", s(&file)])?;
+    assert!(text.contains("webhooks: 3 keys"), "{text}");
+    assert!(text.contains("payments: 1 keys"), "{text}");
+    assert!(
+        text.contains(
+            "6 entries: 1 pending, 1 dispatching, 1 completed, 1 failed, 2 outcome_unknown"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("2 completed, 1 in flight"), "{text}");
+    assert!(text.contains("fragmented"), "{text}");
+
+    let v = json(&["stats", s(&file)])?;
+    assert_eq!(v["format_version"], 1);
+    assert!(v["file_bytes"].as_u64().unwrap_or(0) > 0);
+    assert!(v["space"]["stored_bytes"].as_u64().unwrap_or(0) > 0);
+    let inboxes = v["inboxes"].as_array().ok_or("inboxes")?;
+    assert_eq!(inboxes.len(), 2);
+    assert_eq!(inboxes[0]["name"], "payments");
+    assert_eq!(inboxes[1]["name"], "webhooks");
+    assert_eq!(inboxes[1]["keys"], 3);
+    let oldest: DateTime<Utc> = inboxes[1]["oldest_seen_at"]
+        .as_str()
+        .ok_or("oldest")?
+        .parse()?;
+    assert!((oldest - ago(3 * D)).num_seconds().abs() < 60);
+    let counts = &v["outbox"]["counts"];
+    assert_eq!(v["outbox"]["total"], 6);
+    assert_eq!(counts["pending"], 1);
+    assert_eq!(counts["dispatching"], 1);
+    assert_eq!(counts["completed"], 1);
+    assert_eq!(counts["failed"], 1);
+    assert_eq!(counts["outcome_unknown"], 2);
+    assert!(v["outbox"]["oldest_claim"].is_string());
+    assert!(v["outbox"]["oldest_due"].is_string());
+    assert_eq!(v["keys"]["completed"], 2);
+    assert_eq!(v["keys"]["in_flight"], 1);
+    Ok(())
+}
+
+#[test]
+fn listings_filter_and_limit() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let v = json(&["inbox", "list", s(&file), "webhooks", "--limit", "2"])?;
+    let keys: Vec<&str> = v
+        .as_array()
+        .ok_or("list")?
+        .iter()
+        .filter_map(|r| r["key"].as_str())
+        .collect();
+    assert_eq!(keys, ["evt_old", "evt_mid"]);
+    let text = ok(&["inbox", "list", s(&file), "webhooks"])?;
+    assert!(
+        text.contains("evt_new") && text.contains("3 of 3 keys"),
+        "{text}"
+    );
+
+    let v = json(&["outbox", "list", s(&file), "--status", "outcome-unknown"])?;
+    let ids: Vec<u64> = v
+        .as_array()
+        .ok_or("list")?
+        .iter()
+        .filter_map(|r| r["id"].as_u64())
+        .collect();
+    assert_eq!(ids, [4, 6]);
+    let v = json(&["outbox", "list", s(&file), "--destination", "mail"])?;
+    assert_eq!(v.as_array().map(Vec::len), Some(1));
+    let v = json(&["outbox", "list", s(&file), "--limit", "3"])?;
+    assert_eq!(v.as_array().map(Vec::len), Some(3));
+    let text = ok(&["outbox", "list", s(&file)])?;
+    assert!(
+        text.contains("6 entries") && text.contains("outcome_unknown"),
+        "{text}"
+    );
+
+    let v = json(&["outbox", "show", s(&file), "4"])?;
+    assert_eq!(v["status"], "outcome_unknown");
+    assert_eq!(v["remote_ref"], "ref-4");
+    assert_eq!(
+        BASE64.decode(v["payload"].as_str().ok_or("payload")?)?,
+        [0xff, 0, 4]
+    );
+    let text = ok(&["outbox", "show", s(&file), "1"])?;
+    assert!(text.contains("\"hello\""), "{text}");
+    let o = run(&["outbox", "show", s(&file), "99"])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no such record"), "{}", stderr(&o));
+
+    let v = json(&["keys", "list", s(&file), "--tenant", "acme"])?;
+    let rows = v.as_array().ok_or("keys")?;
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["state"], "completed");
+    assert_eq!(rows[1]["state"], "reserved");
+    let text = ok(&["keys", "list", s(&file)])?;
+    assert!(
+        text.contains("3 keys") && text.contains("in flight"),
+        "{text}"
+    );
+    Ok(())
+}
+
+#[test]
+fn retry_moves_a_failed_entry_back_to_pending() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let before = Utc::now();
+    let text = ok(&["outbox", "retry", s(&file), "3"])?;
+    assert!(text.contains("3: failed -> pending"), "{text}");
+    // A completed entry cannot be retried: the others still are, exit 1.
+    let o = run(&["--json", "outbox", "retry", s(&file), "2", "4"])?;
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_str(&stdout(&o))?;
+    assert_eq!(v["requeued"][0]["id"], 4);
+    assert_eq!(v["failed"][0]["id"], 2);
+    assert!(stderr(&o).contains("entry 2"), "{}", stderr(&o));
+
+    let store = Store::open(&file)?;
+    let r = store.outbox().get(OutboxId(3))?;
+    assert_eq!(r.entry.status, OutboxStatus::Pending);
+    assert!(
+        r.entry
+            .next_attempt_at
+            .is_some_and(|t| t >= before - TimeDelta::seconds(1))
+    );
+    assert_eq!(r.entry.completed_at, None);
+    assert_eq!(r.last_failure.as_deref(), Some("bank_down"));
+    assert_eq!(
+        store.outbox().get(OutboxId(4))?.entry.status,
+        OutboxStatus::Pending
+    );
+    assert_eq!(
+        store.outbox().get(OutboxId(2))?.entry.status,
+        OutboxStatus::Completed
+    );
+    assert!(store.outbox().check_indexes()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn resolve_settles_an_outcome_unknown_entry() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["outbox", "resolve", s(&file), "4", "--completed"])?;
+    assert!(text.contains("4: outcome_unknown -> completed"), "{text}");
+    let v = json(&[
+        "outbox",
+        "resolve",
+        s(&file),
+        "6",
+        "--failed",
+        "refunded_by_hand",
+    ])?;
+    assert_eq!(v["now"], "failed");
+    // Only outcome-unknown entries are resolved.
+    let o = run(&["outbox", "resolve", s(&file), "1", "--completed"])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("not outcome_unknown"), "{}", stderr(&o));
+    // One outcome is required, and only one.
+    assert_eq!(
+        run(&["outbox", "resolve", s(&file), "4"])?.status.code(),
+        Some(2)
+    );
+    let both = run(&[
+        "outbox",
+        "resolve",
+        s(&file),
+        "4",
+        "--completed",
+        "--failed",
+        "x",
+    ])?;
+    assert_eq!(both.status.code(), Some(2));
+
+    let store = Store::open(&file)?;
+    let four = store.outbox().get(OutboxId(4))?;
+    assert_eq!(four.entry.status, OutboxStatus::Completed);
+    assert!(four.entry.completed_at.is_some());
+    let six = store.outbox().get(OutboxId(6))?;
+    assert_eq!(six.entry.status, OutboxStatus::Failed);
+    assert_eq!(six.last_failure.as_deref(), Some("refunded_by_hand"));
+    assert_eq!(
+        store.outbox().get(OutboxId(1))?.entry.status,
+        OutboxStatus::Pending
+    );
+    Ok(())
+}
+
+#[test]
+fn purge_prune_and_release_report_what_they_removed() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["outbox", "purge", s(&file), "--finished-before", "5d"])?;
+    assert!(text.contains("purged 1 "), "{text}");
+    let v = json(&["outbox", "purge", s(&file), "--finished-before", "5d"])?;
+    assert_eq!(v["purged"], 0);
+    let text = ok(&["inbox", "prune", s(&file), "webhooks", "--before", "1d"])?;
+    assert!(text.contains("pruned 2 keys"), "{text}");
+    let cutoff = ago(2 * D).to_rfc3339();
+    let v = json(&["keys", "purge", s(&file), "--before", &cutoff])?;
+    assert_eq!(v["purged"], 1);
+    let v = json(&["outbox", "release", s(&file), "--claimed-before", "90m"])?;
+    assert_eq!(v["released"], serde_json::json!([5]));
+
+    let store = Store::open(&file)?;
+    assert!(store.outbox().get(OutboxId(2)).is_err());
+    let counts = store.outbox().counts()?;
+    assert_eq!(
+        (counts.completed, counts.pending, counts.dispatching),
+        (0, 2, 0)
+    );
+    let webhooks = store.inbox("webhooks")?;
+    assert_eq!(webhooks.len()?, 1);
+    assert!(webhooks.seen("evt_new")?);
+    let keys = store.idempotency_keys().summary()?;
+    assert_eq!((keys.completed, keys.reserved), (1, 1));
+    assert!(store.check_inbox_indexes()?.is_empty());
+    assert!(store.outbox().check_indexes()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn export_round_trips_every_record() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["export", s(&file), "--jsonl"])?;
+    let lines: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let store = Store::open(&file)?;
+    let mut by_kind: BTreeMap<String, Vec<&Value>> = BTreeMap::new();
+    for v in &lines {
+        by_kind
+            .entry(v["kind"].as_str().ok_or("kind")?.to_owned())
+            .or_default()
+            .push(v);
+    }
+    let inbox = &by_kind["inbox"];
+    assert_eq!(inbox.len(), 4);
+    for v in inbox {
+        let ledger = store.inbox(v["inbox"].as_str().ok_or("inbox")?)?;
+        let seen: DateTime<Utc> = v["seen_at"].as_str().ok_or("seen_at")?.parse()?;
+        assert_eq!(ledger.seen_at(v["key"].as_str().ok_or("key")?)?, Some(seen));
+    }
+    let outbox = &by_kind["outbox"];
+    assert_eq!(outbox.len(), 6);
+    let time = |v: &Value| -> Result<Option<DateTime<Utc>>, Box<dyn std::error::Error>> {
+        Ok(match v.as_str() {
+            Some(s) => Some(s.parse()?),
+            None => None,
+        })
+    };
+    for v in outbox {
+        let r = store
+            .outbox()
+            .get(OutboxId(v["id"].as_u64().ok_or("id")?))?;
+        let e = &r.entry;
+        assert_eq!(v["command_id"], e.command_id.as_str());
+        assert_eq!(v["destination"], e.destination.as_str());
+        assert_eq!(v["idempotency_key"], e.idempotency_key.as_str());
+        assert_eq!(
+            BASE64.decode(v["payload"].as_str().ok_or("payload")?)?,
+            e.payload
+        );
+        assert_eq!(v["status"], idemstore_status(e.status));
+        assert_eq!(v["attempt_count"], e.attempt_count);
+        assert_eq!(time(&v["created_at"])?, Some(e.created_at));
+        assert_eq!(time(&v["next_attempt_at"])?, e.next_attempt_at);
+        assert_eq!(time(&v["completed_at"])?, e.completed_at);
+        assert_eq!(
+            time(&v["claim"]["claimed_at"])?,
+            r.claim.as_ref().map(|c| c.claimed_at)
+        );
+        assert_eq!(
+            v["claim"]["worker_id"].as_str(),
+            r.claim.as_ref().map(|c| c.worker_id.as_str())
+        );
+        assert_eq!(v["last_failure"].as_str(), r.last_failure.as_deref());
+        assert_eq!(v["remote_ref"].as_str(), r.remote_ref.as_deref());
+    }
+    let keys = &by_kind["key"];
+    assert_eq!(keys.len(), 3);
+    let far_past = ago(1000 * D);
+    for v in keys {
+        let (tenant, key) = (
+            v["tenant"].as_str().ok_or("t")?,
+            v["key"].as_str().ok_or("k")?,
+        );
+        match v["state"].as_str() {
+            Some("completed") => {
+                let r = store
+                    .idempotency_keys()
+                    .get(tenant, key, far_past)?
+                    .ok_or("gone")?;
+                assert_eq!(
+                    BASE64.decode(v["body"].as_str().ok_or("body")?)?,
+                    r.response_body
+                );
+                assert_eq!(v["response_status"], r.response_status);
+                assert_eq!(v["content_type"].as_str(), r.content_type.as_deref());
+                assert_eq!(v["headers"], serde_json::json!(r.headers));
+                assert_eq!(v["fingerprint"], r.request_fingerprint.as_str());
+                assert_eq!(time(&v["created_at"])?, Some(r.created_at));
+            }
+            Some("reserved") => {
+                assert_eq!((tenant, key), ("acme", "order-3"));
+                assert!(v["lease_until"].is_string());
+            }
+            other => return Err(format!("unexpected state {other:?}").into()),
+        }
+    }
+    Ok(())
+}
+
+fn idemstore_status(s: OutboxStatus) -> &'static str {
+    match s {
+        OutboxStatus::Pending => "pending",
+        OutboxStatus::Dispatching => "dispatching",
+        OutboxStatus::Completed => "completed",
+        OutboxStatus::Failed => "failed",
+        OutboxStatus::OutcomeUnknown => "outcome_unknown",
+    }
+}
+
+#[test]
+fn check_passes_a_clean_file_and_names_a_missing_index_row() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["check", s(&file)])?;
+    assert!(text.starts_with("ok:"), "{text}");
+    assert_eq!(json(&["check", s(&file)])?["ok"], true);
+
+    {
+        let db = redb::Database::open(&file)?;
+        let tx = db.begin_write()?;
+        {
+            let mut due = tx.open_table(OUTBOX_DUE)?;
+            let first = due.first()?.map(|(k, _)| k.value()).ok_or("no due row")?;
+            due.remove(first)?;
+            let mut seen = tx.open_table(INBOX_SEEN)?;
+            let first = seen.first()?.map(|(k, _)| {
+                let (n, at, key) = k.value();
+                (n.to_owned(), at, key.to_owned())
+            });
+            let (n, at, key) = first.ok_or("no seen row")?;
+            seen.remove((n.as_str(), at, key.as_str()))?;
+        }
+        tx.commit()?;
+    }
+    let o = run(&["check", s(&file)])?;
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("idemstore.v1.outbox.due: missing index row"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemstore.v1.inbox.seen_at: missing index row"),
+        "{text}"
+    );
+    assert!(text.contains("2 findings"), "{text}");
+    let o = run(&["--json", "check", s(&file)])?;
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_str(&stdout(&o))?;
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["findings"].as_array().map(Vec::len), Some(2));
+    Ok(())
+}
+
+#[test]
+fn compact_reports_sizes() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    ok(&["outbox", "purge", s(&file), "--finished-before", "0s"])?;
+    let v = json(&["compact", s(&file)])?;
+    assert!(v["bytes_before"].as_u64().is_some());
+    assert!(v["compacted"].is_boolean());
+    ok(&["check", s(&file)])?;
+    Ok(())
+}
+
+#[test]
+fn a_store_held_by_another_process_is_reported_cleanly() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let _held = Store::open(&file)?;
+    for args in [
+        &["stats", s(&file)][..],
+        &["outbox", "retry", s(&file), "3"],
+        &["check", s(&file)],
+    ] {
+        let o = run(args)?;
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("in use") && err.contains("already open"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+            "{err}"
+        );
+        assert!(stdout(&o).is_empty());
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_usage_exits_2_and_a_missing_file_is_not_created() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let o = run(&[
+        "inbox",
+        "prune",
+        s(&file),
+        "webhooks",
+        "--before",
+        "yesterday",
+    ])?;
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("RFC 3339"), "{}", stderr(&o));
+    assert_eq!(
+        run(&["outbox", "purge", s(&file), "--finished-before", "7w"])?
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(run(&["frobnicate"])?.status.code(), Some(2));
+    assert_eq!(run(&["export", s(&file)])?.status.code(), Some(2));
+
+    let missing = dir.path().join("missing.idem");
+    let o = run(&["stats", s(&missing)])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
+    assert!(!missing.exists());
+    Ok(())
+}
