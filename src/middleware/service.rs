@@ -120,78 +120,21 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    if !config.methods.contains(req.method()) {
-        return inner.call(req).await.map(boxed);
-    }
-    let key = {
-        let mut values = req.headers().get_all(IDEMPOTENCY_KEY).iter();
-        match (values.next(), values.next()) {
-            (None, _) if config.require_key => {
-                let detail = format!(
-                    "{} requests to this service need an Idempotency-Key header",
-                    req.method()
-                );
-                return Ok(problem(Kind::MissingKey, &detail, None));
-            }
-            (None, _) => return inner.call(req).await.map(boxed),
-            (Some(_), Some(_)) => {
-                let detail = "the request has more than one Idempotency-Key header; send one key";
-                return Ok(problem(Kind::InvalidKey, detail, None));
-            }
-            (Some(value), None) => match parse_key(value.as_bytes()) {
-                Ok(key) => key,
-                Err(e) => {
-                    let detail = format!(
-                        "Idempotency-Key {} is refused: {e}",
-                        quoted(&String::from_utf8_lossy(value.as_bytes()))
-                    );
-                    return Ok(problem(Kind::InvalidKey, &detail, None));
-                }
-            },
-        }
-    };
-    let (parts, body) = req.into_parts();
-    let tenant = match (config.tenant_from)(&parts) {
-        Some(t) if t.len() <= MAX_TENANT_LEN => t,
-        Some(t) => {
-            let detail = format!(
-                "the request's tenant is {} bytes long; at most {MAX_TENANT_LEN} are accepted (Idempotency-Key {})",
-                t.len(),
-                quoted(&key)
-            );
-            return Ok(problem(Kind::NoTenant, &detail, Some(&key)));
-        }
-        None => {
-            let detail = format!(
-                "no tenant could be found for the request, so Idempotency-Key {} cannot be scoped",
-                quoted(&key)
-            );
-            return Ok(problem(Kind::NoTenant, &detail, Some(&key)));
-        }
-    };
-    let body = match read_body(&parts, body, config.max_body).await {
-        Ok(b) => b,
-        Err(kind) => {
-            let detail = match kind {
-                Kind::BodyTooLarge => format!(
-                    "the request body is over {} bytes; nothing was stored for Idempotency-Key {}",
-                    config.max_body,
-                    quoted(&key)
-                ),
-                _ => format!(
-                    "the request body could not be read; nothing was stored for Idempotency-Key {}",
-                    quoted(&key)
-                ),
-            };
-            return Ok(problem(kind, &detail, Some(&key)));
-        }
+    let Keyed {
+        key,
+        tenant,
+        parts,
+        body,
+    } = match admit(&config, req).await {
+        Admit::PassThrough(req) => return inner.call(req).await.map(boxed),
+        Admit::Answer(response) => return Ok(response),
+        Admit::Keyed(k) => k,
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fp = fingerprint(parts.method.as_str(), path, &body);
-
     let now = (config.clock)();
     let begin = {
-        let (keys, tenant, key) = (config.keys.clone(), tenant.clone(), key.clone());
+        let (keys, tenant, key) = (config.keys.clone(), tenant, key.clone());
         blocking(move || keys.begin(&tenant, &key, &fp, now)).await
     };
     let reservation = match begin {
@@ -214,55 +157,158 @@ where
         keys: config.keys.clone(),
         reservation: Some(reservation),
     };
-    let response = match inner.call(Request::from_parts(parts, B::from(body))).await {
-        Ok(r) => boxed(r),
+    match inner.call(Request::from_parts(parts, B::from(body))).await {
+        Ok(response) => Ok(settle(&config, held, &key, boxed(response)).await),
         Err(e) => {
             held.release().await;
-            return Err(e);
+            Err(e)
+        }
+    }
+}
+
+/// What the layer makes of a request before the store is asked.
+enum Admit<B> {
+    /// Not covered, or no key and none required: hand it on untouched.
+    PassThrough(Request<B>),
+    /// Refused (bad key, no tenant, body too large...): this answer.
+    Answer(Response<ResponseBody>),
+    /// A covered request with a key, its body read.
+    Keyed(Keyed),
+}
+
+struct Keyed {
+    key: String,
+    tenant: String,
+    parts: Parts,
+    body: Bytes,
+}
+
+async fn admit<B>(config: &Config, req: Request<B>) -> Admit<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    if !config.methods.contains(req.method()) {
+        return Admit::PassThrough(req);
+    }
+    let key = {
+        let mut values = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+        match (values.next(), values.next()) {
+            (None, _) if config.require_key => {
+                let detail = format!(
+                    "{} requests to this service need an Idempotency-Key header",
+                    req.method()
+                );
+                return Admit::Answer(problem(Kind::MissingKey, &detail, None));
+            }
+            (None, _) => return Admit::PassThrough(req),
+            (Some(_), Some(_)) => {
+                let detail = "the request has more than one Idempotency-Key header; send one key";
+                return Admit::Answer(problem(Kind::InvalidKey, detail, None));
+            }
+            (Some(value), None) => match parse_key(value.as_bytes()) {
+                Ok(key) => key,
+                Err(e) => {
+                    let detail = format!(
+                        "Idempotency-Key {} is refused: {e}",
+                        quoted(&String::from_utf8_lossy(value.as_bytes()))
+                    );
+                    return Admit::Answer(problem(Kind::InvalidKey, &detail, None));
+                }
+            },
         }
     };
+    let (parts, body) = req.into_parts();
+    let tenant = match (config.tenant_from)(&parts) {
+        Some(t) if t.len() <= MAX_TENANT_LEN => t,
+        found => {
+            let detail = match found {
+                Some(t) => format!(
+                    "the request's tenant is {} bytes long; at most {MAX_TENANT_LEN} are accepted (Idempotency-Key {})",
+                    t.len(),
+                    quoted(&key)
+                ),
+                None => format!(
+                    "no tenant could be found for the request, so Idempotency-Key {} cannot be scoped",
+                    quoted(&key)
+                ),
+            };
+            return Admit::Answer(problem(Kind::NoTenant, &detail, Some(&key)));
+        }
+    };
+    match read_body(&parts, body, config.max_body).await {
+        Ok(body) => Admit::Keyed(Keyed {
+            key,
+            tenant,
+            parts,
+            body,
+        }),
+        Err(kind) => {
+            let detail = if kind == Kind::BodyTooLarge {
+                format!(
+                    "the request body is over {} bytes; nothing was stored for Idempotency-Key {}",
+                    config.max_body,
+                    quoted(&key)
+                )
+            } else {
+                format!(
+                    "the request body could not be read; nothing was stored for Idempotency-Key {}",
+                    quoted(&key)
+                )
+            };
+            Admit::Answer(problem(kind, &detail, Some(&key)))
+        }
+    }
+}
+
+/// Stores the handler's `response` for the reservation in `held` (or
+/// releases it) and returns what its client gets.
+async fn settle(
+    config: &Config,
+    mut held: Held,
+    key: &str,
+    response: Response<ResponseBody>,
+) -> Response<ResponseBody> {
     if response.status().is_server_error() && !config.cache_server_errors {
         held.release().await;
-        return Ok(response);
+        return response;
     }
     let (parts, body) = response.into_parts();
     let body = match buffer(body, config.max_body).await {
         Buffered::Whole(b) => b,
         Buffered::TooLarge(body) => {
             held.release().await;
-            return Ok(Response::from_parts(parts, body));
+            return Response::from_parts(parts, body);
         }
         Buffered::Failed => {
             held.release().await;
             let detail = format!(
                 "the response body failed while being sent; nothing was stored for Idempotency-Key {}",
-                quoted(&key)
+                quoted(key)
             );
-            return Ok(problem(Kind::ResponseFailed, &detail, Some(&key)));
+            return problem(Kind::ResponseFailed, &detail, Some(key));
         }
     };
+    let done_at = (config.clock)();
     let reservation = held.disarm();
-    let mut record = reservation.response(parts.status.as_u16(), body.to_vec(), now);
+    let mut record = reservation.response(parts.status.as_u16(), body.to_vec(), done_at);
     record.content_type = parts
         .headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     record.headers = stored_headers(&parts.headers, &config.replay_headers);
-    let done_at = (config.clock)();
     let keys = config.keys.clone();
-    let stored = blocking(move || {
-        let done = keys.complete(&reservation, record, done_at);
-        if done.is_err() {
-            // Not stored: let a retry run rather than wait for the lease.
+    // Stored, fenced out by a newer holder, or refused by the store: the
+    // handler ran, so its client gets its response in every case. A
+    // refused one is released so a retry runs rather than waits.
+    let _ = blocking(move || {
+        if keys.complete(&reservation, record, done_at).is_err() {
             let _ = keys.release(&reservation);
         }
     })
     .await;
-    // Stored, fenced out by a newer holder, or refused by the store: the
-    // handler ran, so its client gets its response in every case.
-    let _ = stored;
-    Ok(Response::from_parts(parts, full(body)))
+    Response::from_parts(parts, full(body))
 }
 
 /// The request body, at most `max` bytes: 413 over it (from
