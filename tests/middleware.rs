@@ -634,13 +634,33 @@ async fn a_dropped_request_releases_the_key() -> TestResult {
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
     // The guard releases on a blocking thread: wait for it, not for a lease.
+    wait_until_free(&keys).await
+}
+
+#[tokio::test]
+async fn a_panicking_handler_releases_the_key() -> TestResult {
+    let store = Store::in_memory()?;
+    let keys = store.idempotency_keys();
+    let svc = direct(keys.clone(), |_| async {
+        if true {
+            panic!("handler bug");
+        }
+        Ok(http::Response::new(Full::new(Bytes::new())))
+    });
+    let call = tokio::spawn(svc.oneshot(keyed("k-panic")?));
+    assert!(call.await.unwrap_err().is_panic());
+    wait_until_free(&keys).await
+}
+
+/// Waits for a drop guard's release, which runs on a blocking thread.
+async fn wait_until_free(keys: &IdempotencyKeys) -> TestResult {
     for _ in 0..500 {
         if keys.list(None, 10)?.is_empty() {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Err("the reservation of a dropped request was not released".into())
+    Err("the reservation was not released".into())
 }
 
 #[tokio::test]

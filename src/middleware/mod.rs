@@ -54,7 +54,8 @@
 //! - A response is buffered (at most `max_body` bytes) and stored with
 //!   [`IdempotencyKeys::complete`]: its status, `Content-Type`, the
 //!   allow-listed headers whose values are visible ASCII, and its body
-//!   (trailers are not stored). Its own client gets it with all its headers.
+//!   (trailers are neither stored nor forwarded). Its own client gets it
+//!   with all its headers.
 //! - A **5xx** is not stored: the key is released so a retry runs the
 //!   handler again, unless [`cache_server_errors(true)`](IdempotencyLayer::cache_server_errors).
 //! - A response **larger than `max_body`**, or one the store refuses to keep
