@@ -65,6 +65,9 @@ enum Key {
     Fresh,
 }
 
+/// The next fresh key's number.
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
 /// Requests per second from `CONCURRENCY` tasks for `run`.
 async fn rate(
     client: &HttpClient,
@@ -74,7 +77,6 @@ async fn rate(
 ) -> Result<f64, Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
-    static NEXT: AtomicU64 = AtomicU64::new(0);
     let start = Instant::now();
     let tasks: Vec<_> = (0..CONCURRENCY)
         .map(|_| {
