@@ -50,7 +50,7 @@ impl<S> IdempotencyService<S> {
     }
 }
 
-/// The future of [`IdempotencyService::call`].
+/// The future of an [`IdempotencyService`] call: boxed, `Send`.
 pub struct ResponseFuture<E> {
     inner: Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, E>> + Send>>,
 }
