@@ -51,6 +51,8 @@ mod engine;
 mod error;
 mod idempotency;
 mod inbox;
+#[cfg(feature = "middleware")]
+pub mod middleware;
 mod outbox;
 mod schema;
 mod store;

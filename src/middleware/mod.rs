@@ -1,0 +1,303 @@
+//! [`IdempotencyLayer`]: HTTP `Idempotency-Key` handling for any tower 0.5
+//! service over `http` 1 types (axum 0.8, hyper 1), on the store's
+//! [`IdempotencyKeys`]. Compiled with the `middleware` feature.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idemstore::Store;
+//! use idemstore::middleware::IdempotencyLayer;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = Store::open("api.idem")?;
+//! let app: Router = Router::new()
+//!     .route("/payments", post(|| async { (axum::http::StatusCode::CREATED, "{\"id\":1}") }))
+//!     .layer(
+//!         IdempotencyLayer::new(store.idempotency_keys())
+//!             .require_key(true)
+//!             .replay_headers([axum::http::header::LOCATION]),
+//!     );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What a request goes through
+//!
+//! Requests whose method is not covered ([`IdempotencyLayer::methods`],
+//! default `POST` and `PATCH`) pass through untouched. A covered request:
+//!
+//! 1. without an `Idempotency-Key` header passes through, or gets **400**
+//!    with [`require_key(true)`](IdempotencyLayer::require_key);
+//! 2. with a bad key (empty, two headers, over 255 characters, not a bare
+//!    key nor an RFC 8941 string) gets **400**;
+//! 3. its tenant comes from [`IdempotencyLayer::tenant_from`] (default: the
+//!    one tenant `""`); no tenant → **400**;
+//! 4. its body is read, at most [`max_body`](IdempotencyLayer::max_body)
+//!    bytes (a longer one → **413**, nothing reserved, handler not run), and
+//!    the request [`fingerprint`](crate::fingerprint)ed from its method,
+//!    path-and-query and body;
+//! 5. [`IdempotencyKeys::begin`] decides, on a blocking thread
+//!    (`tokio::task::spawn_blocking`; a store error → **503**, handler not
+//!    run):
+//!    - a stored response for the same request → it is sent again: its
+//!      status, `Content-Type`, [allow-listed
+//!      headers](IdempotencyLayer::replay_headers) and body, plus
+//!      `Idempotent-Replayed: true`;
+//!    - the key is held by a running request → **409** with `Retry-After`
+//!      (whole seconds until its lease ends, at least 1);
+//!    - the key was used for another request → **422**;
+//!    - the key is free (or its holder's lease ended) → the handler runs.
+//!
+//! # After the handler
+//!
+//! - A response is buffered (at most `max_body` bytes) and stored with
+//!   [`IdempotencyKeys::complete`]: its status, `Content-Type`, the
+//!   allow-listed headers whose values are visible ASCII, and its body
+//!   (trailers are neither stored nor forwarded). Its own client gets it
+//!   with all its headers.
+//! - A **5xx** is not stored: the key is released so a retry runs the
+//!   handler again, unless [`cache_server_errors(true)`](IdempotencyLayer::cache_server_errors).
+//! - A response **larger than `max_body`**, or one the store refuses to keep
+//!   (over the store's own body or header limits, or a store error), is
+//!   sent to its client unchanged and not stored, and the key is released:
+//!   a retry runs the handler again. Set `max_body` above your largest
+//!   response (and the store's [`max_body`](crate::StoreBuilder::max_body)
+//!   at least as high) where that matters.
+//! - A response body that fails while being read → the key is released
+//!   and the client gets **500**.
+//! - The inner service returns `Err` → the key is released and the error
+//!   is returned. The handler panics or the request's future is dropped
+//!   (the client went away) while it runs → the key is released from a
+//!   drop guard, on a blocking thread.
+//! - There is no lease renewal: the store's lease
+//!   ([`IdempotencyKeys::with_lease`], default 60 s) bounds one handler run.
+//!   A handler still running past it may be taken over by a retry; its own
+//!   late `complete` is then fenced out (nothing stored) and its client
+//!   still gets its response.
+//!
+//! # Body types
+//!
+//! The layered service takes `Request<B>` with `B: http_body::Body +
+//! From<Bytes>` (axum's `Body`, `Full<Bytes>`): a covered request's body is
+//! read and handed on rebuilt from its bytes. Serving hyper's `Incoming`
+//! directly, map it first (for example `req.map(axum::body::Body::new)`).
+//! Every response, the handler's or the layer's own, has the body type
+//! [`ResponseBody`], a boxed body; axum takes it as it is.
+//!
+//! # Problems
+//!
+//! Every response the layer makes itself is an RFC 9457
+//! `application/problem+json` body with `type` (a link to the heading
+//! below), `title`, `status`, `detail`, and the key as `idempotency_key`
+//! when the request carried a valid one.
+//!
+//! ### Missing Idempotency-Key
+//! 400: a covered request without the header under `require_key(true)`.
+//!
+//! ### Invalid Idempotency-Key
+//! 400: empty, repeated, longer than 255 characters, or malformed.
+//!
+//! ### No tenant
+//! 400: [`IdempotencyLayer::tenant_from`] returned `None`, or a tenant over
+//! 255 bytes.
+//!
+//! ### Request body too large
+//! 413: the request body is over `max_body`; nothing was reserved.
+//!
+//! ### Unreadable request body
+//! 400: reading the request body failed.
+//!
+//! ### Request in flight
+//! 409, with `Retry-After`: another request with the key is running.
+//!
+//! ### Idempotency-Key reused
+//! 422: the key belongs to a request with another method, path or body.
+//!
+//! ### Idempotency store unavailable
+//! 503: the store failed; the handler did not run.
+//!
+//! ### Response failed
+//! 500: the handler's response body failed while being read; the key was
+//! released.
+
+mod body;
+mod key;
+mod problem;
+mod service;
+
+use std::fmt;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use http::request::Parts;
+use http::{HeaderName, Method};
+
+use crate::IdempotencyKeys;
+
+pub use service::{IdempotencyService, ResponseFuture};
+
+/// The error type inside [`ResponseBody`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of every response from an [`IdempotencyService`]: the handler's
+/// own (boxed), a stored one, or a problem.
+pub type ResponseBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, BoxError>;
+
+/// The header that carries the key: `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header set on a replayed response: `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Default [`IdempotencyLayer::max_body`]: 1 MiB.
+pub const DEFAULT_MAX_BODY: usize = crate::DEFAULT_MAX_BODY;
+
+type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type ClockFn = dyn Fn() -> DateTime<Utc> + Send + Sync;
+
+/// A tower [`Layer`](tower::Layer) that answers retried requests carrying an
+/// `Idempotency-Key` from the store, so the handler runs once per key. See
+/// the [module docs](self) for what each request goes through.
+///
+/// Cheap to clone; every setter states its default.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+/// What an [`IdempotencyLayer`] and its services share.
+pub(crate) struct Config {
+    pub(crate) keys: IdempotencyKeys,
+    pub(crate) tenant_from: Arc<TenantFn>,
+    pub(crate) require_key: bool,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) max_body: usize,
+    pub(crate) cache_server_errors: bool,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) clock: Arc<ClockFn>,
+}
+
+impl Clone for Config {
+    fn clone(&self) -> Self {
+        Config {
+            keys: self.keys.clone(),
+            tenant_from: self.tenant_from.clone(),
+            require_key: self.require_key,
+            methods: self.methods.clone(),
+            max_body: self.max_body,
+            cache_server_errors: self.cache_server_errors,
+            replay_headers: self.replay_headers.clone(),
+            clock: self.clock.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &*self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("require_key", &c.require_key)
+            .field("methods", &c.methods)
+            .field("max_body", &c.max_body)
+            .field("cache_server_errors", &c.cache_server_errors)
+            .field("replay_headers", &c.replay_headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `keys` (with the TTL and lease set on them: see
+    /// [`IdempotencyKeys::with_ttl`] and [`IdempotencyKeys::with_lease`]).
+    ///
+    /// Defaults: one tenant `""`; requests without a key pass through;
+    /// `POST` and `PATCH` covered; 1 MiB bodies; 5xx responses not stored;
+    /// no headers replayed but `Content-Type`; the system clock.
+    pub fn new(keys: IdempotencyKeys) -> Self {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                keys,
+                tenant_from: Arc::new(|_: &Parts| Some(String::new())),
+                require_key: false,
+                methods: vec![Method::POST, Method::PATCH],
+                max_body: DEFAULT_MAX_BODY,
+                cache_server_errors: false,
+                replay_headers: Vec::new(),
+                clock: Arc::new(Utc::now),
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// How to find a request's tenant: keys and stored responses of one
+    /// tenant are never seen by another. Called with the request's head on
+    /// covered requests that carry a key; `None` answers 400 (so put it
+    /// after authentication, or map "no account" to a tenant yourself).
+    /// Tenants are at most 255 bytes. Default: every request is tenant `""`.
+    #[must_use]
+    pub fn tenant_from(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        self.with(|c| c.tenant_from = Arc::new(f))
+    }
+
+    /// Whether a covered request without an `Idempotency-Key` is refused
+    /// with 400 (`true`) or passed through without idempotency (`false`).
+    /// Other methods pass through either way. Default: `false`.
+    #[must_use]
+    pub fn require_key(self, required: bool) -> Self {
+        self.with(|c| c.require_key = required)
+    }
+
+    /// The methods handled; every other method passes through untouched and
+    /// reserves nothing. Default: `POST` and `PATCH`.
+    #[must_use]
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.methods = methods)
+    }
+
+    /// The largest request body read (a longer one is answered 413 before
+    /// anything is reserved) and the largest response body stored (a longer
+    /// one reaches its client unstored and the key is released). Keep the
+    /// store's [`max_body`](crate::StoreBuilder::max_body) at least as high.
+    /// Default: [`DEFAULT_MAX_BODY`], 1 MiB.
+    #[must_use]
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// Whether 5xx responses are stored and replayed (`true`) or release the
+    /// key so a retry runs the handler again (`false`). Default: `false`.
+    #[must_use]
+    pub fn cache_server_errors(self, cache: bool) -> Self {
+        self.with(|c| c.cache_server_errors = cache)
+    }
+
+    /// The response headers stored and replayed, besides `Content-Type`
+    /// (always kept). Headers not listed reach the first client only.
+    /// Default: none.
+    #[must_use]
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        let names = names.into_iter().collect();
+        self.with(|c| c.replay_headers = names)
+    }
+
+    /// The clock giving the `now` of `begin` and `complete` (leases, TTLs,
+    /// `Retry-After`, stored `created_at`). For tests. Default:
+    /// [`Utc::now`].
+    #[must_use]
+    pub fn clock(self, now: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
+        self.with(|c| c.clock = Arc::new(now))
+    }
+}
+
+impl<S> tower::Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> IdempotencyService<S> {
+        IdempotencyService::new(inner, self.config.clone())
+    }
+}

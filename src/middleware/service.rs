@@ -1,0 +1,447 @@
+//! [`IdempotencyService`]: the request path of the layer.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::request::Parts;
+use http::{HeaderName, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt as _, LengthLimitError, Limited};
+
+use super::body::{Buffered, buffer};
+use super::key::parse_key;
+use super::problem::{Kind, full, in_flight, problem, quoted};
+use super::{BoxError, Config, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ResponseBody};
+use crate::{Begin, IdempotencyKeys, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint};
+
+/// The service an [`IdempotencyLayer`](super::IdempotencyLayer) wraps around
+/// `S`. `Clone` (it clones `S`), and `Send + Sync` when `S` is.
+pub struct IdempotencyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for IdempotencyService<S> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    pub(super) fn new(inner: S, config: Arc<Config>) -> Self {
+        IdempotencyService { inner, config }
+    }
+}
+
+/// The future of an [`IdempotencyService`] call: boxed, `Send`.
+pub struct ResponseFuture<E> {
+    inner: Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, E>> + Send>>,
+}
+
+impl<E> Future for ResponseFuture<E> {
+    type Output = Result<Response<ResponseBody>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<E> fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<S, B, ResBody> tower::Service<Request<B>> for IdempotencyService<S>
+where
+    S: tower::Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> ResponseFuture<S::Error> {
+        // The clone in `self` is the one made ready by `poll_ready`.
+        let ready = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, ready);
+        let config = self.config.clone();
+        ResponseFuture {
+            inner: Box::pin(handle(inner, config, req)),
+        }
+    }
+}
+
+/// The inner service's response, with its body boxed.
+fn boxed<ResBody>(response: Response<ResBody>) -> Response<ResponseBody>
+where
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    response.map(|b| ResponseBody::new(b.map_err(Into::into)))
+}
+
+async fn handle<S, B, ResBody>(
+    mut inner: S,
+    config: Arc<Config>,
+    req: Request<B>,
+) -> Result<Response<ResponseBody>, S::Error>
+where
+    S: tower::Service<Request<B>, Response = Response<ResBody>>,
+    B: Body + From<Bytes>,
+    B::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Keyed {
+        key,
+        tenant,
+        parts,
+        body,
+    } = match admit(&config, req).await {
+        Admit::PassThrough(req) => return inner.call(req).await.map(boxed),
+        Admit::Answer(response) => return Ok(response),
+        Admit::Keyed(k) => k,
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let fp = fingerprint(parts.method.as_str(), path, &body);
+    let now = (config.clock)();
+    let begin = {
+        let (keys, tenant, key) = (config.keys.clone(), tenant, key.clone());
+        blocking(move || keys.begin(&tenant, &key, &fp, now)).await
+    };
+    let reservation = match begin {
+        Some(Ok(Begin::Proceed(r))) => r,
+        Some(Ok(Begin::Replay(record))) => return Ok(replay(record)),
+        Some(Ok(Begin::InFlight { lease_until })) => {
+            return Ok(in_flight(&key, retry_after(now, lease_until)));
+        }
+        Some(Ok(Begin::Mismatch { .. })) => {
+            let detail = format!(
+                "Idempotency-Key {} was used for a request with another method, path or body; use a new key for a new request",
+                quoted(&key)
+            );
+            return Ok(problem(Kind::KeyReused, &detail, Some(&key)));
+        }
+        Some(Err(_)) | None => return Ok(unavailable(&key)),
+    };
+
+    let mut held = Held {
+        keys: config.keys.clone(),
+        reservation: Some(reservation),
+    };
+    match inner.call(Request::from_parts(parts, B::from(body))).await {
+        Ok(response) => Ok(settle(&config, held, &key, boxed(response)).await),
+        Err(e) => {
+            held.release().await;
+            Err(e)
+        }
+    }
+}
+
+/// What the layer makes of a request before the store is asked.
+enum Admit<B> {
+    /// Not covered, or no key and none required: hand it on untouched.
+    PassThrough(Request<B>),
+    /// Refused (bad key, no tenant, body too large...): this answer.
+    Answer(Response<ResponseBody>),
+    /// A covered request with a key, its body read.
+    Keyed(Keyed),
+}
+
+struct Keyed {
+    key: String,
+    tenant: String,
+    parts: Parts,
+    body: Bytes,
+}
+
+async fn admit<B>(config: &Config, req: Request<B>) -> Admit<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    if !config.methods.contains(req.method()) {
+        return Admit::PassThrough(req);
+    }
+    let key = {
+        let mut values = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+        match (values.next(), values.next()) {
+            (None, _) if config.require_key => {
+                let detail = format!(
+                    "{} requests to this service need an Idempotency-Key header",
+                    req.method()
+                );
+                return Admit::Answer(problem(Kind::MissingKey, &detail, None));
+            }
+            (None, _) => return Admit::PassThrough(req),
+            (Some(_), Some(_)) => {
+                let detail = "the request has more than one Idempotency-Key header; send one key";
+                return Admit::Answer(problem(Kind::InvalidKey, detail, None));
+            }
+            (Some(value), None) => match parse_key(value.as_bytes()) {
+                Ok(key) => key,
+                Err(e) => {
+                    let detail = format!(
+                        "Idempotency-Key {} is refused: {e}",
+                        quoted(&String::from_utf8_lossy(value.as_bytes()))
+                    );
+                    return Admit::Answer(problem(Kind::InvalidKey, &detail, None));
+                }
+            },
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let tenant = match (config.tenant_from)(&parts) {
+        Some(t) if t.len() <= MAX_TENANT_LEN => t,
+        found => {
+            let detail = match found {
+                Some(t) => format!(
+                    "the request's tenant is {} bytes long; at most {MAX_TENANT_LEN} are accepted (Idempotency-Key {})",
+                    t.len(),
+                    quoted(&key)
+                ),
+                None => format!(
+                    "no tenant could be found for the request, so Idempotency-Key {} cannot be scoped",
+                    quoted(&key)
+                ),
+            };
+            return Admit::Answer(problem(Kind::NoTenant, &detail, Some(&key)));
+        }
+    };
+    match read_body(&parts, body, config.max_body).await {
+        Ok(body) => Admit::Keyed(Keyed {
+            key,
+            tenant,
+            parts,
+            body,
+        }),
+        Err(kind) => {
+            let detail = if kind == Kind::BodyTooLarge {
+                format!(
+                    "the request body is over {} bytes; nothing was stored for Idempotency-Key {}",
+                    config.max_body,
+                    quoted(&key)
+                )
+            } else {
+                format!(
+                    "the request body could not be read; nothing was stored for Idempotency-Key {}",
+                    quoted(&key)
+                )
+            };
+            Admit::Answer(problem(kind, &detail, Some(&key)))
+        }
+    }
+}
+
+/// Stores the handler's `response` for the reservation in `held` (or
+/// releases it) and returns what its client gets.
+async fn settle(
+    config: &Config,
+    mut held: Held,
+    key: &str,
+    response: Response<ResponseBody>,
+) -> Response<ResponseBody> {
+    if response.status().is_server_error() && !config.cache_server_errors {
+        held.release().await;
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let body = match buffer(body, config.max_body).await {
+        Buffered::Whole(b) => b,
+        Buffered::TooLarge(body) => {
+            held.release().await;
+            return Response::from_parts(parts, body);
+        }
+        Buffered::Failed => {
+            held.release().await;
+            let detail = format!(
+                "the response body failed while being sent; nothing was stored for Idempotency-Key {}",
+                quoted(key)
+            );
+            return problem(Kind::ResponseFailed, &detail, Some(key));
+        }
+    };
+    let done_at = (config.clock)();
+    let reservation = held.disarm();
+    let mut record = reservation.response(parts.status.as_u16(), body.to_vec(), done_at);
+    record.content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    record.headers = stored_headers(&parts.headers, &config.replay_headers);
+    let keys = config.keys.clone();
+    // Stored, fenced out by a newer holder, or refused by the store: the
+    // handler ran, so its client gets its response in every case. A
+    // refused one is released so a retry runs rather than waits.
+    let _ = blocking(move || {
+        if keys.complete(&reservation, record, done_at).is_err() {
+            let _ = keys.release(&reservation);
+        }
+    })
+    .await;
+    Response::from_parts(parts, full(body))
+}
+
+/// The request body, at most `max` bytes: 413 over it (from
+/// `Content-Length` when given, unread), 400 if it fails.
+async fn read_body<B>(parts: &Parts, body: B, max: usize) -> Result<Bytes, Kind>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > u64::try_from(max).unwrap_or(u64::MAX)) {
+        return Err(Kind::BodyTooLarge);
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(Kind::BodyTooLarge),
+        Err(_) => Err(Kind::UnreadableBody),
+    }
+}
+
+/// Runs a store call on tokio's blocking pool; `None` if it panicked.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    tokio::task::spawn_blocking(f).await.ok()
+}
+
+fn unavailable(key: &str) -> Response<ResponseBody> {
+    let detail = format!(
+        "the idempotency store failed; the request with Idempotency-Key {} was not processed, retry it later",
+        quoted(key)
+    );
+    problem(Kind::StoreUnavailable, &detail, Some(key))
+}
+
+/// Whole seconds from `now` until `until`, rounded up, at least 1.
+fn retry_after(now: DateTime<Utc>, until: DateTime<Utc>) -> u64 {
+    let micros = (until - now).num_microseconds().unwrap_or(i64::MAX);
+    u64::try_from(micros).map_or(1, |us| us.div_ceil(1_000_000).max(1))
+}
+
+/// The allow-listed headers of a response whose values can be stored.
+fn stored_headers(headers: &http::HeaderMap, allowed: &[HeaderName]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for name in allowed {
+        for value in headers.get_all(name) {
+            if let Ok(v) = value.to_str() {
+                out.push((name.as_str().to_owned(), v.to_owned()));
+            }
+        }
+    }
+    out
+}
+
+/// A stored response, sent again.
+fn replay(record: ResponseRecord) -> Response<ResponseBody> {
+    let mut response = Response::new(full(Bytes::from(record.response_body)));
+    *response.status_mut() =
+        StatusCode::from_u16(record.response_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    if let Some(v) = record
+        .content_type
+        .and_then(|ct| HeaderValue::from_str(&ct).ok())
+    {
+        headers.insert(CONTENT_TYPE, v);
+    }
+    for (name, value) in record.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+/// A reservation held while the handler runs. Dropped still armed (the
+/// handler panicked, or the request's future was dropped), it releases the
+/// key on a blocking thread.
+struct Held {
+    keys: IdempotencyKeys,
+    reservation: Option<Reservation>,
+}
+
+impl Held {
+    /// Releases the key and waits for it (failures are left to the lease).
+    async fn release(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            let keys = self.keys.clone();
+            let _ = blocking(move || keys.release(&r)).await;
+        }
+    }
+
+    /// The reservation, no longer released on drop.
+    fn disarm(&mut self) -> Reservation {
+        self.reservation
+            .take()
+            .expect("the reservation is taken once")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            let keys = self.keys.clone();
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(move || keys.release(&r))),
+                // Outside a runtime this thread may block.
+                Err(_) => drop(keys.release(&r)),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone as _;
+
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up() {
+        let t = |us: i64| {
+            Utc.timestamp_opt(1_700_000_000, 0).unwrap() + chrono::Duration::microseconds(us)
+        };
+        assert_eq!(retry_after(t(0), t(60_000_000)), 60);
+        assert_eq!(retry_after(t(0), t(59_000_001)), 60);
+        assert_eq!(retry_after(t(0), t(1)), 1);
+        assert_eq!(retry_after(t(0), t(0)), 1);
+        assert_eq!(retry_after(t(5), t(0)), 1);
+    }
+}
