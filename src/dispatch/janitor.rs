@@ -100,7 +100,7 @@ impl Janitor {
     /// until `stop` closes. Errors are retried at the next run.
     pub(crate) fn run(&self, clock: &dyn Clock, stop: &Receiver<()>) {
         let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
-        let step = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
+        let period = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
         let changes = clock.changes().unwrap_or_else(crossbeam_channel::never);
         let mut next = clock.now();
         loop {
@@ -108,7 +108,7 @@ impl Janitor {
             if now >= next {
                 let _ = self.run_once(now);
                 next = now
-                    .checked_add_signed(step)
+                    .checked_add_signed(period)
                     .unwrap_or(DateTime::<Utc>::MAX_UTC);
             }
             let wait = (next - clock.now())

@@ -357,27 +357,21 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
     let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
     let mut rng = Rng::seeded(worker_id);
     while !ctx.stopping() {
-        let entries = match ctx
+        let Ok(entries) = ctx
             .outbox
             .claim_due(ctx.clock.now(), ctx.batch_size, worker_id)
-        {
-            Ok(e) => e,
-            Err(_) => {
+        else {
+            if !ctx.back_off(stop) {
+                break;
+            }
+            continue;
+        };
+        if entries.is_empty() {
+            let Ok(next) = ctx.outbox.next_due() else {
                 if !ctx.back_off(stop) {
                     break;
                 }
                 continue;
-            }
-        };
-        if entries.is_empty() {
-            let next = match ctx.outbox.next_due() {
-                Ok(n) => n,
-                Err(_) => {
-                    if !ctx.back_off(stop) {
-                        break;
-                    }
-                    continue;
-                }
             };
             if !ctx.wait(next, IDLE_CAP, &wake, &changes, stop) {
                 break;
@@ -402,10 +396,9 @@ fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) {
             break;
         }
         let started = ctx.clock.now();
-        if entry.attempt_count == 1 && entry.next_attempt_at.is_none() {
-            if let Ok(latency) = (started - entry.created_at).to_std() {
-                ctx.counters.latency.lock().record(latency);
-            }
+        let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
+        if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
+            ctx.counters.latency.lock().record(latency);
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| (ctx.send)(entry)));
         settlements.push((entry.fence(), settle_for(ctx, entry, outcome, rng)));
