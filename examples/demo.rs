@@ -4,21 +4,33 @@
 //! cargo run --release --example demo
 //! ```
 //!
-//! Payment webhooks arrive the way real ones do: duplicated, replayed, out of
-//! order, to several workers at once. Each worker claims the event in the
-//! inbox and applies its effect — crediting an account in the application's
-//! own table — in the same transaction. The demo checks its own result and
-//! exits non-zero if any effect ran twice or anything was lost.
+//! 1. Payment webhooks arrive the way real ones do: duplicated, shuffled, to
+//!    several workers at once. Each worker claims the event in the inbox and
+//!    applies its effect in the same transaction: it credits an account in
+//!    the application's own table and enqueues two outbox entries (a receipt
+//!    e-mail and a ledger notification).
+//! 2. A dispatcher delivers the outbox to a simulated flaky remote that times
+//!    out, rejects, and sometimes leaves the outcome unknown.
+//! 3. An HTTP API answers a retried `POST` from the idempotency-key store:
+//!    replay, in flight, mismatch.
+//! 4. The file is reopened and every event replayed: nothing changes.
+//!
+//! The demo checks its own result and exits non-zero if any effect ran twice
+//! or anything was lost.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use crossbeam_channel::unbounded;
 use idemstore::redb::{ReadableTable, TableDefinition};
-use idemstore::{Claim, Error, Store};
+use idemstore::{
+    Begin, Claim, Delivery, Dispatcher, Error, NewEntry, OutboxEntry, RetryPolicy, Store,
+    fingerprint,
+};
+use parking_lot::Mutex;
 
 /// The application's own tables, in the same file.
 const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("demo.balances");
@@ -71,8 +83,14 @@ fn run() -> Result<bool, Error> {
     let store = Store::open(&path)?;
     println!("idemstore demo — store file {}", path.display());
 
+    // The dispatcher runs from the start: entries are delivered while the
+    // webhooks that enqueue them are still arriving.
+    let accepted: Accepted = Arc::default();
+    let dispatcher = start_dispatcher(&store, accepted.clone())?;
     let mut ok = true;
     ok &= webhooks(&store)?;
+    ok &= dispatch(&store, dispatcher, &accepted)?;
+    ok &= http_idempotency(&store)?;
     drop(store);
 
     // Reopen: everything acknowledged is still there, and a late replay of
@@ -100,10 +118,23 @@ fn make_webhooks(rng: &mut Rng) -> Vec<Webhook> {
         .collect()
 }
 
-/// Applies one delivery: claim and credit in one transaction.
+/// Applies one delivery: claim, credit and enqueue the follow-ups in one
+/// transaction.
 fn deliver(store: &Store, hook: &Webhook) -> Result<Claim<i64>, Error> {
     let inbox = store.inbox("payments")?;
-    inbox.claim_with(&hook.event_id, Utc::now(), |tx| {
+    let outbox = store.outbox();
+    let now = Utc::now();
+    inbox.claim_with(&hook.event_id, now, |tx| {
+        for destination in ["mailer", "ledger"] {
+            let body = format!("{} +{} ({})", hook.account, hook.amount, hook.event_id);
+            let entry = NewEntry::new(
+                &hook.event_id,
+                destination,
+                &hook.event_id,
+                body.into_bytes(),
+            );
+            outbox.enqueue_in(tx, entry, now)?;
+        }
         let mut balances = tx.open_table(BALANCES)?;
         let new = balances.get(hook.account)?.map_or(0, |v| v.value()) + hook.amount;
         balances.insert(hook.account, new)?;
@@ -179,7 +210,7 @@ fn replay_after_reopen(store: &Store) -> Result<bool, Error> {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let hooks = make_webhooks(&mut rng);
     println!(
-        "\n2. reopen the file and replay all {} events once more",
+        "\n4. reopen the file and replay all {} events once more",
         hooks.len()
     );
     let hooks = Arc::new(hooks);
@@ -239,12 +270,207 @@ fn check_effects(store: &Store, hooks: &[Webhook], when: &str) -> Result<bool, E
         .iter()
         .all(|(account, sum)| balances.get(*account) == Some(sum));
     let inbox_len = store.inbox("payments")?.len()?;
-    let ok = twice == 0 && missing == 0 && balances_ok && inbox_len == hooks.len() as u64;
+    let entries = store.outbox().counts()?.total();
+    let ok = twice == 0
+        && missing == 0
+        && balances_ok
+        && inbox_len == hooks.len() as u64
+        && entries == 2 * hooks.len() as u64;
     println!(
         "   check {when}: {} events applied once, {twice} twice, {missing} missing, \
-         balances {}, inbox holds {inbox_len} keys",
+         balances {}, inbox holds {inbox_len} keys, outbox {entries} entries",
         applied.len() - twice,
         if balances_ok { "match" } else { "DO NOT MATCH" }
+    );
+    Ok(ok)
+}
+
+/// What the flaky remote does with an entry, decided by its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Remote {
+    Accept,
+    TimeoutThenAccept,
+    Reject,
+    Unknown,
+}
+
+fn remote_plan(entry: &OutboxEntry) -> Remote {
+    let h = entry
+        .idempotency_key
+        .bytes()
+        .chain(entry.destination.bytes())
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    match h % 100 {
+        0..=69 => Remote::Accept,
+        70..=84 => Remote::TimeoutThenAccept,
+        85..=92 => Remote::Reject,
+        _ => Remote::Unknown,
+    }
+}
+
+/// What the remote accepted, per (destination, key).
+type Accepted = Arc<Mutex<HashMap<(String, String), u32>>>;
+
+fn start_dispatcher(
+    store: &Store,
+    accepted: Accepted,
+) -> Result<idemstore::DispatcherHandle, Error> {
+    Dispatcher::builder(store.outbox())
+        .workers(4)
+        .batch_size(32)
+        .retry(
+            RetryPolicy::exponential(Duration::from_millis(5), Duration::from_millis(50))
+                .max_attempts(5),
+        )
+        .start(
+            move |entry| match (remote_plan(entry), entry.attempt_count) {
+                (Remote::Accept, _) | (Remote::TimeoutThenAccept, 2..) => {
+                    *accepted
+                        .lock()
+                        .entry((entry.destination.clone(), entry.idempotency_key.clone()))
+                        .or_default() += 1;
+                    Delivery::Delivered
+                }
+                (Remote::TimeoutThenAccept, _) => Delivery::Retry {
+                    reason: "timeout".into(),
+                },
+                (Remote::Reject, _) => Delivery::Failed {
+                    reason: "rejected_422".into(),
+                },
+                (Remote::Unknown, _) => Delivery::Unknown {
+                    remote_ref: Some(format!("req-{}", entry.id)),
+                },
+            },
+        )
+}
+
+fn dispatch(
+    store: &Store,
+    handle: idemstore::DispatcherHandle,
+    accepted: &Accepted,
+) -> Result<bool, Error> {
+    let outbox = store.outbox();
+    let total = outbox.counts()?.total();
+    println!(
+        "\n2. dispatch: {total} outbox entries, delivered by 4 workers to a flaky remote \
+         (timeouts, rejections, unknown outcomes) while the webhooks arrived"
+    );
+    let started = Instant::now();
+    // Wait for the outbox to drain.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let c = outbox.counts()?;
+        if c.pending == 0 && c.dispatching == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            println!("   FAILED: the outbox did not drain: {c:?}");
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let drained = started.elapsed();
+    let stats = handle.stats();
+    handle.shutdown()?;
+    let counts = outbox.counts()?;
+    println!(
+        "   {} delivered ({} retries), {} rejected, {} outcome unknown; \
+         the backlog drained {:.0} ms after the last webhook",
+        counts.completed,
+        stats.retried,
+        counts.failed,
+        counts.outcome_unknown,
+        drained.as_secs_f64() * 1e3,
+    );
+    println!(
+        "   enqueue -> send latency: p50 {:.2} ms, p99 {:.2} ms (first attempts, measured from enqueue)",
+        stats.latency.p50.as_secs_f64() * 1e3,
+        stats.latency.p99.as_secs_f64() * 1e3
+    );
+    let accepted = accepted.lock();
+    let twice = accepted.values().filter(|&&n| n > 1).count();
+    let ok = twice == 0
+        && accepted.len() as u64 == counts.completed
+        && counts.completed + counts.failed + counts.outcome_unknown == total
+        && outbox.check_indexes()?.is_empty();
+    println!(
+        "   check: {} entries accepted by the remote once, {twice} twice, indexes {}",
+        accepted.len(),
+        if outbox.check_indexes()?.is_empty() {
+            "consistent"
+        } else {
+            "INCONSISTENT"
+        }
+    );
+    Ok(ok)
+}
+
+fn http_idempotency(store: &Store) -> Result<bool, Error> {
+    println!("\n3. HTTP: POST /payments with Idempotency-Key, retried");
+    let keys = store.idempotency_keys();
+    let body = br#"{"amount": 42, "to": "alice"}"#;
+    let fp = fingerprint("POST", "/payments", body);
+    let now = Utc::now();
+    let mut ok = true;
+
+    let Begin::Proceed(reservation) = keys.begin("acme", "key-1", &fp, now)? else {
+        println!("   FAILED: the first request did not proceed");
+        return Ok(false);
+    };
+    println!(
+        "   first request: proceed (lease until {})",
+        reservation.lease_until().format("%H:%M:%S")
+    );
+    // A concurrent retry while the handler runs: 409.
+    match keys.begin("acme", "key-1", &fp, now)? {
+        Begin::InFlight { lease_until } => {
+            println!(
+                "   concurrent retry: in flight, retry after {}",
+                lease_until.format("%H:%M:%S")
+            );
+        }
+        other => {
+            println!("   FAILED: concurrent retry got {other:?}");
+            ok = false;
+        }
+    }
+    let mut response = reservation.response(201, br#"{"payment": "pay_1"}"#.to_vec(), now);
+    response.content_type = Some("application/json".into());
+    ok &= keys.complete(&reservation, response.clone(), now)?;
+    // A retry after completion: the stored response, byte for byte.
+    match keys.begin("acme", "key-1", &fp, now)? {
+        Begin::Replay(stored) if stored.response_body == response.response_body => {
+            println!(
+                "   retry after completion: replayed {} {}",
+                stored.response_status,
+                String::from_utf8_lossy(&stored.response_body)
+            );
+        }
+        other => {
+            println!("   FAILED: retry got {other:?}");
+            ok = false;
+        }
+    }
+    // The same key for another request: 422.
+    let other = fingerprint("POST", "/payments", br#"{"amount": 9000, "to": "mallory"}"#);
+    match keys.begin("acme", "key-1", &other, now)? {
+        Begin::Mismatch { .. } => println!("   same key, different body: mismatch (422)"),
+        other => {
+            println!("   FAILED: a changed body got {other:?}");
+            ok = false;
+        }
+    }
+    // Another tenant with the same key is a different request altogether.
+    ok &= matches!(keys.begin("globex", "key-1", &fp, now)?, Begin::Proceed(_));
+    let stats = keys.stats();
+    println!(
+        "   check: {} replay, {} in flight, {} mismatch; tenants isolated: {}",
+        stats.replays,
+        stats.in_flight,
+        stats.mismatches,
+        if ok { "yes" } else { "NO" }
     );
     Ok(ok)
 }
