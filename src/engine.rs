@@ -234,10 +234,41 @@ enum Wake<T> {
     Lead,
 }
 
+/// Where a waiting caller is told what happened: a one-shot mailbox that
+/// blocks without spinning (dozens of callers may wait on two cores).
+struct Slot<T> {
+    wake: Mutex<Option<Wake<T>>>,
+    signal: Condvar,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Arc<Slot<T>> {
+        Arc::new(Slot {
+            wake: Mutex::new(None),
+            signal: Condvar::new(),
+        })
+    }
+
+    fn put(&self, wake: Wake<T>) {
+        *self.wake.lock() = Some(wake);
+        self.signal.notify_one();
+    }
+
+    fn take(&self) -> Wake<T> {
+        let mut w = self.wake.lock();
+        loop {
+            if let Some(wake) = w.take() {
+                return wake;
+            }
+            self.signal.wait(&mut w);
+        }
+    }
+}
+
 struct OpJob<T, F> {
     op: F,
     result: Option<Reply<T>>,
-    reply: Sender<Wake<T>>,
+    reply: Arc<Slot<T>>,
     forces_durable: bool,
 }
 
@@ -260,12 +291,11 @@ where
             (Err(e), _) => Ok(Err(e)),
             (Ok(()), None) => Ok(Err(Error::Closed)),
         };
-        // The caller blocks until it hears back, so the channel is open.
-        let _ = self.reply.send(Wake::Done(answer));
+        self.reply.put(Wake::Done(answer));
     }
 
     fn promote(&self) {
-        let _ = self.reply.send(Wake::Lead);
+        self.reply.put(Wake::Lead);
     }
 
     fn forces_durable(&self) -> bool {
@@ -515,11 +545,11 @@ impl Shared {
         T: Send + 'static,
         F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
     {
-        let (reply, wake) = crossbeam_channel::bounded(2);
+        let slot = Slot::new();
         let job = OpJob {
             op,
             result: None,
-            reply,
+            reply: slot.clone(),
             forces_durable,
         };
         let lead_now = {
@@ -531,11 +561,10 @@ impl Shared {
             self.lead();
         }
         loop {
-            match wake.recv() {
-                Ok(Wake::Done(Ok(result))) => return result,
-                Ok(Wake::Done(Err(panic))) => resume_unwind(panic),
-                Ok(Wake::Lead) => self.lead(),
-                Err(_) => return Err(Error::Closed),
+            match slot.take() {
+                Wake::Done(Ok(result)) => return result,
+                Wake::Done(Err(panic)) => resume_unwind(panic),
+                Wake::Lead => self.lead(),
             }
         }
     }
