@@ -150,11 +150,14 @@ fn sqlite_enqueue(c: &Connection, key: &str, payload: &[u8]) {
     .expect("enqueue");
 }
 
+/// What a benchmark `send` does with a payload.
+type OnSend = Arc<dyn Fn(&[u8]) + Send + Sync>;
+
 /// Polling workers over SQLite; `on_send` sees each payload.
 fn sqlite_workers(
     path: &std::path::Path,
     stop: &Arc<AtomicBool>,
-    on_send: Arc<dyn Fn(&[u8]) + Send + Sync>,
+    on_send: &OnSend,
 ) -> Vec<std::thread::JoinHandle<()>> {
     (0..WORKERS)
         .map(|_| {
@@ -184,14 +187,11 @@ fn sqlite_latency(dir: &std::path::Path) -> (Duration, Duration) {
     let sent: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; LATENCY_SAMPLES]));
     let log = sent.clone();
     let stop = Arc::new(AtomicBool::new(false));
-    let workers = sqlite_workers(
-        &path,
-        &stop,
-        Arc::new(move |p: &[u8]| {
-            let i: usize = std::str::from_utf8(p).unwrap().parse().unwrap();
-            log.lock()[i] = Some(Instant::now());
-        }),
-    );
+    let on_send: OnSend = Arc::new(move |p: &[u8]| {
+        let i: usize = std::str::from_utf8(p).unwrap().parse().unwrap();
+        log.lock()[i] = Some(Instant::now());
+    });
+    let workers = sqlite_workers(&path, &stop, &on_send);
     let mut latencies = Vec::new();
     for i in 0..LATENCY_SAMPLES {
         let start = Instant::now();
@@ -256,13 +256,10 @@ fn sqlite_throughput(dir: &std::path::Path) -> f64 {
     let count = delivered.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
-    let workers = sqlite_workers(
-        &path,
-        &stop,
-        Arc::new(move |_: &[u8]| {
-            count.fetch_add(1, Ordering::Relaxed);
-        }),
-    );
+    let on_send: OnSend = Arc::new(move |_: &[u8]| {
+        count.fetch_add(1, Ordering::Relaxed);
+    });
+    let workers = sqlite_workers(&path, &stop, &on_send);
     let producers: Vec<_> = (0..PRODUCERS)
         .map(|p| {
             let path = path.clone();
