@@ -35,7 +35,7 @@
 //!
 //! `begin` on a completed key (a replay), a mismatch or an in-flight key is
 //! answered from a read transaction: no write, no fsync. Only reserving (a
-//! new key, an expired response, a takeover) goes through the commit thread,
+//! new key, an expired response, a takeover) goes through a group-committed write,
 //! where the decision is taken again on the state of that moment. `get` on
 //! an expired row deletes it the same way; a `get` that finds nothing
 //! expired never writes.

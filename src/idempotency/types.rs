@@ -13,14 +13,14 @@ use crate::error::{Error, Result};
 use crate::schema::IDEM;
 
 /// A stored HTTP response, as [`Begin::Replay`] and
-/// [`IdempotencyKeys::get`] return it and [`IdempotencyKeys::put`] stores it.
+/// [`IdempotencyKeys::get`](crate::IdempotencyKeys::get) return it and [`IdempotencyKeys::put`](crate::IdempotencyKeys::put) stores it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResponseRecord {
     /// The tenant (0–255 bytes; `""` is the default tenant).
     pub tenant: String,
     /// The idempotency key (1–255 bytes).
     pub idempotency_key: String,
-    /// The [`fingerprint`] of the request that produced the response (1–128
+    /// The [`fingerprint`](crate::fingerprint) of the request that produced the response (1–128
     /// bytes).
     pub request_fingerprint: String,
     /// The HTTP status, 100–599.
@@ -36,14 +36,14 @@ pub struct ResponseRecord {
     pub created_at: DateTime<Utc>,
 }
 
-/// The outcome of [`IdempotencyKeys::begin`]. Each is an expected answer, not
+/// The outcome of [`IdempotencyKeys::begin`](crate::IdempotencyKeys::begin). Each is an expected answer, not
 /// an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub enum Begin {
     /// The key is now reserved for this request: run the handler, then
-    /// [`complete`](IdempotencyKeys::complete) or
-    /// [`release`](IdempotencyKeys::release) the reservation.
+    /// [`complete`](crate::IdempotencyKeys::complete) or
+    /// [`release`](crate::IdempotencyKeys::release) the reservation.
     Proceed(Reservation),
     /// The key was completed by a request with the same fingerprint: send
     /// this response again, do not run the handler.
@@ -65,8 +65,8 @@ pub enum Begin {
 }
 
 /// A request's hold on a key, from [`Begin::Proceed`]. Pass it to
-/// [`IdempotencyKeys::complete`], [`IdempotencyKeys::complete_in`] or
-/// [`IdempotencyKeys::release`]; it is fenced by a token that no later
+/// [`IdempotencyKeys::complete`](crate::IdempotencyKeys::complete), [`IdempotencyKeys::complete_in`](crate::IdempotencyKeys::complete_in) or
+/// [`IdempotencyKeys::release`](crate::IdempotencyKeys::release); it is fenced by a token that no later
 /// reservation of any key shares.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {
@@ -112,7 +112,7 @@ impl Reservation {
     }
 
     /// A response for this reservation (no content type, no headers), to
-    /// fill in and pass to [`IdempotencyKeys::complete`].
+    /// fill in and pass to [`IdempotencyKeys::complete`](crate::IdempotencyKeys::complete).
     pub fn response(
         &self,
         status: u16,
@@ -133,7 +133,7 @@ impl Reservation {
 }
 
 /// Counters since the store was opened, shared by every
-/// [`IdempotencyKeys`] handle of one store. For metrics.
+/// [`IdempotencyKeys`](crate::IdempotencyKeys) handle of one store. For metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct IdempotencyStats {
@@ -183,7 +183,7 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
-/// One row of [`IdempotencyKeys::list`].
+/// One row of [`IdempotencyKeys::list`](crate::IdempotencyKeys::list).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyEntry {
     /// The tenant.
