@@ -1,0 +1,142 @@
+//! Durable claims from 1, 16 and 64 threads: idemstore (group commit), raw
+//! redb (one commit per claim) and SQLite (WAL, `synchronous=FULL`, one
+//! connection per thread), in the same run. Criterion reports the time per
+//! claim; `examples/throughput.rs` prints the same comparison as a table of
+//! claims per second with ratios.
+//!
+//! `cargo bench --bench group_commit`
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use idemstore::Store;
+use idemstore::redb::{Database, ReadableTable, TableDefinition};
+
+const RAW: TableDefinition<(&str, &str), i64> = TableDefinition::new("raw.inbox");
+
+/// Runs `iters` calls of `f(thread, n)` spread over `threads` threads;
+/// returns the wall time.
+fn spread(threads: usize, iters: u64, f: &Arc<dyn Fn(usize, u64) + Send + Sync>) -> Duration {
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let per = iters.div_ceil(threads as u64);
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (f, barrier) = (f.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                for n in 0..per {
+                    f(t, n);
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for h in handles {
+        h.join().expect("bench thread panicked");
+    }
+    start.elapsed()
+}
+
+fn claims(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut group = c.benchmark_group("durable claims");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    let round = Arc::new(AtomicU64::new(0));
+    for threads in [1usize, 16, 64] {
+        group.throughput(Throughput::Elements(1));
+
+        let store = Store::open(dir.path().join(format!("idemstore-{threads}.idem"))).unwrap();
+        let inbox = store.inbox("bench").unwrap();
+        let now = Utc::now();
+        let r = round.clone();
+        let f: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, n| {
+            let key = format!("{}-{t}-{n}", r.load(Ordering::Relaxed));
+            assert!(inbox.claim(&key, now).unwrap());
+        });
+        group.bench_with_input(
+            BenchmarkId::new("idemstore", threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    round.fetch_add(1, Ordering::Relaxed);
+                    spread(threads, iters, &f)
+                });
+            },
+        );
+
+        let db =
+            Arc::new(Database::create(dir.path().join(format!("raw-{threads}.redb"))).unwrap());
+        let r = round.clone();
+        let f: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, n| {
+            let key = format!("{}-{t}-{n}", r.load(Ordering::Relaxed));
+            let tx = db.begin_write().unwrap();
+            {
+                let mut table = tx.open_table(RAW).unwrap();
+                if table.get(("bench", key.as_str())).unwrap().is_none() {
+                    table.insert(("bench", key.as_str()), 1).unwrap();
+                }
+            }
+            tx.commit().unwrap();
+        });
+        group.bench_with_input(
+            BenchmarkId::new("raw redb", threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    round.fetch_add(1, Ordering::Relaxed);
+                    spread(threads, iters, &f)
+                });
+            },
+        );
+
+        let path = dir.path().join(format!("sqlite-{threads}.db"));
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.pragma_update(None, "journal_mode", "WAL").unwrap();
+            c.execute_batch(
+                "CREATE TABLE inbox (name TEXT NOT NULL, key TEXT NOT NULL, seen_at INTEGER NOT NULL,
+                                     PRIMARY KEY (name, key)) WITHOUT ROWID;",
+            )
+            .unwrap();
+        }
+        let conns: Vec<_> = (0..threads)
+            .map(|_| {
+                let c = rusqlite::Connection::open(&path).unwrap();
+                c.pragma_update(None, "synchronous", "FULL").unwrap();
+                c.busy_timeout(Duration::from_secs(60)).unwrap();
+                parking_lot::Mutex::new(c)
+            })
+            .collect();
+        let r = round.clone();
+        let f: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, n| {
+            let key = format!("{}-{t}-{n}", r.load(Ordering::Relaxed));
+            conns[t]
+                .lock()
+                .prepare_cached("INSERT INTO inbox VALUES ('bench', ?1, 0) ON CONFLICT DO NOTHING")
+                .unwrap()
+                .execute([key])
+                .unwrap();
+        });
+        group.bench_with_input(
+            BenchmarkId::new("SQLite FULL", threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    round.fetch_add(1, Ordering::Relaxed);
+                    spread(threads, iters, &f)
+                });
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, claims);
+criterion_main!(benches);
