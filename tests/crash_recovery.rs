@@ -138,7 +138,7 @@ fn run_and_kill(path: &Path, round: u32, acks: usize, deadline: Duration) -> Rou
 fn kill_child_at_random_moments() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.idem");
-    let mut seed: u64 = 0x5eed_0f_c4a5;
+    let mut seed: u64 = 0x005e_ed0f_c4a5;
     let rounds = 12;
     let mut acked_total = 0;
     let mut all_claims = BTreeSet::new();

@@ -59,7 +59,11 @@ fn print_stats(label: &str, stats: &ModelStats) {
 fn model_seed_corpus() {
     let started = Instant::now();
     let files = seed_files("model");
-    assert!(files.len() >= 20, "the model seed corpus has {} files", files.len());
+    assert!(
+        files.len() >= 20,
+        "the model seed corpus has {} files",
+        files.len()
+    );
     let mut total = ModelStats::default();
     for f in &files {
         println!("model seed {}", f.display());
@@ -81,7 +85,11 @@ fn model_seed_corpus() {
 fn codec_seed_corpus() {
     let started = Instant::now();
     let files = seed_files("codec");
-    assert!(files.len() >= 20, "the codec seed corpus has {} files", files.len());
+    assert!(
+        files.len() >= 20,
+        "the codec seed corpus has {} files",
+        files.len()
+    );
     for f in &files {
         println!("codec seed {}", f.display());
         run_codec(&fs::read(f).expect("a seed file"));
@@ -136,7 +144,7 @@ struct Encoder(Vec<u8>);
 impl Encoder {
     /// The `u32` tag `arbitrary`'s derive maps to variant `i` of `n`.
     fn tag(&mut self, i: u64, n: u64) -> &mut Self {
-        let tag = u32::try_from(((i << 32) + n - 1) / n).expect("a u32 tag");
+        let tag = u32::try_from((i << 32).div_ceil(n)).expect("a u32 tag");
         self.0.extend_from_slice(&tag.to_le_bytes());
         self
     }
@@ -382,7 +390,10 @@ fn hand_codec_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("hand-idem-variant", patch(1, 1, &flip(1, 0x01))),
         ("hand-idem-huge-len", patch(1, 1, &varint(2, u64::MAX))),
         ("hand-idem-truncate", patch(1, 2, &truncate(5))),
-        ("hand-idem-new-row", patch(1, 3, &raw(b"\x01\x00\x04fp-a\x01\x02\x03"))),
+        (
+            "hand-idem-new-row",
+            patch(1, 3, &raw(b"\x01\x00\x04fp-a\x01\x02\x03")),
+        ),
         ("hand-inbox-max", inbox(0, i64::MAX)),
         ("hand-inbox-min", inbox(1, i64::MIN)),
         ("hand-inbox-orphan", inbox(2, 0)),
@@ -408,7 +419,10 @@ fn generate_seeds() {
     }
     for (name, counter, bytes) in hand_model_seeds() {
         let stats = run_model(&bytes);
-        let reached = stats.named().into_iter().any(|(c, n)| c == counter && n > 0);
+        let reached = stats
+            .named()
+            .into_iter()
+            .any(|(c, n)| c == counter && n > 0);
         assert!(reached, "{name} does not reach {counter}: {stats:?}");
         write_seed("model", name, &bytes);
     }

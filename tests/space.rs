@@ -74,14 +74,21 @@ fn outbox_churn_keeps_the_file_bounded() -> Result<()> {
         let now = t(i);
         let entries = (0..BATCH).map(|j| {
             let n = i * BATCH + j;
-            NewEntry::new(format!("cmd-{n}"), "mail", format!("key-{n}"), vec![7u8; 64])
+            NewEntry::new(
+                format!("cmd-{n}"),
+                "mail",
+                format!("key-{n}"),
+                vec![7u8; 64],
+            )
         });
         let enqueued = outbox.enqueue_many(entries, now)?;
         assert!(enqueued.iter().all(idemstore::Enqueued::is_new));
         let claimed = outbox.claim_due(now, usize::try_from(BATCH).unwrap(), "w")?;
         assert_eq!(claimed.len() as u64, BATCH);
-        let settled =
-            outbox.settle_many(claimed.iter().map(|e| (e.fence(), Settlement::Completed)), now)?;
+        let settled = outbox.settle_many(
+            claimed.iter().map(|e| (e.fence(), Settlement::Completed)),
+            now,
+        )?;
         assert!(settled.iter().all(Result::is_ok));
         // Everything completed before this round is purged.
         let purged = outbox.purge_finished(now)?;
@@ -94,7 +101,11 @@ fn outbox_churn_keeps_the_file_bounded() -> Result<()> {
         batches * BATCH,
         started.elapsed()
     );
-    assert_eq!(outbox.counts()?.total(), BATCH, "the last batch awaits its purge");
+    assert_eq!(
+        outbox.counts()?.total(),
+        BATCH,
+        "the last batch awaits its purge"
+    );
     assert!(outbox.check_indexes()?.is_empty());
     assert!(
         end <= GROWTH_BOUND * warm,
@@ -113,7 +124,9 @@ fn inbox_claim_and_prune_keeps_the_file_bounded() -> Result<()> {
     let batches = total / BATCH;
     let started = std::time::Instant::now();
     let (warm, end) = churn(&store, &path, batches, |_, i| {
-        let keys: Vec<String> = (0..BATCH).map(|j| format!("evt-{}", i * BATCH + j)).collect();
+        let keys: Vec<String> = (0..BATCH)
+            .map(|j| format!("evt-{}", i * BATCH + j))
+            .collect();
         let firsts = inbox.claim_many(&keys, t(i))?;
         assert!(firsts.iter().all(|f| *f));
         // Keep one batch of history: prune what was seen before this round.
@@ -149,7 +162,10 @@ fn compact_returns_the_space_of_purged_entries() -> Result<()> {
         });
         outbox.enqueue_many(batch, t(0))?;
         let claimed = outbox.claim_due(t(0), 1000, "w")?;
-        outbox.settle_many(claimed.iter().map(|e| (e.fence(), Settlement::Completed)), t(0))?;
+        outbox.settle_many(
+            claimed.iter().map(|e| (e.fence(), Settlement::Completed)),
+            t(0),
+        )?;
     }
     store.sync()?;
     let full = file_size(&path);

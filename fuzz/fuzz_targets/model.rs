@@ -5,7 +5,7 @@
 #![no_main]
 
 #[path = "../../tests/fuzzing/mod.rs"]
-#[allow(dead_code)]
+#[allow(dead_code, unused_imports)]
 mod fuzzing;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

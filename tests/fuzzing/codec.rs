@@ -15,8 +15,7 @@ use super::t;
 
 /// The record tables, with the key and value types of `src/schema.rs`.
 const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
-const IDEM: TableDefinition<(&str, &str), &[u8]> =
-    TableDefinition::new("idemstore.v1.idempotency");
+const IDEM: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("idemstore.v1.idempotency");
 const INBOX: TableDefinition<(&str, &str), i64> = TableDefinition::new("idemstore.v1.inbox");
 
 /// Outbox ids 1..=5 exist after setup; 6 and 7 do not.
@@ -44,11 +43,20 @@ enum Patch {
 #[derive(Debug, Arbitrary)]
 enum Bytes {
     Raw(Vec<u8>),
-    Flip { at: u16, xor: u8 },
+    Flip {
+        at: u16,
+        xor: u8,
+    },
     Truncate(u16),
-    Insert { at: u16, bytes: Vec<u8> },
+    Insert {
+        at: u16,
+        bytes: Vec<u8>,
+    },
     /// Overwrite from `at` with a postcard varint (a length, a time, a code).
-    Varint { at: u16, value: u64 },
+    Varint {
+        at: u16,
+        value: u64,
+    },
 }
 
 impl Bytes {
@@ -95,7 +103,10 @@ pub(crate) fn run_codec(data: &[u8]) {
     let Ok(input) = CodecInput::arbitrary_take_rest(Unstructured::new(data)) else {
         return;
     };
-    let store = Store::in_memory().expect("an in-memory store");
+    let store = Store::builder()
+        .cache_size(1 << 20)
+        .in_memory()
+        .expect("an in-memory store");
     let held = setup(&store);
     for p in input.patches.iter().take(8) {
         patch(&store, p);
@@ -178,13 +189,19 @@ fn patch(store: &Store, p: &Patch) {
                 Patch::Outbox { id, bytes } => {
                     let id = 1 + u64::from(*id) % OUTBOX_IDS;
                     let mut table = tx.open_table(OUTBOX)?;
-                    let old = table.get(id)?.map(|v| v.value().to_vec()).unwrap_or_default();
+                    let old = table
+                        .get(id)?
+                        .map(|v| v.value().to_vec())
+                        .unwrap_or_default();
                     table.insert(id, bytes.apply(&old).as_slice())?;
                 }
                 Patch::Idem { row, bytes } => {
                     let key = IDEM_ROWS[usize::from(*row) % IDEM_ROWS.len()];
                     let mut table = tx.open_table(IDEM)?;
-                    let old = table.get(key)?.map(|v| v.value().to_vec()).unwrap_or_default();
+                    let old = table
+                        .get(key)?
+                        .map(|v| v.value().to_vec())
+                        .unwrap_or_default();
                     table.insert(key, bytes.apply(&old).as_slice())?;
                 }
                 Patch::Inbox { row, seen_at } => {
@@ -218,7 +235,11 @@ fn exercise(store: &Store, held: &Reservation, now: i64) {
     check("inbox len", inbox.len(), false);
     check("inbox list", inbox.list(None, 100), false);
     check("inbox claim", inbox.claim("e9", t(now)), false);
-    check("inbox claim_many", inbox.claim_many(["e1", "e7"], t(now)), false);
+    check(
+        "inbox claim_many",
+        inbox.claim_many(["e1", "e7"], t(now)),
+        false,
+    );
     check("inbox prune", inbox.prune(t(now - 500)), false);
     check("inbox len", inbox.len(), false);
 }
@@ -235,9 +256,17 @@ fn exercise_outbox(store: &Store, now: i64) {
         check("find", outbox.find("billing", &format!("k{i}")), false);
     }
     let again = NewEntry::new("cmd-a", "billing", "k3", b"x".to_vec());
-    check("enqueue duplicate", outbox.enqueue(again.clone(), t(now)), false);
+    check(
+        "enqueue duplicate",
+        outbox.enqueue(again.clone(), t(now)),
+        false,
+    );
     let fresh = NewEntry::new("cmd-c", "mail", "k9", b"y".to_vec());
-    check("enqueue_many", outbox.enqueue_many([again, fresh], t(now)), false);
+    check(
+        "enqueue_many",
+        outbox.enqueue_many([again, fresh], t(now)),
+        false,
+    );
     check("claim_due", outbox.claim_due(t(now), 10, "w1"), false);
     let mut fences = Vec::new();
     for id in 1..=OUTBOX_IDS + 1 {
@@ -267,14 +296,30 @@ fn exercise_outbox(store: &Store, now: i64) {
     for (f, s) in fences.iter().zip(settlements.iter().cycle().skip(1)) {
         check("settle", outbox.settle(*f, s.clone(), t(now)), true);
         let id = f.id;
-        check("mark_outcome_unknown", outbox.mark_outcome_unknown(id, Some("r")), true);
-        check("mark_failed", outbox.mark_failed(id, "e", Some(t(now)), t(now)), true);
+        check(
+            "mark_outcome_unknown",
+            outbox.mark_outcome_unknown(id, Some("r")),
+            true,
+        );
+        check(
+            "mark_failed",
+            outbox.mark_failed(id, "e", Some(t(now)), t(now)),
+            true,
+        );
         check("reschedule", outbox.reschedule(id, t(now)), true);
         check("requeue", outbox.requeue(id, t(now)), true);
         check("mark_completed", outbox.mark_completed(id, t(now)), true);
-        check("mark_failed final", outbox.mark_failed(id, "e", None, t(now)), true);
+        check(
+            "mark_failed final",
+            outbox.mark_failed(id, "e", None, t(now)),
+            true,
+        );
     }
-    check("release", outbox.release_expired_claims(t(now + 100)), false);
+    check(
+        "release",
+        outbox.release_expired_claims(t(now + 100)),
+        false,
+    );
     check("purge_finished", outbox.purge_finished(t(now + 100)), false);
     check("counts", outbox.counts(), false);
     check("check_indexes", outbox.check_indexes(), false);
@@ -297,7 +342,11 @@ fn exercise_keys(store: &Store, held: &Reservation, now: i64) {
         {
             fresh.push(r);
         }
-        check("begin other", keys.begin(tenant, key, "fp-b", t(now)), false);
+        check(
+            "begin other",
+            keys.begin(tenant, key, "fp-b", t(now)),
+            false,
+        );
         check("put", keys.put(&record(tenant, key, now)), false);
     }
     for r in &fresh {
@@ -305,7 +354,11 @@ fn exercise_keys(store: &Store, held: &Reservation, now: i64) {
         check("complete fresh", keys.complete(r, response, t(now)), false);
     }
     for (tenant, key) in IDEM_ROWS {
-        check("keys get late", keys.get(tenant, key, t(now + 100_000)), false);
+        check(
+            "keys get late",
+            keys.get(tenant, key, t(now + 100_000)),
+            false,
+        );
     }
     check("purge_expired", keys.purge_expired(t(now + 200_000)), false);
     check("keys check_indexes", keys.check_indexes(), false);

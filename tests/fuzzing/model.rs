@@ -4,16 +4,17 @@
 
 use std::collections::BTreeMap;
 use std::collections::btree_map::Entry;
-use std::path::Path;
+use std::io;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 use chrono::{DateTime, Utc};
-use idemstore::redb::{ReadableTable as _, TableDefinition, TableError};
+use idemstore::redb::{ReadableTable as _, StorageBackend, TableDefinition, TableError};
 use idemstore::{
     Begin, Claim, Durability, Enqueued, Error, Fence, IdempotencyKeys, Inbox, KeyEntry, KeyState,
-    NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxId, OutboxRecord,
-    OutboxStatus, Reservation, ResponseRecord, Settlement, Store,
+    NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
+    Reservation, ResponseRecord, Settlement, Store,
 };
 
 use super::t;
@@ -263,16 +264,15 @@ pub(crate) fn run_model(data: &[u8]) -> ModelStats {
     if ops.is_empty() {
         return stats;
     }
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let path = dir.path().join("model.idem");
-    let mut h = Harness::open(&path);
+    let file = MemoryFile::default();
+    let mut h = Harness::open(&file);
     let mut m = Model::default();
     for (i, op) in ops.iter().enumerate() {
         stats.ops += 1;
         if let Op::Reopen = op {
             stats.reopens += 1;
             drop(h);
-            h = Harness::open(&path);
+            h = Harness::open(&file);
         } else {
             apply(&h, &mut m, op, &mut stats);
         }
@@ -290,12 +290,13 @@ struct Harness {
 }
 
 impl Harness {
-    fn open(path: &Path) -> Harness {
+    fn open(file: &MemoryFile) -> Harness {
         // Clean closes flush, so `Durability::None` loses nothing across a
         // reopen and keeps runs fast.
         let store = Store::builder()
             .durability(Durability::None)
-            .open(path)
+            .cache_size(1 << 20)
+            .open_with_backend(file.clone())
             .expect("open the store file");
         let inbox = |name| store.inbox(name).expect("a valid inbox name");
         Harness {
@@ -307,6 +308,60 @@ impl Harness {
                 .with_lease(Duration::from_secs(LEASE.unsigned_abs())),
             store,
         }
+    }
+}
+
+/// A store file kept in memory: it outlives the store, so dropping the
+/// store and opening it again is a reopen of the same file, without the
+/// file system's costs.
+#[derive(Debug, Clone, Default)]
+struct MemoryFile(Arc<Mutex<Vec<u8>>>);
+
+impl MemoryFile {
+    fn bytes(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl StorageBackend for MemoryFile {
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.bytes().len() as u64)
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        let bytes = self.bytes();
+        let start = usize::try_from(offset).map_err(io::Error::other)?;
+        let src = bytes
+            .get(start..start + out.len())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end"))?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let len = usize::try_from(len).map_err(io::Error::other)?;
+        self.bytes().resize(len, 0);
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut bytes = self.bytes();
+        let start = usize::try_from(offset).map_err(io::Error::other)?;
+        if bytes.len() < start + data.len() {
+            bytes.resize(start + data.len(), 0);
+        }
+        bytes[start..start + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn close(&self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -599,7 +654,10 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
         }
         How::Reschedule(o) => {
             let at = now + offset(*o);
-            (Settlement::Rescheduled { at: t(at) }, Change::Reschedule(at))
+            (
+                Settlement::Rescheduled { at: t(at) },
+                Change::Reschedule(at),
+            )
         }
     }
 }
@@ -732,10 +790,7 @@ impl KeysModel {
     }
 
     fn put(&mut self, record: &ResponseRecord) -> bool {
-        let k = (
-            record.tenant.clone(),
-            record.idempotency_key.clone(),
-        );
+        let k = (record.tenant.clone(), record.idempotency_key.clone());
         let live = match self.rows.get(&k) {
             None => false,
             Some(Row::Completed { record: old, .. }) => {
@@ -891,9 +946,13 @@ fn apply_inbox(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
                 EffectError::Store(e) => panic!("claim_with {i}/{key}: {e}"),
                 EffectError::Refused => "refused",
             });
-            if m.inbox.contains_key(&(i, key.to_owned())) {
+            let seen = m.inbox.contains_key(&(i, key.to_owned()));
+            if seen {
                 stats.duplicate_claims += 1;
-                assert!(matches!(got, Ok(Claim::Duplicate)), "claim_with dup: {got:?}");
+                assert!(
+                    matches!(got, Ok(Claim::Duplicate)),
+                    "claim_with dup: {got:?}"
+                );
             } else if *fail {
                 stats.effects_refused += 1;
                 assert_eq!(got.err(), Some("refused"), "claim_with {i}/{key}");
@@ -932,8 +991,7 @@ fn apply_inbox(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
             let cutoff = now - i64::from(back % 64);
             let got = h.inboxes[i].prune(t(cutoff)).expect("prune");
             let before = m.inbox.len();
-            m.inbox
-                .retain(|(j, _), seen| *j != i || *seen >= cutoff);
+            m.inbox.retain(|(j, _), seen| *j != i || *seen >= cutoff);
             let want = (before - m.inbox.len()) as u64;
             stats.pruned += want;
             assert_eq!(got, want, "prune {i} before {cutoff}");
@@ -942,6 +1000,7 @@ fn apply_inbox(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
     }
 }
 
+#[expect(clippy::too_many_lines, reason = "one arm per operation")]
 fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut ModelStats) {
     let outbox = &h.outbox;
     match op {
@@ -995,9 +1054,8 @@ fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut
             let got = outcome(&outbox.settle(fence, s, t(now)), &what);
             let want = m.change(id, &change, Some(attempt));
             stats.stale_settles += u64::from(*stale && want == Outcome::Conflict);
-            stats.retries += u64::from(
-                want == Outcome::Ok && matches!(change, Change::Fail(_, Some(_), _)),
-            );
+            stats.retries +=
+                u64::from(want == Outcome::Ok && matches!(change, Change::Fail(_, Some(_), _)));
             assert_eq!(got, want, "{what}");
         }
         Op::Mark { pick, how } => {
@@ -1014,9 +1072,8 @@ fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut
             };
             let what = format!("mark {id} {change:?}");
             let want = m.change(id, &change, None);
-            stats.retries += u64::from(
-                want == Outcome::Ok && matches!(change, Change::Fail(_, Some(_), _)),
-            );
+            stats.retries +=
+                u64::from(want == Outcome::Ok && matches!(change, Change::Fail(_, Some(_), _)));
             assert_eq!(outcome(&got, &what), want, "{what}");
         }
         Op::Requeue { pick, at } => {
@@ -1082,7 +1139,9 @@ fn apply_keys(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
                     }
                     m.held.push(r);
                 }
-                (Err(_), other) => panic!("begin {tenant:?}/{key} {fp}: expected Proceed, got {other:?}"),
+                (Err(_), other) => {
+                    panic!("begin {tenant:?}/{key} {fp}: expected Proceed, got {other:?}")
+                }
             }
         }
         Op::Complete { held, status } => {
@@ -1156,8 +1215,16 @@ fn verify(h: &Harness, m: &Model, what: &str) {
             .map(|((_, k), at)| (k.clone(), t(*at)))
             .collect();
         want.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
-        assert_eq!(inbox.len().expect("len"), want.len() as u64, "after {what}: inbox {i} len");
-        assert_eq!(inbox.list(None, 1000).expect("list"), want, "after {what}: inbox {i}");
+        assert_eq!(
+            inbox.len().expect("len"),
+            want.len() as u64,
+            "after {what}: inbox {i} len"
+        );
+        assert_eq!(
+            inbox.list(None, 1000).expect("list"),
+            want,
+            "after {what}: inbox {i}"
+        );
     }
     let effects = h
         .store
@@ -1190,7 +1257,11 @@ fn verify(h: &Harness, m: &Model, what: &str) {
         let got = outbox.list_for_command(cmd).expect("list_for_command");
         assert_eq!(got.iter().collect::<Vec<_>>(), want, "after {what}: {cmd}");
     }
-    assert_eq!(outbox.counts().expect("counts"), m.outbox.counts(), "after {what}: counts");
+    assert_eq!(
+        outbox.counts().expect("counts"),
+        m.outbox.counts(),
+        "after {what}: counts"
+    );
     let next_due = m
         .outbox
         .records
@@ -1198,7 +1269,11 @@ fn verify(h: &Harness, m: &Model, what: &str) {
         .filter(|r| r.entry.status == OutboxStatus::Pending)
         .map(|r| due(&r.entry))
         .min();
-    assert_eq!(outbox.next_due().expect("next_due"), next_due, "after {what}: next_due");
+    assert_eq!(
+        outbox.next_due().expect("next_due"),
+        next_due,
+        "after {what}: next_due"
+    );
     for dest in DESTINATIONS {
         for key in OUTBOX_KEYS {
             let want = m
@@ -1206,7 +1281,11 @@ fn verify(h: &Harness, m: &Model, what: &str) {
                 .dedup
                 .get(&(dest.to_owned(), key.to_owned()))
                 .map(|id| m.outbox.records[id].clone());
-            assert_eq!(outbox.find(dest, key).expect("find"), want, "after {what}: find");
+            assert_eq!(
+                outbox.find(dest, key).expect("find"),
+                want,
+                "after {what}: find"
+            );
         }
     }
     assert_eq!(
