@@ -387,6 +387,12 @@ impl Engine {
         self.shared.submit(op, false)
     }
 
+    /// Whether a batch is being committed right now (a hint: it may change
+    /// at once).
+    pub(crate) fn is_busy(&self) -> bool {
+        self.shared.queue.lock().leading
+    }
+
     /// Runs a caller closure in a write transaction of its own on this
     /// thread; commits if it returns `Ok`, aborts if it returns `Err` or
     /// panics (then resumes the panic). Returns once the commit is durable
