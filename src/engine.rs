@@ -585,13 +585,22 @@ impl Shared {
         };
         let durable = self.config.durability == Durability::Immediate
             || jobs.iter().any(|j| j.forces_durable());
-        if !jobs.is_empty() {
-            commit_batch(self, jobs, durable);
+        let settled = if jobs.is_empty() {
+            Vec::new()
+        } else {
+            commit_batch(self, jobs, durable)
+        };
+        // Hand the lead on before answering: the next batch starts while
+        // this one's callers are woken one by one.
+        {
+            let mut q = self.queue.lock();
+            match q.jobs.first() {
+                Some(next) => next.promote(),
+                None => q.leading = false,
+            }
         }
-        let mut q = self.queue.lock();
-        match q.jobs.first() {
-            Some(next) => next.promote(),
-            None => q.leading = false,
+        for (job, outcome) in settled {
+            job.finish(outcome);
         }
     }
 
@@ -638,9 +647,14 @@ fn flush_loop(shared: &Shared, stop: &Receiver<()>) {
     }
 }
 
-/// Runs `jobs` in one write transaction and commits it; answers every job.
-fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) {
+/// A job with the fate of its batch, to answer once the lead is handed on.
+type Settled = Vec<(Box<dyn Job>, Result<(), Error>)>;
+
+/// Runs `jobs` in one write transaction and commits it; returns every job
+/// with its outcome.
+fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) -> Settled {
     let db = shared.db.read_recursive();
+    let mut settled: Settled = Vec::with_capacity(jobs.len());
     loop {
         let mut tx = match db.begin_write() {
             Ok(tx) => tx,
@@ -648,23 +662,23 @@ fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) {
                 // The engine refuses writes (after a failed commit): nothing
                 // queued now or later can be made durable.
                 shared.mark_broken();
-                fail_all(jobs, &Error::from(e));
-                return;
+                fail_all(&mut settled, jobs, &Error::from(e));
+                return settled;
             }
         };
         if durable {
             tx.set_quick_repair(shared.config.quick_repair);
         } else if let Err(e) = tx.set_durability(redb::Durability::None) {
             let _ = tx.abort();
-            fail_all(jobs, &Error::from(e));
-            return;
+            fail_all(&mut settled, jobs, &Error::from(e));
+            return settled;
         }
         let panicked = jobs.iter_mut().position(|job| !job.run(&tx));
         if let Some(i) = panicked {
             // The panicking operation may have left partial writes: drop the
             // whole transaction and run the others again without it.
             let _ = tx.abort();
-            jobs.remove(i).finish(Ok(()));
+            settled.push((jobs.remove(i), Ok(())));
             continue;
         }
         let seq = if durable {
@@ -679,20 +693,18 @@ fn commit_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>, durable: bool) {
                     shared.durable_commits.fetch_add(1, Ordering::Relaxed);
                     shared.mark_durable(seq);
                 }
-                for job in jobs {
-                    job.finish(Ok(()));
-                }
+                settled.extend(jobs.into_iter().map(|job| (job, Ok(()))));
             }
             Err(e) => {
                 shared.mark_broken();
-                fail_all(jobs, &Error::from(e));
+                fail_all(&mut settled, jobs, &Error::from(e));
             }
         }
-        return;
+        return settled;
     }
 }
 
-fn fail_all(jobs: Vec<Box<dyn Job>>, e: &Error) {
+fn fail_all(settled: &mut Settled, jobs: Vec<Box<dyn Job>>, e: &Error) {
     let mut first = true;
     for job in jobs {
         // Errors are not Clone: the first job gets the engine's own error,
@@ -703,7 +715,7 @@ fn fail_all(jobs: Vec<Box<dyn Job>>, e: &Error) {
         } else {
             previous_commit_failed()
         };
-        job.finish(Err(err));
+        settled.push((job, Err(err)));
     }
 }
 
