@@ -73,7 +73,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         single.1 / single.0
     );
     let none = median3(|| idemstore_claims(dir.path(), 1, cfg.run_for, Durability::None, false))?;
-    println!("Durability::None, 1 thread: {none:.0} claims/s");
+    println!("Durability::None, 1 thread: {none:.0} claims/s (one claim per call)");
+    let many = median3(|| idemstore_claim_many(dir.path(), cfg.run_for, Durability::None))?;
+    let many_durable =
+        median3(|| idemstore_claim_many(dir.path(), cfg.run_for, Durability::Immediate))?;
+    println!(
+        "claim_many of 100 keys per call, 1 thread: {many:.0} claims/s under Durability::None, \
+         {many_durable:.0} durable"
+    );
 
     println!("\nquick repair: commit cost vs reopen time after a crash");
     println!(
@@ -178,6 +185,23 @@ fn idemstore_claims(
         let first = inbox.claim(&format!("evt-{t}-{n}"), now).expect("claim");
         assert!(first);
     }))
+}
+
+fn idemstore_claim_many(
+    dir: &Path,
+    run_for: Duration,
+    durability: Durability,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let store = Store::builder()
+        .durability(durability)
+        .open(fresh(dir, "many.idem"))?;
+    let inbox = store.inbox("bench")?;
+    let now = Utc::now();
+    let calls = drive(1, run_for, move |_, n| {
+        let keys: Vec<String> = (0..100).map(|i| format!("evt-{n}-{i}")).collect();
+        inbox.claim_many(&keys, now).expect("claim_many");
+    });
+    Ok(calls * 100.0)
 }
 
 fn raw_redb_claims(
