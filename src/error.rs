@@ -70,7 +70,8 @@ pub enum Error {
         /// What this build of the crate can read.
         supported: u64,
     },
-    /// The file is not a store: it is neither empty nor a redb database.
+    /// The file cannot be opened as a store: it is neither empty nor a redb
+    /// database, or it was truncated or overwritten. It is left as it is.
     NotAStore {
         /// The file that was opened.
         path: PathBuf,
@@ -124,8 +125,9 @@ impl fmt::Display for Error {
             ),
             Error::NotAStore { path, reason } => write!(
                 f,
-                "{} is not an idemstore file ({reason}); point the store at a new or \
-                 existing store file",
+                "{} cannot be opened as a store ({reason}): it is not an idemstore file, or it \
+                 was damaged (truncated or overwritten); restore it from a backup or point the \
+                 store at another file",
                 path.display()
             ),
             Error::AlreadyOpen { path } => write!(

@@ -197,7 +197,10 @@ fn open_result(
             Err(not_a_store(reason))
         }
         Ok(Err(redb::DatabaseError::Storage(redb::StorageError::Io(e))))
-            if e.kind() == std::io::ErrorKind::InvalidData =>
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
+            ) =>
         {
             Err(not_a_store(e.to_string()))
         }

@@ -201,6 +201,8 @@ fn kill_child_at_random_moments() -> Result<()> {
         );
         assert_eq!(keys.check_indexes()?, Vec::<String>::new(), "round {round}");
     }
-    println!("crash recovery: {rounds} kill rounds, {acked_total} acknowledged calls checked");
+    common::report(&format!(
+        "crash recovery: {rounds} kill rounds, {acked_total} acknowledged calls checked after reopen"
+    ));
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! (default 60). `cargo test --test fuzz_corpus -- --ignored` rewrites the
 //! generated part of the seed corpus.
 
+mod common;
 mod fuzzing;
 
 use std::fs;
@@ -69,11 +70,11 @@ fn model_seed_corpus() {
         println!("model seed {}", f.display());
         total.add(&run_model(&fs::read(f).expect("a seed file")));
     }
-    println!(
-        "model: {} seed executions in {:.2?}",
+    common::report(&format!(
+        "fuzz model: {} seed executions in {:.2?}",
         files.len(),
         started.elapsed()
-    );
+    ));
     print_stats("model seeds reached", &total);
     // The corpus reaches every path the model counts.
     for (name, n) in total.named() {
@@ -94,11 +95,11 @@ fn codec_seed_corpus() {
         println!("codec seed {}", f.display());
         run_codec(&fs::read(f).expect("a seed file"));
     }
-    println!(
-        "codec: {} seed executions in {:.2?}",
+    common::report(&format!(
+        "fuzz codec: {} seed executions in {:.2?}",
         files.len(),
         started.elapsed()
-    );
+    ));
 }
 
 #[test]
@@ -112,10 +113,10 @@ fn model_pseudo_random_inputs() {
         println!("model random input {i}: {} bytes", input.len());
         total.add(&run_model(&input));
     }
-    println!(
-        "model: {n} pseudo-random executions in {:.2?}",
+    common::report(&format!(
+        "fuzz model: {n} pseudo-random executions in {:.2?}",
         started.elapsed()
-    );
+    ));
     print_stats("model random inputs reached", &total);
 }
 
@@ -129,10 +130,10 @@ fn codec_pseudo_random_inputs() {
         println!("codec random input {i}: {} bytes", input.len());
         run_codec(&input);
     }
-    println!(
-        "codec: {n} pseudo-random executions in {:.2?}",
+    common::report(&format!(
+        "fuzz codec: {n} pseudo-random executions in {:.2?}",
         started.elapsed()
-    );
+    ));
 }
 
 /// Bytes that decode, through `arbitrary`, as chosen operations: for the

@@ -148,7 +148,7 @@ fn sweep_failed_writes() -> Result<()> {
         check(&out, disk.live_image(), false, &format!("write {n} failed"))?;
         points += 1;
     }
-    println!("io faults: swept {points} failed-write points");
+    common::report(&format!("io faults: swept {points} failed-write points"));
     assert!(points > 20);
     Ok(())
 }
@@ -196,7 +196,9 @@ fn sweep_failed_syncs_and_power_loss() -> Result<()> {
         )?;
         points += 2;
     }
-    println!("io faults: swept {points} sync-failure and power-loss points");
+    common::report(&format!(
+        "io faults: swept {points} sync-failure and power-loss points"
+    ));
     assert!(points >= 40);
     Ok(())
 }

@@ -6,6 +6,8 @@
 //! cycle through; the default keeps each test within seconds in a debug
 //! build. Nothing here holds a read transaction across iterations.
 
+mod common;
+
 use std::path::Path;
 
 use chrono::{DateTime, TimeZone, Utc};
@@ -95,12 +97,12 @@ fn outbox_churn_keeps_the_file_bounded() -> Result<()> {
         assert_eq!(purged, if i == 0 { 0 } else { BATCH });
         Ok(())
     })?;
-    println!(
+    common::report(&format!(
         "outbox churn: {} enqueue→claim→complete→purge cycles in {batches} batches of {BATCH} in {:.1?}; \
          file {warm} bytes after warm-up, {end} bytes at the end",
         batches * BATCH,
         started.elapsed()
-    );
+    ));
     assert_eq!(
         outbox.counts()?.total(),
         BATCH,
@@ -134,12 +136,12 @@ fn inbox_claim_and_prune_keeps_the_file_bounded() -> Result<()> {
         assert_eq!(pruned, if i == 0 { 0 } else { BATCH });
         Ok(())
     })?;
-    println!(
+    common::report(&format!(
         "inbox churn: {} claim→prune cycles in {batches} batches of {BATCH} in {:.1?}; \
          file {warm} bytes after warm-up, {end} bytes at the end",
         batches * BATCH,
         started.elapsed()
-    );
+    ));
     assert_eq!(inbox.len()?, BATCH);
     assert!(
         end <= GROWTH_BOUND * warm,
@@ -180,10 +182,10 @@ fn compact_returns_the_space_of_purged_entries() -> Result<()> {
         assert!(rounds < 10, "compact kept finding work");
     }
     let compacted = file_size(&path);
-    println!(
+    common::report(&format!(
         "compact: {entries} entries of 512 bytes: file {full} bytes full, {purged} bytes after \
          purge, {compacted} bytes after {rounds} compactions"
-    );
+    ));
     assert!(purged >= full / 2, "purge alone does not shrink the file");
     assert!(
         compacted * 4 < full,

@@ -9,6 +9,22 @@ use chrono::{DateTime, TimeZone, Utc};
 use idemstore::redb::StorageBackend;
 use parking_lot::Mutex;
 
+/// Prints a figure of a reliability suite and adds it to
+/// `target/tmp/reliability-report.txt`, which CI prints after the tests (the
+/// test harness hides the output of passing tests).
+pub fn report(line: &str) {
+    use std::io::Write as _;
+    println!("{line}");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("reliability-report.txt");
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(f, "{line}");
+    }
+}
+
 /// A fixed instant plus `secs` seconds.
 pub fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
