@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use rusqlite::{Connection, params};
 
 const LATENCY_SAMPLES: usize = 400;
-const THROUGHPUT_ENTRIES: u64 = 20_000;
+const THROUGHPUT_ENTRIES: u64 = 19_200; // a multiple of PRODUCERS × 100
 const PRODUCERS: usize = 16;
 const WORKERS: usize = 4;
 
@@ -42,10 +42,19 @@ fn main() {
         ms(theirs.1)
     );
 
-    let ours = idemstore_throughput(dir.path());
-    let theirs = sqlite_throughput(dir.path());
+    let ours = idemstore_throughput(dir.path(), 1);
+    let theirs = sqlite_throughput(dir.path(), 1);
     println!(
         "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers (one enqueue per call), {WORKERS} workers:"
+    );
+    println!("  idemstore: {ours:>9.0} entries/s");
+    println!("  SQLite:    {theirs:>9.0} entries/s");
+    println!("  ratio:     {:>9.1}x", ours / theirs);
+
+    let ours = idemstore_throughput(dir.path(), 100);
+    let theirs = sqlite_throughput(dir.path(), 100);
+    println!(
+        "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers enqueuing 100 entries per commit, {WORKERS} workers:"
     );
     println!("  idemstore: {ours:>9.0} entries/s");
     println!("  SQLite:    {theirs:>9.0} entries/s");
@@ -209,8 +218,9 @@ fn sqlite_latency(dir: &std::path::Path) -> (Duration, Duration) {
     percentiles(latencies)
 }
 
-fn idemstore_throughput(dir: &std::path::Path) -> f64 {
-    let store = Store::open(dir.join("throughput.idem")).expect("open");
+/// Producers enqueue `per_commit` entries per call (`enqueue_many`).
+fn idemstore_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
+    let store = Store::open(dir.join(format!("throughput-{per_commit}.idem"))).expect("open");
     let outbox = store.outbox();
     let delivered = Arc::new(AtomicU64::new(0));
     let count = delivered.clone();
@@ -249,8 +259,9 @@ fn idemstore_throughput(dir: &std::path::Path) -> f64 {
     rate
 }
 
-fn sqlite_throughput(dir: &std::path::Path) -> f64 {
-    let path = dir.join("throughput.sqlite");
+/// Producers insert `per_commit` entries per transaction.
+fn sqlite_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
+    let path = dir.join(format!("throughput-{per_commit}.sqlite"));
     drop(sqlite_open(&path));
     let delivered = Arc::new(AtomicU64::new(0));
     let count = delivered.clone();
@@ -265,8 +276,13 @@ fn sqlite_throughput(dir: &std::path::Path) -> f64 {
             let path = path.clone();
             std::thread::spawn(move || {
                 let c = sqlite_open(&path);
-                for i in 0..THROUGHPUT_ENTRIES / PRODUCERS as u64 {
-                    sqlite_enqueue(&c, &format!("{p}-{i}"), b"x");
+                let per_producer = THROUGHPUT_ENTRIES / PRODUCERS as u64;
+                for chunk in 0..per_producer / per_commit {
+                    let tx = c.unchecked_transaction().expect("tx");
+                    for i in 0..per_commit {
+                        sqlite_enqueue(&tx, &format!("{p}-{chunk}-{i}"), b"x");
+                    }
+                    tx.commit().expect("commit");
                 }
             })
         })
