@@ -51,6 +51,15 @@ fn main() {
     println!("  SQLite:    {theirs:>9.0} entries/s");
     println!("  ratio:     {:>9.1}x", ours / theirs);
 
+    let ours = idemstore_drain(dir.path());
+    let theirs = sqlite_drain(dir.path());
+    println!(
+        "\ndraining a backlog of {THROUGHPUT_ENTRIES} entries, {WORKERS} workers (claim, send, complete):"
+    );
+    println!("  idemstore: {ours:>9.0} entries/s");
+    println!("  SQLite:    {theirs:>9.0} entries/s");
+    println!("  ratio:     {:>9.1}x", ours / theirs);
+
     let ours = idemstore_throughput(dir.path(), 100);
     let theirs = sqlite_throughput(dir.path(), 100);
     println!(
@@ -174,7 +183,7 @@ fn sqlite_workers(
             std::thread::spawn(move || {
                 let c = sqlite_open(&path);
                 while !stop.load(Ordering::Relaxed) {
-                    let batch = sqlite_claim(&c, 16);
+                    let batch = sqlite_claim(&c, 64);
                     if batch.is_empty() {
                         std::thread::sleep(Duration::from_millis(1));
                         continue;
@@ -290,6 +299,59 @@ fn sqlite_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
     for p in producers {
         p.join().unwrap();
     }
+    while delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let rate = THROUGHPUT_ENTRIES as f64 / start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    rate
+}
+
+fn idemstore_drain(dir: &std::path::Path) -> f64 {
+    let store = Store::open(dir.join("drain.idem")).expect("open");
+    let outbox = store.outbox();
+    for chunk in 0..THROUGHPUT_ENTRIES / 100 {
+        let entries =
+            (0..100).map(|i| NewEntry::new("c", "d", format!("{chunk}-{i}"), b"x".to_vec()));
+        outbox.enqueue_many(entries, Utc::now()).expect("enqueue");
+    }
+    let start = Instant::now();
+    let handle = Dispatcher::builder(outbox.clone())
+        .workers(WORKERS)
+        .batch_size(64)
+        .start(|_| Delivery::Delivered)
+        .expect("start");
+    while outbox.counts().expect("counts").completed < THROUGHPUT_ENTRIES {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let rate = THROUGHPUT_ENTRIES as f64 / start.elapsed().as_secs_f64();
+    handle.shutdown().expect("shutdown");
+    rate
+}
+
+fn sqlite_drain(dir: &std::path::Path) -> f64 {
+    let path = dir.join("drain.sqlite");
+    {
+        let c = sqlite_open(&path);
+        for chunk in 0..THROUGHPUT_ENTRIES / 100 {
+            let tx = c.unchecked_transaction().expect("tx");
+            for i in 0..100 {
+                sqlite_enqueue(&tx, &format!("{chunk}-{i}"), b"x");
+            }
+            tx.commit().expect("commit");
+        }
+    }
+    let delivered = Arc::new(AtomicU64::new(0));
+    let count = delivered.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let on_send: OnSend = Arc::new(move |_: &[u8]| {
+        count.fetch_add(1, Ordering::Relaxed);
+    });
+    let workers = sqlite_workers(&path, &stop, &on_send);
     while delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
         std::thread::sleep(Duration::from_millis(1));
     }
