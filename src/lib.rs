@@ -76,7 +76,7 @@ pub use idempotency::{
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use outbox::{
     Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox, OutboxClaim, OutboxCounts,
-    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Settlement,
+    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,

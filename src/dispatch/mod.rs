@@ -37,7 +37,7 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, Outbox, OutboxEntry, Settlement};
+use crate::outbox::{Fence, MAX_OUTBOX_FIELD_LEN, Outbox, OutboxEntry, Settlement};
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use janitor::{DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION, Janitor, JanitorReport};
@@ -52,6 +52,10 @@ pub enum Delivery {
     Delivered,
     /// A retryable failure: try again after the [`RetryPolicy`]'s back-off
     /// (or fail for good with reason `max_attempts` when they are used up).
+    ///
+    /// Reasons and remote refs are stored as given, cut to
+    /// [`MAX_OUTBOX_FIELD_LEN`](crate::MAX_OUTBOX_FIELD_LEN) bytes; an
+    /// empty reason is stored as `unspecified`.
     Retry {
         /// A stable failure code, stored on the entry.
         reason: String,
@@ -356,11 +360,28 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
     let wake = ctx.outbox.subscribe();
     let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
     let mut rng = Rng::seeded(worker_id);
+    // The settlements of the last batch, committed together with the next
+    // claim: one durable commit per batch instead of two.
+    let mut settlements: Vec<(Fence, Settlement)> = Vec::new();
     while !ctx.stopping() {
-        let Ok(entries) = ctx
-            .outbox
-            .claim_due(ctx.clock.now(), ctx.batch_size, worker_id)
-        else {
+        let limit = ctx.batch_size;
+        let outcome = ctx.outbox.settle_and_claim(
+            settlements.iter().cloned(),
+            ctx.clock.now(),
+            limit,
+            worker_id,
+        );
+        let claimed = match outcome {
+            Ok((settled, claimed)) => {
+                settlements.clear();
+                count_fenced(ctx, &settled);
+                claimed
+            }
+            // The settlements are kept and offered again (settling the same
+            // attempt the same way twice is accepted).
+            Err(_) => Err(Error::Closed),
+        };
+        let Ok(entries) = claimed else {
             if !ctx.back_off(stop) {
                 break;
             }
@@ -378,12 +399,24 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
             }
             continue;
         }
-        deliver_batch(ctx, &entries, &mut rng);
+        settlements = deliver_batch(ctx, &entries, &mut rng);
+    }
+    // Settle what was sent before stopping.
+    if !settlements.is_empty() {
+        match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
+            Ok(settled) => count_fenced(ctx, &settled),
+            Err(_) => bump(&ctx.counters.store_errors, 1),
+        }
     }
 }
 
-/// Sends each entry of a claimed batch and settles the batch in one commit.
-fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) {
+fn count_fenced(ctx: &Ctx, settled: &[Result<()>]) {
+    let fenced = settled.iter().filter(|r| r.is_err()).count();
+    bump(&ctx.counters.fenced, fenced as u64);
+}
+
+/// Sends each entry of a claimed batch; returns how to settle each.
+fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) -> Vec<(Fence, Settlement)> {
     let mut settlements: Vec<(Fence, Settlement)> = Vec::with_capacity(entries.len());
     for (i, entry) in entries.iter().enumerate() {
         if ctx.stopping() {
@@ -403,13 +436,7 @@ fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) {
         let outcome = catch_unwind(AssertUnwindSafe(|| (ctx.send)(entry)));
         settlements.push((entry.fence(), settle_for(ctx, entry, outcome, rng)));
     }
-    match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
-        Ok(results) => {
-            let fenced = results.iter().filter(|r| r.is_err()).count();
-            bump(&ctx.counters.fenced, fenced as u64);
-        }
-        Err(_) => bump(&ctx.counters.store_errors, 1),
-    }
+    settlements
 }
 
 fn settle_for(
@@ -434,7 +461,7 @@ fn settle_for(
         Ok(Delivery::Unknown { remote_ref }) => {
             bump(&c.unknown, 1);
             return Settlement::OutcomeUnknown {
-                remote_ref: remote_ref.filter(|r| !r.is_empty()),
+                remote_ref: remote_ref.filter(|r| !r.is_empty()).map(fit),
             };
         }
         Ok(Delivery::Retry { reason }) => (non_empty(reason), None),
@@ -464,12 +491,26 @@ fn settle_for(
     }
 }
 
+/// A failure code as stored: empty becomes `unspecified`, and one longer
+/// than the outbox accepts is cut at a character boundary (a dispatcher must
+/// settle every attempt, whatever its `send` returned).
 fn non_empty(reason: String) -> String {
     if reason.is_empty() {
         "unspecified".to_owned()
     } else {
-        reason
+        fit(reason)
     }
+}
+
+fn fit(mut s: String) -> String {
+    if s.len() > MAX_OUTBOX_FIELD_LEN {
+        let mut end = MAX_OUTBOX_FIELD_LEN;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
 }
 
 /// Releases claims older than the lease, every half lease (and at once on

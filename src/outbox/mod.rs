@@ -256,6 +256,10 @@ pub struct OutboxRecord {
     pub remote_ref: Option<String>,
 }
 
+/// What [`Outbox::settle_and_claim`] did: one result per settlement, in
+/// order, and the claimed entries (or why the claim failed).
+pub type SettledAndClaimed = (Vec<Result<()>>, Result<Vec<OutboxEntry>>);
+
 /// The outcome of an enqueue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Enqueued {
@@ -670,6 +674,57 @@ impl Outbox {
             self.notify();
         }
         Ok(out)
+    }
+
+    /// Settles a finished batch and claims the next one in one commit: a
+    /// dispatcher's step between two batches, for one fsync instead of two.
+    ///
+    /// The settlements behave exactly as in [`Outbox::settle_many`] (one
+    /// result each, in order) and stand whatever the claim does; the claim
+    /// behaves exactly as [`Outbox::claim_due`] and sees the settlements (a
+    /// retry due at `now` can be claimed again at once). A claim that fails
+    /// (a damaged record) is reported on its own, beside the settlements.
+    /// The outer `Err` is for bad input (nothing written) and storage
+    /// failures.
+    pub fn settle_and_claim(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        check_field("worker_id", worker_id)?;
+        let mut wake = false;
+        let mut changes = Vec::new();
+        for (fence, s) in settlements {
+            s.check()?;
+            wake |= s.makes_work();
+            changes.push((fence.id.0, fence.attempt, s.into_change(now)));
+        }
+        let worker = worker_id.to_owned();
+        let now = micros(now);
+        let (settled, claimed) = self.engine.execute(move |tx| {
+            let settled = if changes.is_empty() {
+                Vec::new()
+            } else {
+                ops::change_many(tx, &changes)?
+            };
+            // The claim plans before it writes: if it fails, it wrote
+            // nothing, and the settlements above stand.
+            let claimed = if limit == 0 {
+                Ok(Vec::new())
+            } else {
+                match ops::claim_due(tx, now, limit, &worker) {
+                    Err(Error::Storage(e)) => return Err(Error::Storage(e)),
+                    other => other,
+                }
+            };
+            Ok((settled, claimed))
+        })?;
+        if wake && settled.iter().any(Result::is_ok) {
+            self.notify();
+        }
+        Ok((settled, claimed))
     }
 
     /// Operator call: marks `id` `Completed` at `now`, unfenced. Allowed from
