@@ -565,3 +565,53 @@ fn public_types_are_send_sync_and_wakeups_cross_threads() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn settle_and_claim_settles_then_claims_in_one_commit() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let a = outbox.enqueue(entry("a"), t(0))?.id();
+    let b = outbox.enqueue(entry("b"), t(1))?.id();
+    let first = outbox.claim_due(t(5), 1, "w")?;
+    assert_eq!(ids(&first), vec![a.0]);
+    let stale = Fence { id: a, attempt: 9 };
+    let before = store.commit_stats().durable_commits;
+    let (settled, claimed) = outbox.settle_and_claim(
+        [
+            (stale, Settlement::Completed),
+            (
+                first[0].fence(),
+                Settlement::Failed {
+                    reason: "timeout".into(),
+                    retry_at: Some(t(5)),
+                },
+            ),
+        ],
+        t(5),
+        10,
+        "w",
+    )?;
+    assert_eq!(
+        store.commit_stats().durable_commits,
+        before + 1,
+        "one commit"
+    );
+    assert!(
+        matches!(settled[0], Err(Error::Conflict { .. })),
+        "a stale fence is refused"
+    );
+    assert!(settled[1].is_ok());
+    // The retry is due at t(5): the claim sees it, after `b` (due at t(1)).
+    let claimed = claimed?;
+    assert_eq!(ids(&claimed), vec![b.0, a.0]);
+    assert_eq!(claimed[1].attempt_count, 2);
+    assert_eq!(outbox.get(a)?.last_failure.as_deref(), Some("timeout"));
+    // Nothing to settle and nothing due: an empty step.
+    let (settled, claimed) = outbox.settle_and_claim([], t(5), 10, "w")?;
+    assert!(settled.is_empty() && claimed?.is_empty());
+    assert!(matches!(
+        outbox.settle_and_claim([], t(5), 10, ""),
+        Err(Error::InvalidInput { .. })
+    ));
+    Ok(())
+}
