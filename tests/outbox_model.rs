@@ -3,36 +3,29 @@
 //! store must agree with the model (records, order, counts, next due time,
 //! dedup) and `check_indexes` must find nothing.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use chrono::{DateTime, TimeZone, Utc};
 use idemstore::{
-    Durability, Enqueued, Error, Fence, NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry,
-    OutboxId, OutboxRecord, OutboxStatus, Result, Settlement, Store,
+    Durability, Enqueued, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Result,
+    Settlement, Store,
 };
+
+// The shared test code also holds the fuzz targets, which this test does not
+// use; it takes the outbox model, the clock and the generator from it.
+#[allow(dead_code, unused_imports)]
+mod fuzzing;
+
+use fuzzing::outbox_model::{Change, OutboxModel, due, outcome};
+use fuzzing::{Rng, t};
 
 const COMMANDS: [&str; 3] = ["cmd-a", "cmd-b", "cmd-c"];
 const DESTINATIONS: [&str; 2] = ["billing", "mail"];
 const KEYS: u64 = 12;
 
-fn t(secs: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
-}
-
-/// xorshift64*: small, deterministic, no dependencies.
-struct Rng(u64);
-
+/// Draws over the shared xorshift generator.
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 
     fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
@@ -46,216 +39,6 @@ impl Rng {
     /// A time near `now`, in seconds.
     fn near(&mut self, now: i64) -> i64 {
         now - 5 + i64::try_from(self.below(30)).unwrap()
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    Ok,
-    NotFound,
-    Conflict,
-}
-
-fn outcome<T>(r: &Result<T>) -> Outcome {
-    match r {
-        Ok(_) => Outcome::Ok,
-        Err(Error::NotFound) => Outcome::NotFound,
-        Err(Error::Conflict { .. }) => Outcome::Conflict,
-        Err(e) => panic!("unexpected error: {e}"),
-    }
-}
-
-/// A single-entry change, as the model sees it.
-#[derive(Debug, Clone)]
-enum Change {
-    Complete(i64),
-    Fail(String, Option<i64>, i64),
-    Unknown(Option<String>),
-    Reschedule(i64),
-    Requeue(i64),
-}
-
-#[derive(Default)]
-struct Model {
-    records: BTreeMap<u64, OutboxRecord>,
-    dedup: BTreeMap<(String, String), u64>,
-    next_id: u64,
-}
-
-fn due(e: &OutboxEntry) -> DateTime<Utc> {
-    e.next_attempt_at.unwrap_or(e.created_at)
-}
-
-impl Model {
-    fn enqueue(&mut self, n: &NewEntry, now: i64) -> Enqueued {
-        let key = (n.destination.clone(), n.idempotency_key.clone());
-        if let Some(id) = self.dedup.get(&key) {
-            return Enqueued::Duplicate(OutboxId(*id));
-        }
-        self.next_id += 1;
-        let id = self.next_id;
-        self.dedup.insert(key, id);
-        self.records.insert(
-            id,
-            OutboxRecord {
-                entry: OutboxEntry {
-                    id: OutboxId(id),
-                    command_id: n.command_id.clone(),
-                    destination: n.destination.clone(),
-                    idempotency_key: n.idempotency_key.clone(),
-                    payload: n.payload.clone(),
-                    status: OutboxStatus::Pending,
-                    attempt_count: 0,
-                    next_attempt_at: n.not_before,
-                    created_at: t(now),
-                    completed_at: None,
-                },
-                claim: None,
-                last_failure: None,
-                remote_ref: None,
-            },
-        );
-        Enqueued::New(OutboxId(id))
-    }
-
-    fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<OutboxEntry> {
-        let mut due_now: Vec<(DateTime<Utc>, u64)> = self
-            .records
-            .values()
-            .filter(|r| r.entry.status == OutboxStatus::Pending && due(&r.entry) <= t(now))
-            .map(|r| (due(&r.entry), r.entry.id.0))
-            .collect();
-        due_now.sort_unstable();
-        due_now.truncate(limit);
-        due_now
-            .into_iter()
-            .map(|(_, id)| {
-                let r = self.records.get_mut(&id).unwrap();
-                r.entry.status = OutboxStatus::Dispatching;
-                r.entry.attempt_count += 1;
-                r.claim = Some(OutboxClaim {
-                    worker_id: worker.to_owned(),
-                    claimed_at: t(now),
-                });
-                r.entry.clone()
-            })
-            .collect()
-    }
-
-    fn release(&mut self, cutoff: i64) -> Vec<OutboxId> {
-        let mut expired: Vec<(DateTime<Utc>, u64)> = self
-            .records
-            .values()
-            .filter(|r| r.entry.status == OutboxStatus::Dispatching)
-            .map(|r| (r.claim.as_ref().unwrap().claimed_at, r.entry.id.0))
-            .filter(|(at, _)| *at < t(cutoff))
-            .collect();
-        expired.sort_unstable();
-        for (at, id) in &expired {
-            let r = self.records.get_mut(id).unwrap();
-            r.entry.status = OutboxStatus::Pending;
-            r.entry.next_attempt_at = Some(*at);
-            r.claim = None;
-        }
-        expired.into_iter().map(|(_, id)| OutboxId(id)).collect()
-    }
-
-    fn purge(&mut self, before: i64) -> u64 {
-        let doomed: Vec<u64> = self
-            .records
-            .values()
-            .filter(|r| r.entry.completed_at.is_some_and(|at| at < t(before)))
-            .map(|r| r.entry.id.0)
-            .collect();
-        for id in &doomed {
-            let r = self.records.remove(id).unwrap();
-            self.dedup
-                .remove(&(r.entry.destination, r.entry.idempotency_key));
-        }
-        doomed.len() as u64
-    }
-
-    /// Applies `change` to `id` following the status table; `fence` as the
-    /// fenced settle calls check it.
-    fn change(&mut self, id: u64, change: &Change, fence: Option<u32>) -> Outcome {
-        use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
-        let Some(old) = self.records.get(&id) else {
-            return Outcome::NotFound;
-        };
-        let from = old.entry.status;
-        if let Some(attempt) = fence {
-            let repeat = matches!(
-                (from, change),
-                (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _))
-            );
-            if attempt != old.entry.attempt_count
-                || !(matches!(from, Dispatching | OutcomeUnknown) || repeat)
-            {
-                return Outcome::Conflict;
-            }
-        }
-        let mut r = old.clone();
-        match (from, change) {
-            (Dispatching | OutcomeUnknown, Change::Complete(now)) => {
-                r.entry.status = Completed;
-                r.entry.completed_at = Some(t(*now));
-                r.entry.next_attempt_at = None;
-                r.claim = None;
-            }
-            (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _)) => {}
-            (Pending | Dispatching | OutcomeUnknown, Change::Fail(reason, Some(at), _)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.last_failure = Some(reason.clone());
-                r.claim = None;
-            }
-            (Dispatching | OutcomeUnknown, Change::Fail(reason, None, now)) => {
-                r.entry.status = Failed;
-                r.entry.completed_at = Some(t(*now));
-                r.entry.next_attempt_at = None;
-                r.last_failure = Some(reason.clone());
-                r.claim = None;
-            }
-            (Dispatching, Change::Unknown(remote)) => {
-                r.entry.status = OutcomeUnknown;
-                if remote.is_some() {
-                    r.remote_ref.clone_from(remote);
-                }
-            }
-            (OutcomeUnknown, Change::Unknown(remote)) => {
-                if r.remote_ref.is_none() {
-                    r.remote_ref.clone_from(remote);
-                }
-            }
-            (Pending | Dispatching | OutcomeUnknown, Change::Reschedule(at)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.claim = None;
-            }
-            (Failed | OutcomeUnknown, Change::Requeue(at)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.entry.completed_at = None;
-                r.claim = None;
-            }
-            _ => return Outcome::Conflict,
-        }
-        self.records.insert(id, r);
-        Outcome::Ok
-    }
-
-    fn counts(&self) -> OutboxCounts {
-        let mut c = OutboxCounts::default();
-        for r in self.records.values() {
-            match r.entry.status {
-                OutboxStatus::Pending => c.pending += 1,
-                OutboxStatus::Dispatching => c.dispatching += 1,
-                OutboxStatus::Completed => c.completed += 1,
-                OutboxStatus::Failed => c.failed += 1,
-                OutboxStatus::OutcomeUnknown => c.outcome_unknown += 1,
-            }
-        }
-        c
     }
 }
 
@@ -314,18 +97,8 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
 /// An id to act on: mostly a live one (more often one that is being
 /// dispatched, where most settlements apply), sometimes purged or never
 /// issued.
-fn pick_id(rng: &mut Rng, model: &Model) -> u64 {
-    let in_flight: Vec<u64> = model
-        .records
-        .values()
-        .filter(|r| {
-            matches!(
-                r.entry.status,
-                OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown
-            )
-        })
-        .map(|r| r.entry.id.0)
-        .collect();
+fn pick_id(rng: &mut Rng, model: &OutboxModel) -> u64 {
+    let in_flight = model.in_flight();
     if !in_flight.is_empty() && rng.chance(60) {
         return *rng.pick(&in_flight);
     }
@@ -346,7 +119,7 @@ fn open(path: Option<&Path>) -> Result<Store> {
     }
 }
 
-fn step(rng: &mut Rng, model: &mut Model, outbox: &Outbox, now: i64) -> Result<String> {
+fn step(rng: &mut Rng, model: &mut OutboxModel, outbox: &Outbox, now: i64) -> Result<String> {
     let choice = rng.below(100);
     let what = match choice {
         0..=19 => {
@@ -378,13 +151,10 @@ fn step(rng: &mut Rng, model: &mut Model, outbox: &Outbox, now: i64) -> Result<S
                 id: OutboxId(id),
                 attempt,
             };
-            let got = outcome(&outbox.settle(fence, s.clone(), t(now)));
-            assert_eq!(
-                got,
-                model.change(id, &change, Some(attempt)),
-                "settle {fence} {s:?}"
-            );
-            format!("settle {fence} {s:?}")
+            let what = format!("settle {fence} {s:?}");
+            let got = outcome(&outbox.settle(fence, s, t(now)), &what);
+            assert_eq!(got, model.change(id, &change, Some(attempt)), "{what}");
+            what
         }
         60..=74 => {
             let id = pick_id(rng, model);
@@ -401,23 +171,21 @@ fn step(rng: &mut Rng, model: &mut Model, outbox: &Outbox, now: i64) -> Result<S
                     outbox.reschedule(OutboxId(id), t(*at))
                 }
             };
+            let what = format!("mark {id} {change:?}");
             assert_eq!(
-                outcome(&got),
+                outcome(&got, &what),
                 model.change(id, &change, None),
-                "mark {id} {change:?}"
+                "{what}"
             );
-            format!("mark {id} {change:?}")
+            what
         }
         75..=81 => {
             let id = pick_id(rng, model);
             let at = rng.near(now);
-            let got = outcome(&outbox.requeue(OutboxId(id), t(at)));
-            assert_eq!(
-                got,
-                model.change(id, &Change::Requeue(at), None),
-                "requeue {id}"
-            );
-            format!("requeue {id}")
+            let what = format!("requeue {id}");
+            let got = outcome(&outbox.requeue(OutboxId(id), t(at)), &what);
+            assert_eq!(got, model.change(id, &Change::Requeue(at), None), "{what}");
+            what
         }
         82..=89 => {
             let cutoff = now - i64::try_from(rng.below(20)).unwrap();
@@ -435,7 +203,7 @@ fn step(rng: &mut Rng, model: &mut Model, outbox: &Outbox, now: i64) -> Result<S
     Ok(what)
 }
 
-fn verify(rng: &mut Rng, model: &Model, outbox: &Outbox, what: &str) -> Result<()> {
+fn verify(rng: &mut Rng, model: &OutboxModel, outbox: &Outbox, what: &str) -> Result<()> {
     for cmd in COMMANDS {
         let mut want: Vec<&OutboxRecord> = model
             .records
@@ -475,7 +243,7 @@ fn verify(rng: &mut Rng, model: &Model, outbox: &Outbox, what: &str) -> Result<(
 
 fn run(seed: u64, ops: usize, path: Option<&Path>) -> Result<()> {
     let mut rng = Rng(seed | 1);
-    let mut model = Model::default();
+    let mut model = OutboxModel::default();
     let mut store = open(path)?;
     let mut now = 0;
     for i in 0..ops {

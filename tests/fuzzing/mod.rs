@@ -5,6 +5,8 @@
 //! - [`run_model`] decodes an `Arbitrary` sequence of operations on all three
 //!   primitives (and reopens of the file) and checks the store against a
 //!   plain in-memory model after every one.
+//! - [`outbox_model`] is the outbox part of that model, which
+//!   `tests/outbox_model.rs` also drives with seeded random operations.
 //! - [`run_codec`] overwrites stored records with arbitrary or mutated bytes
 //!   and calls every reader and writer: no panic, and every error is
 //!   [`idemstore::Error::Corrupted`] (or an expected outcome such as
@@ -12,6 +14,7 @@
 
 mod codec;
 mod model;
+pub(crate) mod outbox_model;
 
 pub(crate) use codec::run_codec;
 pub(crate) use model::{ModelStats, run_model};
@@ -19,7 +22,7 @@ pub(crate) use model::{ModelStats, run_model};
 use chrono::{DateTime, TimeZone, Utc};
 
 /// A fixed instant plus `secs` seconds.
-fn t(secs: i64) -> DateTime<Utc> {
+pub(crate) fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
 }
 

@@ -13,10 +13,11 @@ use chrono::{DateTime, Utc};
 use idemstore::redb::{ReadableTable as _, StorageBackend, TableDefinition, TableError};
 use idemstore::{
     Begin, Claim, Durability, Enqueued, Error, Fence, IdempotencyKeys, Inbox, KeyEntry, KeyState,
-    NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
-    Reservation, ResponseRecord, Settlement, Store,
+    NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Reservation, ResponseRecord,
+    Settlement, Store,
 };
 
+use super::outbox_model::{Change, OutboxModel, Outcome, due, outcome};
 use super::t;
 
 /// Most operations decoded from one input.
@@ -381,229 +382,13 @@ struct Model {
 
 // ---------------------------------------------------------------- outbox
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    Ok,
-    NotFound,
-    Conflict,
-}
-
-fn outcome<T>(r: &idemstore::Result<T>, what: &str) -> Outcome {
-    match r {
-        Ok(_) => Outcome::Ok,
-        Err(Error::NotFound) => Outcome::NotFound,
-        Err(Error::Conflict { .. }) => Outcome::Conflict,
-        Err(e) => panic!("{what}: unexpected error: {e}"),
-    }
-}
-
-/// A single-entry change, as the model sees it. Times in seconds.
-#[derive(Debug, Clone)]
-enum Change {
-    Complete(i64),
-    Fail(String, Option<i64>, i64),
-    Unknown(Option<String>),
-    Reschedule(i64),
-    Requeue(i64),
-}
-
-#[derive(Default)]
-struct OutboxModel {
-    records: BTreeMap<u64, OutboxRecord>,
-    dedup: BTreeMap<(String, String), u64>,
-    next_id: u64,
-}
-
-fn due(e: &OutboxEntry) -> DateTime<Utc> {
-    e.next_attempt_at.unwrap_or(e.created_at)
-}
-
+// The outbox model itself lives in `outbox_model.rs`; picking an id from fuzz
+// bytes is this target's own.
 impl OutboxModel {
-    fn enqueue(&mut self, n: &NewEntry, now: i64) -> Enqueued {
-        let key = (n.destination.clone(), n.idempotency_key.clone());
-        if let Some(id) = self.dedup.get(&key) {
-            return Enqueued::Duplicate(OutboxId(*id));
-        }
-        self.next_id += 1;
-        let id = self.next_id;
-        self.dedup.insert(key, id);
-        self.records.insert(
-            id,
-            OutboxRecord {
-                entry: OutboxEntry {
-                    id: OutboxId(id),
-                    command_id: n.command_id.clone(),
-                    destination: n.destination.clone(),
-                    idempotency_key: n.idempotency_key.clone(),
-                    payload: n.payload.clone(),
-                    status: OutboxStatus::Pending,
-                    attempt_count: 0,
-                    next_attempt_at: n.not_before,
-                    created_at: t(now),
-                    completed_at: None,
-                },
-                claim: None,
-                last_failure: None,
-                remote_ref: None,
-            },
-        );
-        Enqueued::New(OutboxId(id))
-    }
-
-    fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<OutboxEntry> {
-        let mut due_now: Vec<(DateTime<Utc>, u64)> = self
-            .records
-            .values()
-            .filter(|r| r.entry.status == OutboxStatus::Pending && due(&r.entry) <= t(now))
-            .map(|r| (due(&r.entry), r.entry.id.0))
-            .collect();
-        due_now.sort_unstable();
-        due_now.truncate(limit);
-        due_now
-            .into_iter()
-            .map(|(_, id)| {
-                let r = self.records.get_mut(&id).unwrap();
-                r.entry.status = OutboxStatus::Dispatching;
-                r.entry.attempt_count += 1;
-                r.claim = Some(OutboxClaim {
-                    worker_id: worker.to_owned(),
-                    claimed_at: t(now),
-                });
-                r.entry.clone()
-            })
-            .collect()
-    }
-
-    fn release(&mut self, cutoff: i64) -> Vec<OutboxId> {
-        let mut expired: Vec<(DateTime<Utc>, u64)> = self
-            .records
-            .values()
-            .filter(|r| r.entry.status == OutboxStatus::Dispatching)
-            .map(|r| (r.claim.as_ref().unwrap().claimed_at, r.entry.id.0))
-            .filter(|(at, _)| *at < t(cutoff))
-            .collect();
-        expired.sort_unstable();
-        for (at, id) in &expired {
-            let r = self.records.get_mut(id).unwrap();
-            r.entry.status = OutboxStatus::Pending;
-            r.entry.next_attempt_at = Some(*at);
-            r.claim = None;
-        }
-        expired.into_iter().map(|(_, id)| OutboxId(id)).collect()
-    }
-
-    fn purge(&mut self, before: i64) -> u64 {
-        let doomed: Vec<u64> = self
-            .records
-            .values()
-            .filter(|r| r.entry.completed_at.is_some_and(|at| at < t(before)))
-            .map(|r| r.entry.id.0)
-            .collect();
-        for id in &doomed {
-            let r = self.records.remove(id).unwrap();
-            self.dedup
-                .remove(&(r.entry.destination, r.entry.idempotency_key));
-        }
-        doomed.len() as u64
-    }
-
-    /// Applies `change` to `id` following the status table; `fence` as the
-    /// fenced settle calls check it.
-    fn change(&mut self, id: u64, change: &Change, fence: Option<u32>) -> Outcome {
-        use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
-        let Some(old) = self.records.get(&id) else {
-            return Outcome::NotFound;
-        };
-        let from = old.entry.status;
-        if let Some(attempt) = fence {
-            let repeat = matches!(
-                (from, change),
-                (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _))
-            );
-            if attempt != old.entry.attempt_count
-                || !(matches!(from, Dispatching | OutcomeUnknown) || repeat)
-            {
-                return Outcome::Conflict;
-            }
-        }
-        let mut r = old.clone();
-        match (from, change) {
-            (Dispatching | OutcomeUnknown, Change::Complete(now)) => {
-                r.entry.status = Completed;
-                r.entry.completed_at = Some(t(*now));
-                r.entry.next_attempt_at = None;
-                r.claim = None;
-            }
-            (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _)) => {}
-            (Pending | Dispatching | OutcomeUnknown, Change::Fail(reason, Some(at), _)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.last_failure = Some(reason.clone());
-                r.claim = None;
-            }
-            (Dispatching | OutcomeUnknown, Change::Fail(reason, None, now)) => {
-                r.entry.status = Failed;
-                r.entry.completed_at = Some(t(*now));
-                r.entry.next_attempt_at = None;
-                r.last_failure = Some(reason.clone());
-                r.claim = None;
-            }
-            (Dispatching, Change::Unknown(remote)) => {
-                r.entry.status = OutcomeUnknown;
-                if remote.is_some() {
-                    r.remote_ref.clone_from(remote);
-                }
-            }
-            (OutcomeUnknown, Change::Unknown(remote)) => {
-                if r.remote_ref.is_none() {
-                    r.remote_ref.clone_from(remote);
-                }
-            }
-            (Pending | Dispatching | OutcomeUnknown, Change::Reschedule(at)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.claim = None;
-            }
-            (Failed | OutcomeUnknown, Change::Requeue(at)) => {
-                r.entry.status = Pending;
-                r.entry.next_attempt_at = Some(t(*at));
-                r.entry.completed_at = None;
-                r.claim = None;
-            }
-            _ => return Outcome::Conflict,
-        }
-        self.records.insert(id, r);
-        Outcome::Ok
-    }
-
-    fn counts(&self) -> OutboxCounts {
-        let mut c = OutboxCounts::default();
-        for r in self.records.values() {
-            match r.entry.status {
-                OutboxStatus::Pending => c.pending += 1,
-                OutboxStatus::Dispatching => c.dispatching += 1,
-                OutboxStatus::Completed => c.completed += 1,
-                OutboxStatus::Failed => c.failed += 1,
-                OutboxStatus::OutcomeUnknown => c.outcome_unknown += 1,
-            }
-        }
-        c
-    }
-
     /// An id to act on: an entry in flight, any live entry, or one never
     /// issued (or purged), chosen by `i`.
     fn pick_id(&self, i: u8) -> u64 {
-        let in_flight: Vec<u64> = self
-            .records
-            .values()
-            .filter(|r| {
-                matches!(
-                    r.entry.status,
-                    OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown
-                )
-            })
-            .map(|r| r.entry.id.0)
-            .collect();
+        let in_flight = self.in_flight();
         if i < 128 && !in_flight.is_empty() {
             return pick(&in_flight, i);
         }
