@@ -246,13 +246,12 @@ fn idemstore_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
         .map(|p| {
             let outbox = outbox.clone();
             std::thread::spawn(move || {
-                for i in 0..THROUGHPUT_ENTRIES / PRODUCERS as u64 {
-                    outbox
-                        .enqueue(
-                            NewEntry::new("c", "d", format!("{p}-{i}"), b"x".to_vec()),
-                            Utc::now(),
-                        )
-                        .expect("enqueue");
+                let per_producer = THROUGHPUT_ENTRIES / PRODUCERS as u64;
+                for chunk in 0..per_producer / per_commit {
+                    let entries = (0..per_commit).map(|i| {
+                        NewEntry::new("c", "d", format!("{p}-{chunk}-{i}"), b"x".to_vec())
+                    });
+                    outbox.enqueue_many(entries, Utc::now()).expect("enqueue");
                 }
             })
         })
