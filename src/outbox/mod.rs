@@ -58,7 +58,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
-use redb::{ReadableTable, TableHandle as _, WriteTransaction};
+use redb::{ReadableTable, TableDefinition, TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
@@ -902,18 +902,7 @@ impl Outbox {
     /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
     /// until then, or until a [`subscribe`](Outbox::subscribe) signal.
     pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        self.engine.read(|tx| {
-            let Some(due) = open_read(tx, OUTBOX_DUE)? else {
-                return Ok(None);
-            };
-            match due.first()? {
-                Some((k, _)) => {
-                    let (at, id) = k.value();
-                    from_micros(OUTBOX_DUE.name(), &id, at).map(Some)
-                }
-                None => Ok(None),
-            }
-        })
+        self.first_time(&OUTBOX_DUE)
     }
 
     /// Up to `limit` entries matching `filter`, by id (enqueue order).
@@ -955,14 +944,22 @@ impl Outbox {
     /// [`release_expired_claims`](Outbox::release_expired_claims) cutoff
     /// would reach.
     pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        self.first_time(&OUTBOX_CLAIMED)
+    }
+
+    /// The time of the first row of a `(time, id)` index.
+    fn first_time(
+        &self,
+        index: &'static TableDefinition<'static, (i64, u64), ()>,
+    ) -> Result<Option<DateTime<Utc>>> {
         self.engine.read(|tx| {
-            let Some(claimed) = open_read(tx, OUTBOX_CLAIMED)? else {
+            let Some(rows) = open_read(tx, *index)? else {
                 return Ok(None);
             };
-            match claimed.first()? {
+            match rows.first()? {
                 Some((k, _)) => {
                     let (at, id) = k.value();
-                    from_micros(OUTBOX_CLAIMED.name(), &id, at).map(Some)
+                    from_micros(index.name(), &id, at).map(Some)
                 }
                 None => Ok(None),
             }
