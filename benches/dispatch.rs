@@ -298,15 +298,7 @@ fn sqlite_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
     for p in producers {
         p.join().unwrap();
     }
-    while delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let rate = THROUGHPUT_ENTRIES as f64 / start.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.join().unwrap();
-    }
-    rate
+    wait_and_stop(&delivered, start, &stop, workers)
 }
 
 fn idemstore_drain(dir: &std::path::Path) -> f64 {
@@ -351,6 +343,17 @@ fn sqlite_drain(dir: &std::path::Path) -> f64 {
         count.fetch_add(1, Ordering::Relaxed);
     });
     let workers = sqlite_workers(&path, &stop, &on_send);
+    wait_and_stop(&delivered, start, &stop, workers)
+}
+
+/// Waits until every entry was sent, stops the SQLite workers, and returns
+/// entries per second since `start`.
+fn wait_and_stop(
+    delivered: &AtomicU64,
+    start: Instant,
+    stop: &AtomicBool,
+    workers: Vec<std::thread::JoinHandle<()>>,
+) -> f64 {
     while delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
         std::thread::sleep(Duration::from_millis(1));
     }
