@@ -256,6 +256,22 @@ pub struct OutboxRecord {
     pub remote_ref: Option<String>,
 }
 
+/// Checks settlements and turns them into fenced changes; also says whether
+/// any of them may make work due (a wake-up is worth sending).
+fn plan_settlements(
+    settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+    now: DateTime<Utc>,
+) -> Result<(Vec<(u64, u32, Change)>, bool)> {
+    let mut wake = false;
+    let mut changes = Vec::new();
+    for (fence, s) in settlements {
+        s.check()?;
+        wake |= s.makes_work();
+        changes.push((fence.id.0, fence.attempt, s.into_change(now)));
+    }
+    Ok((changes, wake))
+}
+
 /// What [`Outbox::settle_and_claim`] did: one result per settlement, in
 /// order, and the claimed entries (or why the claim failed).
 pub type SettledAndClaimed = (Vec<Result<()>>, Result<Vec<OutboxEntry>>);
@@ -657,13 +673,7 @@ impl Outbox {
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Result<()>>> {
-        let mut wake = false;
-        let mut changes = Vec::new();
-        for (fence, s) in settlements {
-            s.check()?;
-            wake |= s.makes_work();
-            changes.push((fence.id.0, fence.attempt, s.into_change(now)));
-        }
+        let (changes, wake) = plan_settlements(settlements, now)?;
         if changes.is_empty() {
             return Ok(Vec::new());
         }
@@ -694,13 +704,7 @@ impl Outbox {
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
         check_field("worker_id", worker_id)?;
-        let mut wake = false;
-        let mut changes = Vec::new();
-        for (fence, s) in settlements {
-            s.check()?;
-            wake |= s.makes_work();
-            changes.push((fence.id.0, fence.attempt, s.into_change(now)));
-        }
+        let (changes, wake) = plan_settlements(settlements, now)?;
         let worker = worker_id.to_owned();
         let now = micros(now);
         let (settled, claimed) = self.engine.execute(move |tx| {
