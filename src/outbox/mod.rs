@@ -256,12 +256,15 @@ pub struct OutboxRecord {
     pub remote_ref: Option<String>,
 }
 
+/// A change to entry `id`, fenced by its attempt number.
+type FencedChange = (u64, u32, Change);
+
 /// Checks settlements and turns them into fenced changes; also says whether
 /// any of them may make work due (a wake-up is worth sending).
 fn plan_settlements(
     settlements: impl IntoIterator<Item = (Fence, Settlement)>,
     now: DateTime<Utc>,
-) -> Result<(Vec<(u64, u32, Change)>, bool)> {
+) -> Result<(Vec<FencedChange>, bool)> {
     let mut wake = false;
     let mut changes = Vec::new();
     for (fence, s) in settlements {
