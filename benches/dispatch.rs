@@ -44,27 +44,38 @@ fn main() {
 
     let ours = idemstore_throughput(dir.path(), 1);
     let theirs = sqlite_throughput(dir.path(), 1);
-    println!(
-        "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers (one enqueue per call), {WORKERS} workers:"
+    side_by_side(
+        &format!(
+            "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers (one enqueue per call), {WORKERS} workers:"
+        ),
+        ours,
+        theirs,
     );
-    println!("  idemstore: {ours:>9.0} entries/s");
-    println!("  SQLite:    {theirs:>9.0} entries/s");
-    println!("  ratio:     {:>9.1}x", ours / theirs);
 
     let ours = idemstore_drain(dir.path());
     let theirs = sqlite_drain(dir.path());
-    println!(
-        "\ndraining a backlog of {THROUGHPUT_ENTRIES} entries, {WORKERS} workers (claim, send, complete):"
+    side_by_side(
+        &format!(
+            "\ndraining a backlog of {THROUGHPUT_ENTRIES} entries, {WORKERS} workers (claim, send, complete):"
+        ),
+        ours,
+        theirs,
     );
-    println!("  idemstore: {ours:>9.0} entries/s");
-    println!("  SQLite:    {theirs:>9.0} entries/s");
-    println!("  ratio:     {:>9.1}x", ours / theirs);
 
     let ours = idemstore_throughput(dir.path(), 100);
     let theirs = sqlite_throughput(dir.path(), 100);
-    println!(
-        "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers enqueuing 100 entries per commit, {WORKERS} workers:"
+    side_by_side(
+        &format!(
+            "\nend to end, {THROUGHPUT_ENTRIES} entries, {PRODUCERS} producers enqueuing 100 entries per commit, {WORKERS} workers:"
+        ),
+        ours,
+        theirs,
     );
+}
+
+/// Prints one throughput comparison.
+fn side_by_side(title: &str, ours: f64, theirs: f64) {
+    println!("{title}");
     println!("  idemstore: {ours:>9.0} entries/s");
     println!("  SQLite:    {theirs:>9.0} entries/s");
     println!("  ratio:     {:>9.1}x", ours / theirs);

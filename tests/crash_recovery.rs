@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::t;
-use idemstore::redb::{ReadableTable, TableDefinition};
+use idemstore::redb::TableDefinition;
 use idemstore::{Begin, Error, Result, Store};
 
 const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
@@ -158,14 +158,7 @@ fn kill_child_at_random_moments() -> Result<()> {
         let store = Store::open(&path)?;
         let inbox = store.inbox("crash")?;
         let keys = store.idempotency_keys();
-        let effects: BTreeSet<String> = store.read(|tx| match tx.open_table(EFFECTS) {
-            Ok(t) => t
-                .iter()?
-                .map(|r| r.map(|(k, _)| k.value().to_owned()).map_err(Error::from))
-                .collect(),
-            Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(BTreeSet::new()),
-            Err(e) => Err(e.into()),
-        })?;
+        let effects: BTreeSet<String> = common::effect_keys(&store)?;
         let claimed: BTreeSet<String> = inbox
             .list(None, usize::MAX)?
             .into_iter()

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::{FaultyDisk, t};
-use idemstore::redb::{ReadableTable, TableDefinition};
+use idemstore::redb::TableDefinition;
 use idemstore::{Error, Result, Store};
 
 const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
@@ -69,14 +69,7 @@ fn contents(image: Vec<u8>) -> Result<(BTreeSet<String>, BTreeSet<String>)> {
         .into_iter()
         .map(|(k, _)| k)
         .collect();
-    let effects = store.read(|tx| match tx.open_table(EFFECTS) {
-        Ok(t) => t
-            .iter()?
-            .map(|r| r.map(|(k, _)| k.value().to_owned()).map_err(Error::from))
-            .collect(),
-        Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(BTreeSet::new()),
-        Err(e) => Err(e.into()),
-    })?;
+    let effects = common::effect_keys(&store)?;
     Ok((claimed, effects))
 }
 

@@ -25,6 +25,29 @@ pub fn report(line: &str) {
     }
 }
 
+/// The keys of the caller table `app.effects` (`&str → u64`) that the
+/// reliability workloads write beside their claims; empty if it was never
+/// created.
+pub fn effect_keys(
+    store: &idemstore::Store,
+) -> idemstore::Result<std::collections::BTreeSet<String>> {
+    use idemstore::redb::{ReadableTable as _, TableDefinition};
+    const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
+    store.read(|tx| match tx.open_table(EFFECTS) {
+        Ok(t) => t
+            .iter()?
+            .map(|r| {
+                r.map(|(k, _)| k.value().to_owned())
+                    .map_err(idemstore::Error::from)
+            })
+            .collect(),
+        Err(idemstore::redb::TableError::TableDoesNotExist(_)) => {
+            Ok(std::collections::BTreeSet::new())
+        }
+        Err(e) => Err(e.into()),
+    })
+}
+
 /// A fixed instant plus `secs` seconds.
 pub fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
