@@ -2,7 +2,8 @@
 //! redb (one commit per claim) and SQLite (WAL, `synchronous=FULL`, one
 //! connection per thread), in the same run. Criterion reports the time per
 //! claim; `examples/throughput.rs` prints the same comparison as a table of
-//! claims per second with ratios.
+//! claims per second with ratios. A last group compares one thread's
+//! claims under `Durability::None` with raw redb's non-durable commits.
 //!
 //! `cargo bench --bench group_commit`
 
@@ -12,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use idemstore::Store;
 use idemstore::redb::{Database, ReadableTable, TableDefinition};
+use idemstore::{Durability, Store};
 
 const RAW: TableDefinition<(&str, &str), i64> = TableDefinition::new("raw.inbox");
 
@@ -54,11 +55,10 @@ fn claims(c: &mut Criterion) {
 
         let store = Store::open(dir.path().join(format!("idemstore-{threads}.idem"))).unwrap();
         let inbox = store.inbox("bench").unwrap();
-        let now = Utc::now();
         let r = round.clone();
         let f: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, n| {
             let key = format!("{}-{t}-{n}", r.load(Ordering::Relaxed));
-            assert!(inbox.claim(&key, now).unwrap());
+            assert!(inbox.claim(&key, Utc::now()).unwrap());
         });
         group.bench_with_input(
             BenchmarkId::new("idemstore", threads),
@@ -138,5 +138,45 @@ fn claims(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, claims);
+/// One thread, one claim per call, under `Durability::None`: idemstore
+/// against raw redb committing each claim without fsync.
+fn non_durable_claims(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut group = c.benchmark_group("non-durable claims, 1 thread");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(1));
+    let store = Store::builder()
+        .durability(Durability::None)
+        .open(dir.path().join("none.idem"))
+        .unwrap();
+    let inbox = store.inbox("bench").unwrap();
+    let mut n = 0u64;
+    group.bench_function("idemstore", |b| {
+        b.iter(|| {
+            n += 1;
+            assert!(inbox.claim(&format!("evt-{n}"), Utc::now()).unwrap());
+        });
+    });
+    let db = Database::create(dir.path().join("none.redb")).unwrap();
+    let mut n = 0u64;
+    group.bench_function("raw redb", |b| {
+        b.iter(|| {
+            n += 1;
+            let key = format!("evt-{n}");
+            let mut tx = db.begin_write().unwrap();
+            tx.set_durability(idemstore::redb::Durability::None)
+                .unwrap();
+            tx.open_table(RAW)
+                .unwrap()
+                .insert(("bench", key.as_str()), 1)
+                .unwrap();
+            tx.commit().unwrap();
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, claims, non_durable_claims);
 criterion_main!(benches);
