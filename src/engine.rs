@@ -821,7 +821,8 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
             // Take in what was queued while these ran, so that callers
             // woken from the last batch still share this one's fsync.
             ran = jobs.len();
-            if absorb(shared, &mut jobs) {
+            if absorb(shared, &mut jobs) || (immediate && absorb_after_yielding(shared, &mut jobs))
+            {
                 continue;
             }
             break;
@@ -890,6 +891,19 @@ fn absorb(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
         .min(shared.config.max_batch.saturating_sub(jobs.len()));
     jobs.extend(q.jobs.drain(..n));
     n > 0
+}
+
+/// Before an fsync: lets the callers just woken from the last batch run for
+/// a moment, and takes in what they queue. Without this, on two cores the
+/// callers woken late miss the batch and wait a whole commit for the next
+/// one (measured at 64 threads: ≈ 42 operations per fsync instead of ≈ 57,
+/// and 18% fewer claims per second). A yield with nobody to run costs about
+/// a microsecond, against an fsync's hundreds.
+fn absorb_after_yielding(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
+    (0..3).any(|_| {
+        std::thread::yield_now();
+        absorb(shared, jobs)
+    })
 }
 
 /// Whether a leader may keep its transaction open: marks it pending, then
