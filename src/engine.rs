@@ -538,7 +538,10 @@ impl Engine {
     where
         E: From<Error>,
     {
-        self.shared.commit_pending()?;
+        if !IN_WRITE.with(Cell::get) {
+            // Inside a caller closure no batch can hold a transaction open.
+            self.shared.commit_pending()?;
+        }
         let db = self.shared.db.read_recursive();
         let tx = db.begin_read().map_err(Error::from)?;
         let seen = self.shared.current_seq();

@@ -284,3 +284,42 @@ fn durability_none_flushes_on_its_interval_and_on_close() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn durability_none_answers_are_seen_by_every_later_call() -> Result<()> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = Store::builder()
+        .durability(Durability::None)
+        .flush_interval(std::time::Duration::from_secs(3600))
+        .open(dir.path().join("none.idem"))?;
+    let inbox = store.inbox("fast")?;
+    for i in 0..50 {
+        assert!(inbox.claim(&format!("k{i}"), t(i))?);
+    }
+    // Another thread reads what was answered.
+    let reader = inbox.clone();
+    let seen = std::thread::spawn(move || reader.seen("k49"))
+        .join()
+        .expect("reader")?;
+    assert!(seen);
+    assert_eq!(inbox.len()?, 50);
+    // A caller transaction sees the answered claims and adds its own.
+    assert!(inbox.claim("k50", t(50))?);
+    let (again, fresh) = store.write(|tx| -> Result<_> {
+        Ok((
+            inbox.claim_in(tx, "k50", t(51))?,
+            inbox.claim_in(tx, "k51", t(51))?,
+        ))
+    })?;
+    assert!(!again && fresh);
+    // Duplicates are told so, alone and in bulk.
+    assert!(!inbox.claim("k0", t(99))?);
+    assert_eq!(inbox.claim_many(["k1", "new"], t(99))?, [false, true]);
+    // Compaction and integrity checks need the file to themselves.
+    assert!(inbox.claim("k52", t(52))?);
+    assert!(store.check_integrity()?, "a clean file");
+    store.compact()?;
+    assert_eq!(inbox.len()?, 54);
+    assert_eq!(inbox.seen_at("k52")?, Some(t(52)));
+    Ok(())
+}
