@@ -100,14 +100,17 @@ impl StoreBuilder {
 
     /// Largest number of queued operations committed in one batch. Default:
     /// 1024. Larger batches share an fsync among more callers; smaller ones
-    /// bound the latency of a batch.
+    /// bound the latency of a batch. Under [`Durability::None`], also the
+    /// most operations the store's open transaction holds before it is
+    /// committed.
     pub fn max_batch(mut self, operations: usize) -> Self {
         self.max_batch = operations.max(1);
         self
     }
 
-    /// Under [`Durability::None`], how often dirty state is flushed to disk.
-    /// Default: 100 ms. Ignored under [`Durability::Immediate`].
+    /// Under [`Durability::None`], how often dirty state is flushed to disk:
+    /// about the most work a crash can lose. Default: 100 ms. Ignored under
+    /// [`Durability::Immediate`].
     pub fn flush_interval(mut self, interval: Duration) -> Self {
         self.flush_interval = interval.max(Duration::from_millis(1));
         self
