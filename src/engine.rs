@@ -101,23 +101,58 @@ thread_local! {
     /// Set while this thread runs a caller closure inside a write transaction.
     static IN_WRITE: Cell<bool> = const { Cell::new(false) };
     /// What to run once the current caller closure's commit is durable.
-    static AFTER_COMMIT: RefCell<Vec<Box<dyn FnOnce()>>> = const { RefCell::new(Vec::new()) };
+    static AFTER_COMMIT: RefCell<Vec<Hook>> = const { RefCell::new(Vec::new()) };
+    /// Set while this thread runs queued operations for a batch.
+    static IN_BATCH: Cell<bool> = const { Cell::new(false) };
+    /// What the operations run so far in this thread's batch asked to run
+    /// once their transaction commits.
+    static BATCH_HOOKS: RefCell<Vec<Hook>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `hook` once the caller transaction this thread is in has committed
-/// durably (under [`Durability::Immediate`]; committed, under
-/// [`Durability::None`]); drops it if that transaction rolls back. Outside a
-/// caller transaction, runs it at once.
-pub(crate) fn after_commit(hook: impl FnOnce() + 'static) {
+/// Work to do once a transaction has committed.
+type Hook = Box<dyn FnOnce() + Send>;
+
+/// Runs `hook` once the transaction the current thread writes in has
+/// committed, and never if it rolls back:
+/// - in a caller closure ([`Engine::write`]), once its commit is durable
+///   (under [`Durability::Immediate`]; committed, under [`Durability::None`]);
+/// - in a queued operation, once its batch's transaction commits (durably
+///   or not);
+/// - elsewhere, at once.
+pub(crate) fn after_commit(hook: impl FnOnce() + Send + 'static) {
     if IN_WRITE.with(Cell::get) {
         AFTER_COMMIT.with(|h| h.borrow_mut().push(Box::new(hook)));
+    } else if IN_BATCH.with(Cell::get) {
+        BATCH_HOOKS.with(|h| h.borrow_mut().push(Box::new(hook)));
     } else {
         hook();
     }
 }
 
-fn take_after_commit() -> Vec<Box<dyn FnOnce()>> {
+fn take_after_commit() -> Vec<Hook> {
     AFTER_COMMIT.with(|h| std::mem::take(&mut *h.borrow_mut()))
+}
+
+fn take_batch_hooks() -> Vec<Hook> {
+    BATCH_HOOKS.with(|h| std::mem::take(&mut *h.borrow_mut()))
+}
+
+/// Marks the current thread as running a batch's operations for its
+/// lifetime; hooks left uncollected at its end are dropped.
+struct BatchScope;
+
+impl BatchScope {
+    fn enter() -> BatchScope {
+        IN_BATCH.with(|c| c.set(true));
+        BatchScope
+    }
+}
+
+impl Drop for BatchScope {
+    fn drop(&mut self) {
+        IN_BATCH.with(|c| c.set(false));
+        drop(take_batch_hooks());
+    }
 }
 
 /// Marks the current thread as inside a write closure for its lifetime.
@@ -788,6 +823,8 @@ type Settled = Vec<(Box<dyn Job>, Result<(), Error>)>;
 struct OpenTx {
     tx: WriteTransaction,
     log: Vec<Box<dyn Job>>,
+    /// What the logged operations asked to run once it commits.
+    hooks: Vec<Hook>,
 }
 
 /// Runs `jobs` in one write transaction, the open one if there is one, and
@@ -805,10 +842,10 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
         fail_all(&mut settled, jobs, &previous_commit_failed());
         return settled;
     }
-    let (mut tx, mut log) = match open.take() {
-        Some(o) => (o.tx, o.log),
+    let (mut tx, mut log, mut hooks) = match open.take() {
+        Some(o) => (o.tx, o.log, o.hooks),
         None => match db.begin_write() {
-            Ok(tx) => (tx, Vec::new()),
+            Ok(tx) => (tx, Vec::new(), Vec::new()),
             Err(e) => {
                 // The engine refuses writes (after a failed commit): nothing
                 // queued now or later can be made durable.
@@ -818,6 +855,7 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
             }
         },
     };
+    let scope = BatchScope::enter();
     let mut ran = 0;
     loop {
         let Some(i) = (ran..jobs.len()).find(|&i| !jobs[i].run(&tx)) else {
@@ -834,6 +872,10 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
         // whole transaction back and run the others again without it.
         ran = 0;
         let _ = tx.abort();
+        // Their hooks go with the writes; the operations run again register
+        // theirs anew.
+        hooks.clear();
+        drop(take_batch_hooks());
         settled.push((jobs.remove(i), Ok(())));
         tx = match db.begin_write() {
             Ok(tx) => tx,
@@ -867,18 +909,26 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
     {
         // Answer now: the writes are in the open transaction, which every
         // reader and writer commits before it looks.
+        hooks.extend(take_batch_hooks());
         for mut job in jobs {
             job.finish(Ok(()));
             log.push(job);
         }
-        *open = Some(OpenTx { tx, log });
+        *open = Some(OpenTx { tx, log, hooks });
         return settled;
     }
+    hooks.extend(take_batch_hooks());
+    drop(scope);
     let outcome = commit(shared, tx, durable);
     shared.pending.store(false, Ordering::SeqCst);
     drop(log);
     match outcome {
-        Ok(()) => settled.extend(jobs.into_iter().map(|job| (job, Ok(())))),
+        Ok(()) => {
+            for hook in hooks {
+                hook();
+            }
+            settled.extend(jobs.into_iter().map(|job| (job, Ok(()))));
+        }
         Err(e) => fail_all(&mut settled, jobs, &e),
     }
     settled

@@ -79,6 +79,6 @@ pub use outbox::{
     OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, SettledAndClaimed, Settlement,
 };
 pub use store::{
-    CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY,
-    Store, StoreBuilder, StoreStats,
+    CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY, Store, StoreBuilder, StoreStats,
 };

@@ -7,9 +7,11 @@
 //! Records are postcard bytes behind [`crate::codec`].
 //!
 //! Invariants between tables (each checked by the tests):
-//! - inbox: a row `(inbox, key) → seen_at` exists iff `(inbox, seen_at, key)`
-//!   exists in [`INBOX_SEEN`]; [`INBOX_COUNT`] holds the number of rows of
-//!   each inbox.
+//! - inbox: a key is claimed iff it has a row `(inbox, key) → seen_at` in
+//!   [`INBOX`] or a row `(inbox, key, seen_at)` in the journal [`INBOX_LOG`],
+//!   never both and never twice; a claimed key has `(inbox, seen_at, key)`
+//!   in [`INBOX_SEEN`] and vice versa; [`INBOX_COUNT`] holds the number of
+//!   claimed keys of each inbox.
 //! - outbox: see `src/outbox/index.rs` for the record, its five indexes and
 //!   the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
@@ -37,6 +39,10 @@ pub(crate) const INBOX: TableDefinition<(&str, &str), i64> =
 /// `(inbox, seen_at µs, event key) → ()`: the prune index.
 pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
     TableDefinition::new("idemstore.v1.inbox.seen_at");
+/// `id → (inbox, event key, seen_at µs)`: recent claims not yet merged into
+/// [`INBOX`] (see `src/inbox/journal.rs`).
+pub(crate) const INBOX_LOG: TableDefinition<u64, (&str, &str, i64)> =
+    TableDefinition::new("idemstore.v1.inbox.journal");
 /// `inbox → number of keys`, so `len` does not scan.
 pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =
     TableDefinition::new("idemstore.v1.inbox.count");

@@ -157,6 +157,7 @@ fn results_reach_the_right_callers_under_64_threads() -> Result<()> {
 fn claim_until_power_loss(threads: usize, cut: u64) -> (BTreeSet<String>, FaultyDisk) {
     let disk = FaultyDisk::new();
     let store = Store::builder()
+        .journal_size(5)
         .open_with_backend(disk.backend())
         .expect("open on a fresh disk");
     disk.lose_power_at_sync(disk.syncs() + cut);

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 
 use chrono::{DateTime, TimeZone, Utc};
-use idemstore::{Error, Result, Store};
+use idemstore::{Durability, Error, Result, Store};
 
 fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
@@ -39,7 +39,9 @@ fn first_claim_wins_and_survives_reopen() -> Result<()> {
 #[test]
 fn racing_threads_get_exactly_one_winner_per_key() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("store.idem"))?;
+    let store = Store::builder()
+        .journal_size(16)
+        .open(dir.path().join("store.idem"))?;
     let inbox = store.inbox("race")?;
     let threads = 16;
     let keys = 50;
@@ -179,5 +181,63 @@ fn bad_keys_and_names_are_refused_and_write_nothing() -> Result<()> {
         assert!(store.inbox(bad).is_err(), "{bad:?}");
     }
     assert_eq!(inbox.len()?, 1);
+    Ok(())
+}
+
+#[test]
+fn claims_stay_unique_across_journal_merges_reopens_and_durabilities() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.idem");
+    {
+        // A durable store journals claims and merges every ten.
+        let store = Store::builder().journal_size(10).open(&path)?;
+        let inbox = store.inbox("j")?;
+        for i in 0..95 {
+            assert!(inbox.claim(&format!("k{i}"), t(i))?);
+        }
+        for i in 0..95 {
+            assert!(!inbox.claim(&format!("k{i}"), t(200))?, "k{i}");
+        }
+        assert_eq!(inbox.len()?, 95);
+        assert_eq!(inbox.seen_at("k3")?, Some(t(3)), "merged into the ledger");
+        assert_eq!(inbox.seen_at("k94")?, Some(t(94)), "still in the journal");
+        assert_eq!(inbox.list(None, 1000)?.len(), 95);
+        assert_eq!(
+            inbox.claim_many(["k94", "k95", "k95"], t(300))?,
+            [false, true, false]
+        );
+        let in_own_write = store.write(|tx| inbox.claim_in(tx, "k95", t(300)))?;
+        assert!(!in_own_write);
+        assert!(store.check_inbox_indexes()?.is_empty());
+    }
+    {
+        // Reopened: what the journal holds is found again.
+        let store = Store::builder().journal_size(10).open(&path)?;
+        let inbox = store.inbox("j")?;
+        assert!(!inbox.claim("k95", t(400))?);
+        assert!(!inbox.claim("k93", t(400))?);
+        assert!(inbox.claim("k96", t(400))?);
+        assert_eq!(inbox.len()?, 97);
+        assert!(store.check_inbox_indexes()?.is_empty());
+    }
+    {
+        // Under Durability::None claims go straight to the ledger, and
+        // journaled keys are still duplicates.
+        let store = Store::builder().durability(Durability::None).open(&path)?;
+        let inbox = store.inbox("j")?;
+        assert!(!inbox.claim("k96", t(500))?);
+        assert!(inbox.claim("k97", t(500))?);
+        assert_eq!(inbox.seen_at("k96")?, Some(t(400)));
+        // Pruning merges the journal first, then removes from the ledger.
+        assert_eq!(inbox.prune(t(50))?, 50);
+        assert_eq!(inbox.len()?, 48);
+        assert!(!inbox.seen("k0")?);
+        assert!(
+            inbox.claim("k0", t(600))?,
+            "a pruned key can be claimed again"
+        );
+        assert_eq!(inbox.len()?, 49);
+        assert!(store.check_inbox_indexes()?.is_empty());
+    }
     Ok(())
 }

@@ -60,6 +60,10 @@ fn inbox_index_check_finds_each_broken_invariant() -> TestResult {
     a.claim("k2", t(2))?;
     store.inbox("b")?.claim("k1", t(3))?;
     assert!(store.check_inbox_indexes()?.is_empty());
+    // Recent claims sit in the journal; pruning (here nothing) first moves
+    // them into the ledger, whose rows the damage below removes.
+    assert_eq!(a.prune(t(0))?, 0);
+    assert!(store.check_inbox_indexes()?.is_empty());
 
     // An index row without its row, a row without its index row, a wrong count.
     store.write(|tx| {
@@ -106,6 +110,19 @@ fn inbox_index_check_finds_each_broken_invariant() -> TestResult {
     let findings = store.check_inbox_indexes()?;
     assert_eq!(findings.len(), 1, "{findings:?}");
     assert!(findings[0].contains("indexed at 7 µs"), "{findings:?}");
+
+    // A key in the journal and in the ledger at once.
+    let store = Store::in_memory()?;
+    store.inbox("a")?.claim("k", t(1))?;
+    assert!(store.check_inbox_indexes()?.is_empty());
+    store.write(|tx| {
+        tx.open_table(INBOX)?
+            .insert(("a", "k"), t(1).timestamp_micros())?;
+        Ok::<_, idemstore::Error>(())
+    })?;
+    let findings = store.check_inbox_indexes()?;
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert!(findings[0].contains("is claimed twice"), "{findings:?}");
     Ok(())
 }
 

@@ -108,7 +108,9 @@ fn check(out: &Outcome, image: Vec<u8>, strict: bool, what: &str) -> Result<()> 
 }
 
 fn fresh_store(disk: &FaultyDisk) -> Store {
+    // A small journal, so that faults also hit merges.
     Store::builder()
+        .journal_size(3)
         .open_with_backend(disk.backend())
         .expect("a fresh disk opens")
 }

@@ -266,14 +266,14 @@ pub(crate) fn run_model(data: &[u8]) -> ModelStats {
         return stats;
     }
     let file = MemoryFile::default();
-    let mut h = Harness::open(&file);
+    let mut h = Harness::open(&file, 0);
     let mut m = Model::default();
     for (i, op) in ops.iter().enumerate() {
         stats.ops += 1;
         if let Op::Reopen = op {
             stats.reopens += 1;
             drop(h);
-            h = Harness::open(&file);
+            h = Harness::open(&file, stats.reopens);
         } else {
             apply(&h, &mut m, op, &mut stats);
         }
@@ -291,11 +291,20 @@ struct Harness {
 }
 
 impl Harness {
-    fn open(file: &MemoryFile) -> Harness {
-        // Clean closes flush, so `Durability::None` loses nothing across a
-        // reopen and keeps runs fast.
+    /// Opens the `nth` time: alternately under `Durability::None` (claims
+    /// go straight to the ledger) and durable with a three-claim journal
+    /// (claims are journaled and merged every third), so that a file is
+    /// read and written both ways. Clean closes flush, so neither loses
+    /// anything across a reopen, and the in-memory file makes fsyncs free.
+    fn open(file: &MemoryFile, nth: u64) -> Harness {
+        let durability = if nth.is_multiple_of(2) {
+            Durability::None
+        } else {
+            Durability::Immediate
+        };
         let store = Store::builder()
-            .durability(Durability::None)
+            .durability(durability)
+            .journal_size(3)
             .cache_size(1 << 20)
             .open_with_backend(file.clone())
             .expect("open the store file");

@@ -6,9 +6,13 @@
 //! its effect does not run. With [`Inbox::claim_with`] and [`Inbox::claim_in`]
 //! the claim and the effect commit in one write transaction, or neither does.
 //!
-//! Layout: `(inbox, key) → seen_at` in [`INBOX`], the prune index
-//! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and a per-inbox row count in
-//! [`INBOX_COUNT`], all written together.
+//! Layout: a claim writes `(inbox, key, seen_at)` to the journal of recent
+//! claims [`INBOX_LOG`] (merged in bulk into the ledger `(inbox, key) →
+//! seen_at` in [`INBOX`]; see [`journal`]), the prune index
+//! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and the per-inbox count in
+//! [`INBOX_COUNT`], all together.
+
+mod journal;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,7 +23,9 @@ use redb::{ReadTransaction, ReadableTable, TableError, WriteTransaction};
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result, check_len};
-use crate::schema::{INBOX, INBOX_COUNT, INBOX_SEEN};
+use crate::schema::{INBOX, INBOX_COUNT, INBOX_LOG, INBOX_SEEN};
+
+pub(crate) use journal::Journal;
 
 /// Longest event key accepted, in bytes.
 pub const MAX_EVENT_KEY_LEN: usize = 1024;
@@ -56,14 +62,16 @@ impl<T> Claim<T> {
 #[derive(Clone, Debug)]
 pub struct Inbox {
     engine: Arc<Engine>,
+    journal: Arc<Journal>,
     name: Arc<str>,
 }
 
 impl Inbox {
-    pub(crate) fn new(engine: Arc<Engine>, name: &str) -> Result<Inbox> {
+    pub(crate) fn new(engine: Arc<Engine>, journal: Arc<Journal>, name: &str) -> Result<Inbox> {
         check_inbox_name(name)?;
         Ok(Inbox {
             engine,
+            journal,
             name: name.into(),
         })
     }
@@ -84,11 +92,11 @@ impl Inbox {
         if !self.engine.is_busy() && self.seen_unsettled(event_key)? {
             return Ok(false);
         }
-        let name = self.name.clone();
+        let (journal, name) = (self.journal.clone(), self.name.clone());
         let key = event_key.to_owned();
         let at = micros(seen_at);
         self.engine
-            .execute(move |tx| claim_raw(tx, &name, &key, at))
+            .execute(move |tx| claim_raw(tx, &journal, &name, &key, at))
     }
 
     /// Records many event keys in one commit, for a caller that holds many
@@ -111,10 +119,13 @@ impl Inbox {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let name = self.name.clone();
+        let (journal, name) = (self.journal.clone(), self.name.clone());
         let at = micros(seen_at);
-        self.engine
-            .execute(move |tx| keys.iter().map(|k| claim_raw(tx, &name, k, at)).collect())
+        self.engine.execute(move |tx| {
+            keys.iter()
+                .map(|k| claim_raw(tx, &journal, &name, k, at))
+                .collect()
+        })
     }
 
     /// Claims `event_key` and, on its first delivery, runs `effect` in the
@@ -151,7 +162,7 @@ impl Inbox {
         }
         let at = micros(seen_at);
         self.engine.write(|tx| {
-            if !claim_raw(tx, &self.name, event_key, at)? {
+            if !claim_raw(tx, &self.journal, &self.name, event_key, at)? {
                 return Ok(Claim::Duplicate);
             }
             effect(tx).map(Claim::Applied)
@@ -168,19 +179,15 @@ impl Inbox {
         seen_at: DateTime<Utc>,
     ) -> Result<bool> {
         check_event_key(event_key)?;
-        claim_raw(tx, &self.name, event_key, micros(seen_at))
+        claim_raw(tx, &self.journal, &self.name, event_key, micros(seen_at))
     }
 
     /// Whether `event_key` is claimed; a `true` is returned only once that
     /// claim is durable (D2), a `false` at once (the caller goes on to claim).
     fn seen_unsettled(&self, event_key: &str) -> Result<bool> {
-        let (seen, seq) = self.engine.read_unsettled(|tx| {
-            let table = match tx.open_table(INBOX) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(false),
-                Err(e) => return Err(e.into()),
-            };
-            Ok(table.get((&*self.name, event_key))?.is_some())
+        let (seen, seq) = self.journal.reading(|| {
+            self.engine
+                .read_unsettled(|tx| Ok(self.find(tx, event_key)?.is_some()))
         })?;
         if seen {
             self.engine.settle(seq)?;
@@ -196,17 +203,26 @@ impl Inbox {
     /// When `event_key` was claimed, if it was.
     pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
         check_event_key(event_key)?;
-        self.engine.read(|tx| {
-            let table = match tx.open_table(INBOX) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
-                Err(e) => return Err(e.into()),
-            };
-            match table.get((&*self.name, event_key))? {
-                Some(v) => from_micros(INBOX.name(), &event_key, v.value()).map(Some),
+        self.journal.reading(|| {
+            self.engine.read(|tx| match self.find(tx, event_key)? {
+                Some(at) => from_micros(INBOX.name(), &event_key, at).map(Some),
                 None => Ok(None),
-            }
+            })
         })
+    }
+
+    /// When `event_key` was claimed, as `tx` sees it (from the ledger or the
+    /// journal). Call inside [`Journal::reading`].
+    fn find(&self, tx: &ReadTransaction, event_key: &str) -> Result<Option<i64>> {
+        let ledger = open_read(tx, INBOX)?;
+        let log = open_read(tx, INBOX_LOG)?;
+        journal::find(
+            &self.journal,
+            ledger.as_ref(),
+            log.as_ref(),
+            &self.name,
+            event_key,
+        )
     }
 
     /// Removes the keys claimed strictly before `seen_before`; returns how
@@ -214,14 +230,15 @@ impl Inbox {
     /// ledger). A pruned key can be claimed again: prune only past the
     /// window in which duplicates can still arrive.
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
-        let name = self.name.clone();
+        let (journal, name) = (self.journal.clone(), self.name.clone());
         let cutoff = micros(seen_before);
-        self.engine.execute(move |tx| prune_raw(tx, &name, cutoff))
+        self.engine
+            .execute(move |tx| prune_raw(tx, &journal, &name, cutoff))
     }
 
     /// [`Inbox::prune`] inside the caller's own write transaction.
     pub fn prune_in(&self, tx: &WriteTransaction, seen_before: DateTime<Utc>) -> Result<u64> {
-        prune_raw(tx, &self.name, micros(seen_before))
+        prune_raw(tx, &self.journal, &self.name, micros(seen_before))
     }
 
     /// Number of keys recorded in this inbox.
@@ -316,6 +333,19 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
             rows.insert((name.to_owned(), key.to_owned()), v.value());
         }
     }
+    if let Some(t) = open_read(tx, INBOX_LOG)? {
+        for row in t.iter()? {
+            let (id, v) = row?;
+            let (name, key, at) = v.value();
+            if rows.insert((name.to_owned(), key.to_owned()), at).is_some() {
+                findings.push(format!(
+                    "{}: key {key:?} of inbox {name:?} (journal id {}) is claimed twice",
+                    INBOX_LOG.name(),
+                    id.value()
+                ));
+            }
+        }
+    }
     let mut indexed: BTreeMap<(String, String), i64> = BTreeMap::new();
     if let Some(t) = open_read(tx, INBOX_SEEN)? {
         for row in t.iter()? {
@@ -402,15 +432,16 @@ fn check_inbox_name(name: &str) -> Result<()> {
 
 use redb::TableHandle as _;
 
-/// Claims `key` in inbox `name`: writes the row, its index row and the count.
-fn claim_raw(tx: &WriteTransaction, name: &str, key: &str, at: i64) -> Result<bool> {
-    let mut rows = tx.open_table(INBOX)?;
-    // Insert first and look at what was there: one B-tree walk instead of
-    // two on a first delivery, the common case. A duplicate puts its
-    // original time back.
-    let earlier = rows.insert((name, key), at)?.map(|v| v.value());
-    if let Some(earlier) = earlier {
-        rows.insert((name, key), earlier)?;
+/// Claims `key` in inbox `name`: writes its journal row, its index row and
+/// the count.
+fn claim_raw(
+    tx: &WriteTransaction,
+    journal: &Arc<Journal>,
+    name: &str,
+    key: &str,
+    at: i64,
+) -> Result<bool> {
+    if !journal::claim(tx, journal, name, key, at)? {
         return Ok(false);
     }
     tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
@@ -418,7 +449,14 @@ fn claim_raw(tx: &WriteTransaction, name: &str, key: &str, at: i64) -> Result<bo
     Ok(true)
 }
 
-fn prune_raw(tx: &WriteTransaction, name: &str, cutoff: i64) -> Result<u64> {
+fn prune_raw(
+    tx: &WriteTransaction,
+    journal: &Arc<Journal>,
+    name: &str,
+    cutoff: i64,
+) -> Result<u64> {
+    // Pruning works on the ledger: move the journal there first.
+    journal::merge(tx, journal)?;
     let mut index = tx.open_table(INBOX_SEEN)?;
     let doomed: Vec<(i64, String)> = index
         .range((name, i64::MIN, "")..(name, cutoff, ""))?
