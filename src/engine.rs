@@ -573,30 +573,39 @@ impl Engine {
     where
         E: From<Error>,
     {
-        if !IN_WRITE.with(Cell::get) {
-            // Inside a caller closure no batch can hold a transaction open.
-            self.shared.commit_pending()?;
-        }
+        self.commit_pending()?;
         let db = self.shared.db.read_recursive();
         let tx = db.begin_read().map_err(Error::from)?;
         let seen = self.shared.current_seq();
         let out = f(&tx);
         drop(tx);
         drop(db);
-        if out.is_ok() && !IN_WRITE.with(Cell::get) {
+        if out.is_ok() {
             self.settle(seen)?;
         }
         out
     }
 
-    /// Runs `f` in a read transaction and returns its answer at once, with
-    /// the sequence number to [`Engine::settle`] before acting on the answer
-    /// towards a caller (D2). For answers that only decide what to do next.
+    /// Commits the transaction batches keep open under
+    /// [`Durability::None`], so that a read transaction begun next sees every
+    /// answered write. [`Engine::read`] does it itself; callers of
+    /// [`Engine::read_unsettled`] do it first.
+    pub(crate) fn commit_pending(&self) -> Result<()> {
+        if IN_WRITE.with(Cell::get) {
+            // Inside a caller closure no batch can hold a transaction open.
+            return Ok(());
+        }
+        self.shared.commit_pending()
+    }
+
+    /// Runs `f` in a read transaction begun now (after
+    /// [`Engine::commit_pending`]) and returns its answer at once, with the
+    /// sequence number to [`Engine::settle`] before acting on the answer
+    /// towards a caller (D2).
     pub(crate) fn read_unsettled<T>(
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T>,
     ) -> Result<(T, u64)> {
-        self.shared.commit_pending()?;
         let db = self.shared.db.read_recursive();
         let tx = db.begin_read()?;
         let seen = self.shared.current_seq();
@@ -605,8 +614,11 @@ impl Engine {
     }
 
     /// Under [`Durability::Immediate`], waits until commit `seq` is durable.
+    /// Inside a caller closure it does not wait (it could not: the closure
+    /// holds the writer): what the closure returns is released only after
+    /// its own durable commit, which covers every commit before it.
     pub(crate) fn settle(&self, seq: u64) -> Result<()> {
-        if self.shared.config.durability == Durability::Immediate {
+        if self.shared.config.durability == Durability::Immediate && !IN_WRITE.with(Cell::get) {
             self.shared.wait_durable(seq)?;
         }
         Ok(())

@@ -30,8 +30,8 @@
 //!   or committed after a reader's snapshot) counts for nothing;
 //! - an entry is removed only once the merge that moved its row to the
 //!   ledger has committed, and only while no reader stands between opening
-//!   its snapshot and its lookup ([`Journal::reading`]), so that a reader
-//!   whose snapshot predates the merge still finds the key;
+//!   its snapshot and its lookup ([`Journal::hold_removals`]), so that a
+//!   reader whose snapshot predates the merge still finds the key;
 //! - ids are never reused while the store is open, so an entry never points
 //!   at another key's row.
 
@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, TableError, WriteTransaction};
 
 use crate::engine::after_commit;
@@ -53,11 +53,10 @@ pub(crate) struct Journal {
     index: Mutex<HashMap<String, HashMap<String, u64>>>,
     /// The next id to hand out.
     next_id: AtomicU64,
-    /// Held shared by readers from opening their snapshot to their last
-    /// lookup; removals from `index` need it alone.
+    /// Held shared by readers from just before they open their snapshot to
+    /// their last lookup (never while they wait for anything else); removals
+    /// from `index` take it alone.
     readers: RwLock<()>,
-    /// Entries whose rows were merged into the ledger, to remove.
-    merged: Mutex<Vec<(String, String, u64)>>,
     /// For a store whose claims go to the journal, how many entries it
     /// holds before a merge; `None` when claims go straight to the ledger.
     merge_at: Option<u64>,
@@ -94,14 +93,15 @@ impl Journal {
         Ok(journal)
     }
 
-    /// Runs `f`, which opens a read transaction and looks keys up in it,
-    /// with removals from the index held off meanwhile.
-    pub(crate) fn reading<T>(&self, f: impl FnOnce() -> T) -> T {
-        let _guard = self.readers.read_recursive();
-        f()
+    /// Holds off removals from the index while the guard lives: take it
+    /// before opening a read transaction to look keys up in, and drop it
+    /// once they are looked up, before waiting for anything.
+    pub(crate) fn hold_removals(&self) -> RwLockReadGuard<'_, ()> {
+        self.readers.read()
     }
 
-    fn hint(&self, name: &str, key: &str) -> Option<u64> {
+    /// The id of the journal row that may hold the claim of `key`.
+    pub(crate) fn hint(&self, name: &str, key: &str) -> Option<u64> {
         self.index.lock().get(name)?.get(key).copied()
     }
 
@@ -114,17 +114,9 @@ impl Journal {
     }
 
     /// Removes the entries of rows that a committed merge moved to the
-    /// ledger, now or, if a reader is looking, later.
+    /// ledger, once no reader is between its snapshot and its lookups.
     fn forget(&self, merged: Vec<(String, String, u64)>) {
-        self.merged.lock().extend(merged);
-        self.remove_merged();
-    }
-
-    fn remove_merged(&self) {
-        let Some(_alone) = self.readers.try_write() else {
-            return;
-        };
-        let merged = std::mem::take(&mut *self.merged.lock());
+        let _alone = self.readers.write();
         let mut index = self.index.lock();
         for (name, key, id) in merged {
             if let Some(keys) = index.get_mut(&name) {
@@ -139,23 +131,15 @@ impl Journal {
     }
 }
 
-/// When `key` of inbox `name` was claimed, as the transaction that opened
-/// `ledger` and `log` sees it.
-pub(crate) fn find(
-    journal: &Journal,
-    ledger: Option<&impl ReadableTable<(&'static str, &'static str), i64>>,
-    log: Option<&impl ReadableTable<u64, (&'static str, &'static str, i64)>>,
+/// When `key` of inbox `name` was claimed, if journal row `id` is its
+/// claim in the transaction that opened `log` (an index entry may point at a
+/// row that transaction does not see).
+pub(crate) fn journaled_at(
+    log: &impl ReadableTable<u64, (&'static str, &'static str, i64)>,
+    id: u64,
     name: &str,
     key: &str,
 ) -> Result<Option<i64>> {
-    if let Some(ledger) = ledger
-        && let Some(at) = ledger.get((name, key))?
-    {
-        return Ok(Some(at.value()));
-    }
-    let (Some(log), Some(id)) = (log, journal.hint(name, key)) else {
-        return Ok(None);
-    };
     Ok(log.get(id)?.and_then(|row| {
         let (n, k, at) = row.value();
         (n == name && k == key).then_some(at)
@@ -172,14 +156,10 @@ pub(crate) fn claim(
     key: &str,
     at: i64,
 ) -> Result<bool> {
-    if let Some(id) = journal.hint(name, key) {
-        let log = tx.open_table(INBOX_LOG)?;
-        if log
-            .get(id)?
-            .is_some_and(|row| matches!(row.value(), (n, k, _) if n == name && k == key))
-        {
-            return Ok(false);
-        }
+    if let Some(id) = journal.hint(name, key)
+        && journaled_at(&tx.open_table(INBOX_LOG)?, id, name, key)?.is_some()
+    {
+        return Ok(false);
     }
     let Some(merge_at) = journal.merge_at else {
         // Insert first and look at what was there: one B-tree walk on a
@@ -227,7 +207,6 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
     }
     log.retain(|_, _| false)?;
     let journal = journal.clone();
-    journal.remove_merged();
     let merged = rows
         .into_iter()
         .map(|(name, key, _, id)| (name, key, id))
@@ -245,19 +224,32 @@ mod tests {
     }
 
     #[test]
-    fn merged_entries_are_removed_only_while_no_reader_looks() {
+    fn merged_entries_are_removed_unless_repointed() {
         let journal = Journal::default();
         journal.note("a", "k", 1);
-        let during = journal.reading(|| {
-            journal.forget(merged(1));
-            journal.hint("a", "k")
-        });
-        assert_eq!(during, Some(1), "kept while a reader looks");
-        journal.forget(Vec::new());
-        assert_eq!(journal.hint("a", "k"), None, "removed once it is alone");
+        journal.note("a", "other", 3);
+        journal.forget(merged(1));
+        assert_eq!(journal.hint("a", "k"), None);
+        assert_eq!(journal.hint("a", "other"), Some(3));
         // An entry pointing at a newer row stays.
         journal.note("a", "k", 2);
         journal.forget(merged(1));
         assert_eq!(journal.hint("a", "k"), Some(2));
+    }
+
+    #[test]
+    fn removals_wait_for_readers_between_snapshot_and_lookup() {
+        let journal = std::sync::Arc::new(Journal::default());
+        journal.note("a", "k", 1);
+        let guard = journal.hold_removals();
+        let remover = {
+            let journal = journal.clone();
+            std::thread::spawn(move || journal.forget(merged(1)))
+        };
+        // Whenever the remover runs, it cannot remove while the guard lives.
+        assert_eq!(journal.hint("a", "k"), Some(1));
+        drop(guard);
+        remover.join().unwrap();
+        assert_eq!(journal.hint("a", "k"), None);
     }
 }

@@ -185,14 +185,11 @@ impl Inbox {
     /// Whether `event_key` is claimed; a `true` is returned only once that
     /// claim is durable (D2), a `false` at once (the caller goes on to claim).
     fn seen_unsettled(&self, event_key: &str) -> Result<bool> {
-        let (seen, seq) = self.journal.reading(|| {
-            self.engine
-                .read_unsettled(|tx| Ok(self.find(tx, event_key)?.is_some()))
-        })?;
-        if seen {
+        let (at, seq) = self.lookup(event_key)?;
+        if at.is_some() {
             self.engine.settle(seq)?;
         }
-        Ok(seen)
+        Ok(at.is_some())
     }
 
     /// Whether `event_key` has been claimed (and not pruned).
@@ -203,26 +200,32 @@ impl Inbox {
     /// When `event_key` was claimed, if it was.
     pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
         check_event_key(event_key)?;
-        self.journal.reading(|| {
-            self.engine.read(|tx| match self.find(tx, event_key)? {
-                Some(at) => from_micros(INBOX.name(), &event_key, at).map(Some),
-                None => Ok(None),
-            })
-        })
+        let (at, seq) = self.lookup(event_key)?;
+        self.engine.settle(seq)?;
+        at.map(|at| from_micros(INBOX.name(), &event_key, at))
+            .transpose()
     }
 
-    /// When `event_key` was claimed, as `tx` sees it (from the ledger or the
-    /// journal). Call inside [`Journal::reading`].
-    fn find(&self, tx: &ReadTransaction, event_key: &str) -> Result<Option<i64>> {
-        let ledger = open_read(tx, INBOX)?;
-        let log = open_read(tx, INBOX_LOG)?;
-        journal::find(
-            &self.journal,
-            ledger.as_ref(),
-            log.as_ref(),
-            &self.name,
-            event_key,
-        )
+    /// When `event_key` was claimed, from a snapshot taken now (the ledger
+    /// or the journal), with the sequence number to settle before answering.
+    fn lookup(&self, event_key: &str) -> Result<(Option<i64>, u64)> {
+        self.engine.commit_pending()?;
+        let _removals = self.journal.hold_removals();
+        self.engine.read_unsettled(|tx| {
+            let name: &str = &self.name;
+            if let Some(ledger) = open_read(tx, INBOX)?
+                && let Some(at) = ledger.get((name, event_key))?
+            {
+                return Ok(Some(at.value()));
+            }
+            let Some(id) = self.journal.hint(name, event_key) else {
+                return Ok(None);
+            };
+            match open_read(tx, INBOX_LOG)? {
+                Some(log) => journal::journaled_at(&log, id, name, event_key),
+                None => Ok(None),
+            }
+        })
     }
 
     /// Removes the keys claimed strictly before `seen_before`; returns how
