@@ -8,10 +8,11 @@
 //!
 //! Invariants between tables (each checked by the tests):
 //! - inbox: a key is claimed iff it has a row `(inbox, key) → seen_at` in
-//!   [`INBOX`] or a row `(inbox, key, seen_at)` in the journal [`INBOX_LOG`],
-//!   never both and never twice; a claimed key has `(inbox, seen_at, key)`
-//!   in [`INBOX_SEEN`] and vice versa; [`INBOX_COUNT`] holds the number of
-//!   claimed keys of each inbox.
+//!   the ledger [`INBOX`] or a row `(inbox, key, seen_at)` in the journal
+//!   [`INBOX_LOG`], never both and never twice; a ledger row has its
+//!   `(inbox, seen_at, key)` in [`INBOX_SEEN`] and vice versa (journal rows
+//!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
+//!   number of claimed keys of each inbox.
 //! - outbox: see `src/outbox/index.rs` for the record, its five indexes and
 //!   the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
@@ -36,7 +37,7 @@ pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 /// `(inbox, event key) → seen_at µs`.
 pub(crate) const INBOX: TableDefinition<(&str, &str), i64> =
     TableDefinition::new("idemstore.v1.inbox");
-/// `(inbox, seen_at µs, event key) → ()`: the prune index.
+/// `(inbox, seen_at µs, event key) → ()`: the prune index of [`INBOX`].
 pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
     TableDefinition::new("idemstore.v1.inbox.seen_at");
 /// `id → (inbox, event key, seen_at µs)`: recent claims not yet merged into

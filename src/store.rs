@@ -428,8 +428,10 @@ impl Store {
     }
 
     /// Checks every inbox's rows against its `seen_at` index and its count:
-    /// each `(inbox, key)` row has its `(inbox, seen_at, key)` index row and
-    /// vice versa, and each inbox's count matches its rows. Returns one
+    /// each `(inbox, key)` row of the ledger has its `(inbox, seen_at, key)`
+    /// index row and vice versa, no key is both in the ledger and in the
+    /// journal of recent claims (nor twice in either), and each inbox's count
+    /// matches its claimed keys. Returns one
     /// human-readable finding per violation, none when consistent. Reads
     /// every inbox row in one read transaction: for tests and offline
     /// checks.

@@ -101,6 +101,7 @@ fn inbox_index_check_finds_each_broken_invariant() -> TestResult {
     // A row whose index row sits at another time.
     let store = Store::in_memory()?;
     store.inbox("a")?.claim("k", t(1))?;
+    store.inbox("a")?.prune(t(0))?;
     store.write(|tx| {
         let mut seen = tx.open_table(INBOX_SEEN)?;
         seen.remove(("a", t(1).timestamp_micros(), "k"))?;
@@ -121,8 +122,24 @@ fn inbox_index_check_finds_each_broken_invariant() -> TestResult {
         Ok::<_, idemstore::Error>(())
     })?;
     let findings = store.check_inbox_indexes()?;
-    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert_eq!(findings.len(), 2, "{findings:?}");
     assert!(findings[0].contains("is claimed twice"), "{findings:?}");
+    assert!(findings[1].contains("missing index row"), "{findings:?}");
+
+    // A journaled key indexed before its merge.
+    let store = Store::in_memory()?;
+    store.inbox("a")?.claim("k", t(1))?;
+    store.write(|tx| {
+        tx.open_table(INBOX_SEEN)?
+            .insert(("a", t(1).timestamp_micros(), "k"), ())?;
+        Ok::<_, idemstore::Error>(())
+    })?;
+    let findings = store.check_inbox_indexes()?;
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert!(
+        findings[0].contains("before its journal row is merged"),
+        "{findings:?}"
+    );
     Ok(())
 }
 

@@ -6,11 +6,12 @@
 //! and the commit writes and syncs one scattered page per claim. Measured on
 //! a 2-core VM, that capped group commit near 35k claims/s whatever the
 //! batch. So a claim instead appends `(inbox, key, seen_at)` under an
-//! increasing id to [`INBOX_LOG`] (with its [`INBOX_SEEN`] row and the count,
-//! which grow at their ends too), and once the journal holds the store's
-//! `journal_size` entries, the claim that fills it moves the whole journal,
-//! sorted, into the ledger, in the same transaction. The ledger's pages are
-//! then written once per merge, not once per claim.
+//! increasing id to [`INBOX_LOG`] (and adds to its inbox's count), and once
+//! the journal holds the store's `journal_size` entries, the claim that
+//! fills it moves the whole journal, sorted, into the ledger and its
+//! [`INBOX_SEEN`] index, in the same transaction. The ledger's pages are
+//! then written once per merge, not once per claim, and a lone durable claim
+//! dirties two tables' pages instead of three.
 //!
 //! Under `Durability::None` claims go straight to the ledger: its commits
 //! are rare and without fsync, so they already write each page once for many
@@ -44,7 +45,7 @@ use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, TableError, Wr
 
 use crate::engine::after_commit;
 use crate::error::Result;
-use crate::schema::{INBOX, INBOX_LOG};
+use crate::schema::{INBOX, INBOX_LOG, INBOX_SEEN};
 
 /// The in-memory index of the journal's entries; see the module docs.
 #[derive(Debug, Default)]
@@ -146,20 +147,31 @@ pub(crate) fn journaled_at(
     }))
 }
 
-/// Records a claim of `key`; `false` if it was claimed before. Writes only
-/// the journal row or the ledger row (the caller writes the rest of the
-/// claim), and merges the journal into the ledger when it is full.
+/// Where [`claim`] recorded a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claimed {
+    /// It was claimed before: nothing written.
+    Before,
+    /// In the journal: its `seen_at` row is written when the journal is merged.
+    Journaled,
+    /// In the ledger: the caller writes its `seen_at` row.
+    InLedger,
+}
+
+/// Records a claim of `key`, in the journal or the ledger. Writes only that
+/// row (the caller writes the rest of the claim), and merges the journal
+/// into the ledger when it is full.
 pub(crate) fn claim(
     tx: &WriteTransaction,
     journal: &Arc<Journal>,
     name: &str,
     key: &str,
     at: i64,
-) -> Result<bool> {
+) -> Result<Claimed> {
     if let Some(id) = journal.hint(name, key)
         && journaled_at(&tx.open_table(INBOX_LOG)?, id, name, key)?.is_some()
     {
-        return Ok(false);
+        return Ok(Claimed::Before);
     }
     let Some(merge_at) = journal.merge_at else {
         // Insert first and look at what was there: one B-tree walk on a
@@ -168,12 +180,12 @@ pub(crate) fn claim(
         let earlier = ledger.insert((name, key), at)?.map(|v| v.value());
         if let Some(earlier) = earlier {
             ledger.insert((name, key), earlier)?;
-            return Ok(false);
+            return Ok(Claimed::Before);
         }
-        return Ok(true);
+        return Ok(Claimed::InLedger);
     };
     if tx.open_table(INBOX)?.get((name, key))?.is_some() {
-        return Ok(false);
+        return Ok(Claimed::Before);
     }
     let mut log = tx.open_table(INBOX_LOG)?;
     let id = journal.next_id.fetch_add(1, Ordering::Relaxed);
@@ -183,10 +195,11 @@ pub(crate) fn claim(
         drop(log);
         merge(tx, journal)?;
     }
-    Ok(true)
+    Ok(Claimed::Journaled)
 }
 
-/// Moves every journal row into the ledger, in key order.
+/// Moves every journal row into the ledger, in key order, and writes their
+/// `seen_at` rows.
 pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()> {
     let mut log = tx.open_table(INBOX_LOG)?;
     let mut rows = Vec::with_capacity(usize::try_from(log.len()?).unwrap_or(0));
@@ -203,6 +216,10 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
         let mut ledger = tx.open_table(INBOX)?;
         for (name, key, at, _) in &rows {
             ledger.insert((name.as_str(), key.as_str()), *at)?;
+        }
+        let mut seen = tx.open_table(INBOX_SEEN)?;
+        for (name, key, at, _) in &rows {
+            seen.insert((name.as_str(), *at, key.as_str()), ())?;
         }
     }
     log.retain(|_, _| false)?;

@@ -269,28 +269,61 @@ impl Inbox {
         after: Option<(DateTime<Utc>, &str)>,
         limit: usize,
     ) -> Result<Vec<(String, DateTime<Utc>)>> {
+        let name: &str = &self.name;
+        let start = after.map_or((i64::MIN, String::new()), |(at, k)| {
+            (micros(at), k.to_owned())
+        });
+        let past_start = |at: i64, key: &str| match after {
+            Some(_) => (at, key) > (start.0, start.1.as_str()),
+            None => true,
+        };
         self.engine.read(|tx| {
-            let index = match tx.open_table(INBOX_SEEN) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-                Err(e) => return Err(e.into()),
-            };
-            let name: &str = &self.name;
-            let start = after.map_or((i64::MIN, ""), |(at, k)| (micros(at), k));
+            // The ledger's keys come in order from the `seen_at` index; the
+            // journal's (at most `journal_size`, not indexed yet) are
+            // gathered and sorted, then the two are merged.
+            let mut journaled: Vec<(i64, String)> = Vec::new();
+            if let Some(log) = open_read(tx, INBOX_LOG)? {
+                for row in log.iter()? {
+                    let (_, entry) = row?;
+                    let (n, key, at) = entry.value();
+                    if n == name && past_start(at, key) {
+                        journaled.push((at, key.to_owned()));
+                    }
+                }
+            }
+            journaled.sort_unstable();
+            let mut journaled = journaled.into_iter().peekable();
+            let mut indexed: Vec<(i64, String)> = Vec::new();
+            if let Some(index) = open_read(tx, INBOX_SEEN)? {
+                for row in index.range((name, start.0, start.1.as_str())..)? {
+                    let (k, _) = row?;
+                    let (n, at, key) = k.value();
+                    if n != name || indexed.len() >= limit {
+                        break;
+                    }
+                    if past_start(at, key) {
+                        indexed.push((at, key.to_owned()));
+                    }
+                }
+            }
+            let mut indexed = indexed.into_iter().peekable();
             let mut out = Vec::new();
-            for row in index.range((name, start.0, start.1)..)? {
-                let (k, _) = row?;
-                let (n, at, key) = k.value();
-                if n != name {
-                    break;
+            while out.len() < limit {
+                let from_index = match (indexed.peek(), journaled.peek()) {
+                    (Some(a), Some(b)) => a <= b,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (None, None) => break,
+                };
+                let next = if from_index {
+                    indexed.next()
+                } else {
+                    journaled.next()
+                };
+                if let Some((at, key)) = next {
+                    let when = from_micros(INBOX_SEEN.name(), &key, at)?;
+                    out.push((key, when));
                 }
-                if after.is_some() && (at, key) == start {
-                    continue;
-                }
-                if out.len() >= limit {
-                    break;
-                }
-                out.push((key.to_owned(), from_micros(INBOX_SEEN.name(), &key, at)?));
             }
             Ok(out)
         })
@@ -321,10 +354,11 @@ pub(crate) fn names(tx: &ReadTransaction) -> Result<Vec<String>> {
         .collect()
 }
 
-/// Checks the invariants of the module docs over every inbox: each row
-/// `(inbox, key) → seen_at` has its index row `(inbox, seen_at, key)` and
-/// each index row its row, and [`INBOX_COUNT`] holds each inbox's number
-/// of rows (no zero counts). Returns one human-readable finding per
+/// Checks the inbox invariants of [`crate::schema`] over every inbox: each
+/// ledger row `(inbox, key) → seen_at` has its index row `(inbox, seen_at,
+/// key)` and each index row its ledger row; a journal row has none yet and
+/// no key is claimed twice; [`INBOX_COUNT`] holds each inbox's number of
+/// claimed keys (no zero counts). Returns one human-readable finding per
 /// violation; none when consistent. Reads every row.
 pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
     let mut findings = Vec::new();
@@ -336,11 +370,13 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
             rows.insert((name.to_owned(), key.to_owned()), v.value());
         }
     }
+    let mut journaled: BTreeMap<(String, String), i64> = BTreeMap::new();
     if let Some(t) = open_read(tx, INBOX_LOG)? {
         for row in t.iter()? {
             let (id, v) = row?;
             let (name, key, at) = v.value();
-            if rows.insert((name.to_owned(), key.to_owned()), at).is_some() {
+            let claim = (name.to_owned(), key.to_owned());
+            if rows.contains_key(&claim) || journaled.insert(claim, at).is_some() {
                 findings.push(format!(
                     "{}: key {key:?} of inbox {name:?} (journal id {}) is claimed twice",
                     INBOX_LOG.name(),
@@ -377,7 +413,13 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
         }
     }
     for ((name, key), at) in &indexed {
-        if !rows.contains_key(&(name.clone(), key.clone())) {
+        let claim = (name.clone(), key.clone());
+        if journaled.contains_key(&claim) {
+            findings.push(format!(
+                "{}: key {key:?} of inbox {name:?} is indexed at {at} µs before its journal row is merged",
+                INBOX_SEEN.name()
+            ));
+        } else if !rows.contains_key(&claim) {
             findings.push(format!(
                 "{}: index row at {at} µs for key {key:?} of inbox {name:?} has no row",
                 INBOX_SEEN.name()
@@ -385,7 +427,7 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
         }
     }
     let mut expected: BTreeMap<&str, u64> = BTreeMap::new();
-    for (name, _) in rows.keys() {
+    for (name, _) in rows.keys().chain(journaled.keys()) {
         *expected.entry(name.as_str()).or_default() += 1;
     }
     let mut stored: BTreeMap<String, u64> = BTreeMap::new();
@@ -444,10 +486,14 @@ fn claim_raw(
     key: &str,
     at: i64,
 ) -> Result<bool> {
-    if !journal::claim(tx, journal, name, key, at)? {
-        return Ok(false);
+    match journal::claim(tx, journal, name, key, at)? {
+        journal::Claimed::Before => return Ok(false),
+        // Its `seen_at` row is written when the journal is merged.
+        journal::Claimed::Journaled => {}
+        journal::Claimed::InLedger => {
+            tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
+        }
     }
-    tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
     add_count(tx, name, 1)?;
     Ok(true)
 }

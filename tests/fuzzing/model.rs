@@ -1019,7 +1019,24 @@ fn verify(h: &Harness, m: &Model, what: &str) {
             want,
             "after {what}: inbox {i}"
         );
+        // The same, two at a time (pages cross from the ledger to the
+        // journal and back).
+        let mut paged: Vec<(String, DateTime<Utc>)> = Vec::new();
+        loop {
+            let after = paged.last().map(|(k, at)| (*at, k.as_str()));
+            let page = inbox.list(after, 2).expect("list a page");
+            if page.is_empty() {
+                break;
+            }
+            paged.extend(page);
+        }
+        assert_eq!(paged, want, "after {what}: inbox {i}, paged");
     }
+    assert_eq!(
+        h.store.check_inbox_indexes().expect("inbox check_indexes"),
+        Vec::<String>::new(),
+        "after {what}"
+    );
     let effects = h
         .store
         .read(|tx| {
