@@ -1000,43 +1000,7 @@ fn apply_keys(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
 // ---------------------------------------------------------------- checks
 
 fn verify(h: &Harness, m: &Model, what: &str) {
-    // Inbox: counts and every key with its seen_at, per inbox.
-    for (i, inbox) in h.inboxes.iter().enumerate() {
-        let mut want: Vec<(String, DateTime<Utc>)> = m
-            .inbox
-            .iter()
-            .filter(|((j, _), _)| *j == i)
-            .map(|((_, k), at)| (k.clone(), t(*at)))
-            .collect();
-        want.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
-        assert_eq!(
-            inbox.len().expect("len"),
-            want.len() as u64,
-            "after {what}: inbox {i} len"
-        );
-        assert_eq!(
-            inbox.list(None, 1000).expect("list"),
-            want,
-            "after {what}: inbox {i}"
-        );
-        // The same, two at a time (pages cross from the ledger to the
-        // journal and back).
-        let mut paged: Vec<(String, DateTime<Utc>)> = Vec::new();
-        loop {
-            let after = paged.last().map(|(k, at)| (*at, k.as_str()));
-            let page = inbox.list(after, 2).expect("list a page");
-            if page.is_empty() {
-                break;
-            }
-            paged.extend(page);
-        }
-        assert_eq!(paged, want, "after {what}: inbox {i}, paged");
-    }
-    assert_eq!(
-        h.store.check_inbox_indexes().expect("inbox check_indexes"),
-        Vec::<String>::new(),
-        "after {what}"
-    );
+    verify_inboxes(h, m, what);
     let effects = h
         .store
         .read(|tx| {
@@ -1115,5 +1079,47 @@ fn verify(h: &Harness, m: &Model, what: &str) {
         h.keys.check_indexes().expect("keys check_indexes"),
         Vec::<String>::new(),
         "after {what}: key indexes"
+    );
+}
+
+/// Inbox: counts and every key with its `seen_at`, per inbox, whole and paged,
+/// and the tables' invariants.
+fn verify_inboxes(h: &Harness, m: &Model, what: &str) {
+    // Inbox: counts and every key with its seen_at, per inbox.
+    for (i, inbox) in h.inboxes.iter().enumerate() {
+        let mut want: Vec<(String, DateTime<Utc>)> = m
+            .inbox
+            .iter()
+            .filter(|((j, _), _)| *j == i)
+            .map(|((_, k), at)| (k.clone(), t(*at)))
+            .collect();
+        want.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+        assert_eq!(
+            inbox.len().expect("len"),
+            want.len() as u64,
+            "after {what}: inbox {i} len"
+        );
+        assert_eq!(
+            inbox.list(None, 1000).expect("list"),
+            want,
+            "after {what}: inbox {i}"
+        );
+        // The same, two at a time (pages cross from the ledger to the
+        // journal and back).
+        let mut paged: Vec<(String, DateTime<Utc>)> = Vec::new();
+        loop {
+            let after = paged.last().map(|(k, at)| (*at, k.as_str()));
+            let page = inbox.list(after, 2).expect("list a page");
+            if page.is_empty() {
+                break;
+            }
+            paged.extend(page);
+        }
+        assert_eq!(paged, want, "after {what}: inbox {i}, paged");
+    }
+    assert_eq!(
+        h.store.check_inbox_indexes().expect("inbox check_indexes"),
+        Vec::<String>::new(),
+        "after {what}"
     );
 }
