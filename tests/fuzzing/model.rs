@@ -1085,7 +1085,6 @@ fn verify(h: &Harness, m: &Model, what: &str) {
 /// Inbox: counts and every key with its `seen_at`, per inbox, whole and paged,
 /// and the tables' invariants.
 fn verify_inboxes(h: &Harness, m: &Model, what: &str) {
-    // Inbox: counts and every key with its seen_at, per inbox.
     for (i, inbox) in h.inboxes.iter().enumerate() {
         let mut want: Vec<(String, DateTime<Utc>)> = m
             .inbox
