@@ -151,6 +151,39 @@ fn inbox_claim_and_prune_keeps_the_file_bounded() -> Result<()> {
 }
 
 #[test]
+fn journaled_claims_and_prunes_keep_the_file_bounded() -> Result<()> {
+    // Durable, so claims go to the journal, which a claim merges into the
+    // ledger every 100 entries (and `prune` before it prunes).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.idem");
+    let store = Store::builder().journal_size(100).open(&path)?;
+    let inbox = store.inbox("webhooks")?;
+    let batches = cycles() / BATCH;
+    let started = std::time::Instant::now();
+    let (warm, end) = churn(&store, &path, batches, |_, i| {
+        let keys: Vec<String> = (0..BATCH)
+            .map(|j| format!("evt-{}", i * BATCH + j))
+            .collect();
+        assert!(inbox.claim_many(&keys, t(i))?.iter().all(|f| *f));
+        assert_eq!(inbox.prune(t(i))?, if i == 0 { 0 } else { BATCH });
+        Ok(())
+    })?;
+    common::report(&format!(
+        "journaled inbox churn: {} claim→prune cycles in {batches} durable batches of \
+         {BATCH} in {:.1?}; file {warm} bytes after warm-up, {end} bytes at the end",
+        batches * BATCH,
+        started.elapsed()
+    ));
+    assert_eq!(inbox.len()?, BATCH);
+    assert!(store.check_inbox_indexes()?.is_empty());
+    assert!(
+        end <= GROWTH_BOUND * warm,
+        "the file grew from {warm} to {end} bytes under churn"
+    );
+    Ok(())
+}
+
+#[test]
 fn compact_returns_the_space_of_purged_entries() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("compact.idem");
