@@ -350,7 +350,7 @@ impl<T: Send> Notify for Slot<T> {
 /// a system call (≈ 15 µs on a busy 2-core VM); spread this way they run on
 /// the callers' threads and in parallel, not one by one on the leader's,
 /// so callers queue their next operations sooner and batches stay full.
-pub(crate) struct WakeTree {
+struct WakeTree {
     callers: Vec<Arc<dyn Notify>>,
 }
 
