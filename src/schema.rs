@@ -12,7 +12,8 @@
 //!   [`INBOX_LOG`], never both and never twice; a ledger row has its
 //!   `(inbox, seen_at, key)` in [`INBOX_SEEN`] and vice versa (journal rows
 //!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
-//!   number of claimed keys of each inbox.
+//!   number of ledger rows of each inbox (journal rows are counted when
+//!   merged).
 //! - outbox: see `src/outbox/index.rs` for the record, its five indexes and
 //!   the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
@@ -40,11 +41,12 @@ pub(crate) const INBOX: TableDefinition<(&str, &str), i64> =
 /// `(inbox, seen_at µs, event key) → ()`: the prune index of [`INBOX`].
 pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
     TableDefinition::new("idemstore.v1.inbox.seen_at");
-/// `id → (inbox, event key, seen_at µs)`: recent claims not yet merged into
-/// [`INBOX`] (see `src/inbox/journal.rs`).
-pub(crate) const INBOX_LOG: TableDefinition<u64, (&str, &str, i64)> =
+/// `(inbox, id) → (event key, seen_at µs)`: recent claims not yet merged
+/// into [`INBOX`] (see `src/inbox/journal.rs`).
+pub(crate) const INBOX_LOG: TableDefinition<(&str, u64), (&str, i64)> =
     TableDefinition::new("idemstore.v1.inbox.journal");
-/// `inbox → number of keys`, so `len` does not scan.
+/// `inbox → number of keys in the ledger`; with the inbox's journal rows
+/// (at most `journal_size`), `len` without a scan of the ledger.
 pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =
     TableDefinition::new("idemstore.v1.inbox.count");
 

@@ -5,13 +5,14 @@
 //! over it: each claim of a batch copies and rewrites a different 4 KiB leaf,
 //! and the commit writes and syncs one scattered page per claim. Measured on
 //! a 2-core VM, that held group commit near 27k claims/s from 64 threads,
-//! and one thread committing 64 fresh keys at a time near 40k. So a claim instead appends `(inbox, key, seen_at)` under an
-//! increasing id to [`INBOX_LOG`] (and adds to its inbox's count), and once
-//! the journal holds the store's `journal_size` entries, the claim that
-//! fills it moves the whole journal, sorted, into the ledger and its
-//! [`INBOX_SEEN`] index, in the same transaction. The ledger's pages are
-//! then written once per merge, not once per claim, and a lone durable claim
-//! dirties two tables' pages instead of three.
+//! and one thread committing 64 fresh keys at a time near 40k. So a claim
+//! instead appends `(inbox, id) → (key, seen_at)` under an increasing id to
+//! [`INBOX_LOG`], and once the journal holds the store's `journal_size`
+//! entries, the claim that fills it moves the whole journal, sorted, into
+//! the ledger, its [`INBOX_SEEN`] index and the counts, in the same
+//! transaction. The ledger's pages are then written once per merge, not once
+//! per claim, and a lone durable claim dirties one table's pages instead of
+//! three.
 //!
 //! Under `Durability::None` claims go straight to the ledger: its commits
 //! are rare and without fsync, so they already write each page once for many
@@ -48,6 +49,11 @@ use crate::engine::after_commit;
 use crate::error::Result;
 use crate::schema::{INBOX, INBOX_LOG, INBOX_SEEN};
 
+/// A journal table, as a write or a read transaction opened it.
+pub(crate) trait Log: ReadableTable<(&'static str, u64), (&'static str, i64)> {}
+
+impl<T: ReadableTable<(&'static str, u64), (&'static str, i64)>> Log for T {}
+
 /// The in-memory index of the journal's entries; see the module docs.
 #[derive(Debug, Default)]
 pub(crate) struct Journal {
@@ -82,13 +88,13 @@ impl Journal {
         {
             let mut index = journal.index.lock();
             for row in log.iter()? {
-                let (id, entry) = row?;
-                let (name, key, _) = entry.value();
+                let (k, v) = row?;
+                let ((name, id), (key, _)) = (k.value(), v.value());
                 index
                     .entry(name.to_owned())
                     .or_default()
-                    .insert(key.to_owned(), id.value());
-                next = id.value() + 1;
+                    .insert(key.to_owned(), id);
+                next = next.max(id + 1);
             }
         }
         journal.next_id.store(next, Ordering::Relaxed);
@@ -131,16 +137,21 @@ impl Journal {
 /// When `key` of inbox `name` was claimed, if journal row `id` is its
 /// claim in the transaction that opened `log` (an index entry may point at a
 /// row that transaction does not see).
-pub(crate) fn journaled_at(
-    log: &impl ReadableTable<u64, (&'static str, &'static str, i64)>,
-    id: u64,
-    name: &str,
-    key: &str,
-) -> Result<Option<i64>> {
-    Ok(log.get(id)?.and_then(|row| {
-        let (n, k, at) = row.value();
-        (n == name && k == key).then_some(at)
+pub(crate) fn journaled_at(log: &impl Log, name: &str, id: u64, key: &str) -> Result<Option<i64>> {
+    Ok(log.get((name, id))?.and_then(|row| {
+        let (k, at) = row.value();
+        (k == key).then_some(at)
     }))
+}
+
+/// How many journal rows inbox `name` has.
+pub(crate) fn count(log: &impl Log, name: &str) -> Result<u64> {
+    let mut n = 0;
+    for row in log.range((name, 0)..=(name, u64::MAX))? {
+        row?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// Where [`claim`] recorded a key.
@@ -148,9 +159,10 @@ pub(crate) fn journaled_at(
 pub(crate) enum Claimed {
     /// It was claimed before: nothing written.
     Before,
-    /// In the journal: its `seen_at` row is written when the journal is merged.
+    /// In the journal: its `seen_at` row and its count are written when the
+    /// journal is merged.
     Journaled,
-    /// In the ledger: the caller writes its `seen_at` row.
+    /// In the ledger: the caller writes its `seen_at` row and its count.
     InLedger,
 }
 
@@ -165,7 +177,7 @@ pub(crate) fn claim(
     at: i64,
 ) -> Result<Claimed> {
     if let Some(id) = journal.hint(name, key)
-        && journaled_at(&tx.open_table(INBOX_LOG)?, id, name, key)?.is_some()
+        && journaled_at(&tx.open_table(INBOX_LOG)?, name, id, key)?.is_some()
     {
         return Ok(Claimed::Before);
     }
@@ -186,7 +198,7 @@ pub(crate) fn claim(
     let mut log = tx.open_table(INBOX_LOG)?;
     let id = journal.next_id.fetch_add(1, Ordering::Relaxed);
     journal.note(name, key, id);
-    log.insert(id, (name, key, at))?;
+    log.insert((name, id), (key, at))?;
     if log.len()? >= merge_at {
         drop(log);
         merge(tx, journal)?;
@@ -195,14 +207,14 @@ pub(crate) fn claim(
 }
 
 /// Moves every journal row into the ledger, in key order, and writes their
-/// `seen_at` rows.
+/// `seen_at` rows and counts.
 pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()> {
     let mut log = tx.open_table(INBOX_LOG)?;
     let mut rows = Vec::with_capacity(usize::try_from(log.len()?).unwrap_or(0));
     for row in log.iter()? {
-        let (id, entry) = row?;
-        let (name, key, at) = entry.value();
-        rows.push((name.to_owned(), key.to_owned(), at, id.value()));
+        let (k, v) = row?;
+        let ((name, id), (key, at)) = (k.value(), v.value());
+        rows.push((name.to_owned(), key.to_owned(), at, id));
     }
     if rows.is_empty() {
         return Ok(());
@@ -217,6 +229,11 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
         for (name, key, at, _) in &rows {
             seen.insert((name.as_str(), *at, key.as_str()), ())?;
         }
+    }
+    // Sorted by inbox first: one count update per inbox.
+    for group in rows.chunk_by(|a, b| a.0 == b.0) {
+        let n = i64::try_from(group.len()).unwrap_or(i64::MAX);
+        super::add_count(tx, &group[0].0, n)?;
     }
     log.retain(|_, _| false)?;
     let last = rows.iter().map(|&(_, _, _, id)| id).max().unwrap_or(0);

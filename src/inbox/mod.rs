@@ -14,7 +14,7 @@
 
 mod journal;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -222,7 +222,7 @@ impl Inbox {
                 return Ok(None);
             };
             match open_read(tx, INBOX_LOG)? {
-                Some(log) => journal::journaled_at(&log, id, name, event_key),
+                Some(log) => journal::journaled_at(&log, name, id, event_key),
                 None => Ok(None),
             }
         })
@@ -244,15 +244,21 @@ impl Inbox {
         prune_raw(tx, &self.journal, &self.name, micros(seen_before))
     }
 
-    /// Number of keys recorded in this inbox.
+    /// Number of keys recorded in this inbox. Reads the inbox's count and its rows in the journal of recent claims
+    /// (at most [`StoreBuilder::journal_size`](crate::StoreBuilder::journal_size)),
+    /// never the ledger itself.
     pub fn len(&self) -> Result<u64> {
         self.engine.read(|tx| {
-            let table = match tx.open_table(INBOX_COUNT) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(0),
-                Err(e) => return Err(e.into()),
+            let name: &str = &self.name;
+            let merged = match open_read(tx, INBOX_COUNT)? {
+                Some(counts) => counts.get(name)?.map_or(0, |v| v.value()),
+                None => 0,
             };
-            Ok(table.get(&*self.name)?.map_or(0, |v| v.value()))
+            let journaled = match open_read(tx, INBOX_LOG)? {
+                Some(log) => journal::count(&log, name)?,
+                None => 0,
+            };
+            Ok(merged + journaled)
         })
     }
 
@@ -283,10 +289,10 @@ impl Inbox {
             // gathered and sorted, then the two are merged.
             let mut journaled: Vec<(i64, String)> = Vec::new();
             if let Some(log) = open_read(tx, INBOX_LOG)? {
-                for row in log.iter()? {
+                for row in log.range((name, 0)..=(name, u64::MAX))? {
                     let (_, entry) = row?;
-                    let (n, key, at) = entry.value();
-                    if n == name && past_start(at, key) {
+                    let (key, at) = entry.value();
+                    if past_start(at, key) {
                         journaled.push((at, key.to_owned()));
                     }
                 }
@@ -343,15 +349,25 @@ fn open_read<K: redb::Key + 'static, V: redb::Value + 'static>(
 }
 
 /// The names of the inboxes holding at least one key, in name order (from
-/// the count table, one row per non-empty inbox).
+/// the count table, one row per inbox with keys in the ledger, and the
+/// journal).
 pub(crate) fn names(tx: &ReadTransaction) -> Result<Vec<String>> {
-    let Some(counts) = open_read(tx, INBOX_COUNT)? else {
-        return Ok(Vec::new());
-    };
-    counts
-        .iter()?
-        .map(|row| Ok(row?.0.value().to_owned()))
-        .collect()
+    let mut names = BTreeSet::new();
+    if let Some(counts) = open_read(tx, INBOX_COUNT)? {
+        for row in counts.iter()? {
+            names.insert(row?.0.value().to_owned());
+        }
+    }
+    if let Some(log) = open_read(tx, INBOX_LOG)? {
+        for row in log.iter()? {
+            let (k, _) = row?;
+            let (name, _) = k.value();
+            if !names.contains(name) {
+                names.insert(name.to_owned());
+            }
+        }
+    }
+    Ok(names.into_iter().collect())
 }
 
 /// Checks the inbox invariants of [`crate::schema`] over every inbox: each
@@ -373,14 +389,13 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
     let mut journaled: BTreeMap<(String, String), i64> = BTreeMap::new();
     if let Some(t) = open_read(tx, INBOX_LOG)? {
         for row in t.iter()? {
-            let (id, v) = row?;
-            let (name, key, at) = v.value();
+            let (k, v) = row?;
+            let ((name, id), (key, at)) = (k.value(), v.value());
             let claim = (name.to_owned(), key.to_owned());
             if rows.contains_key(&claim) || journaled.insert(claim, at).is_some() {
                 findings.push(format!(
-                    "{}: key {key:?} of inbox {name:?} (journal id {}) is claimed twice",
+                    "{}: key {key:?} of inbox {name:?} (journal id {id}) is claimed twice",
                     INBOX_LOG.name(),
-                    id.value()
                 ));
             }
         }
@@ -427,7 +442,7 @@ pub(crate) fn check_indexes(tx: &ReadTransaction) -> Result<Vec<String>> {
         }
     }
     let mut expected: BTreeMap<&str, u64> = BTreeMap::new();
-    for (name, _) in rows.keys().chain(journaled.keys()) {
+    for (name, _) in rows.keys() {
         *expected.entry(name.as_str()).or_default() += 1;
     }
     let mut stored: BTreeMap<String, u64> = BTreeMap::new();
@@ -487,15 +502,15 @@ fn claim_raw(
     at: i64,
 ) -> Result<bool> {
     match journal::claim(tx, journal, name, key, at)? {
-        journal::Claimed::Before => return Ok(false),
-        // Its `seen_at` row is written when the journal is merged.
-        journal::Claimed::Journaled => {}
+        journal::Claimed::Before => Ok(false),
+        // Its `seen_at` row and count are written when the journal is merged.
+        journal::Claimed::Journaled => Ok(true),
         journal::Claimed::InLedger => {
             tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
+            add_count(tx, name, 1)?;
+            Ok(true)
         }
     }
-    add_count(tx, name, 1)?;
-    Ok(true)
 }
 
 fn prune_raw(
