@@ -6,11 +6,11 @@
 //! its effect does not run. With [`Inbox::claim_with`] and [`Inbox::claim_in`]
 //! the claim and the effect commit in one write transaction, or neither does.
 //!
-//! Layout: a claim writes `(inbox, key, seen_at)` to the journal of recent
-//! claims [`INBOX_LOG`] (merged in bulk into the ledger `(inbox, key) →
-//! seen_at` in [`INBOX`]; see [`journal`]), the prune index
-//! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and the per-inbox count in
-//! [`INBOX_COUNT`], all together.
+//! Layout: the ledger `(inbox, key) → seen_at` in [`INBOX`], its prune index
+//! `(inbox, seen_at, key)` in [`INBOX_SEEN`] and the per-inbox count of its
+//! rows in [`INBOX_COUNT`]. A durable store's claims first go to the journal
+//! of recent claims [`INBOX_LOG`] and reach those three tables in bulk (see
+//! [`journal`]); under `Durability::None` a claim writes all three at once.
 
 mod journal;
 
@@ -244,8 +244,9 @@ impl Inbox {
         prune_raw(tx, &self.journal, &self.name, micros(seen_before))
     }
 
-    /// Number of keys recorded in this inbox. Reads the inbox's count and its rows in the journal of recent claims
-    /// (at most [`StoreBuilder::journal_size`](crate::StoreBuilder::journal_size)),
+    /// Number of keys recorded in this inbox. Reads the inbox's count and
+    /// its rows in the journal of recent claims (at most
+    /// [`StoreBuilder::journal_size`](crate::StoreBuilder::journal_size)),
     /// never the ledger itself.
     pub fn len(&self) -> Result<u64> {
         self.engine.read(|tx| {
