@@ -18,11 +18,16 @@ use idemstore::{Durability, Store};
 
 const RAW: TableDefinition<(&str, &str), i64> = TableDefinition::new("raw.inbox");
 
-/// Runs `iters` calls of `f(thread, n)` spread over `threads` threads;
-/// returns the wall time.
+/// Calls each thread makes at least, per sample: with fewer, thread start-up
+/// and `SQLite`'s busy-handler sleeps (up to 100 ms) swamp the figure.
+const MIN_PER_THREAD: u64 = 50;
+
+/// Runs about `iters` calls of `f(thread, n)` spread over `threads` threads
+/// (at least [`MIN_PER_THREAD`] each); returns the wall time scaled to
+/// `iters` calls.
 fn spread(threads: usize, iters: u64, f: &Arc<dyn Fn(usize, u64) + Send + Sync>) -> Duration {
     let barrier = Arc::new(Barrier::new(threads + 1));
-    let per = iters.div_ceil(threads as u64);
+    let per = iters.div_ceil(threads as u64).max(MIN_PER_THREAD);
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let (f, barrier) = (f.clone(), barrier.clone());
@@ -39,7 +44,8 @@ fn spread(threads: usize, iters: u64, f: &Arc<dyn Fn(usize, u64) + Send + Sync>)
     for h in handles {
         h.join().expect("bench thread panicked");
     }
-    start.elapsed()
+    let calls = per * threads as u64;
+    start.elapsed().mul_f64(iters as f64 / calls as f64)
 }
 
 fn claims(c: &mut Criterion) {
