@@ -892,8 +892,7 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
         tx = match db.begin_write() {
             Ok(tx) => tx,
             Err(e) => {
-                shared.mark_broken();
-                lose_log(shared, &mut log);
+                lose_open(shared);
                 fail_all(&mut settled, jobs, &Error::from(e));
                 return settled;
             }
@@ -902,8 +901,7 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
             // An operation answered earlier cannot be run again: what the
             // log held is lost, as a crash would have lost it.
             let _ = tx.abort();
-            shared.mark_broken();
-            lose_log(shared, &mut log);
+            lose_open(shared);
             fail_all(&mut settled, jobs, &previous_commit_failed());
             return settled;
         }
@@ -1015,8 +1013,8 @@ fn commit(shared: &Shared, mut tx: WriteTransaction, durable: bool) -> Result<()
 /// The open transaction was rolled back and cannot be rebuilt: the writes
 /// it held, already answered, are gone. The engine is marked broken so that
 /// nothing more is answered on top of them.
-fn lose_log(shared: &Shared, log: &mut Vec<Box<dyn Job>>) {
-    log.clear();
+fn lose_open(shared: &Shared) {
+    shared.mark_broken();
     shared.pending.store(false, Ordering::SeqCst);
 }
 

@@ -8,8 +8,8 @@
 //!
 //! Invariants between tables (each checked by the tests):
 //! - inbox: a key is claimed iff it has a row `(inbox, key) → seen_at` in
-//!   the ledger [`INBOX`] or a row `(inbox, key, seen_at)` in the journal
-//!   [`INBOX_LOG`], never both and never twice; a ledger row has its
+//!   the ledger [`INBOX`] or a row `(inbox, id) → (key, seen_at)` in the
+//!   journal [`INBOX_LOG`], never both and never twice; a ledger row has its
 //!   `(inbox, seen_at, key)` in [`INBOX_SEEN`] and vice versa (journal rows
 //!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
 //!   number of ledger rows of each inbox (journal rows are counted when

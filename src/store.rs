@@ -185,25 +185,20 @@ impl StoreBuilder {
             },
             path,
         )?;
+        Store::check_format(&engine)?;
+        // Durable stores journal their claims; `None` ones write the ledger.
+        let merge_at = (self.durability == Durability::Immediate).then_some(self.journal_size);
+        let journal = Arc::new(engine.read(|tx| Journal::load(tx, merge_at))?);
         let engine = Arc::new(engine);
-        let mut store = Store {
+        Ok(Store {
             outbox: Outbox::new(engine.clone(), self.max_body),
             engine,
             limits: Limits {
                 max_body: self.max_body,
             },
             idempotency_counters: Arc::default(),
-            journal: Arc::default(),
-        };
-        store.check_format()?;
-        let appends = self.durability == Durability::Immediate;
-        let merge_at = self.journal_size;
-        store.journal = Arc::new(
-            store
-                .engine
-                .read(|tx| Journal::load(tx, appends.then_some(merge_at)))?,
-        );
-        Ok(store)
+            journal,
+        })
     }
 }
 
@@ -440,8 +435,8 @@ impl Store {
     }
 
     /// Checks (and on a new file, writes) the format version.
-    fn check_format(&self) -> Result<()> {
-        let found = self.engine.read(|tx| {
+    fn check_format(engine: &Engine) -> Result<()> {
+        let found = engine.read(|tx| {
             let meta = match tx.open_table(META) {
                 Ok(t) => t,
                 Err(TableError::TableDoesNotExist(_)) => return Ok(None),
@@ -460,7 +455,7 @@ impl Store {
                 found: "a meta table without a format version".into(),
                 supported: FORMAT_VERSION,
             }),
-            None => self.engine.write(|tx| {
+            None => engine.write(|tx| {
                 let foreign = tx
                     .list_tables()?
                     .any(|t| redb::TableHandle::name(&t).starts_with("idemstore."));
