@@ -282,14 +282,7 @@ fn idemstore_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
 fn sqlite_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
     let path = dir.join(format!("throughput-{per_commit}.sqlite"));
     drop(sqlite_open(&path));
-    let delivered = Arc::new(AtomicU64::new(0));
-    let count = delivered.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
-    let on_send: OnSend = Arc::new(move |_: &[u8]| {
-        count.fetch_add(1, Ordering::Relaxed);
-    });
-    let workers = sqlite_workers(&path, &stop, &on_send);
+    let run = CountingWorkers::start(&path);
     let producers: Vec<_> = (0..PRODUCERS)
         .map(|p| {
             let path = path.clone();
@@ -309,7 +302,7 @@ fn sqlite_throughput(dir: &std::path::Path, per_commit: u64) -> f64 {
     for p in producers {
         p.join().unwrap();
     }
-    wait_and_stop(&delivered, start, &stop, workers)
+    run.finish()
 }
 
 fn idemstore_drain(dir: &std::path::Path) -> f64 {
@@ -346,32 +339,46 @@ fn sqlite_drain(dir: &std::path::Path) -> f64 {
             tx.commit().expect("commit");
         }
     }
-    let delivered = Arc::new(AtomicU64::new(0));
-    let count = delivered.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
-    let on_send: OnSend = Arc::new(move |_: &[u8]| {
-        count.fetch_add(1, Ordering::Relaxed);
-    });
-    let workers = sqlite_workers(&path, &stop, &on_send);
-    wait_and_stop(&delivered, start, &stop, workers)
+    CountingWorkers::start(&path).finish()
 }
 
-/// Waits until every entry was sent, stops the SQLite workers, and returns
-/// entries per second since `start`.
-fn wait_and_stop(
-    delivered: &AtomicU64,
+/// SQLite workers that count what they send, and the time they started.
+struct CountingWorkers {
+    delivered: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
     start: Instant,
-    stop: &AtomicBool,
     workers: Vec<std::thread::JoinHandle<()>>,
-) -> f64 {
-    while delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
-        std::thread::sleep(Duration::from_millis(1));
+}
+
+impl CountingWorkers {
+    fn start(path: &std::path::Path) -> CountingWorkers {
+        let delivered = Arc::new(AtomicU64::new(0));
+        let count = delivered.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let start = Instant::now();
+        let on_send: OnSend = Arc::new(move |_: &[u8]| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        let workers = sqlite_workers(path, &stop, &on_send);
+        CountingWorkers {
+            delivered,
+            stop,
+            start,
+            workers,
+        }
     }
-    let rate = THROUGHPUT_ENTRIES as f64 / start.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.join().unwrap();
+
+    /// Waits until every entry was sent, stops the workers, and returns
+    /// entries per second since they started.
+    fn finish(self) -> f64 {
+        while self.delivered.load(Ordering::Relaxed) < THROUGHPUT_ENTRIES {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let rate = THROUGHPUT_ENTRIES as f64 / self.start.elapsed().as_secs_f64();
+        self.stop.store(true, Ordering::Relaxed);
+        for w in self.workers {
+            w.join().unwrap();
+        }
+        rate
     }
-    rate
 }
