@@ -1041,6 +1041,10 @@ fn clone_error(e: &Error) -> Error {
             Error::Storage(redb::Error::Io(std::io::Error::other(inner.to_string())))
         }
         Error::Closed => Error::Closed,
+        Error::Panicked { during, message } => Error::Panicked {
+            during,
+            message: message.clone(),
+        },
         other => Error::Storage(redb::Error::Io(std::io::Error::other(other.to_string()))),
     }
 }

@@ -92,6 +92,20 @@ pub enum Error {
     Reentrant,
     /// The store is shutting down and took no more work. Reopen the store.
     Closed,
+    /// An I/O operation outside the storage engine failed: starting a
+    /// background thread, reading a file's metadata.
+    Io(std::io::Error),
+    /// Code running on the store's behalf panicked: a dispatcher's worker
+    /// thread, or the store's own code while it committed a batch of
+    /// operations. Nothing from this call was acknowledged. After a panic
+    /// while committing, the store refuses further writes until it is
+    /// reopened, as after a failed commit.
+    Panicked {
+        /// What was running when it panicked.
+        during: &'static str,
+        /// The panic's message, when it had one.
+        message: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -141,6 +155,11 @@ impl fmt::Display for Error {
                  use the `*_in` variant with the closure's transaction instead",
             ),
             Error::Closed => f.write_str("the store is closed; reopen it"),
+            Error::Io(e) => write!(f, "I/O error: {e}"),
+            Error::Panicked { during, message } => write!(
+                f,
+                "a panic during {during}: {message}; nothing from this call was acknowledged"
+            ),
         }
     }
 }
@@ -149,6 +168,7 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Storage(e) => Some(e),
+            Error::Io(e) => Some(e),
             _ => None,
         }
     }
@@ -166,6 +186,18 @@ impl Error {
         Error::Conflict {
             reason: reason.into(),
         }
+    }
+
+    /// An [`Error::Panicked`] from a caught panic's payload.
+    pub(crate) fn panicked(during: &'static str, payload: &(dyn std::any::Any + Send)) -> Self {
+        let message = if let Some(s) = payload.downcast_ref::<&str>() {
+            (*s).to_owned()
+        } else if let Some(s) = payload.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "(no message)".to_owned()
+        };
+        Error::Panicked { during, message }
     }
 
     /// Whether this error came from the storage engine or the disk rather than
