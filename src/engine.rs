@@ -100,63 +100,88 @@ pub(crate) struct EngineConfig {
 thread_local! {
     /// Set while this thread runs a caller closure inside a write transaction.
     static IN_WRITE: Cell<bool> = const { Cell::new(false) };
-    /// What to run once the current caller closure's commit is durable.
-    static AFTER_COMMIT: RefCell<Vec<Hook>> = const { RefCell::new(Vec::new()) };
-    /// Set while this thread runs queued operations for a batch.
-    static IN_BATCH: Cell<bool> = const { Cell::new(false) };
-    /// What the operations run so far in this thread's batch asked to run
-    /// once their transaction commits.
-    static BATCH_HOOKS: RefCell<Vec<Hook>> = const { RefCell::new(Vec::new()) };
+    /// The after-commit hooks of the transactions this thread is running,
+    /// innermost last: a caller closure's, and within it (when the closure's
+    /// caller leads a batch before it begins) a batch's. See [`HookFrame`].
+    static HOOKS: RefCell<Vec<Vec<Hook>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Work to do once a transaction has committed.
 type Hook = Box<dyn FnOnce() + Send>;
 
 /// Runs `hook` once the transaction the current thread writes in has
-/// committed, and never if it rolls back:
-/// - in a caller closure ([`Engine::write`]), once its commit is durable
-///   (under [`Durability::Immediate`]; committed, under [`Durability::None`]);
+/// committed, and never if it rolls back. The innermost transaction the
+/// thread is running wins:
 /// - in a queued operation, once its batch's transaction commits (durably
 ///   or not);
+/// - in a caller closure ([`Engine::write`]), once its commit is durable
+///   (under [`Durability::Immediate`]; committed, under [`Durability::None`]);
 /// - elsewhere, at once.
 pub(crate) fn after_commit(hook: impl FnOnce() + Send + 'static) {
-    if IN_WRITE.with(Cell::get) {
-        AFTER_COMMIT.with(|h| h.borrow_mut().push(Box::new(hook)));
-    } else if IN_BATCH.with(Cell::get) {
-        BATCH_HOOKS.with(|h| h.borrow_mut().push(Box::new(hook)));
-    } else {
+    let hook: Hook = Box::new(hook);
+    let unscoped = HOOKS.with(|frames| match frames.borrow_mut().last_mut() {
+        Some(frame) => {
+            frame.push(hook);
+            None
+        }
+        None => Some(hook),
+    });
+    if let Some(hook) = unscoped {
         hook();
     }
 }
 
-fn take_after_commit() -> Vec<Hook> {
-    AFTER_COMMIT.with(|h| std::mem::take(&mut *h.borrow_mut()))
+/// The hooks of one transaction this thread runs, for its lifetime: hooks
+/// registered while it is the innermost frame land in it, and whatever is
+/// left uncollected when it ends is dropped (the transaction did not
+/// commit). Frames nest: a caller closure's scope may hold a batch's, never
+/// the other way round, and the innermost one always collects.
+struct HookFrame {
+    /// This frame's position in [`HOOKS`], counted from 1.
+    depth: usize,
 }
 
-fn take_batch_hooks() -> Vec<Hook> {
-    BATCH_HOOKS.with(|h| std::mem::take(&mut *h.borrow_mut()))
-}
+impl HookFrame {
+    fn push() -> HookFrame {
+        HOOKS.with(|frames| {
+            let mut frames = frames.borrow_mut();
+            frames.push(Vec::new());
+            HookFrame {
+                depth: frames.len(),
+            }
+        })
+    }
 
-/// Marks the current thread as running a batch's operations for its
-/// lifetime; hooks left uncollected at its end are dropped.
-struct BatchScope;
+    /// The hooks registered in this frame so far.
+    fn take(&self) -> Vec<Hook> {
+        HOOKS.with(|frames| {
+            frames
+                .borrow_mut()
+                .get_mut(self.depth - 1)
+                .map(std::mem::take)
+                .unwrap_or_default()
+        })
+    }
 
-impl BatchScope {
-    fn enter() -> BatchScope {
-        IN_BATCH.with(|c| c.set(true));
-        BatchScope
+    /// Drops the hooks registered in this frame so far (their writes were
+    /// rolled back).
+    fn discard(&self) {
+        drop(self.take());
     }
 }
 
-impl Drop for BatchScope {
+impl Drop for HookFrame {
     fn drop(&mut self) {
-        IN_BATCH.with(|c| c.set(false));
-        drop(take_batch_hooks());
+        let left = HOOKS.with(|frames| frames.borrow_mut().split_off(self.depth - 1));
+        drop(left);
     }
 }
 
-/// Marks the current thread as inside a write closure for its lifetime.
-struct WriteScope;
+/// Marks the current thread as inside a write closure for its lifetime, with
+/// the closure's after-commit hooks.
+struct WriteScope {
+    hooks: HookFrame,
+}
 
 impl WriteScope {
     fn enter() -> Result<WriteScope> {
@@ -164,7 +189,9 @@ impl WriteScope {
             return Err(Error::Reentrant);
         }
         IN_WRITE.with(|c| c.set(true));
-        Ok(WriteScope)
+        Ok(WriteScope {
+            hooks: HookFrame::push(),
+        })
     }
 }
 
@@ -174,9 +201,17 @@ impl Drop for WriteScope {
     }
 }
 
-/// Drops the after-commit hooks of a transaction that did not commit.
-fn discard_after_commit() {
-    drop(take_after_commit());
+/// Runs after-commit hooks, each to its end: one that panics does not keep
+/// the others from running. Returns the first panic, for the caller to
+/// resume once nobody else depends on it.
+fn run_hooks(hooks: Vec<Hook>) -> Option<Box<dyn Any + Send>> {
+    let mut first = None;
+    for hook in hooks {
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(hook)) {
+            first.get_or_insert(panic);
+        }
+    }
+    first
 }
 
 /// Durability bookkeeping shared by all callers.
@@ -255,11 +290,12 @@ fn previous_commit_failed() -> Error {
 
 /// A queued operation, as the batch leader sees it.
 trait Job: Send {
-    /// Runs the operation in `tx`; `false` if it panicked.
+    /// Runs the operation in `tx`; `false` if it failed (returned `Err` or
+    /// panicked), when it may have left part of its writes behind.
     fn run(&mut self, tx: &WriteTransaction) -> bool;
     /// Runs the operation again in a fresh transaction after a rollback,
     /// discarding its result (its caller has it already); `false` if it
-    /// panicked.
+    /// failed.
     fn replay(&self, tx: &WriteTransaction) -> bool;
     /// Answers the caller once the batch's fate is known.
     fn finish(&mut self, committed: Result<(), Error>);
@@ -377,7 +413,11 @@ impl<T, F> OpJob<T, F> {
             (_, Some(Err(panic))) => Err(panic),
             (Ok(()), Some(Ok(r))) => Ok(r),
             (Err(e), _) => Ok(Err(e)),
-            (Ok(()), None) => Ok(Err(Error::Closed)),
+            // Every job runs before its batch commits; this would be a bug.
+            (Ok(()), None) => Ok(Err(Error::Panicked {
+                during: "a batch",
+                message: "an operation was answered before it ran".to_owned(),
+            })),
         }
     }
 }
@@ -389,13 +429,13 @@ where
 {
     fn run(&mut self, tx: &WriteTransaction) -> bool {
         let r = catch_unwind(AssertUnwindSafe(|| (self.op)(tx)));
-        let ok = r.is_ok();
+        let ok = matches!(r, Ok(Ok(_)));
         self.result = Some(r);
         ok
     }
 
     fn replay(&self, tx: &WriteTransaction) -> bool {
-        catch_unwind(AssertUnwindSafe(|| (self.op)(tx))).is_ok()
+        matches!(catch_unwind(AssertUnwindSafe(|| (self.op)(tx))), Ok(Ok(_)))
     }
 
     fn finish(&mut self, committed: Result<(), Error>) {
@@ -471,7 +511,7 @@ impl Engine {
             let handle = std::thread::Builder::new()
                 .name("idemstore-flush".into())
                 .spawn(move || flush_loop(&thread_shared, &stopped))
-                .map_err(|e| Error::Storage(redb::Error::Io(e)))?;
+                .map_err(Error::Io)?;
             Some((stop, handle))
         } else {
             None
@@ -538,25 +578,31 @@ impl Engine {
                 // unwinds would flag the file for a full repair.
                 let _ = tx.abort();
                 drop(scope);
-                discard_after_commit();
                 resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 drop(scope);
-                discard_after_commit();
                 tx.abort().map_err(Error::from)?;
                 Err(e)
             }
             Ok(Ok(value)) => {
-                let seq = self.shared.next_seq();
+                let hooks = scope.hooks.take();
                 drop(scope);
-                let hooks = take_after_commit();
-                tx.commit().map_err(Error::from)?;
+                let seq = self.shared.next_seq();
+                match catch_unwind(AssertUnwindSafe(|| tx.commit())) {
+                    Ok(committed) => committed.map_err(Error::from)?,
+                    Err(panic) => {
+                        // The commit's fate is unknown: nothing more can be
+                        // promised on top of it.
+                        self.shared.mark_broken();
+                        resume_unwind(panic)
+                    }
+                }
                 self.shared.commits.fetch_add(1, Ordering::Relaxed);
                 drop(db);
                 self.settle(seq)?;
-                for hook in hooks {
-                    hook();
+                if let Some(panic) = run_hooks(hooks) {
+                    resume_unwind(panic)
                 }
                 Ok(value)
             }
@@ -726,34 +772,47 @@ impl Shared {
     }
 
     /// Runs the queued operations as one batch, then hands leadership to
-    /// the next waiting caller, if any.
+    /// the next waiting caller, if any, and answers the batch's callers.
+    ///
+    /// Unwind-safe: whatever panics while the batch runs (an operation, an
+    /// after-commit hook, redb itself or its storage backend), every caller
+    /// drained into the batch is answered and the lead is passed on. A panic
+    /// outside the operations leaves the transaction's fate unknown: the
+    /// engine is marked broken, so later calls get a clear `Err` instead of
+    /// waiting, and the batch's callers get [`Error::Panicked`]. A panicking
+    /// hook runs after its commit: its batch's callers are answered as
+    /// committed, and the panic is resumed on this thread once they are.
     fn lead(&self) {
-        let jobs = {
-            let mut q = self.queue.lock();
-            let n = q.jobs.len().min(self.config.max_batch);
-            q.jobs.drain(..n).collect::<Vec<_>>()
-        };
-        let settled = if jobs.is_empty() {
-            Vec::new()
-        } else {
-            run_batch(self, jobs)
-        };
-        // Hand the lead on before answering: the next batch starts while
-        // this one's callers are woken one by one.
+        let mut batch = Batch::new(self.drain_queue());
+        if !batch.jobs.is_empty()
+            && let Err(panic) = catch_unwind(AssertUnwindSafe(|| run_batch(self, &mut batch)))
         {
-            let mut q = self.queue.lock();
-            match q.jobs.first() {
-                Some(next) => next.promote(),
-                None => q.leading = false,
-            }
+            lose_open(self);
+            batch.fail_rest(&Error::panicked("a batch commit", &*panic));
         }
-        let tree = Arc::new(WakeTree {
-            callers: settled.iter().map(|(job, _)| job.caller()).collect(),
-        });
-        for (index, (mut job, outcome)) in settled.into_iter().enumerate() {
-            job.finish_quietly(outcome, tree.clone(), index);
+        self.hand_on_lead();
+        wake(batch.settled);
+        if let Some(panic) = batch.hook_panic {
+            resume_unwind(panic)
         }
-        tree.wake_children(None);
+    }
+
+    /// Takes up to a batch of queued operations.
+    fn drain_queue(&self) -> Vec<Box<dyn Job>> {
+        let mut q = self.queue.lock();
+        let n = q.jobs.len().min(self.config.max_batch);
+        q.jobs.drain(..n).collect()
+    }
+
+    /// Promotes the first waiting caller to lead the next batch, or notes
+    /// that nobody leads. Done before answering the last batch's callers,
+    /// so that the next batch starts while they are woken.
+    fn hand_on_lead(&self) {
+        let mut q = self.queue.lock();
+        match q.jobs.first() {
+            Some(next) => next.promote(),
+            None => q.leading = false,
+        }
     }
 
     /// Waits until commit `seq` is durable, making a durable commit if none
@@ -829,6 +888,62 @@ fn flush_loop(shared: &Shared, stop: &Receiver<()>) {
 /// A job with the fate of its batch, to answer once the lead is handed on.
 type Settled = Vec<(Box<dyn Job>, Result<(), Error>)>;
 
+/// The operations of the batch being led.
+struct Batch {
+    /// Operations run (or to run) in the batch's transaction, not yet
+    /// answered.
+    jobs: Vec<Box<dyn Job>>,
+    /// Operations with their fate, to answer once the lead is handed on.
+    settled: Settled,
+    /// The first panic of an after-commit hook, resumed on the leader's
+    /// thread once every caller is answered.
+    hook_panic: Option<Box<dyn Any + Send>>,
+}
+
+impl Batch {
+    fn new(jobs: Vec<Box<dyn Job>>) -> Batch {
+        Batch {
+            settled: Vec::with_capacity(jobs.len()),
+            jobs,
+            hook_panic: None,
+        }
+    }
+
+    /// Settles every operation not yet settled with `e`.
+    fn fail_rest(&mut self, e: &Error) {
+        let jobs = std::mem::take(&mut self.jobs);
+        fail_all(&mut self.settled, jobs, e);
+    }
+
+    /// Settles every operation not yet settled as committed.
+    fn commit_rest(&mut self) {
+        self.settled
+            .extend(self.jobs.drain(..).map(|job| (job, Ok(()))));
+    }
+
+    /// Runs the operations from `from` on in `tx`, in order, up to the first
+    /// that fails; returns its index, or `None` if all of them succeeded.
+    fn run_from(&mut self, from: usize, tx: &WriteTransaction) -> Option<usize> {
+        for (i, job) in self.jobs.iter_mut().enumerate().skip(from) {
+            if !job.run(tx) {
+                return Some(i);
+            }
+        }
+        None
+    }
+}
+
+/// Answers the callers of a settled batch through a [`WakeTree`].
+fn wake(settled: Settled) {
+    let tree = Arc::new(WakeTree {
+        callers: settled.iter().map(|(job, _)| job.caller()).collect(),
+    });
+    for (index, (mut job, outcome)) in settled.into_iter().enumerate() {
+        job.finish_quietly(outcome, tree.clone(), index);
+    }
+    tree.wake_children(None);
+}
+
 /// Under [`Durability::None`], a write transaction kept open across
 /// batches, with the operations it holds (already answered), so that they
 /// can be run again should the transaction have to be rolled back.
@@ -839,20 +954,25 @@ struct OpenTx {
     hooks: Vec<Hook>,
 }
 
-/// Runs `jobs` in one write transaction, the open one if there is one, and
-/// commits it, or under [`Durability::None`] may keep it open. Returns the
-/// jobs left to answer with their outcomes (a job kept in the open
-/// transaction has been answered already).
-fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
+/// Runs the batch's operations in one write transaction, the open one if
+/// there is one, and commits it, or under [`Durability::None`] may keep it
+/// open; settles each operation with its fate (one kept in the open
+/// transaction is answered at once instead).
+///
+/// An operation that fails (returns `Err` or panics) may have written part
+/// of its work, so it never commits: the transaction is rolled back, the
+/// failed operation is settled with its own error, and the others run again
+/// without it. A failed call therefore wrote nothing, whatever the
+/// operation did before it failed.
+fn run_batch(shared: &Shared, batch: &mut Batch) {
     let immediate = shared.config.durability == Durability::Immediate;
     let db = shared.db.read_recursive();
     let mut open = shared.open.lock();
-    let mut settled: Settled = Vec::with_capacity(jobs.len());
     if shared.sync.lock().broken {
         // A commit failed, or answered writes were lost: nothing more is
         // answered on top of that.
-        fail_all(&mut settled, jobs, &previous_commit_failed());
-        return settled;
+        batch.fail_rest(&previous_commit_failed());
+        return;
     }
     let (mut tx, mut log, mut hooks) = match open.take() {
         Some(o) => (o.tx, o.log, o.hooks),
@@ -862,51 +982,53 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
                 // The engine refuses writes (after a failed commit): nothing
                 // queued now or later can be made durable.
                 shared.mark_broken();
-                fail_all(&mut settled, jobs, &Error::from(e));
-                return settled;
+                batch.fail_rest(&Error::from(e));
+                return;
             }
         },
     };
-    let scope = BatchScope::enter();
+    let frame = HookFrame::push();
     let mut ran = 0;
     loop {
-        let Some(i) = (ran..jobs.len()).find(|&i| !jobs[i].run(&tx)) else {
+        let Some(failed) = batch.run_from(ran, &tx) else {
             // Take in what was queued while these ran, so that callers
             // woken from the last batch still share this one's fsync.
-            ran = jobs.len();
-            if absorb(shared, &mut jobs) || (immediate && absorb_after_yielding(shared, &mut jobs))
+            ran = batch.jobs.len();
+            if absorb(shared, &mut batch.jobs)
+                || (immediate && absorb_after_yielding(shared, &mut batch.jobs))
             {
                 continue;
             }
             break;
         };
-        // The panicking operation may have left partial writes: roll the
-        // whole transaction back and run the others again without it.
+        // Roll the whole transaction back and run the others again without
+        // the failed operation. Their hooks go with the writes; the
+        // operations run again register theirs anew.
         ran = 0;
         let _ = tx.abort();
-        // Their hooks go with the writes; the operations run again register
-        // theirs anew.
         hooks.clear();
-        drop(take_batch_hooks());
-        settled.push((jobs.remove(i), Ok(())));
+        frame.discard();
+        let job = batch.jobs.remove(failed);
+        batch.settled.push((job, Ok(())));
         tx = match db.begin_write() {
             Ok(tx) => tx,
             Err(e) => {
                 lose_open(shared);
-                fail_all(&mut settled, jobs, &Error::from(e));
-                return settled;
+                batch.fail_rest(&Error::from(e));
+                return;
             }
         };
-        if log.iter().any(|job| !job.replay(&tx)) {
+        if !replay_log(&log, &tx) {
             // An operation answered earlier cannot be run again: what the
             // log held is lost, as a crash would have lost it.
             let _ = tx.abort();
             lose_open(shared);
-            fail_all(&mut settled, jobs, &previous_commit_failed());
-            return settled;
+            batch.fail_rest(&previous_commit_failed());
+            return;
         }
     }
-    let needs = jobs
+    let needs = batch
+        .jobs
         .iter()
         .map(|j| j.needs())
         .max()
@@ -914,34 +1036,42 @@ fn run_batch(shared: &Shared, mut jobs: Vec<Box<dyn Job>>) -> Settled {
     let durable = immediate || needs == Needs::Durable;
     if !durable
         && needs == Needs::Default
-        && log.len() + jobs.len() < shared.config.max_batch
+        && log.len() + batch.jobs.len() < shared.config.max_batch
         && keep_open(shared)
     {
         // Answer now: the writes are in the open transaction, which every
         // reader and writer commits before it looks.
-        hooks.extend(take_batch_hooks());
-        for mut job in jobs {
+        hooks.extend(frame.take());
+        for mut job in batch.jobs.drain(..) {
             job.finish(Ok(()));
             log.push(job);
         }
         *open = Some(OpenTx { tx, log, hooks });
-        return settled;
+        return;
     }
-    hooks.extend(take_batch_hooks());
-    drop(scope);
+    hooks.extend(frame.take());
+    drop(frame);
     let outcome = commit(shared, tx, durable);
     shared.pending.store(false, Ordering::SeqCst);
     drop(log);
     match outcome {
         Ok(()) => {
-            for hook in hooks {
-                hook();
-            }
-            settled.extend(jobs.into_iter().map(|job| (job, Ok(()))));
+            batch.hook_panic = run_hooks(hooks);
+            batch.commit_rest();
         }
-        Err(e) => fail_all(&mut settled, jobs, &e),
+        Err(e) => batch.fail_rest(&e),
     }
-    settled
+}
+
+/// Runs the answered operations of the open transaction again in `tx`
+/// after a rollback; `false` if one of them failed.
+fn replay_log(log: &[Box<dyn Job>], tx: &WriteTransaction) -> bool {
+    for job in log {
+        if !job.replay(tx) {
+            return false;
+        }
+    }
+    true
 }
 
 /// Moves queued operations into the running batch, up to the batch limit;
@@ -1019,33 +1149,51 @@ fn lose_open(shared: &Shared) {
 }
 
 fn fail_all(settled: &mut Settled, jobs: Vec<Box<dyn Job>>, e: &Error) {
-    let mut first = true;
-    for job in jobs {
-        // Errors are not Clone: the first job gets the engine's own error,
-        // the others a "previous I/O error" pointing at it.
-        let err = if first {
-            first = false;
-            clone_error(e)
-        } else {
-            previous_commit_failed()
-        };
-        settled.push((job, Err(err)));
-    }
+    settled.extend(jobs.into_iter().map(|job| (job, Err(clone_error(e)))));
 }
 
-/// A copy of `e` for another caller: storage errors become "a previous I/O
-/// error" with the same message where they cannot be cloned.
+/// A copy of `e` for each caller of a failed batch. The engine's and the
+/// file system's errors are not `Clone`: their copies keep the kind and the
+/// message.
 fn clone_error(e: &Error) -> Error {
+    fn io(e: &std::io::Error) -> std::io::Error {
+        std::io::Error::new(e.kind(), e.to_string())
+    }
     match e {
+        Error::Storage(redb::Error::PreviousIo) => previous_commit_failed(),
+        Error::Storage(redb::Error::Io(inner)) => Error::Storage(redb::Error::Io(io(inner))),
         Error::Storage(inner) => {
             Error::Storage(redb::Error::Io(std::io::Error::other(inner.to_string())))
         }
+        Error::Io(inner) => Error::Io(io(inner)),
+        Error::NotFound => Error::NotFound,
+        Error::Conflict { reason } => Error::conflict(reason.clone()),
+        Error::InvalidInput { field, reason } => Error::invalid(field, reason.clone()),
+        Error::TooLarge { field, len, max } => Error::TooLarge {
+            field,
+            len: *len,
+            max: *max,
+        },
+        Error::Corrupted { table, key, reason } => Error::Corrupted {
+            table,
+            key: key.clone(),
+            reason: reason.clone(),
+        },
+        Error::IncompatibleFormat { found, supported } => Error::IncompatibleFormat {
+            found: found.clone(),
+            supported: *supported,
+        },
+        Error::NotAStore { path, reason } => Error::NotAStore {
+            path: path.clone(),
+            reason: reason.clone(),
+        },
+        Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
+        Error::Reentrant => Error::Reentrant,
         Error::Closed => Error::Closed,
         Error::Panicked { during, message } => Error::Panicked {
             during,
             message: message.clone(),
         },
-        other => Error::Storage(redb::Error::Io(std::io::Error::other(other.to_string()))),
     }
 }
 
