@@ -200,6 +200,16 @@ fn listings_filter_and_limit() -> TestResult {
     let v = json(&["outbox", "show", s(&file), "4"])?;
     assert_eq!(v["status"], "outcome_unknown");
     assert_eq!(v["remote_ref"], "ref-4");
+    // Only a dispatching entry holds a claim; the attempt in doubt is shown
+    // on its own.
+    assert_eq!(v["claim"], Value::Null);
+    assert_eq!(v["attempt_in_doubt"]["worker_id"], "worker-a");
+    let text = ok(&["outbox", "show", s(&file), "4"])?;
+    assert!(text.contains("claim            -"), "{text}");
+    assert!(
+        text.contains("in doubt         attempt by worker-a"),
+        "{text}"
+    );
     assert_eq!(
         BASE64.decode(v["payload"].as_str().ok_or("payload")?)?,
         [0xff, 0, 4]
@@ -398,6 +408,10 @@ fn export_round_trips_every_record() -> TestResult {
         assert_eq!(
             v["claim"]["worker_id"].as_str(),
             r.claim.as_ref().map(|c| c.worker_id.as_str())
+        );
+        assert_eq!(
+            v["attempt_in_doubt"]["worker_id"].as_str(),
+            r.attempt_in_doubt.as_ref().map(|c| c.worker_id.as_str())
         );
         assert_eq!(v["last_failure"].as_str(), r.last_failure.as_deref());
         assert_eq!(v["remote_ref"].as_str(), r.remote_ref.as_deref());

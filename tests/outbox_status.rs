@@ -1,10 +1,18 @@
 //! Every outbox status × every operation of the status table: the result,
 //! the status after, and that refused or no-op operations change nothing.
+//! Only `Dispatching` holds a claim: after every operation the record's
+//! claim and its claims-index row are there iff the entry is `Dispatching`.
 
 use chrono::{DateTime, TimeZone, Utc};
+use idemstore::redb::{ReadableTable as _, TableDefinition, TableError};
 use idemstore::{
     Error, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Result, Settlement, Store,
 };
+
+/// The claims index of `src/schema.rs`: `(claimed_at µs, id)` for
+/// `Dispatching` entries only.
+const CLAIMS_INDEX: TableDefinition<(i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.claimed");
 
 fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
@@ -73,7 +81,7 @@ enum Expect {
     Conflict,
 }
 
-/// DESIGN.md's table, plus `requeue`.
+/// The status table (on `OutboxStatus`), plus `requeue`.
 #[expect(
     clippy::match_same_arms,
     reason = "one arm per group of cells reads like the table"
@@ -145,9 +153,14 @@ fn check_details(from: OutboxStatus, op: Op, before: &OutboxRecord, after: &Outb
         }
         Op::MarkOutcomeUnknown => {
             assert_eq!(after.remote_ref.as_deref(), Some("remote-7"), "{ctx}");
+            // The claim ends; who made the attempt, and when, stays as the
+            // attempt in doubt.
+            let attempt = before.claim.as_ref().or(before.attempt_in_doubt.as_ref());
+            assert_eq!(after.attempt_in_doubt.as_ref(), attempt, "{ctx}");
             assert_eq!(
-                after.claim, before.claim,
-                "the claim of the attempt in doubt stays"
+                attempt.map(|a| (a.worker_id.as_str(), a.claimed_at)),
+                Some(("worker-a", t(CLAIMED))),
+                "{ctx}"
             );
         }
         Op::ReleaseExpired => {
@@ -161,14 +174,56 @@ fn check_details(from: OutboxStatus, op: Op, before: &OutboxRecord, after: &Outb
     }
 }
 
+/// The rows of the claims index.
+fn claims_index(store: &Store) -> Result<Vec<(i64, u64)>> {
+    store.read(|tx| match tx.open_table(CLAIMS_INDEX) {
+        Ok(t) => t
+            .iter()?
+            .map(|row| row.map(|(k, _)| k.value()).map_err(Error::from))
+            .collect(),
+        Err(TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
+        Err(e) => Err(e.into()),
+    })
+}
+
+/// Only `Dispatching` holds a claim, and only a `Dispatching` entry has a
+/// claims-index row; only `OutcomeUnknown` has an attempt in doubt.
+fn check_claim(store: &Store, rec: &OutboxRecord, ctx: &str) -> Result<()> {
+    let id = rec.entry.id.0;
+    let rows = claims_index(store)?;
+    match rec.entry.status {
+        OutboxStatus::Dispatching => {
+            let claim = rec.claim.as_ref().expect("a Dispatching entry's claim");
+            assert_eq!(
+                rows,
+                vec![(claim.claimed_at.timestamp_micros(), id)],
+                "{ctx}: its claims-index row"
+            );
+            assert_eq!(rec.attempt_in_doubt, None, "{ctx}");
+        }
+        status => {
+            assert_eq!(rec.claim, None, "{ctx}: only Dispatching holds a claim");
+            assert_eq!(rows, Vec::new(), "{ctx}: no claims-index row");
+            assert_eq!(
+                rec.attempt_in_doubt.is_some(),
+                status == OutboxStatus::OutcomeUnknown,
+                "{ctx}"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn every_status_times_every_operation() -> Result<()> {
     for from in OutboxStatus::ALL {
         for op in OPS {
-            let (_store, outbox, id) = entry_in(from)?;
+            let (store, outbox, id) = entry_in(from)?;
             let before = outbox.get(id)?;
+            check_claim(&store, &before, &format!("{from:?}"))?;
             let result = apply(&outbox, id, op);
             let after = outbox.get(id)?;
+            check_claim(&store, &after, &format!("{from:?} × {op:?}"))?;
             let expect = expected(from, op);
             match expect {
                 Expect::To(to) => {
@@ -224,6 +279,39 @@ fn can_transition_is_exactly_the_tables_edges() {
             );
         }
     }
+}
+
+#[test]
+fn release_expired_claims_never_touches_an_outcome_unknown_entry() -> Result<()> {
+    let (store, outbox, unknown) = entry_in(OutboxStatus::OutcomeUnknown)?;
+    let before = outbox.get(unknown)?;
+    // Another entry, claimed later than the one in doubt.
+    let live = outbox
+        .enqueue(NewEntry::new("cmd", "dest", "key-2", b"p".to_vec()), t(0))?
+        .id();
+    assert_eq!(ids(&outbox.claim_due(t(30), 10, "worker-c")?), vec![live]);
+    assert_eq!(outbox.oldest_claim()?, Some(t(30)), "the live claim only");
+    assert_eq!(
+        claims_index(&store)?,
+        vec![(t(30).timestamp_micros(), live.0)]
+    );
+    // However late the cutoff, only the live claim is released.
+    for cutoff in [t(CLAIMED + 1), t(31), t(1_000_000)] {
+        let released = outbox.release_expired_claims(cutoff)?;
+        assert!(
+            released.iter().all(|id| *id != unknown),
+            "cutoff {cutoff}: {released:?}"
+        );
+        assert_eq!(outbox.get(unknown)?, before, "cutoff {cutoff}");
+    }
+    assert_eq!(outbox.get(live)?.entry.status, OutboxStatus::Pending);
+    assert_eq!(claims_index(&store)?, Vec::new());
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+fn ids(entries: &[idemstore::OutboxEntry]) -> Vec<OutboxId> {
+    entries.iter().map(|e| e.id).collect()
 }
 
 #[test]
@@ -283,7 +371,7 @@ fn fenced_settlements_follow_the_table_only_while_holding_the_attempt() -> Resul
     for from in OutboxStatus::ALL {
         for s in &settlements {
             for attempt in [0, 1, 2] {
-                let (_store, outbox, id) = entry_in(from)?;
+                let (store, outbox, id) = entry_in(from)?;
                 let before = outbox.get(id)?;
                 let result = outbox.settle(Fence { id, attempt }, s.clone(), t(OP_TIME));
                 let after = outbox.get(id)?;
@@ -312,6 +400,7 @@ fn fenced_settlements_follow_the_table_only_while_holding_the_attempt() -> Resul
                     assert!(matches!(result, Err(Error::Conflict { .. })), "{ctx}");
                     assert_eq!(after, before, "{ctx}");
                 }
+                check_claim(&store, &after, &ctx)?;
                 assert!(outbox.check_indexes()?.is_empty(), "{ctx}");
             }
         }

@@ -375,10 +375,11 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
             Ok((settled, claimed)) => {
                 settlements.clear();
                 count_fenced(ctx, &settled);
-                claimed
+                Ok(claimed)
             }
-            // The settlements are kept and offered again (settling the same
-            // attempt the same way twice is accepted).
+            // The call wrote nothing: the settlements are kept and offered
+            // again (settling the same attempt the same way twice is
+            // accepted).
             Err(_) => Err(Error::Closed),
         };
         let Ok(entries) = claimed else {

@@ -493,8 +493,16 @@ fn check_inbox_name(name: &str) -> Result<()> {
 
 use redb::TableHandle as _;
 
-/// Claims `key` in inbox `name`: writes its journal row, its index row and
-/// the count.
+/// Claims `key` in inbox `name` at `at`; `false`, writing nothing, if it
+/// is claimed already (in the ledger or the journal).
+///
+/// A first claim goes where the store's journal sends it. With a journal
+/// (`Durability::Immediate`), only its journal row is written: its `seen_at` row and
+/// its count follow when the journal is merged, which this claim does
+/// itself when its row fills the journal (moving every journal row into the
+/// ledger, the `seen_at` index and the counts). Without one
+/// (`Durability::None`), it writes the ledger row, its `seen_at` index row
+/// and the inbox's count.
 fn claim_raw(
     tx: &WriteTransaction,
     journal: &Arc<Journal>,

@@ -12,10 +12,16 @@
 //! | [`OUTBOX_FINISHED`]   | `(completed_at, id)`                 | `s ∈ {Completed, Failed}`    |
 //! | [`OUTBOX_COUNT`]      | `status code → n`                    | one count per status, no zeros |
 //!
-//! Within the record: `claim` is present iff `s ∈ {Dispatching,
-//! OutcomeUnknown}`, `completed_at` iff `s ∈ {Completed, Failed}`. The next
-//! id in [`META`] is larger than every id in use. [`Tables`] keeps all of
-//! this true on every write; [`check`] verifies it.
+//! Only `Dispatching` holds a claim: its `(claimed_at, id)` row in
+//! [`OUTBOX_CLAIMED`] is what the reaper walks, and every edge out of
+//! `Dispatching` (to `Completed`, `Pending`, `Failed`, `OutcomeUnknown`)
+//! removes it.
+//!
+//! Within the record: the latest `attempt` `(worker, claimed_at)` is present
+//! iff `s ∈ {Dispatching, OutcomeUnknown}` (the claim, then the attempt in
+//! doubt), `completed_at` iff `s ∈ {Completed, Failed}`. The next id in
+//! [`META`] is larger than every id in use. [`Tables`] keeps all of this true
+//! on every write; [`check`] verifies it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -39,7 +45,7 @@ fn status_keys(id: u64, s: &Stored) -> Result<(Option<i64>, Option<i64>, Option<
         OutboxStatus::Pending => (Some(s.due()), None, None),
         OutboxStatus::Dispatching => (
             None,
-            Some(s.claim.as_ref().map_or(s.created_at, |c| c.1)),
+            Some(s.attempt.as_ref().map_or(s.created_at, |a| a.1)),
             None,
         ),
         OutboxStatus::Completed | OutboxStatus::Failed => {
@@ -273,14 +279,16 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
             }
         };
         let status = rec.status(id)?;
-        let live = matches!(
+        // The claim while `Dispatching`, the attempt in doubt while
+        // `OutcomeUnknown`; the claims index holds the first only.
+        let attempted = matches!(
             status,
             OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown
         );
-        if rec.claim.is_some() != live {
+        if rec.attempt.is_some() != attempted {
             findings.push(format!(
-                "record {id} is {status:?} but claim is {:?}",
-                rec.claim
+                "record {id} is {status:?} but its attempt is {:?}",
+                rec.attempt
             ));
         }
         if rec.completed_at.is_some() != status.is_finished() {

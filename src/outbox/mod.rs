@@ -18,7 +18,21 @@
 //!
 //! The exact table, with the accepted no-op cells, is on
 //! [`OutboxStatus`]. Every refused edge is [`Error::Conflict`] and changes
-//! nothing; an unknown id is [`Error::NotFound`].
+//! nothing; an unknown id is [`Error::NotFound`]. Only `Dispatching` holds a
+//! claim: every edge out of it clears the claim and its claims-index row.
+//!
+//! # Failures
+//!
+//! A call that returns `Err` wrote nothing. Each call that commits on its
+//! own is one operation of the store, and an operation that fails is rolled
+//! back as a whole — the bulk calls too ([`Outbox::enqueue_many`],
+//! [`Outbox::claim_due`], [`Outbox::settle_many`],
+//! [`Outbox::settle_and_claim`], [`Outbox::release_expired_claims`],
+//! [`Outbox::purge_finished`]). The `*_in` calls act on one entry and check
+//! before they write. In a bulk settle, a settlement refused
+//! ([`Error::Conflict`]) or whose entry is gone ([`Error::NotFound`]) is an
+//! answer about that settlement alone; a damaged record or a storage failure
+//! fails the whole call.
 //!
 //! # Fencing
 //!
@@ -86,13 +100,27 @@ impl fmt::Display for OutboxId {
 
 /// Where an outbox entry is in its life.
 ///
-/// | from \ op      | claim_due | mark_completed | mark_failed(retry) | mark_failed(none) | mark_outcome_unknown | reschedule | release_expired | requeue |
-/// |----------------|-----------|----------------|--------------------|-------------------|----------------------|------------|-----------------|---------|
+/// | from \ op      | `claim_due` | `mark_completed` | `mark_failed` (retry) | `mark_failed` (none) | `mark_outcome_unknown` | `reschedule` | `release_expired` | `requeue` |
+/// |----------------|-------------|------------------|-----------------------|----------------------|------------------------|--------------|-------------------|-----------|
 /// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict |
-/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →OutcomeUnknown      | →Pending   | →Pending (if claimed before cutoff) | Conflict |
-/// | OutcomeUnknown | —         | →Completed     | →Pending           | →Failed           | accepted; fills a missing remote_ref | →Pending | — | →Pending |
+/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →`OutcomeUnknown`    | →Pending   | →Pending (if claimed before cutoff) | Conflict |
+/// | `OutcomeUnknown` | —       | →Completed     | →Pending           | →Failed           | accepted; fills a missing `remote_ref` | →Pending | — | →Pending |
 /// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict |
 /// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending |
+///
+/// An unknown id is [`Error::NotFound`]; a refused cell is
+/// [`Error::Conflict`] and changes nothing. `release_expired` puts an entry
+/// back due at its claim time, so due at once.
+///
+/// **Only `Dispatching` holds a claim.** Every edge out of it (→`Completed`,
+/// →`Pending`, →`Failed`, →`OutcomeUnknown`) clears the claim
+/// `{worker_id, claimed_at}` ([`OutboxRecord::claim`] becomes `None`) and
+/// removes the entry's `(claimed_at, id)` row from the claims index, which
+/// holds `Dispatching` entries only; so
+/// [`release_expired_claims`](Outbox::release_expired_claims) never touches
+/// an entry of any other status, `OutcomeUnknown` included. On the edge to
+/// `OutcomeUnknown` the worker and time of the attempt stay on the record as
+/// [`OutboxRecord::attempt_in_doubt`], for reconciliation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OutboxStatus {
     /// Waiting to be claimed once due.
@@ -105,7 +133,8 @@ pub enum OutboxStatus {
     /// [`requeue`](Outbox::requeue) it).
     Failed,
     /// The worker cannot tell whether the effect happened (a timeout after
-    /// sending). Needs reconciliation: complete, fail or requeue it.
+    /// sending). Holds no claim. Needs reconciliation: complete, fail or
+    /// requeue it.
     OutcomeUnknown,
 }
 
@@ -232,7 +261,9 @@ impl OutboxEntry {
     }
 }
 
-/// Who holds an entry's current attempt.
+/// Who claimed an attempt, and when: the claim of a `Dispatching` entry
+/// ([`OutboxRecord::claim`]), or the attempt an `OutcomeUnknown` entry is
+/// in doubt about ([`OutboxRecord::attempt_in_doubt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxClaim {
     /// The `worker_id` given to [`Outbox::claim_due`].
@@ -246,9 +277,14 @@ pub struct OutboxClaim {
 pub struct OutboxRecord {
     /// The entry.
     pub entry: OutboxEntry,
-    /// The current claim: present while `Dispatching`, and kept while
-    /// `OutcomeUnknown` (the attempt in doubt); `None` otherwise.
+    /// The claim: present while `Dispatching`, `None` in every other status
+    /// (only `Dispatching` holds a claim).
     pub claim: Option<OutboxClaim>,
+    /// While `OutcomeUnknown`: who claimed the attempt whose outcome is
+    /// unknown, and when (the worker whose logs to read, the time to ask
+    /// the destination about). `None` in every other status; cleared when
+    /// the entry is completed, failed, rescheduled or requeued.
+    pub attempt_in_doubt: Option<OutboxClaim>,
     /// The reason of the latest `mark_failed`, kept across retries.
     pub last_failure: Option<String>,
     /// The remote system's reference for the attempt, from
@@ -276,8 +312,9 @@ fn plan_settlements(
 }
 
 /// What [`Outbox::settle_and_claim`] did: one result per settlement, in
-/// order, and the claimed entries (or why the claim failed).
-pub type SettledAndClaimed = (Vec<Result<()>>, Result<Vec<OutboxEntry>>);
+/// order, and the claimed entries. A claim that fails fails the whole call,
+/// which then wrote nothing (settlements included).
+pub type SettledAndClaimed = (Vec<Result<()>>, Vec<OutboxEntry>);
 
 /// The outcome of an enqueue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -575,7 +612,7 @@ impl Outbox {
     /// Enqueues many entries in one commit, in order. Every entry is checked
     /// first: one bad entry fails the call and enqueues nothing. An entry
     /// repeating an earlier one's `(destination, idempotency_key)` is a
-    /// `Duplicate` of it.
+    /// `Duplicate` of it. A call that returns `Err` wrote nothing.
     pub fn enqueue_many(
         &self,
         entries: impl IntoIterator<Item = NewEntry>,
@@ -604,7 +641,9 @@ impl Outbox {
     /// `Dispatching` with `attempt_count + 1` and the claim
     /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
     /// [`Outbox::get`] returns for them afterwards. Concurrent claimers never
-    /// get the same entry. Costs O(limit · log n), whatever the backlog.
+    /// get the same entry. Costs O(limit · log n), whatever the backlog. A
+    /// call that returns `Err` (a damaged record among those due) claimed
+    /// nothing.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
@@ -666,11 +705,16 @@ impl Outbox {
         Ok(())
     }
 
-    /// Settles many attempts in one commit (a dispatcher finishing a batch).
-    /// Each settlement succeeds or fails on its own, exactly as
+    /// Settles many attempts in one commit (a dispatcher finishing a batch),
+    /// in order; a later settlement sees the earlier ones.
+    ///
+    /// Each settlement is accepted or refused on its own, exactly as
     /// [`Outbox::settle`] would: the answer holds one result per input, in
-    /// order. The outer `Err` is for bad input (nothing written) and storage
-    /// failures.
+    /// order, an `Err` there being [`Error::Conflict`] (a stale fence, an
+    /// edge not in the table) or [`Error::NotFound`] (the entry is gone).
+    /// The call itself fails on bad input, on a damaged record
+    /// ([`Error::Corrupted`]) and on storage failures; a call that returns
+    /// `Err` wrote nothing, none of its settlements included.
     pub fn settle_many(
         &self,
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
@@ -693,12 +737,13 @@ impl Outbox {
     /// dispatcher's step between two batches, for one fsync instead of two.
     ///
     /// The settlements behave exactly as in [`Outbox::settle_many`] (one
-    /// result each, in order) and stand whatever the claim does; the claim
-    /// behaves exactly as [`Outbox::claim_due`] and sees the settlements (a
-    /// retry due at `now` can be claimed again at once). A claim that fails
-    /// (a damaged record) is reported on its own, beside the settlements.
-    /// The outer `Err` is for bad input (nothing written) and storage
-    /// failures.
+    /// result each, in order); the claim behaves exactly as
+    /// [`Outbox::claim_due`] and sees the settlements (a retry due at `now`
+    /// can be claimed again at once). All or nothing: if the claim fails (a
+    /// damaged record), or anything else does, the call returns `Err` and
+    /// wrote nothing, settlements included — a caller keeps its settlements
+    /// and offers them again (settling the same attempt the same way twice
+    /// is accepted).
     pub fn settle_and_claim(
         &self,
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
@@ -710,21 +755,18 @@ impl Outbox {
         let (changes, wake) = plan_settlements(settlements, now)?;
         let worker = worker_id.to_owned();
         let now = micros(now);
+        // One operation: if the claim fails after the settlements wrote,
+        // the engine rolls the settlements back with it.
         let (settled, claimed) = self.engine.execute(move |tx| {
             let settled = if changes.is_empty() {
                 Vec::new()
             } else {
                 ops::change_many(tx, &changes)?
             };
-            // The claim plans before it writes: if it fails, it wrote
-            // nothing, and the settlements above stand.
             let claimed = if limit == 0 {
-                Ok(Vec::new())
+                Vec::new()
             } else {
-                match ops::claim_due(tx, now, limit, &worker) {
-                    Err(Error::Storage(e)) => return Err(Error::Storage(e)),
-                    other => other,
-                }
+                ops::claim_due(tx, now, limit, &worker)?
             };
             Ok((settled, claimed))
         })?;
@@ -807,7 +849,9 @@ impl Outbox {
     /// dispatchers) and returns their ids, oldest claim first. A released
     /// entry is due at its `claimed_at` — it was due then, so it is due
     /// immediately and keeps its place ahead of work that became due later.
-    /// Costs what it releases (it walks the claims index).
+    /// Costs what it releases (it walks the claims index, which holds
+    /// `Dispatching` entries only: an `OutcomeUnknown` entry is never
+    /// released). A call that returns `Err` released nothing.
     pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
         let cutoff = micros(claimed_before);
         let out = self
@@ -823,7 +867,8 @@ impl Outbox {
     /// strictly before `before`, with all their index rows; returns how many.
     /// Costs what it removes. A purged entry's `(destination,
     /// idempotency_key)` can be enqueued again: purge only past the window in
-    /// which duplicates can arrive.
+    /// which duplicates can arrive. A call that returns `Err` removed
+    /// nothing.
     pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
         let cutoff = micros(before);
         self.engine

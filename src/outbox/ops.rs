@@ -1,7 +1,14 @@
 //! The outbox's operations on one write transaction. Each is a pure
-//! function of the transaction's state and its arguments, and checks
-//! everything before it writes: an `Err` means nothing was written. Both the
-//! group-commit path (`Engine::execute`) and the `*_in` calls run these.
+//! function of the transaction's state and its arguments (the engine may run
+//! one again after rolling it back, and it must write the same).
+//!
+//! An operation that returns `Err` is rolled back as a whole by the engine
+//! (`Engine::execute`), so the bulk ones ([`change_many`], and a settle
+//! followed by a claim) may fail after they have written. The calls that run
+//! an operation inside the caller's own transaction (the `*_in` calls) use
+//! the single-entry ones only, [`enqueue`] of one entry and [`change`],
+//! which check everything before they write: their `Err` wrote nothing
+//! even if the caller goes on to commit.
 
 use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
@@ -44,7 +51,7 @@ pub(super) fn enqueue(
             next_attempt_at: e.not_before.map(micros),
             created_at: now,
             completed_at: None,
-            claim: None,
+            attempt: None,
             last_failure: None,
             remote_ref: None,
         };
@@ -118,7 +125,11 @@ pub(super) fn change(
     }
 }
 
-/// Applies many fenced changes; each succeeds or fails on its own.
+/// Applies many fenced changes in order. Each is accepted or refused on its
+/// own: a refusal ([`Error::Conflict`]) or a missing entry
+/// ([`Error::NotFound`]) is that change's answer. Anything else (a record
+/// that does not decode, a storage error) fails the whole operation, which
+/// the engine then rolls back, the changes already written included.
 pub(super) fn change_many(
     tx: &WriteTransaction,
     changes: &[(u64, u32, Change)],
@@ -126,19 +137,18 @@ pub(super) fn change_many(
     let mut t = Tables::open(tx)?;
     let mut out = Vec::with_capacity(changes.len());
     for (id, attempt, c) in changes {
-        // A record that does not decode fails its own settlement only:
-        // earlier ones in the batch may have written already.
-        let planned = t
-            .load(*id)
-            .and_then(|old| old.ok_or(Error::NotFound))
-            .and_then(|old| Ok((plan(*id, &old, c, Some(*attempt))?, old)));
-        out.push(match planned {
-            Ok((Some(new), old)) => {
+        let Some(old) = t.load(*id)? else {
+            out.push(Err(Error::NotFound));
+            continue;
+        };
+        out.push(match plan(*id, &old, c, Some(*attempt)) {
+            Ok(Some(new)) => {
                 t.replace(*id, &old, &new)?;
                 Ok(())
             }
-            Ok((None, _)) => Ok(()),
-            Err(e) => Err(e),
+            Ok(None) => Ok(()),
+            Err(e @ Error::Conflict { .. }) => Err(e),
+            Err(e) => return Err(e),
         });
     }
     t.finish()?;

@@ -1,9 +1,9 @@
 //! The stored outbox record and the status machine.
 //!
 //! A record is [`Stored`], encoded by [`crate::codec`]: the entry's fields,
-//! its status as a one-byte code, times as `i64` microseconds, the current
-//! claim and the settlement details. [`Stored::to_record`] turns it into the
-//! public [`OutboxRecord`].
+//! its status as a one-byte code, times as `i64` microseconds, the latest
+//! attempt while it is in progress or in doubt, and the settlement details.
+//! [`Stored::to_record`] turns it into the public [`OutboxRecord`].
 //!
 //! Every status change goes through one pure function, [`plan`]: given the
 //! stored record and a [`Change`], it returns the new record, `None` for an
@@ -32,8 +32,13 @@ pub(super) struct Stored {
     pub(super) next_attempt_at: Option<i64>,
     pub(super) created_at: i64,
     pub(super) completed_at: Option<i64>,
-    /// `(worker id, claimed_at µs)` while `Dispatching` or `OutcomeUnknown`.
-    pub(super) claim: Option<(String, i64)>,
+    /// `(worker id, claimed_at µs)` of the latest attempt while it is in
+    /// progress (`Dispatching`: the entry's claim, [`OutboxRecord::claim`])
+    /// or in doubt (`OutcomeUnknown`: no longer a claim, shown as
+    /// [`OutboxRecord::attempt_in_doubt`]); `None` in every other status.
+    /// Its wire form is the one earlier builds wrote as "the claim" of both
+    /// statuses, so their files read unchanged.
+    pub(super) attempt: Option<(String, i64)>,
     pub(super) last_failure: Option<String>,
     pub(super) remote_ref: Option<String>,
 }
@@ -86,7 +91,7 @@ impl Stored {
             .into_iter()
             .chain(stored.next_attempt_at)
             .chain(stored.completed_at)
-            .chain(stored.claim.as_ref().map(|c| c.1));
+            .chain(stored.attempt.as_ref().map(|a| a.1));
         for us in times {
             from_micros(OUTBOX.name(), &id, us)?;
         }
@@ -98,6 +103,19 @@ impl Stored {
         let table = OUTBOX.name();
         let at = |us: i64| from_micros(table, &id, us);
         let opt = |us: Option<i64>| us.map(at).transpose();
+        let status = self.status(id)?;
+        let attempt = match &self.attempt {
+            Some((worker_id, claimed_at)) => Some(OutboxClaim {
+                worker_id: worker_id.clone(),
+                claimed_at: at(*claimed_at)?,
+            }),
+            None => None,
+        };
+        let (claim, attempt_in_doubt) = match status {
+            OutboxStatus::Dispatching => (attempt, None),
+            OutboxStatus::OutcomeUnknown => (None, attempt),
+            _ => (None, None),
+        };
         Ok(OutboxRecord {
             entry: OutboxEntry {
                 id: OutboxId(id),
@@ -105,19 +123,14 @@ impl Stored {
                 destination: self.destination.clone(),
                 idempotency_key: self.idempotency_key.clone(),
                 payload: self.payload.clone(),
-                status: self.status(id)?,
+                status,
                 attempt_count: self.attempt_count,
                 next_attempt_at: opt(self.next_attempt_at)?,
                 created_at: at(self.created_at)?,
                 completed_at: opt(self.completed_at)?,
             },
-            claim: match &self.claim {
-                Some((worker_id, claimed_at)) => Some(OutboxClaim {
-                    worker_id: worker_id.clone(),
-                    claimed_at: at(*claimed_at)?,
-                }),
-                None => None,
-            },
+            claim,
+            attempt_in_doubt,
             last_failure: self.last_failure.clone(),
             remote_ref: self.remote_ref.clone(),
         })
@@ -193,9 +206,16 @@ fn check_fence(
     }
 }
 
-/// What `change` does to `old` (record `id`), following DESIGN.md's status
-/// table: `Ok(Some(new))` to write, `Ok(None)` for an accepted no-op,
-/// `Err(Conflict)` for a refused edge.
+/// What `change` does to `old` (record `id`), following the status table on
+/// [`OutboxStatus`]: `Ok(Some(new))` to write, `Ok(None)` for an accepted
+/// no-op, `Err(Conflict)` for a refused edge.
+///
+/// Only `Dispatching` holds a claim: every edge out of it ends the claim.
+/// The attempt's `(worker, claimed_at)` is dropped on the edges to
+/// `Completed`, `Pending` and `Failed`, and kept on the edge to
+/// `OutcomeUnknown` as the attempt in doubt (no longer a claim: the claims
+/// index row goes, and the reaper never sees the entry); it is dropped when
+/// the doubt is settled.
 ///
 /// With `fence = Some(attempt)` the change must come from the holder of
 /// that attempt: the record's `attempt_count` must equal it and the record
@@ -223,13 +243,13 @@ pub(super) fn plan(
         (Pending, Change::Claim { worker_id, now }) => {
             new.status = Dispatching.code();
             new.attempt_count = old.attempt_count.saturating_add(1);
-            new.claim = Some((worker_id.clone(), *now));
+            new.attempt = Some((worker_id.clone(), *now));
         }
         (Dispatching | OutcomeUnknown, Change::Complete { now }) => {
             new.status = Completed.code();
             new.completed_at = Some(*now);
             new.next_attempt_at = None;
-            new.claim = None;
+            new.attempt = None;
         }
         (Completed, Change::Complete { .. }) | (Failed, Change::Fail { retry_at: None, .. }) => {
             return Ok(None);
@@ -245,7 +265,7 @@ pub(super) fn plan(
             new.status = Pending.code();
             new.next_attempt_at = Some(*at);
             new.last_failure = Some(reason.clone());
-            new.claim = None;
+            new.attempt = None;
         }
         (
             Dispatching | OutcomeUnknown,
@@ -259,9 +279,10 @@ pub(super) fn plan(
             new.completed_at = Some(*now);
             new.next_attempt_at = None;
             new.last_failure = Some(reason.clone());
-            new.claim = None;
+            new.attempt = None;
         }
         (Dispatching, Change::OutcomeUnknown { remote_ref }) => {
+            // The claim ends; its `attempt` stays as the attempt in doubt.
             new.status = OutcomeUnknown.code();
             if remote_ref.is_some() {
                 new.remote_ref.clone_from(remote_ref);
@@ -276,19 +297,19 @@ pub(super) fn plan(
         (Pending | Dispatching | OutcomeUnknown, Change::Reschedule { at }) => {
             new.status = Pending.code();
             new.next_attempt_at = Some(*at);
-            new.claim = None;
+            new.attempt = None;
         }
         (Dispatching, Change::Release) => {
-            let claimed_at = old.claim.as_ref().map_or(old.created_at, |c| c.1);
+            let claimed_at = old.attempt.as_ref().map_or(old.created_at, |a| a.1);
             new.status = Pending.code();
             new.next_attempt_at = Some(claimed_at);
-            new.claim = None;
+            new.attempt = None;
         }
         (Failed | OutcomeUnknown, Change::Requeue { due }) => {
             new.status = Pending.code();
             new.next_attempt_at = Some(*due);
             new.completed_at = None;
-            new.claim = None;
+            new.attempt = None;
         }
         _ => return refuse(),
     }
@@ -316,7 +337,7 @@ mod tests {
             next_attempt_at: None,
             created_at: 1_700_000_000_000_000,
             completed_at: None,
-            claim: None,
+            attempt: None,
             last_failure: None,
             remote_ref: None,
         }
@@ -337,6 +358,86 @@ mod tests {
             Stored::decode(1, &encode(&bad_time)),
             Err(Error::Corrupted { .. })
         ));
+    }
+
+    /// An `OutcomeUnknown` record as earlier builds wrote it, when the
+    /// attempt's `(worker, claimed_at)` was still called its claim.
+    const OLD_OUTCOME_UNKNOWN: [u8; 24] = [
+        1, // record version
+        1, b'c', // command_id
+        1, b'd', // destination
+        1, b'k', // idempotency_key
+        3, 1, 2, 3,  // payload
+        4,  // status: OutcomeUnknown
+        1,  // attempt_count
+        0,  // next_attempt_at: None
+        10, // created_at: 5 µs (zigzag)
+        0,  // completed_at: None
+        1, 1, b'w', 14, // ("w", 7 µs)
+        0,  // last_failure: None
+        1, 1, b'r', // remote_ref: Some("r")
+    ];
+
+    #[test]
+    fn records_written_before_read_the_same_and_hold_no_claim_when_in_doubt() {
+        let old = Stored::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap();
+        assert_eq!(old.attempt, Some(("w".to_owned(), 7)));
+        assert_eq!(old.status(3).unwrap(), OutboxStatus::OutcomeUnknown);
+        // The wire form has not changed: this build writes the same bytes.
+        assert_eq!(encode(&old), OLD_OUTCOME_UNKNOWN);
+        let rec = old.to_record(3).unwrap();
+        assert_eq!(rec.claim, None, "only Dispatching holds a claim");
+        let doubt = rec.attempt_in_doubt.expect("the attempt in doubt");
+        assert_eq!(doubt.worker_id, "w");
+        assert_eq!(doubt.claimed_at.timestamp_micros(), 7);
+        assert_eq!(rec.remote_ref.as_deref(), Some("r"));
+        // The same slot is the claim while Dispatching, and nothing else in
+        // other statuses.
+        let mut dispatching = old.clone();
+        dispatching.status = OutboxStatus::Dispatching.code();
+        let rec = dispatching.to_record(3).unwrap();
+        assert_eq!(rec.claim.map(|c| c.worker_id).as_deref(), Some("w"));
+        assert_eq!(rec.attempt_in_doubt, None);
+    }
+
+    #[test]
+    fn every_edge_out_of_dispatching_ends_the_claim() {
+        let mut claimed = stored(OutboxStatus::Pending.code());
+        claimed = plan(
+            1,
+            &claimed,
+            &Change::Claim {
+                worker_id: "w".into(),
+                now: 9,
+            },
+            None,
+        )
+        .unwrap()
+        .unwrap();
+        let changes = [
+            Change::Complete { now: 10 },
+            Change::Fail {
+                reason: "r".into(),
+                retry_at: Some(11),
+                now: 10,
+            },
+            Change::Fail {
+                reason: "r".into(),
+                retry_at: None,
+                now: 10,
+            },
+            Change::OutcomeUnknown { remote_ref: None },
+            Change::Reschedule { at: 11 },
+            Change::Release,
+        ];
+        for c in &changes {
+            let new = plan(1, &claimed, c, None).unwrap().unwrap();
+            let rec = new.to_record(1).unwrap();
+            assert_ne!(rec.entry.status, OutboxStatus::Dispatching, "{c:?}");
+            assert_eq!(rec.claim, None, "{c:?}");
+            let kept = matches!(c, Change::OutcomeUnknown { .. });
+            assert_eq!(rec.attempt_in_doubt.is_some(), kept, "{c:?}");
+        }
     }
 
     #[test]

@@ -79,6 +79,7 @@ impl OutboxModel {
                     completed_at: None,
                 },
                 claim: None,
+                attempt_in_doubt: None,
                 last_failure: None,
                 remote_ref: None,
             },
@@ -169,6 +170,7 @@ impl OutboxModel {
                 r.entry.completed_at = Some(t(*now));
                 r.entry.next_attempt_at = None;
                 r.claim = None;
+                r.attempt_in_doubt = None;
             }
             (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _)) => {}
             (Pending | Dispatching | OutcomeUnknown, Change::Fail(reason, Some(at), _)) => {
@@ -176,6 +178,7 @@ impl OutboxModel {
                 r.entry.next_attempt_at = Some(t(*at));
                 r.last_failure = Some(reason.clone());
                 r.claim = None;
+                r.attempt_in_doubt = None;
             }
             (Dispatching | OutcomeUnknown, Change::Fail(reason, None, now)) => {
                 r.entry.status = Failed;
@@ -183,9 +186,13 @@ impl OutboxModel {
                 r.entry.next_attempt_at = None;
                 r.last_failure = Some(reason.clone());
                 r.claim = None;
+                r.attempt_in_doubt = None;
             }
             (Dispatching, Change::Unknown(remote)) => {
+                // The claim ends; who made the attempt, and when, stays as
+                // the attempt in doubt.
                 r.entry.status = OutcomeUnknown;
+                r.attempt_in_doubt = r.claim.take();
                 if remote.is_some() {
                     r.remote_ref.clone_from(remote);
                 }
@@ -199,12 +206,14 @@ impl OutboxModel {
                 r.entry.status = Pending;
                 r.entry.next_attempt_at = Some(t(*at));
                 r.claim = None;
+                r.attempt_in_doubt = None;
             }
             (Failed | OutcomeUnknown, Change::Requeue(at)) => {
                 r.entry.status = Pending;
                 r.entry.next_attempt_at = Some(t(*at));
                 r.entry.completed_at = None;
                 r.claim = None;
+                r.attempt_in_doubt = None;
             }
             _ => return Outcome::Conflict,
         }

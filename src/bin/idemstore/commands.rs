@@ -302,7 +302,11 @@ fn outbox_list(
         // Finished, claimed, or due: the time that matters in each status.
         let at = e
             .completed_at
-            .or(r.claim.as_ref().map(|c| c.claimed_at))
+            .or(r
+                .claim
+                .as_ref()
+                .or(r.attempt_in_doubt.as_ref())
+                .map(|c| c.claimed_at))
             .unwrap_or_else(|| e.due_at());
         println!(
             "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {}",
@@ -337,6 +341,13 @@ fn print_record(r: &idemstore::OutboxRecord) {
             when(c.claimed_at, now)
         ),
         None => println!("claim            -"),
+    }
+    if let Some(c) = &r.attempt_in_doubt {
+        println!(
+            "in doubt         attempt by {} at {}",
+            c.worker_id,
+            when(c.claimed_at, now)
+        );
     }
     println!(
         "last failure     {}",

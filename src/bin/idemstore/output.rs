@@ -6,7 +6,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, SecondsFormat, Utc};
-use idemstore::{KeyEntry, KeyState, OutboxRecord, OutboxStatus, ResponseRecord};
+use idemstore::{KeyEntry, KeyState, OutboxClaim, OutboxRecord, OutboxStatus, ResponseRecord};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
@@ -105,10 +105,8 @@ pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
         "next_attempt_at": ts_opt(e.next_attempt_at),
         "created_at": ts(e.created_at),
         "completed_at": ts_opt(e.completed_at),
-        "claim": r.claim.as_ref().map(|c| json!({
-            "worker_id": c.worker_id,
-            "claimed_at": ts(c.claimed_at),
-        })),
+        "claim": r.claim.as_ref().map(claim_json),
+        "attempt_in_doubt": r.attempt_in_doubt.as_ref().map(claim_json),
         "last_failure": r.last_failure,
         "remote_ref": r.remote_ref,
         "payload_len": e.payload.len(),
@@ -117,6 +115,16 @@ pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
         v["payload"] = Value::String(b64(&e.payload));
     }
     v
+}
+
+/// Who claimed an attempt and when, as one JSON object: the claim of a
+/// dispatching entry, or the attempt an outcome-unknown entry is in doubt
+/// about.
+fn claim_json(c: &OutboxClaim) -> Value {
+    json!({
+        "worker_id": c.worker_id,
+        "claimed_at": ts(c.claimed_at),
+    })
 }
 
 /// An idempotency-key row as one JSON object; with the stored response
