@@ -1,4 +1,6 @@
-//! Every table of the store file, and the format version.
+//! Every table of the store file, the format version, and how the store
+//! opens its tables ([`open_read`], [`open_write`]: a table of ours with
+//! other types is [`Error::IncompatibleFormat`]).
 //!
 //! All tables are named under a versioned prefix (`idemstore.v1.…`) and keyed
 //! by typed tuples; no key is ever built by concatenating strings, so no
