@@ -18,11 +18,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
-    /// The storage engine (redb) or the file system failed: an I/O error, a
-    /// failed commit, a full disk. The call wrote nothing that was
-    /// acknowledged; retrying may work once the cause is fixed. After a failed
-    /// commit the store refuses further writes until it is reopened (the
-    /// reopen repairs the file).
+    /// The storage engine (redb) failed, with its own error: an I/O error, a
+    /// failed commit, a full disk, or the caller's own table opened with
+    /// other types than it was created with. The call wrote nothing that was
+    /// acknowledged; retrying may work once the cause is fixed. After a
+    /// failed commit the store refuses further writes until it is reopened
+    /// (the reopen repairs the file).
     Storage(redb::Error),
     /// The record asked for does not exist (it was never written, was purged,
     /// or the id belongs to another store file).
@@ -111,11 +112,21 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Storage(e) => write!(
-                f,
-                "storage engine error: {e}; nothing from this call was acknowledged \
-                 (after a failed commit, reopen the store to repair it)"
-            ),
+            Error::Storage(e) => {
+                write!(
+                    f,
+                    "storage engine error: {e}; nothing from this call was acknowledged"
+                )?;
+                match e {
+                    redb::Error::PreviousIo => f.write_str(
+                        " (an earlier commit failed: reopen the store to repair the file)",
+                    ),
+                    redb::Error::Io(_) | redb::Error::Backend(_) => {
+                        f.write_str(" (if a commit failed, reopen the store to repair the file)")
+                    }
+                    _ => Ok(()),
+                }
+            }
             Error::NotFound => f.write_str(
                 "no such record in the store (never written, purged, or from another store file)",
             ),
@@ -246,20 +257,34 @@ impl From<redb::StorageError> for Error {
     }
 }
 
+/// redb's own error, whatever the table: a caller's table opened with other
+/// types than it was created with is the caller's mistake, told in redb's
+/// words. The store's own tables map a clash to
+/// [`Error::IncompatibleFormat`] where they are opened (`crate::schema`).
 impl From<redb::TableError> for Error {
     fn from(e: redb::TableError) -> Self {
-        match e {
-            m @ redb::TableError::TableTypeMismatch { .. } => Error::IncompatibleFormat {
-                found: format!("a table with other types ({m})"),
-                supported: crate::schema::FORMAT_VERSION,
-            },
-            other => Error::Storage(other.into()),
-        }
+        Error::Storage(e.into())
     }
 }
 
 impl From<redb::Error> for Error {
     fn from(e: redb::Error) -> Self {
         Error::Storage(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_failed_commit_or_io_speaks_of_reopening() {
+        let previous = Error::Storage(redb::Error::PreviousIo).to_string();
+        assert!(previous.contains("reopen the store"), "{previous}");
+        let io = Error::Storage(redb::Error::Io(std::io::Error::other("disk full"))).to_string();
+        assert!(io.contains("disk full") && io.contains("reopen"), "{io}");
+        let table = Error::from(redb::TableError::TableDoesNotExist("app.t".into())).to_string();
+        assert!(table.contains("Table 'app.t' does not exist"), "{table}");
+        assert!(!table.contains("reopen"), "{table}");
     }
 }

@@ -62,8 +62,8 @@ pub use redb;
 pub use dispatch::{
     Clock, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_LEASE, DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION,
     DEFAULT_WORKERS, Delivery, DispatchStats, Dispatcher, DispatcherBuilder, DispatcherHandle,
-    Janitor, JanitorReport, LatencySummary, ManualClock, REASON_MAX_ATTEMPTS, REASON_PANIC,
-    RetryPolicy, SystemClock,
+    Janitor, JanitorReport, JanitorStats, LastError, LatencySummary, ManualClock,
+    REASON_MAX_ATTEMPTS, REASON_PANIC, RetryPolicy, SystemClock,
 };
 pub use engine::Durability;
 pub use error::{Error, Result};

@@ -1,4 +1,6 @@
-//! Every table of the store file, and the format version.
+//! Every table of the store file, the format version, and how the store
+//! opens its tables ([`open_read`], [`open_write`]: a table of ours with
+//! other types is [`Error::IncompatibleFormat`]).
 //!
 //! All tables are named under a versioned prefix (`idemstore.v1.…`) and keyed
 //! by typed tuples; no key is ever built by concatenating strings, so no
@@ -22,7 +24,12 @@
 //!   reservation time for a reserved one. Every fence token stored is below
 //!   `META_IDEM_NEXT_FENCE` in [`META`].
 
-use redb::TableDefinition;
+use redb::{
+    Key, ReadOnlyTable, ReadTransaction, Table, TableDefinition, TableError, Value,
+    WriteTransaction,
+};
+
+use crate::error::{Error, Result};
 
 /// The format this build writes and reads. A file with a larger number was
 /// written by a newer, incompatible version.
@@ -87,3 +94,72 @@ pub(crate) const IDEM_CREATED: TableDefinition<(i64, &str, &str), ()> =
 /// (not per row) so a token never repeats after a row is released, purged
 /// or expired, nor across reopens.
 pub(crate) const META_IDEM_NEXT_FENCE: &str = "idempotency.next_fence";
+
+// ---------- opening the store's tables ----------
+
+/// Opens one of the store's tables for reading; a table never written is
+/// `None`. Use it for the store's own tables only (see [`store_table_error`]).
+pub(crate) fn open_read<K: Key + 'static, V: Value + 'static>(
+    tx: &ReadTransaction,
+    def: TableDefinition<'static, K, V>,
+) -> Result<Option<ReadOnlyTable<K, V>>> {
+    match tx.open_table(def) {
+        Ok(t) => Ok(Some(t)),
+        Err(TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(store_table_error(e)),
+    }
+}
+
+/// Opens one of the store's tables for writing, creating it if needed. Use
+/// it for the store's own tables only (see [`store_table_error`]).
+pub(crate) fn open_write<'tx, K: Key + 'static, V: Value + 'static>(
+    tx: &'tx WriteTransaction,
+    def: TableDefinition<'_, K, V>,
+) -> Result<Table<'tx, K, V>> {
+    tx.open_table(def).map_err(store_table_error)
+}
+
+/// The error for one of the store's own tables that could not be opened. A
+/// table of ours with other types (or a multimap table under our name) means
+/// the file was written by an incompatible version or by something else:
+/// [`Error::IncompatibleFormat`]. Anything else is redb's error as it is.
+/// (A caller's own table keeps redb's error: `From<TableError>`.)
+pub(crate) fn store_table_error(e: TableError) -> Error {
+    match e {
+        TableError::TableTypeMismatch { .. }
+        | TableError::TypeDefinitionChanged { .. }
+        | TableError::TableIsMultimap(_) => Error::IncompatibleFormat {
+            found: format!("a store table with other types ({e})"),
+            supported: FORMAT_VERSION,
+        },
+        other => Error::from(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redb::TableHandle as _;
+    use redb::backends::InMemoryBackend;
+
+    use super::*;
+
+    #[test]
+    fn a_store_table_with_other_types_is_an_incompatible_format() {
+        let db = redb::Database::builder()
+            .create_with_backend(InMemoryBackend::new())
+            .unwrap();
+        let tx = db.begin_write().unwrap();
+        tx.open_table(TableDefinition::<u64, u64>::new(OUTBOX.name()))
+            .unwrap();
+        let err = open_write(&tx, OUTBOX).err().unwrap();
+        assert!(
+            matches!(&err, Error::IncompatibleFormat { found, .. } if found.contains(OUTBOX.name())),
+            "{err:?}"
+        );
+        tx.commit().unwrap();
+        let tx = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let err = open_read(&tx, OUTBOX).err().unwrap();
+        assert!(matches!(err, Error::IncompatibleFormat { .. }), "{err:?}");
+        assert!(open_read(&tx, OUTBOX_DUE).unwrap().is_none());
+    }
+}

@@ -5,14 +5,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redb::{StorageBackend, TableError};
+use redb::StorageBackend;
 
 use crate::engine::{Durability, Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::idempotency::IdempotencyKeys;
 use crate::inbox::{Inbox, Journal};
 use crate::outbox::Outbox;
-use crate::schema::{FORMAT_VERSION, META, META_FORMAT_VERSION};
+use crate::schema::{FORMAT_VERSION, META, META_FORMAT_VERSION, open_read, open_write};
 
 /// Default page cache: 64 MiB.
 pub const DEFAULT_CACHE_SIZE: usize = 64 * 1024 * 1024;
@@ -389,18 +389,15 @@ impl Store {
     /// moment (redb computes these in a write transaction, which is then
     /// aborted: nothing is written).
     pub fn stats(&self) -> Result<StoreStats> {
-        let format_version = self.engine.read(|tx| match tx.open_table(META) {
-            Ok(meta) => Ok(meta.get(META_FORMAT_VERSION)?.map_or(0, |v| v.value())),
-            Err(TableError::TableDoesNotExist(_)) => Ok(0),
-            Err(e) => Err(Error::from(e)),
+        let format_version = self.engine.read(|tx| -> Result<u64> {
+            match open_read(tx, META)? {
+                Some(meta) => Ok(meta.get(META_FORMAT_VERSION)?.map_or(0, |v| v.value())),
+                None => Ok(0),
+            }
         })?;
         let s = self.engine.inspect_write(|tx| Ok(tx.stats()?))?;
         let file_bytes = match self.path() {
-            Some(p) => Some(
-                std::fs::metadata(p)
-                    .map_err(|e| Error::Storage(redb::Error::Io(e)))?
-                    .len(),
-            ),
+            Some(p) => Some(std::fs::metadata(p).map_err(Error::Io)?.len()),
             None => None,
         };
         Ok(StoreStats {
@@ -436,11 +433,9 @@ impl Store {
 
     /// Checks (and on a new file, writes) the format version.
     fn check_format(engine: &Engine) -> Result<()> {
-        let found = engine.read(|tx| {
-            let meta = match tx.open_table(META) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
-                Err(e) => return Err(Error::from(e)),
+        let found = engine.read(|tx| -> Result<Option<Option<u64>>> {
+            let Some(meta) = open_read(tx, META)? else {
+                return Ok(None);
             };
             let version = meta.get(META_FORMAT_VERSION)?.map(|v| v.value());
             Ok(Some(version))
@@ -465,8 +460,7 @@ impl Store {
                         supported: FORMAT_VERSION,
                     });
                 }
-                tx.open_table(META)?
-                    .insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
+                open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
                 Ok(())
             }),
         }

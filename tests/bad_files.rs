@@ -120,6 +120,79 @@ fn a_foreign_redb_file_with_clashing_tables_is_incompatible() -> Result<()> {
 }
 
 #[test]
+fn a_callers_table_opened_with_other_types_gets_redbs_own_error() -> Result<()> {
+    const CREATED: TableDefinition<&str, u64> = TableDefinition::new("app.balances");
+    const MISREAD: TableDefinition<u64, u64> = TableDefinition::new("app.balances");
+    let store = Store::in_memory()?;
+    store.write(|tx| {
+        tx.open_table(CREATED)?.insert("alice", 10)?;
+        Ok::<_, Error>(())
+    })?;
+    let written = store
+        .write(|tx| {
+            tx.open_table(MISREAD)?.insert(1, 2)?;
+            Ok::<_, Error>(())
+        })
+        .expect_err("other types than the table was created with");
+    let read = store
+        .read(|tx| {
+            tx.open_table(MISREAD)?;
+            Ok::<_, Error>(())
+        })
+        .expect_err("other types than the table was created with");
+    for err in [written, read] {
+        assert!(matches!(err, Error::Storage(_)), "{err:?}");
+        let redb_says = std::error::Error::source(&err)
+            .expect("the engine's error is the source")
+            .to_string();
+        assert!(redb_says.contains("app.balances"), "{redb_says}");
+        let msg = err.to_string();
+        assert!(msg.contains(&redb_says), "{msg}");
+        assert!(!msg.contains("incompatible store format"), "{msg}");
+        assert!(!msg.contains("reopen"), "{msg}");
+    }
+    // The caller's mistake broke nothing.
+    assert!(store.inbox("i")?.claim("k", Utc::now())?);
+    Ok(())
+}
+
+#[test]
+fn a_store_table_with_other_types_is_an_incompatible_format() -> Result<()> {
+    let store = Store::in_memory()?;
+    // Tables under the store's names, with other types than the store's.
+    store.write(|tx| {
+        tx.open_table(TableDefinition::<u64, u64>::new("idemstore.v1.outbox"))?
+            .insert(1, 2)?;
+        tx.open_table(TableDefinition::<u64, u64>::new("idemstore.v1.inbox"))?
+            .insert(1, 2)?;
+        Ok::<_, Error>(())
+    })?;
+    let outbox = store.outbox();
+    let inbox = store.inbox("i")?;
+    let errors = [
+        outbox
+            .get(idemstore::OutboxId(1))
+            .expect_err("a read of the outbox"),
+        outbox
+            .enqueue(NewEntry::new("c", "d", "k", b"p".to_vec()), Utc::now())
+            .expect_err("a write to the outbox"),
+        inbox.seen("k").expect_err("a read of the inbox"),
+        inbox
+            .claim("k", Utc::now())
+            .expect_err("a write to the inbox"),
+    ];
+    for err in errors {
+        match &err {
+            Error::IncompatibleFormat { found, .. } => {
+                assert!(found.contains("idemstore.v1."), "{found}");
+            }
+            other => panic!("expected IncompatibleFormat, got {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn a_corrupted_inbox_row_is_reported_not_panicked() -> Result<()> {
     let store = Store::in_memory()?;
     let inbox = store.inbox("i")?;

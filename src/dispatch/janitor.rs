@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, select};
 
 use super::clock::Clock;
+use super::stats::LastError;
 use crate::error::Result;
 use crate::idempotency::IdempotencyKeys;
 use crate::inbox::Inbox;
@@ -40,6 +41,26 @@ pub struct JanitorReport {
     pub inbox_pruned: u64,
     /// Expired idempotency records purged.
     pub keys_purged: u64,
+}
+
+/// What the janitor of a running dispatcher has done so far: its runs, the
+/// last run's report and the last failed run's error, each with its time by
+/// the dispatcher's clock. Part of
+/// [`DispatchStats::janitor`](super::DispatchStats::janitor).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct JanitorStats {
+    /// Runs that succeeded.
+    pub runs: u64,
+    /// Runs that failed (each task is tried again at the next run). Also
+    /// counted in [`DispatchStats::store_errors`](super::DispatchStats::store_errors).
+    pub failures: u64,
+    /// When the last successful run started.
+    pub last_run_at: Option<DateTime<Utc>>,
+    /// What the last successful run removed.
+    pub last_report: Option<JanitorReport>,
+    /// The last failed run's error (`during` is `"janitor"`).
+    pub last_error: Option<LastError>,
 }
 
 impl Janitor {
@@ -97,8 +118,14 @@ impl Janitor {
     }
 
     /// The loop a dispatcher runs: a run at start, then one per interval,
-    /// until `stop` closes. Errors are retried at the next run.
-    pub(crate) fn run(&self, clock: &dyn Clock, stop: &Receiver<()>) {
+    /// until `stop` closes; each run's time and outcome go to `record`.
+    /// Errors are retried at the next run.
+    pub(crate) fn run(
+        &self,
+        clock: &dyn Clock,
+        stop: &Receiver<()>,
+        record: &dyn Fn(DateTime<Utc>, &Result<JanitorReport>),
+    ) {
         let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
         let period = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
         let changes = clock.changes().unwrap_or_else(crossbeam_channel::never);
@@ -106,7 +133,7 @@ impl Janitor {
         loop {
             let now = clock.now();
             if now >= next {
-                let _ = self.run_once(now);
+                record(now, &self.run_once(now));
                 next = now
                     .checked_add_signed(period)
                     .unwrap_or(DateTime::<Utc>::MAX_UTC);

@@ -16,6 +16,17 @@
 //! outcome (its settlement is refused and counted in
 //! [`DispatchStats::fenced`]).
 //!
+//! # Errors
+//!
+//! A failed store call never stops a thread: the worker, the reaper or the
+//! janitor backs off and tries again. Each failure is counted in
+//! [`DispatchStats::store_errors`] and kept, with its time by the
+//! dispatcher's clock and what failed, in [`DispatchStats::last_error`]; the
+//! janitor's runs and its last error are in [`DispatchStats::janitor`]. A
+//! thread that panics (a [`Clock`] that panicked: a panicking `send` is
+//! caught and retried) is kept there too, and its join in
+//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`].
+//!
 //! # Wake-ups
 //!
 //! No polling: an idle worker sleeps until the earliest due entry
@@ -27,7 +38,7 @@ mod janitor;
 mod retry;
 mod stats;
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -40,10 +51,12 @@ use crate::error::{Error, Result};
 use crate::outbox::{Fence, MAX_OUTBOX_FIELD_LEN, Outbox, OutboxEntry, Settlement};
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use janitor::{DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION, Janitor, JanitorReport};
+pub use janitor::{
+    DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION, Janitor, JanitorReport, JanitorStats,
+};
 pub use retry::RetryPolicy;
 use stats::{Counters, bump};
-pub use stats::{DispatchStats, LatencySummary};
+pub use stats::{DispatchStats, LastError, LatencySummary};
 
 /// What one `send` did, as the `send` function reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,7 +192,9 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Runs `janitor` on its schedule beside the workers. Default: none.
+    /// Runs `janitor` on its schedule beside the workers; its runs, last
+    /// report and last error are in [`DispatchStats::janitor`]. Default:
+    /// none.
     pub fn janitor(mut self, janitor: Janitor) -> Self {
         self.janitor = Some(janitor);
         self
@@ -204,45 +219,83 @@ impl DispatcherBuilder {
             batch_size: self.batch_size,
             lease: self.lease,
             stopping: AtomicBool::new(false),
-            counters: Counters::default(),
+            counters: Counters::new(self.janitor.is_some()),
         });
-        let mut threads = Vec::new();
-        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(f)
-                .map_err(|e| Error::Storage(redb::Error::Io(e)))
+        // From here on, an early return drops the handle, which stops and
+        // joins the threads already started.
+        let mut handle = DispatcherHandle {
+            ctx: ctx.clone(),
+            stop: Some(stop_tx),
+            threads: Vec::new(),
         };
         // The reaper first, so a restart releases a crashed run's claims
         // before the workers look for work.
         {
-            let (ctx, stop) = (ctx.clone(), stop_rx.clone());
-            threads.push(spawn(
+            let (c, stop) = (ctx.clone(), stop_rx.clone());
+            handle.threads.push(spawn(
+                &ctx,
                 "idemstore-reaper".into(),
-                Box::new(move || reaper(&ctx, &stop)),
+                REAPER_THREAD,
+                Box::new(move || reaper(&c, &stop)),
             )?);
         }
         for i in 0..self.workers {
-            let (ctx, stop) = (ctx.clone(), stop_rx.clone());
+            let (c, stop) = (ctx.clone(), stop_rx.clone());
             let id = format!("{}-{i}", self.worker_id);
-            threads.push(spawn(
+            handle.threads.push(spawn(
+                &ctx,
                 format!("idemstore-{id}"),
-                Box::new(move || worker(&ctx, &id, &stop)),
+                WORKER_THREAD,
+                Box::new(move || worker(&c, &id, &stop)),
             )?);
         }
         if let Some(janitor) = self.janitor {
-            let (clock, stop) = (ctx.clock.clone(), stop_rx.clone());
-            threads.push(spawn(
+            let (c, stop) = (ctx.clone(), stop_rx.clone());
+            handle.threads.push(spawn(
+                &ctx,
                 "idemstore-janitor".into(),
-                Box::new(move || janitor.run(&*clock, &stop)),
+                JANITOR_THREAD,
+                Box::new(move || {
+                    janitor.run(&*c.clock, &stop, &|at, outcome| {
+                        c.counters.janitor_run(at, outcome);
+                    });
+                }),
             )?);
         }
-        Ok(DispatcherHandle {
-            ctx,
-            stop: Some(stop_tx),
-            threads,
-        })
+        Ok(handle)
     }
+}
+
+/// What a worker thread was when it panicked ([`Error::Panicked`]'s `during`).
+const WORKER_THREAD: &str = "a dispatcher worker thread";
+/// What the reaper thread was when it panicked.
+const REAPER_THREAD: &str = "the dispatcher's reaper thread";
+/// What the janitor thread was when it panicked.
+const JANITOR_THREAD: &str = "the dispatcher's janitor thread";
+
+/// Starts one of the dispatcher's threads. A panic in it is kept as the
+/// last error, then goes on to end the thread (its join reports it).
+fn spawn(
+    ctx: &Arc<Ctx>,
+    name: String,
+    during: &'static str,
+    body: Box<dyn FnOnce() + Send>,
+) -> Result<(&'static str, JoinHandle<()>)> {
+    let ctx = ctx.clone();
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(body)) {
+                // The clock may be what panicked: then the system's time.
+                let at = catch_unwind(AssertUnwindSafe(|| ctx.clock.now()))
+                    .unwrap_or_else(|_| Utc::now());
+                let error = Error::panicked(during, &*payload);
+                ctx.counters.last_error(LastError::new(at, during, &error));
+                resume_unwind(payload);
+            }
+        })
+        .map(|thread| (during, thread))
+        .map_err(Error::Io)
 }
 
 /// A running dispatcher. Dropping it shuts it down too (and waits), but
@@ -250,7 +303,8 @@ impl DispatcherBuilder {
 pub struct DispatcherHandle {
     ctx: Arc<Ctx>,
     stop: Option<Sender<()>>,
-    threads: Vec<JoinHandle<()>>,
+    /// Each thread, with what it is ([`Error::Panicked`]'s `during`).
+    threads: Vec<(&'static str, JoinHandle<()>)>,
 }
 
 impl std::fmt::Debug for DispatcherHandle {
@@ -263,7 +317,8 @@ impl std::fmt::Debug for DispatcherHandle {
 }
 
 impl DispatcherHandle {
-    /// What the dispatcher did so far.
+    /// What the dispatcher did so far, its last error and its janitor's
+    /// runs.
     pub fn stats(&self) -> DispatchStats {
         self.ctx.counters.snapshot()
     }
@@ -271,7 +326,8 @@ impl DispatcherHandle {
     /// Stops claiming, lets the sends in progress finish and settles them,
     /// gives the rest of each claimed batch back (`Pending`, due now), and
     /// returns once every thread has stopped. A clean shutdown leaves no
-    /// entry `Dispatching`.
+    /// entry `Dispatching`. If a thread had panicked, [`Error::Panicked`]
+    /// (for the first one joined; the others were still joined).
     pub fn shutdown(mut self) -> Result<()> {
         self.stop_and_join()
     }
@@ -279,16 +335,13 @@ impl DispatcherHandle {
     fn stop_and_join(&mut self) -> Result<()> {
         self.ctx.stopping.store(true, Ordering::SeqCst);
         drop(self.stop.take());
-        let mut panicked = false;
-        for t in self.threads.drain(..) {
-            panicked |= t.join().is_err();
+        let mut first_panic = None;
+        for (during, thread) in self.threads.drain(..) {
+            if let Err(payload) = thread.join() {
+                first_panic.get_or_insert_with(|| Error::panicked(during, &*payload));
+            }
         }
-        if panicked {
-            return Err(Error::conflict(
-                "a dispatcher thread panicked; see its panic message",
-            ));
-        }
-        Ok(())
+        first_panic.map_or(Ok(()), Err)
     }
 }
 
@@ -342,9 +395,14 @@ impl Ctx {
         }
     }
 
-    /// Backs off after a store error.
-    fn back_off(&self, stop: &Receiver<()>) -> bool {
-        bump(&self.counters.store_errors, 1);
+    /// Counts and keeps a failed store call.
+    fn store_error(&self, during: &'static str, error: &Error) {
+        self.counters.store_error(self.clock.now(), during, error);
+    }
+
+    /// Backs off after a failed store call (counted and kept).
+    fn back_off(&self, during: &'static str, error: &Error, stop: &Receiver<()>) -> bool {
+        self.store_error(during, error);
         select! {
             recv(stop) -> _ => false,
             default(Duration::from_millis(100)) => !self.stopping(),
@@ -380,20 +438,26 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
             // The call wrote nothing: the settlements are kept and offered
             // again (settling the same attempt the same way twice is
             // accepted).
-            Err(_) => Err(Error::Closed),
+            Err(e) => Err(e),
         };
-        let Ok(entries) = claimed else {
-            if !ctx.back_off(stop) {
-                break;
-            }
-            continue;
-        };
-        if entries.is_empty() {
-            let Ok(next) = ctx.outbox.next_due() else {
-                if !ctx.back_off(stop) {
+        let entries = match claimed {
+            Ok(entries) => entries,
+            Err(e) => {
+                if !ctx.back_off("claim", &e, stop) {
                     break;
                 }
                 continue;
+            }
+        };
+        if entries.is_empty() {
+            let next = match ctx.outbox.next_due() {
+                Ok(next) => next,
+                Err(e) => {
+                    if !ctx.back_off("next_due", &e, stop) {
+                        break;
+                    }
+                    continue;
+                }
             };
             if !ctx.wait(next, IDLE_CAP, &wake, &changes, stop) {
                 break;
@@ -406,14 +470,21 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
     if !settlements.is_empty() {
         match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
             Ok(settled) => count_fenced(ctx, &settled),
-            Err(_) => bump(&ctx.counters.store_errors, 1),
+            Err(e) => ctx.store_error("settle", &e),
         }
     }
 }
 
+/// Counts the settlements refused by their fence (the entry moved on, or
+/// was purged since); any other failure of a settlement is a store error.
 fn count_fenced(ctx: &Ctx, settled: &[Result<()>]) {
-    let fenced = settled.iter().filter(|r| r.is_err()).count();
-    bump(&ctx.counters.fenced, fenced as u64);
+    for outcome in settled {
+        match outcome {
+            Ok(()) => {}
+            Err(Error::Conflict { .. } | Error::NotFound) => bump(&ctx.counters.fenced, 1),
+            Err(e) => ctx.store_error("settle", e),
+        }
+    }
 }
 
 /// Sends each entry of a claimed batch; returns how to settle each.
@@ -527,7 +598,7 @@ fn reaper(ctx: &Ctx, stop: &Receiver<()>) {
             .unwrap_or(DateTime::<Utc>::MIN_UTC);
         match ctx.outbox.release_expired_claims(cutoff) {
             Ok(ids) => bump(&ctx.counters.released, ids.len() as u64),
-            Err(_) => bump(&ctx.counters.store_errors, 1),
+            Err(e) => ctx.counters.store_error(now, "reaper", &e),
         }
         if !ctx.wait(
             None,

@@ -3,10 +3,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use parking_lot::Mutex;
 
-/// Counters of a running dispatcher, and its enqueue→send latency.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+use super::janitor::{JanitorReport, JanitorStats};
+use crate::error::Error;
+
+/// Counters of a running dispatcher, its enqueue→send latency, and the last
+/// error its threads ran into.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct DispatchStats {
     /// Sends that returned [`Delivery::Delivered`](super::Delivery::Delivered).
@@ -26,11 +31,50 @@ pub struct DispatchStats {
     pub released: u64,
     /// Entries given back unsent at shutdown.
     pub returned: u64,
-    /// Store calls that failed (the dispatcher backs off and carries on).
+    /// Store calls that failed, in the workers, the reaper and the janitor
+    /// (each backs off and carries on), and settlements that failed for
+    /// another reason than a fence.
     pub store_errors: u64,
     /// Time from an entry's enqueue (its `created_at`) to the start of its
     /// first send, for entries due at once.
     pub latency: LatencySummary,
+    /// The last error of any of the dispatcher's threads (a failed store
+    /// call, or a thread that panicked), with its time; `None` while there
+    /// was none. It stays after the dispatcher recovers: compare its time.
+    pub last_error: Option<LastError>,
+    /// What the janitor did, when the dispatcher runs one
+    /// ([`DispatcherBuilder::janitor`](super::DispatcherBuilder::janitor)).
+    pub janitor: Option<JanitorStats>,
+}
+
+/// An error a dispatcher's thread ran into, when, and what it was doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LastError {
+    /// When, by the dispatcher's clock (the system clock when the clock
+    /// itself panicked).
+    pub at: DateTime<Utc>,
+    /// What failed. A worker's store calls: `"claim"` (claiming the next
+    /// batch, which commits the last batch's settlements with it),
+    /// `"settle"` (a settlement that failed on its own, or the last one at
+    /// shutdown), `"next_due"` (looking for the next due time); the
+    /// reaper's `"reaper"`; the janitor's `"janitor"`. A thread that
+    /// panicked: `"a dispatcher worker thread"`, `"the dispatcher's reaper
+    /// thread"`, `"the dispatcher's janitor thread"` (the same words as the
+    /// [`Error::Panicked`] its join returns).
+    pub during: &'static str,
+    /// The error, as its `Display` reads.
+    pub message: String,
+}
+
+impl LastError {
+    pub(crate) fn new(at: DateTime<Utc>, during: &'static str, error: &Error) -> Self {
+        LastError {
+            at,
+            during,
+            message: error.to_string(),
+        }
+    }
 }
 
 /// Percentiles of a latency distribution (about 12 % precision).
@@ -140,6 +184,9 @@ pub(crate) struct Counters {
     pub(crate) returned: AtomicU64,
     pub(crate) store_errors: AtomicU64,
     pub(crate) latency: Mutex<Histogram>,
+    last_error: Mutex<Option<LastError>>,
+    /// `Some` when the dispatcher runs a janitor.
+    janitor: Mutex<Option<JanitorStats>>,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
@@ -147,6 +194,45 @@ pub(crate) fn bump(c: &AtomicU64, n: u64) {
 }
 
 impl Counters {
+    /// Counters for a dispatcher, with a janitor's or without.
+    pub(crate) fn new(with_janitor: bool) -> Self {
+        Counters {
+            janitor: Mutex::new(with_janitor.then(JanitorStats::default)),
+            ..Counters::default()
+        }
+    }
+
+    /// Counts a failed store call and keeps it as the last error.
+    pub(crate) fn store_error(&self, at: DateTime<Utc>, during: &'static str, error: &Error) {
+        bump(&self.store_errors, 1);
+        self.last_error(LastError::new(at, during, error));
+    }
+
+    /// Keeps `error` as the last error.
+    pub(crate) fn last_error(&self, error: LastError) {
+        *self.last_error.lock() = Some(error);
+    }
+
+    /// Notes a janitor run that ran at `at`.
+    pub(crate) fn janitor_run(&self, at: DateTime<Utc>, outcome: &Result<JanitorReport, Error>) {
+        if let Err(e) = outcome {
+            self.store_error(at, "janitor", e);
+        }
+        if let Some(stats) = self.janitor.lock().as_mut() {
+            match outcome {
+                Ok(report) => {
+                    stats.runs += 1;
+                    stats.last_run_at = Some(at);
+                    stats.last_report = Some(*report);
+                }
+                Err(e) => {
+                    stats.failures += 1;
+                    stats.last_error = Some(LastError::new(at, "janitor", e));
+                }
+            }
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> DispatchStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         DispatchStats {
@@ -160,6 +246,8 @@ impl Counters {
             returned: get(&self.returned),
             store_errors: get(&self.store_errors),
             latency: self.latency.lock().summary(),
+            last_error: self.last_error.lock().clone(),
+            janitor: self.janitor.lock().clone(),
         }
     }
 }

@@ -1,15 +1,15 @@
 //! Inspection: listing the rows and checking them against the expiry index.
 
 use chrono::{DateTime, Utc};
-use redb::{ReadableTable, TableError, TableHandle as _};
+use redb::{ReadableTable, TableHandle as _};
 
 use super::IdempotencyKeys;
 use super::raw::{self, key_name};
 use super::record::{Row, check_key, check_tenant};
 use super::types::{KeyEntry, ResponseRecord, key_entry, to_response};
 use crate::codec::from_micros;
-use crate::error::{Error, Result};
-use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE};
+use crate::error::Result;
+use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_read};
 
 impl IdempotencyKeys {
     /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
@@ -19,10 +19,8 @@ impl IdempotencyKeys {
             check_tenant(t)?;
         }
         self.engine.read(|tx| {
-            let rows = match tx.open_table(IDEM) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-                Err(e) => return Err(e.into()),
+            let Some(rows) = open_read(tx, IDEM)? else {
+                return Ok(Vec::new());
             };
             let mut out = Vec::new();
             for entry in rows.range((tenant.unwrap_or(""), "")..)? {
@@ -60,10 +58,8 @@ impl IdempotencyKeys {
     pub fn summary(&self) -> Result<KeySummary> {
         self.engine.read(|tx| {
             let mut out = KeySummary::default();
-            let rows = match tx.open_table(IDEM) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(out),
-                Err(e) => return Err(Error::from(e)),
+            let Some(rows) = open_read(tx, IDEM)? else {
+                return Ok(out);
             };
             for entry in rows.iter()? {
                 let (k, v) = entry?;
@@ -73,7 +69,7 @@ impl IdempotencyKeys {
                     Row::Reserved { .. } => out.reserved += 1,
                 }
             }
-            if let Ok(index) = tx.open_table(IDEM_CREATED)
+            if let Some(index) = open_read(tx, IDEM_CREATED)?
                 && let Some((k, _)) = index.first()?
             {
                 let (at, t, key) = k.value();
@@ -90,20 +86,11 @@ impl IdempotencyKeys {
     pub fn check_indexes(&self) -> Result<Vec<String>> {
         self.engine.read(|tx| {
             let mut findings = Vec::new();
-            let rows = match tx.open_table(IDEM) {
-                Ok(t) => Some(t),
-                Err(TableError::TableDoesNotExist(_)) => None,
-                Err(e) => return Err(Error::from(e)),
-            };
-            let index = match tx.open_table(IDEM_CREATED) {
-                Ok(t) => Some(t),
-                Err(TableError::TableDoesNotExist(_)) => None,
-                Err(e) => return Err(Error::from(e)),
-            };
-            let next_fence = match tx.open_table(META) {
-                Ok(m) => m.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value()),
-                Err(TableError::TableDoesNotExist(_)) => 1,
-                Err(e) => return Err(Error::from(e)),
+            let rows = open_read(tx, IDEM)?;
+            let index = open_read(tx, IDEM_CREATED)?;
+            let next_fence = match open_read(tx, META)? {
+                Some(m) => m.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value()),
+                None => 1,
             };
             if let Some(rows) = &rows {
                 for entry in rows.iter()? {

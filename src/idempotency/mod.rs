@@ -50,12 +50,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use redb::{TableError, TableHandle as _, WriteTransaction};
+use redb::{TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::schema::IDEM;
+use crate::schema::{IDEM, open_read};
 
 pub use inspect::KeySummary;
 use raw::{Began, Look, key_name};
@@ -436,10 +436,8 @@ impl IdempotencyKeys {
 
     pub(super) fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
         self.engine.read(|tx| {
-            let table = match tx.open_table(IDEM) {
-                Ok(t) => t,
-                Err(TableError::TableDoesNotExist(_)) => return Ok(None),
-                Err(e) => return Err(e.into()),
+            let Some(table) = open_read(tx, IDEM)? else {
+                return Ok(None);
             };
             raw::read_row(&table, tenant, key)
         })

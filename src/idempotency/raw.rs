@@ -6,12 +6,12 @@
 //! rule for queued operations), and it computes its writes from the
 //! transaction's state and its arguments only (it may be run twice).
 
-use redb::{ReadableTable, TableError, TableHandle as _, WriteTransaction};
+use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
 use super::record::Row;
 use crate::codec::{decode, encode};
 use crate::error::Result;
-use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE};
+use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_write};
 
 /// How a row's key is printed in errors.
 pub(crate) fn key_name(tenant: &str, key: &str) -> String {
@@ -106,7 +106,7 @@ pub(crate) fn begin(
     expired_before: i64,
     lease_until: i64,
 ) -> Result<Began> {
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     let old = read_row(&rows, tenant, key)?;
     let old_at = old.as_ref().map(Row::created_at);
     let (takeover, expired) = match decide(old, fingerprint, now, expired_before) {
@@ -132,7 +132,7 @@ pub(crate) fn begin(
 
 /// Takes the next fence token (store-wide, starting at 1, never reused).
 fn next_fence(tx: &WriteTransaction) -> Result<u64> {
-    let mut meta = tx.open_table(META)?;
+    let mut meta = open_write(tx, META)?;
     let fence = meta.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value());
     meta.insert(META_IDEM_NEXT_FENCE, fence + 1)?;
     Ok(fence)
@@ -149,7 +149,7 @@ fn reindex(
     if old == new {
         return Ok(());
     }
-    let mut index = tx.open_table(IDEM_CREATED)?;
+    let mut index = open_write(tx, IDEM_CREATED)?;
     if let Some(at) = old {
         index.remove((at, tenant, key))?;
     }
@@ -168,7 +168,7 @@ pub(crate) fn complete(
     key: &str,
     response: &Row,
 ) -> Result<bool> {
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok(false);
     };
@@ -191,7 +191,7 @@ pub(crate) fn complete(
 /// Frees the reservation with `fence`; anything else at the key (a newer
 /// reservation, a response) is left alone. `true` if it freed the key.
 pub(crate) fn release(tx: &WriteTransaction, tenant: &str, key: &str, fence: u64) -> Result<bool> {
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok(false);
     };
@@ -216,7 +216,7 @@ pub(crate) fn put(
     expired_before: i64,
 ) -> Result<bool> {
     let now = row.created_at();
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     let old = read_row(&rows, tenant, key)?;
     let live = match &old {
         None => false,
@@ -256,7 +256,7 @@ pub(crate) fn delete_expired(
     key: &str,
     cutoff: i64,
 ) -> Result<(bool, Option<Row>)> {
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok((false, None));
     };
@@ -281,11 +281,7 @@ pub(crate) fn purge_chunk(
     cutoff: i64,
     limit: usize,
 ) -> Result<(u64, PurgeCursor)> {
-    let mut index = match tx.open_table(IDEM_CREATED) {
-        Ok(t) => t,
-        Err(TableError::TableDoesNotExist(_)) => return Ok((0, None)),
-        Err(e) => return Err(e.into()),
-    };
+    let mut index = open_write(tx, IDEM_CREATED)?;
     let mut candidates: Vec<(i64, String, String)> = Vec::new();
     let mut more = false;
     {
@@ -305,7 +301,7 @@ pub(crate) fn purge_chunk(
             candidates.push((at, tenant.to_owned(), key.to_owned()));
         }
     }
-    let mut rows = tx.open_table(IDEM)?;
+    let mut rows = open_write(tx, IDEM)?;
     // Decide everything before writing anything.
     let mut doomed: Vec<(bool, usize)> = Vec::new();
     for (i, (at, tenant, key)) in candidates.iter().enumerate() {

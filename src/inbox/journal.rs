@@ -43,11 +43,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
-use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, TableError, WriteTransaction};
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
 use crate::engine::after_commit;
 use crate::error::Result;
-use crate::schema::{INBOX, INBOX_LOG, INBOX_SEEN};
+use crate::schema::{INBOX, INBOX_LOG, INBOX_SEEN, open_read, open_write};
 
 /// A journal table, as a write or a read transaction opened it.
 pub(crate) trait Log: ReadableTable<(&'static str, u64), (&'static str, i64)> {}
@@ -79,10 +79,8 @@ impl Journal {
             merge_at,
             ..Journal::default()
         };
-        let log = match tx.open_table(INBOX_LOG) {
-            Ok(t) => t,
-            Err(TableError::TableDoesNotExist(_)) => return Ok(journal),
-            Err(e) => return Err(e.into()),
+        let Some(log) = open_read(tx, INBOX_LOG)? else {
+            return Ok(journal);
         };
         let mut next = 0;
         {
@@ -177,14 +175,14 @@ pub(crate) fn claim(
     at: i64,
 ) -> Result<Claimed> {
     if let Some(id) = journal.hint(name, key)
-        && journaled_at(&tx.open_table(INBOX_LOG)?, name, id, key)?.is_some()
+        && journaled_at(&open_write(tx, INBOX_LOG)?, name, id, key)?.is_some()
     {
         return Ok(Claimed::Before);
     }
     let Some(merge_at) = journal.merge_at else {
         // Insert first and look at what was there: one B-tree walk on a
         // first delivery. A duplicate puts its original time back.
-        let mut ledger = tx.open_table(INBOX)?;
+        let mut ledger = open_write(tx, INBOX)?;
         let earlier = ledger.insert((name, key), at)?.map(|v| v.value());
         if let Some(earlier) = earlier {
             ledger.insert((name, key), earlier)?;
@@ -192,10 +190,10 @@ pub(crate) fn claim(
         }
         return Ok(Claimed::InLedger);
     };
-    if tx.open_table(INBOX)?.get((name, key))?.is_some() {
+    if open_write(tx, INBOX)?.get((name, key))?.is_some() {
         return Ok(Claimed::Before);
     }
-    let mut log = tx.open_table(INBOX_LOG)?;
+    let mut log = open_write(tx, INBOX_LOG)?;
     let id = journal.next_id.fetch_add(1, Ordering::Relaxed);
     journal.note(name, key, id);
     log.insert((name, id), (key, at))?;
@@ -209,7 +207,7 @@ pub(crate) fn claim(
 /// Moves every journal row into the ledger, in key order, and writes their
 /// `seen_at` rows and counts.
 pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()> {
-    let mut log = tx.open_table(INBOX_LOG)?;
+    let mut log = open_write(tx, INBOX_LOG)?;
     let mut rows = Vec::with_capacity(usize::try_from(log.len()?).unwrap_or(0));
     for row in log.iter()? {
         let (k, v) = row?;
@@ -221,11 +219,11 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
     }
     rows.sort_unstable();
     {
-        let mut ledger = tx.open_table(INBOX)?;
+        let mut ledger = open_write(tx, INBOX)?;
         for (name, key, at, _) in &rows {
             ledger.insert((name.as_str(), key.as_str()), *at)?;
         }
-        let mut seen = tx.open_table(INBOX_SEEN)?;
+        let mut seen = open_write(tx, INBOX_SEEN)?;
         for (name, key, at, _) in &rows {
             seen.insert((name.as_str(), *at, key.as_str()), ())?;
         }

@@ -18,12 +18,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use redb::{ReadTransaction, ReadableTable, TableError, WriteTransaction};
+use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result, check_len};
-use crate::schema::{INBOX, INBOX_COUNT, INBOX_LOG, INBOX_SEEN};
+use crate::schema::{INBOX, INBOX_COUNT, INBOX_LOG, INBOX_SEEN, open_read, open_write};
 
 pub(crate) use journal::Journal;
 
@@ -337,18 +337,6 @@ impl Inbox {
     }
 }
 
-/// Opens a table for reading; a table never written is `None`.
-fn open_read<K: redb::Key + 'static, V: redb::Value + 'static>(
-    tx: &ReadTransaction,
-    def: redb::TableDefinition<'static, K, V>,
-) -> Result<Option<redb::ReadOnlyTable<K, V>>> {
-    match tx.open_table(def) {
-        Ok(t) => Ok(Some(t)),
-        Err(TableError::TableDoesNotExist(_)) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The names of the inboxes holding at least one key, in name order (from
 /// the count table, one row per inbox with keys in the ledger, and the
 /// journal).
@@ -515,7 +503,7 @@ fn claim_raw(
         // Its `seen_at` row and count are written when the journal is merged.
         journal::Claimed::Journaled => Ok(true),
         journal::Claimed::InLedger => {
-            tx.open_table(INBOX_SEEN)?.insert((name, at, key), ())?;
+            open_write(tx, INBOX_SEEN)?.insert((name, at, key), ())?;
             add_count(tx, name, 1)?;
             Ok(true)
         }
@@ -530,7 +518,7 @@ fn prune_raw(
 ) -> Result<u64> {
     // Pruning works on the ledger: move the journal there first.
     journal::merge(tx, journal)?;
-    let mut index = tx.open_table(INBOX_SEEN)?;
+    let mut index = open_write(tx, INBOX_SEEN)?;
     let doomed: Vec<(i64, String)> = index
         .range((name, i64::MIN, "")..(name, cutoff, ""))?
         .map(|row| {
@@ -543,7 +531,7 @@ fn prune_raw(
     if doomed.is_empty() {
         return Ok(0);
     }
-    let mut rows = tx.open_table(INBOX)?;
+    let mut rows = open_write(tx, INBOX)?;
     for (at, key) in &doomed {
         index.remove((name, *at, key.as_str()))?;
         rows.remove((name, key.as_str()))?;
@@ -554,7 +542,7 @@ fn prune_raw(
 }
 
 fn add_count(tx: &WriteTransaction, name: &str, delta: i64) -> Result<()> {
-    let mut counts = tx.open_table(INBOX_COUNT)?;
+    let mut counts = open_write(tx, INBOX_COUNT)?;
     let current = counts.get(name)?.map_or(0, |v| v.value());
     let next = current.saturating_add_signed(delta);
     if next == 0 {

@@ -26,17 +26,17 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use redb::{
-    Key, ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition, TableError,
-    TableHandle as _, Value, WriteTransaction,
+    ReadTransaction, ReadableTable, Table, TableDefinition, TableHandle as _, WriteTransaction,
 };
 
 use super::OutboxStatus;
 use super::record::Stored;
 use crate::codec::encode;
 use crate::error::{Error, Result};
+pub(super) use crate::schema::open_read;
 use crate::schema::{
     META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT,
-    OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED,
+    OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
 };
 
 /// The status-dependent index keys of a record: `(due, claimed, finished)`.
@@ -71,13 +71,13 @@ pub(super) struct Tables<'tx> {
 impl<'tx> Tables<'tx> {
     pub(super) fn open(tx: &'tx WriteTransaction) -> Result<Tables<'tx>> {
         Ok(Tables {
-            rows: tx.open_table(OUTBOX)?,
-            due: tx.open_table(OUTBOX_DUE)?,
-            claimed: tx.open_table(OUTBOX_CLAIMED)?,
-            dedup: tx.open_table(OUTBOX_DEDUP)?,
-            by_command: tx.open_table(OUTBOX_BY_COMMAND)?,
-            finished: tx.open_table(OUTBOX_FINISHED)?,
-            count: tx.open_table(OUTBOX_COUNT)?,
+            rows: open_write(tx, OUTBOX)?,
+            due: open_write(tx, OUTBOX_DUE)?,
+            claimed: open_write(tx, OUTBOX_CLAIMED)?,
+            dedup: open_write(tx, OUTBOX_DEDUP)?,
+            by_command: open_write(tx, OUTBOX_BY_COMMAND)?,
+            finished: open_write(tx, OUTBOX_FINISHED)?,
+            count: open_write(tx, OUTBOX_COUNT)?,
             deltas: [0; 5],
         })
     }
@@ -204,18 +204,6 @@ impl<'tx> Tables<'tx> {
 /// The next outbox id to hand out (ids start at 1 and only grow).
 pub(super) fn next_id(meta: &Table<'_, &'static str, u64>) -> Result<u64> {
     Ok(meta.get(META_OUTBOX_NEXT_ID)?.map_or(1, |v| v.value()))
-}
-
-/// Opens a table for reading; a table never written is `None`.
-pub(super) fn open_read<K: Key + 'static, V: Value + 'static>(
-    tx: &ReadTransaction,
-    def: TableDefinition<'static, K, V>,
-) -> Result<Option<ReadOnlyTable<K, V>>> {
-    match tx.open_table(def) {
-        Ok(t) => Ok(Some(t)),
-        Err(TableError::TableDoesNotExist(_)) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
 }
 
 /// Every key of a `(i64, u64) → ()` index.

@@ -17,7 +17,9 @@ use super::record::{Change, Stored, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
 use crate::codec::micros;
 use crate::error::{Error, Result};
-use crate::schema::{META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED};
+use crate::schema::{
+    META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
+};
 
 /// Enqueues `entries` (already validated) in order; a repeated
 /// `(destination, key)` — stored before or earlier in `entries` — is a
@@ -28,7 +30,7 @@ pub(super) fn enqueue(
     now: i64,
 ) -> Result<Vec<Enqueued>> {
     let mut t = Tables::open(tx)?;
-    let mut meta = tx.open_table(META)?;
+    let mut meta = open_write(tx, META)?;
     let first_id = next_id(&meta)?;
     let mut id = first_id;
     let mut out = Vec::with_capacity(entries.len());

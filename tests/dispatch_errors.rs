@@ -1,0 +1,216 @@
+//! A running dispatcher keeps its errors: a store call that fails in a
+//! worker, the reaper or the janitor is in its stats with its time (by the
+//! dispatcher's clock) and what failed, and a thread that panicked is
+//! `Error::Panicked` when it is joined.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use common::t;
+use crossbeam_channel::Receiver;
+use idemstore::redb::{TableDefinition, TableHandle as _};
+use idemstore::{
+    Clock, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxStatus, Result, Store,
+};
+
+/// Polls `probe` until it gives a value; the dispatcher runs on its own
+/// threads, so its effects are observed, not awaited.
+fn eventually<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(value) = probe() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The outbox's index tables, as a caller can reach them to damage them.
+type Index = TableDefinition<'static, (i64, u64), ()>;
+const DUE: Index = TableDefinition::new("idemstore.v1.outbox.due");
+const CLAIMED: Index = TableDefinition::new("idemstore.v1.outbox.claimed");
+const FINISHED: Index = TableDefinition::new("idemstore.v1.outbox.finished");
+
+/// An id no record has.
+const GHOST: u64 = 999;
+
+/// Adds to `index` a row at `at` for an outbox record that does not exist.
+fn damage(store: &Store, index: Index, at: DateTime<Utc>) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(index)?
+            .insert((at.timestamp_micros(), GHOST), ())?;
+        Ok::<_, Error>(())
+    })
+}
+
+fn repair(store: &Store, index: Index, at: DateTime<Utc>) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(index)?
+            .remove((at.timestamp_micros(), GHOST))?;
+        Ok::<_, Error>(())
+    })
+}
+
+fn entry(i: usize) -> NewEntry {
+    NewEntry::new(format!("cmd-{i}"), "remote", format!("key-{i}"), vec![])
+}
+
+#[test]
+fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    damage(&store, DUE, t(0))?;
+    let clock = ManualClock::new(t(10));
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(clock)
+        .workers(1)
+        .start(|_| Delivery::Delivered)?;
+    let last = eventually("the worker's claim fails", || handle.stats().last_error);
+    assert_eq!(last.during, "claim");
+    assert_eq!(last.at, t(10));
+    assert!(
+        last.message.contains(DUE.name()) && last.message.contains(&GHOST.to_string()),
+        "{}",
+        last.message
+    );
+    let stats = handle.stats();
+    assert!(stats.store_errors >= 1, "{stats:?}");
+    assert_eq!(stats.janitor, None, "no janitor was asked for");
+    // The worker carries on: with the row repaired, it delivers again, and
+    // the last error stays (the clock has not moved, so it reads the same).
+    repair(&store, DUE, t(0))?;
+    let id = outbox.enqueue(entry(1), t(10))?.id();
+    eventually("the entry is delivered", || {
+        outbox
+            .get(id)
+            .ok()
+            .filter(|r| r.entry.status == OutboxStatus::Completed)
+    });
+    assert_eq!(handle.stats().last_error, Some(last));
+    handle.shutdown()?;
+    Ok(())
+}
+
+#[test]
+fn the_reapers_failed_release_is_kept_with_its_time() -> Result<()> {
+    let store = Store::in_memory()?;
+    damage(&store, CLAIMED, t(0))?;
+    let clock = ManualClock::new(t(100));
+    let handle = Dispatcher::builder(store.outbox())
+        .clock(clock)
+        .lease(Duration::from_secs(60))
+        .start(|_| Delivery::Delivered)?;
+    let last = eventually("the reaper's release fails", || handle.stats().last_error);
+    assert_eq!(last.during, "reaper");
+    assert_eq!(last.at, t(100));
+    assert!(last.message.contains(CLAIMED.name()), "{}", last.message);
+    assert!(handle.stats().store_errors >= 1);
+    handle.shutdown()?;
+    Ok(())
+}
+
+#[test]
+fn the_janitors_reports_and_errors_are_in_the_stats() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    // One entry finished at t(1), and a damaged row in front of it.
+    let id = outbox.enqueue(entry(1), t(0))?.id();
+    assert_eq!(outbox.claim_due(t(0), 1, "w")?.len(), 1);
+    outbox.mark_completed(id, t(1))?;
+    damage(&store, FINISHED, t(0))?;
+    let start = t(100_000);
+    let clock = ManualClock::new(start);
+    let janitor = Janitor::new()
+        .every(Duration::from_secs(3600))
+        .outbox(outbox.clone(), Duration::from_secs(1));
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(clock.clone())
+        .janitor(janitor)
+        .start(|_| Delivery::Delivered)?;
+    let failed = eventually("the janitor's first run fails", || {
+        handle.stats().janitor.filter(|j| j.failures >= 1)
+    });
+    assert_eq!((failed.runs, failed.failures), (0, 1));
+    assert_eq!((failed.last_run_at, failed.last_report), (None, None));
+    let error = failed.last_error.expect("the failed run's error");
+    assert_eq!((error.at, error.during), (start, "janitor"));
+    assert!(error.message.contains(FINISHED.name()), "{}", error.message);
+    // It is the dispatcher's last error too.
+    let stats = handle.stats();
+    assert_eq!(stats.last_error.as_ref(), Some(&error));
+    assert_eq!(stats.store_errors, 1);
+    // Repaired, the next run (an interval later) purges the finished entry.
+    repair(&store, FINISHED, t(0))?;
+    let later = start + chrono::Duration::hours(1);
+    clock.set(later);
+    let ran = eventually("the janitor's next run", || {
+        handle.stats().janitor.filter(|j| j.runs >= 1)
+    });
+    assert_eq!((ran.runs, ran.failures), (1, 1));
+    assert_eq!(ran.last_run_at, Some(later));
+    assert_eq!(ran.last_report.map(|r| r.outbox_purged), Some(1));
+    assert_eq!(ran.last_error, Some(error), "the last error stays");
+    assert!(matches!(outbox.get(id), Err(Error::NotFound)));
+    handle.shutdown()?;
+    Ok(())
+}
+
+/// A manual clock that panics once when a worker thread reads it, once armed.
+struct BreakingClock {
+    inner: ManualClock,
+    armed: Arc<AtomicBool>,
+}
+
+impl Clock for BreakingClock {
+    fn now(&self) -> DateTime<Utc> {
+        let on_worker = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("idemstore-dispatcher-"));
+        let breaks = on_worker && self.armed.swap(false, Ordering::SeqCst);
+        assert!(!breaks, "clock broke");
+        self.inner.now()
+    }
+
+    fn changes(&self) -> Option<Receiver<()>> {
+        self.inner.changes()
+    }
+}
+
+#[test]
+fn a_panicked_worker_thread_is_error_panicked_at_shutdown() -> Result<()> {
+    let store = Store::in_memory()?;
+    let manual = ManualClock::new(t(5));
+    let armed = Arc::new(AtomicBool::new(true));
+    let clock = BreakingClock {
+        inner: manual,
+        armed: armed.clone(),
+    };
+    let handle = Dispatcher::builder(store.outbox())
+        .clock(clock)
+        .workers(1)
+        .start(|_| Delivery::Delivered)?;
+    // Kept while the dispatcher runs on without that worker.
+    let last = eventually("the worker thread panics", || handle.stats().last_error);
+    assert!(!armed.load(Ordering::SeqCst));
+    assert_eq!(last.during, "a dispatcher worker thread");
+    assert_eq!(last.at, t(5));
+    assert!(last.message.contains("clock broke"), "{}", last.message);
+    match handle.shutdown() {
+        Err(err @ Error::Panicked { .. }) => {
+            let text = err.to_string();
+            let Error::Panicked { during, message } = err else {
+                unreachable!()
+            };
+            assert_eq!(during, "a dispatcher worker thread");
+            assert_eq!(message, "clock broke");
+            assert!(text.contains("clock broke"), "{text}");
+        }
+        other => panic!("expected Error::Panicked, got {other:?}"),
+    }
+    Ok(())
+}
