@@ -10,50 +10,90 @@
 //! retry with the same `Idempotency-Key` gets the same answer, replayed from
 //! the store, without recording a second payment. `GET /payments/count`
 //! says how many were recorded. `PORT` picks the port, `STORE` the file.
+//!
+//! The handler stores its own response: it takes the request's
+//! `Reservation` from the layer (`Extension<Reservation>`) and calls
+//! `IdempotencyKeys::complete_in` in the same `Store::write` as the payment,
+//! so the payment and its response commit together. Even if the process
+//! died right after that commit, a retry would get the stored 201 instead
+//! of recording the payment again.
 
 use std::net::SocketAddr;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use chrono::Utc;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idemstore::Store;
 use idemstore::middleware::IdempotencyLayer;
 use idemstore::redb::{ReadableTable as _, ReadableTableMetadata as _, TableDefinition};
+use idemstore::{Reservation, ResponseRecord, Store};
 
 /// Payment id → request body.
 const PAYMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("example.payments");
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// Records a payment; answers 201 with its id.
-async fn create_payment(State(store): State<Store>, body: Bytes) -> Response {
+/// Records a payment and stores its 201 (id, `Location`) for the
+/// request's idempotency key, in one commit; answers that 201.
+async fn create_payment(
+    State(store): State<Store>,
+    Extension(reservation): Extension<Reservation>,
+    body: Bytes,
+) -> Response {
+    let keys = store.idempotency_keys();
     let recorded = tokio::task::spawn_blocking(move || {
         store.write(|tx| {
             let mut payments = tx.open_table(PAYMENTS)?;
             let id = payments.last()?.map_or(1, |(k, _)| k.value() + 1);
             payments.insert(id, &*body)?;
-            Ok::<_, idemstore::Error>(id)
+            let now = Utc::now();
+            let json = format!("{{\"id\":{id},\"status\":\"accepted\"}}");
+            let mut response = reservation.response(201, json, now);
+            response.content_type = Some("application/json".to_owned());
+            response.headers = vec![("location".to_owned(), format!("/payments/{id}"))];
+            // The payment and its stored response commit together.
+            if keys.complete_in(tx, &reservation, response.clone(), now)? {
+                Ok(response)
+            } else {
+                // This request ran past its lease and another took the key
+                // over: roll the payment back.
+                Err(Error::from("the idempotency key was taken over"))
+            }
         })
     })
     .await;
     match recorded {
-        Ok(Ok(id)) => (
-            StatusCode::CREATED,
-            [
-                (header::CONTENT_TYPE, "application/json".to_owned()),
-                (header::LOCATION, format!("/payments/{id}")),
-            ],
-            format!("{{\"id\":{id},\"status\":\"accepted\"}}"),
-        )
-            .into_response(),
+        Ok(Ok(stored)) => answer(stored),
+        // Nothing was committed; on a 5xx the layer frees the key for a retry.
         _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
+}
+
+/// A stored response, as sent to its first client.
+fn answer(stored: ResponseRecord) -> Response {
+    let mut response = Response::new(Body::from(stored.response_body));
+    *response.status_mut() =
+        StatusCode::from_u16(stored.response_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = stored
+        .content_type
+        .map(|ct| ("content-type".to_owned(), ct))
+        .into_iter()
+        .chain(stored.headers);
+    for (name, value) in headers {
+        if let (Ok(name), Ok(value)) = (
+            header::HeaderName::from_bytes(name.as_bytes()),
+            header::HeaderValue::from_str(&value),
+        ) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
 }
 
 /// How many payments were recorded.
@@ -134,7 +174,8 @@ async fn smoke_test(addr: SocketAddr) -> Result<(), Error> {
             parts.status,
             String::from_utf8_lossy(&body)
         );
-        answers.push((parts.status, body, replayed));
+        let location = parts.headers.get(header::LOCATION).cloned();
+        answers.push((parts.status, body, replayed, location));
     }
     let count = client
         .get(format!("http://{addr}/payments/count").parse()?)
@@ -148,6 +189,8 @@ async fn smoke_test(addr: SocketAddr) -> Result<(), Error> {
         && !answers[0].2
         && answers[1].2
         && answers[0].1 == answers[1].1
+        && answers[0].3.is_some()
+        && answers[0].3 == answers[1].3
         && &count[..] == b"1";
     if !ok {
         return Err("smoke test failed: the retry was not replayed".into());

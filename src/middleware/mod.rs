@@ -47,15 +47,109 @@
 //!    - the key is held by a running request → **409** with `Retry-After`
 //!      (whole seconds until its lease ends, at least 1);
 //!    - the key was used for another request → **422**;
-//!    - the key is free (or its holder's lease ended) → the handler runs.
+//!    - the key is free (or its holder's lease ended) → the handler runs,
+//!      with the request's [`Reservation`] in its extensions.
+//!
+//! # Once per key, crash included: `complete_in`
+//!
+//! On its own, the layer stores the handler's response *after* the handler
+//! returns, in a commit of its own. If the process dies between the
+//! handler's commit and that one, nothing is stored and the key stays
+//! reserved: once the lease ends (default 60 s), a retry runs the handler
+//! **again**. So "the handler runs once per key" holds across crashes only
+//! for a handler that stores its response itself, with
+//! [`IdempotencyKeys::complete_in`] inside the same
+//! [`Store::write`](crate::Store::write) as its own rows: "the handler ran"
+//! and "its response is stored" are then one commit.
+//!
+//! The layer puts the request's [`Reservation`] in the request's
+//! extensions (`http::Extensions`) before calling the handler: axum
+//! handlers take it with `Extension<Reservation>`, a tower service reads
+//! `req.extensions().get::<Reservation>()`. It is there on covered requests
+//! that carry a key (always, under [`require_key(true)`](IdempotencyLayer::require_key));
+//! take `Option<Extension<Reservation>>` if the key is optional.
+//!
+//! ```no_run
+//! use axum::extract::{Extension, State};
+//! use axum::http::{StatusCode, header};
+//! use axum::response::{IntoResponse, Response};
+//! use axum::{Router, body::Bytes, routing::post};
+//! use chrono::Utc;
+//! use idemstore::middleware::IdempotencyLayer;
+//! use idemstore::redb::{ReadableTable as _, TableDefinition};
+//! use idemstore::{Reservation, Store};
+//!
+//! const ORDERS: TableDefinition<u64, &[u8]> = TableDefinition::new("app.orders");
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! async fn create_order(
+//!     State(store): State<Store>,
+//!     Extension(reservation): Extension<Reservation>,
+//!     body: Bytes,
+//! ) -> Response {
+//!     let keys = store.idempotency_keys();
+//!     let placed = tokio::task::spawn_blocking(move || {
+//!         store.write(|tx| {
+//!             let mut orders = tx.open_table(ORDERS)?;
+//!             let id = orders.last()?.map_or(1, |(k, _)| k.value() + 1);
+//!             orders.insert(id, &*body)?;
+//!             let now = Utc::now();
+//!             let mut response = reservation.response(201, format!("{{\"order\":{id}}}"), now);
+//!             response.content_type = Some("application/json".to_owned());
+//!             // The order and its response commit together, or neither does.
+//!             if keys.complete_in(tx, &reservation, response.clone(), now)? {
+//!                 Ok(response)
+//!             } else {
+//!                 // This request ran past its lease and another took the key
+//!                 // over: roll the order back.
+//!                 Err(BoxError::from("the idempotency key was taken over"))
+//!             }
+//!         })
+//!     })
+//!     .await;
+//!     match placed {
+//!         Ok(Ok(stored)) => (
+//!             StatusCode::CREATED,
+//!             [(header::CONTENT_TYPE, "application/json")],
+//!             stored.response_body,
+//!         )
+//!             .into_response(),
+//!         // Nothing committed: the layer releases the key on this 5xx.
+//!         _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+//!     }
+//! }
+//!
+//! # fn app(store: Store) -> Router {
+//! Router::new()
+//!     .route("/orders", post(create_order))
+//!     .with_state(store.clone())
+//!     .layer(IdempotencyLayer::new(store.idempotency_keys()).require_key(true))
+//! # }
+//! ```
+//!
+//! Once that commit is made, nothing after it undoes it: a 5xx from the
+//! handler, a panic, an `Err` from the inner or an outer service, a dropped
+//! connection or a crash of the process all leave the stored response in
+//! place, and the next request with the key gets it replayed at once (with
+//! `Idempotent-Replayed: true`), without waiting for the lease. The layer
+//! stores nothing itself then: its own `complete` and `release` act only
+//! on a key still reserved under the request's fence, so on a completed key
+//! they change nothing (the `complete` counts in
+//! [`IdempotencyStats::fenced_out`](crate::IdempotencyStats::fenced_out)).
+//! The first client gets whatever the handler answered; retries get what it
+//! stored. If the handler's transaction rolls back, nothing is stored and
+//! the rules below apply as for any handler.
 //!
 //! # After the handler
+//!
+//! For a handler that did not store its response itself:
 //!
 //! - A response is buffered (at most `max_body` bytes) and stored with
 //!   [`IdempotencyKeys::complete`]: its status, `Content-Type`, the
 //!   allow-listed headers whose values are visible ASCII, and its body
 //!   (trailers are neither stored nor forwarded). Its own client gets it
-//!   with all its headers.
+//!   with all its headers. A crash before this store lets a retry run the
+//!   handler again once the lease ends (see above).
 //! - A **5xx** is not stored: the key is released so a retry runs the
 //!   handler again, unless [`cache_server_errors(true)`](IdempotencyLayer::cache_server_errors).
 //! - A response **larger than `max_body`**, or one the store refuses to keep
@@ -133,9 +227,16 @@ use chrono::{DateTime, Utc};
 use http::request::Parts;
 use http::{HeaderName, Method};
 
-use crate::IdempotencyKeys;
+use crate::{IdempotencyKeys, Reservation};
 
 pub use service::{IdempotencyService, ResponseFuture};
+
+// The layer hands each request's reservation to the handler through
+// `http::Extensions`, which holds `Clone + Send + Sync + 'static` values only.
+const _: fn() = || {
+    fn extension<T: Clone + Send + Sync + 'static>() {}
+    extension::<Reservation>();
+};
 
 /// The error type inside [`ResponseBody`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -157,8 +258,12 @@ type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type ClockFn = dyn Fn() -> DateTime<Utc> + Send + Sync;
 
 /// A tower [`Layer`](tower::Layer) that answers retried requests carrying an
-/// `Idempotency-Key` from the store, so the handler runs once per key. See
-/// the [module docs](self) for what each request goes through.
+/// `Idempotency-Key` from the store, so the handler runs once per key. A
+/// crash between the handler's commit and the layer's store of its response
+/// lets a retry run it again after the lease, unless the handler stores its
+/// response itself with [`IdempotencyKeys::complete_in`] (it finds its
+/// [`Reservation`] in the request's extensions). See the [module
+/// docs](self) for what each request goes through.
 ///
 /// Cheap to clone; every setter states its default.
 #[derive(Clone)]

@@ -123,7 +123,7 @@ where
     let Keyed {
         key,
         tenant,
-        parts,
+        mut parts,
         body,
     } = match admit(&config, req).await {
         Admit::PassThrough(req) => return inner.call(req).await.map(boxed),
@@ -153,6 +153,11 @@ where
         Some(Err(_)) | None => return Ok(unavailable(&key)),
     };
 
+    // The handler gets the reservation, to store its response with
+    // `complete_in` in its own transaction. Whatever the layer then does
+    // with its own copy (`complete`, `release`, here or from the drop guard)
+    // is fenced: it changes nothing once the key is completed.
+    parts.extensions.insert(reservation.clone());
     let mut held = Held {
         keys: config.keys.clone(),
         reservation: Some(reservation),
@@ -299,9 +304,12 @@ async fn settle(
         .map(str::to_owned);
     record.headers = stored_headers(&parts.headers, &config.replay_headers);
     let keys = config.keys.clone();
-    // Stored, fenced out by a newer holder, or refused by the store: the
-    // handler ran, so its client gets its response in every case. A
-    // refused one is released so a retry runs rather than waits.
+    // Stored; not stored because the handler already stored its own with
+    // `complete_in` or a newer holder fenced this one out (`Ok(false)`, and
+    // then the `release` below is never reached); or refused by the store:
+    // the handler ran, so its client gets its response in every case. A
+    // refused one is released so a retry runs rather than waits (a release
+    // frees only a reservation with this fence, never a stored response).
     let _ = blocking(move || {
         if keys.complete(&reservation, record, done_at).is_err() {
             let _ = keys.release(&reservation);
