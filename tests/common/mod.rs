@@ -69,6 +69,8 @@ struct Disk {
     fail_write: Option<u64>,
     /// Fail the Nth sync (1-based) with an I/O error, once; nothing reaches the platter.
     fail_sync: Option<u64>,
+    /// Panic in the Nth sync (1-based), once; nothing reaches the platter.
+    panic_sync: Option<u64>,
 }
 
 /// An in-memory disk that keeps only what was synced when "power is lost",
@@ -111,6 +113,11 @@ impl FaultyDisk {
 
     pub fn fail_sync(&self, n: u64) {
         self.0.lock().fail_sync = Some(n);
+    }
+
+    /// Makes the Nth sync (1-based) panic, once: a backend bug.
+    pub fn panic_at_sync(&self, n: u64) {
+        self.0.lock().panic_sync = Some(n);
     }
 
     pub fn syncs(&self) -> u64 {
@@ -194,6 +201,12 @@ impl StorageBackend for FaultyBackend {
             d.fail_sync = None;
             d.syncs = n;
             return Err(io::Error::other("injected sync failure"));
+        }
+        if d.panic_sync == Some(n) {
+            d.panic_sync = None;
+            d.syncs = n;
+            drop(d);
+            panic!("injected panic in sync_data");
         }
         d.syncs = n;
         let d = &mut *d;
