@@ -14,11 +14,15 @@
 //!   and hands the lead to the first caller still waiting. A lone caller
 //!   therefore commits on its own thread with no hand-off, and under load
 //!   each fsync is shared by everyone who queued while the last one ran.
-//!   An operation checks before it writes, so one that returns `Err` wrote
-//!   nothing and the others in its batch commit as usual. One that panics
-//!   poisons the transaction: it is aborted and the rest of the batch is run
-//!   again without it (operations are `Fn`, so they may run more than once;
-//!   they write only what they compute from the transaction's state).
+//!   An operation that fails — returns `Err` or panics — may have written
+//!   part of its work before it failed, so it never commits: the
+//!   transaction is rolled back and the rest of the batch is run again
+//!   without it (operations are `Fn`, so they may run more than once; they
+//!   write only what they compute from the transaction's state). A failed
+//!   call therefore wrote nothing, by mechanism, whatever the operation did.
+//!   A panic anywhere else while leading (an after-commit hook, redb's
+//!   commit, the storage backend) never leaves a caller waiting: see
+//!   `Shared::lead`.
 //! - **Caller closures** ([`Engine::write`]: `Store::write`, `claim_with`
 //!   effects) are `FnOnce` and need not be `Send`. Each runs on its caller's
 //!   own thread in a write transaction of its own, committed with
@@ -39,7 +43,8 @@
 //! kept until then: should one panic, the transaction is rolled back and
 //! they are run again (operations are `Fn` and recompute their writes from
 //! the transaction's state), so no answered write is undone. One commit per
-//! call would cap a single thread near a redb commit's cost (≈ 20 µs here).
+//! call would cap a single thread near a non-durable redb commit's cost
+//! (the ≈ 10 µs above).
 //!
 //! # Durability invariants
 //!
@@ -534,9 +539,10 @@ impl Engine {
     /// Runs a store operation in the next batch and returns its result once
     /// the batch is committed (durably, under [`Durability::Immediate`]).
     ///
-    /// `op` must check before it writes: returning `Err` means it wrote
-    /// nothing. It may be run more than once (after another operation in its
-    /// batch panicked), and must then compute the same writes from the
+    /// If `op` returns `Err` (or panics), whatever it wrote is rolled back
+    /// and the caller gets its error: a failed operation wrote nothing. It
+    /// may be run more than once (after another operation in its batch
+    /// failed), and must then compute the same writes from the
     /// transaction's state.
     pub(crate) fn execute<T, F>(&self, op: F) -> Result<T>
     where

@@ -34,7 +34,11 @@
 //! # Reads stay reads
 //!
 //! `begin` on a completed key (a replay), a mismatch or an in-flight key is
-//! answered from a read transaction: no write, no fsync. Only reserving (a
+//! answered from a read transaction: no write. It costs no fsync of its own,
+//! except when the row it read was written by a commit not yet durable: the
+//! answer then waits for that commit's fsync (queuing one empty durable
+//! commit if none is on its way), so nothing is answered from state a crash
+//! could undo. Only reserving (a
 //! new key, an expired response, a takeover) goes through a group-committed write,
 //! where the decision is taken again on the state of that moment. `get` on
 //! an expired row deletes it the same way; a `get` that finds nothing
