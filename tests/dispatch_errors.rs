@@ -214,3 +214,61 @@ fn a_panicked_worker_thread_is_error_panicked_at_shutdown() -> Result<()> {
     }
     Ok(())
 }
+
+/// The outbox's records, as a caller can reach them to damage them.
+const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
+
+#[test]
+fn a_damaged_record_among_a_batchs_settlements_holds_back_neither_the_others_nor_the_worker()
+-> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let ids = (1..=3)
+        .map(|i| outbox.enqueue(entry(i), t(0)).map(|e| e.id()))
+        .collect::<Result<Vec<_>>>()?;
+    let damaged = ids[1];
+    let sender_store = store.clone();
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(ManualClock::new(t(10)))
+        .workers(1)
+        .batch_size(10)
+        .start(move |entry| {
+            if entry.id == damaged {
+                // The record is damaged while its send is in flight.
+                sender_store
+                    .write(|tx| {
+                        tx.open_table(OUTBOX)?
+                            .insert(damaged.0, b"\x01garbage".as_slice())?;
+                        Ok::<_, Error>(())
+                    })
+                    .expect("damage the record");
+            }
+            Delivery::Delivered
+        })?;
+    for id in [ids[0], ids[2]] {
+        eventually("the undamaged entries are settled", || {
+            outbox
+                .get(id)
+                .ok()
+                .filter(|r| r.entry.status == OutboxStatus::Completed)
+        });
+    }
+    let last = eventually("the damaged record is reported", || {
+        handle.stats().last_error
+    });
+    assert!(
+        last.message.contains(&damaged.0.to_string()),
+        "{}",
+        last.message
+    );
+    // The worker goes on delivering.
+    let later = outbox.enqueue(entry(4), t(10))?.id();
+    eventually("a later entry is delivered", || {
+        outbox
+            .get(later)
+            .ok()
+            .filter(|r| r.entry.status == OutboxStatus::Completed)
+    });
+    handle.shutdown()?;
+    Ok(())
+}

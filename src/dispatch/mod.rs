@@ -435,10 +435,15 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
                 count_fenced(ctx, &settled);
                 Ok(claimed)
             }
-            // The call wrote nothing: the settlements are kept and offered
-            // again (settling the same attempt the same way twice is
+            // The call wrote nothing. The settlements are made one by one,
+            // so that one damaged record holds back neither the others nor
+            // this worker; those that fail for a storage error are kept and
+            // offered again (settling the same attempt the same way twice is
             // accepted).
-            Err(e) => Err(e),
+            Err(e) => {
+                settle_apart(ctx, &mut settlements);
+                Err(e)
+            }
         };
         let entries = match claimed {
             Ok(entries) => entries,
@@ -473,6 +478,27 @@ fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
             Err(e) => ctx.store_error("settle", &e),
         }
     }
+}
+
+/// Settles each of `settlements` on its own, after a call that made them
+/// together failed; keeps those that failed for a storage error, to offer
+/// them again.
+fn settle_apart(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
+    let now = ctx.clock.now();
+    let mut kept = Vec::new();
+    for (fence, settlement) in settlements.drain(..) {
+        match ctx.outbox.settle(fence, settlement.clone(), now) {
+            Ok(()) => {}
+            Err(Error::Conflict { .. } | Error::NotFound) => bump(&ctx.counters.fenced, 1),
+            Err(e) => {
+                ctx.store_error("settle", &e);
+                if e.is_storage() {
+                    kept.push((fence, settlement));
+                }
+            }
+        }
+    }
+    *settlements = kept;
 }
 
 /// Counts the settlements refused by their fence (the entry moved on, or
