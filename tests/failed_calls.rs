@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
-use common::t;
-use idemstore::redb::{ReadableTable as _, TableDefinition, TableError};
+use common::{claims_index, t};
+use idemstore::redb::TableDefinition;
 use idemstore::{
     Error, Fence, NewEntry, Outbox, OutboxCounts, OutboxEntry, OutboxId, OutboxRecord,
     OutboxStatus, ResponseRecord, Result, Settlement, Store,
@@ -27,8 +27,6 @@ use idemstore::{
 
 /// The record tables of `src/schema.rs`, with their key and value types.
 const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
-const OUTBOX_CLAIMED: TableDefinition<(i64, u64), ()> =
-    TableDefinition::new("idemstore.v1.outbox.claimed");
 const IDEM: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("idemstore.v1.idempotency");
 
 /// A record version byte the store knows, then bytes that do not decode.
@@ -47,16 +45,17 @@ fn damage_outbox_record(store: &Store, id: OutboxId) -> Result<()> {
     })
 }
 
-/// The rows of the claims index.
-fn claims_index(store: &Store) -> Result<Vec<(i64, u64)>> {
-    store.read(|tx| match tx.open_table(OUTBOX_CLAIMED) {
-        Ok(t) => t
-            .iter()?
-            .map(|row| row.map(|(k, _)| k.value()).map_err(Error::from))
-            .collect(),
-        Err(TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
-        Err(e) => Err(e.into()),
-    })
+/// `n` entries enqueued at `t(0)` and claimed by `w` at `t(1)`: their
+/// fences.
+fn enqueue_and_claim(outbox: &Outbox, n: usize) -> Result<Vec<Fence>> {
+    for i in 0..n {
+        outbox.enqueue(entry(&format!("k{i}")), t(0))?;
+    }
+    Ok(outbox
+        .claim_due(t(1), n, "w")?
+        .iter()
+        .map(OutboxEntry::fence)
+        .collect())
 }
 
 /// Five entries enqueued at `t(0)` and claimed by `w` at `t(1)`; the
@@ -65,14 +64,7 @@ fn claims_index(store: &Store) -> Result<Vec<(i64, u64)>> {
 fn five_claimed_one_damaged() -> Result<(Store, Outbox, Vec<Fence>, OutboxId)> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    for i in 0..5 {
-        outbox.enqueue(entry(&format!("k{i}")), t(0))?;
-    }
-    let fences: Vec<Fence> = outbox
-        .claim_due(t(1), 5, "w")?
-        .iter()
-        .map(OutboxEntry::fence)
-        .collect();
+    let fences = enqueue_and_claim(&outbox, 5)?;
     assert_eq!(fences.len(), 5);
     let damaged = fences[2].id;
     damage_outbox_record(&store, damaged)?;
@@ -155,14 +147,7 @@ fn a_bulk_settle_that_fails_on_a_damaged_record_wrote_nothing() -> Result<()> {
 fn settle_and_claim_whose_claim_fails_wrote_no_settlement() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    for i in 0..3 {
-        outbox.enqueue(entry(&format!("k{i}")), t(0))?;
-    }
-    let fences: Vec<Fence> = outbox
-        .claim_due(t(1), 3, "w")?
-        .iter()
-        .map(OutboxEntry::fence)
-        .collect();
+    let fences = enqueue_and_claim(&outbox, 3)?;
     // Due next: a Pending entry whose record is damaged.
     let pending = outbox.enqueue(entry("due"), t(1))?.id();
     damage_outbox_record(&store, pending)?;

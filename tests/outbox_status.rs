@@ -3,20 +3,12 @@
 //! Only `Dispatching` holds a claim: after every operation the record's
 //! claim and its claims-index row are there iff the entry is `Dispatching`.
 
-use chrono::{DateTime, TimeZone, Utc};
-use idemstore::redb::{ReadableTable as _, TableDefinition, TableError};
+mod common;
+
+use common::{claims_index, t};
 use idemstore::{
     Error, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Result, Settlement, Store,
 };
-
-/// The claims index of `src/schema.rs`: `(claimed_at µs, id)` for
-/// `Dispatching` entries only.
-const CLAIMS_INDEX: TableDefinition<(i64, u64), ()> =
-    TableDefinition::new("idemstore.v1.outbox.claimed");
-
-fn t(secs: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
-}
 
 const CREATED: i64 = 0;
 const CLAIMED: i64 = 10;
@@ -172,18 +164,6 @@ fn check_details(from: OutboxStatus, op: Op, before: &OutboxRecord, after: &Outb
     if op != Op::ClaimDue {
         assert_eq!(e.attempt_count, before.entry.attempt_count, "{ctx}");
     }
-}
-
-/// The rows of the claims index.
-fn claims_index(store: &Store) -> Result<Vec<(i64, u64)>> {
-    store.read(|tx| match tx.open_table(CLAIMS_INDEX) {
-        Ok(t) => t
-            .iter()?
-            .map(|row| row.map(|(k, _)| k.value()).map_err(Error::from))
-            .collect(),
-        Err(TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
-        Err(e) => Err(e.into()),
-    })
 }
 
 /// Only `Dispatching` holds a claim, and only a `Dispatching` entry has a

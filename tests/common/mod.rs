@@ -48,6 +48,22 @@ pub fn effect_keys(
     })
 }
 
+/// The rows of the outbox's claims index `(claimed_at_micros, id)`, read
+/// as a caller can reach them; empty if the table was never written.
+pub fn claims_index(store: &idemstore::Store) -> idemstore::Result<Vec<(i64, u64)>> {
+    use idemstore::redb::{ReadableTable as _, TableDefinition};
+    const CLAIMED: TableDefinition<(i64, u64), ()> =
+        TableDefinition::new("idemstore.v1.outbox.claimed");
+    store.read(|tx| match tx.open_table(CLAIMED) {
+        Ok(t) => t
+            .iter()?
+            .map(|row| row.map(|(k, _)| k.value()).map_err(idemstore::Error::from))
+            .collect(),
+        Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
+        Err(e) => Err(e.into()),
+    })
+}
+
 /// A fixed instant plus `secs` seconds.
 pub fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
