@@ -216,6 +216,53 @@ impl Error {
     pub fn is_storage(&self) -> bool {
         matches!(self, Error::Storage(_))
     }
+
+    /// A copy of this error, for each caller of a batch that failed as a
+    /// whole. redb's and the file system's errors are not `Clone`: their
+    /// copies keep the kind and the message, and any other redb error
+    /// becomes an I/O error with its message. Every other variant is copied
+    /// as it is.
+    pub(crate) fn lossy_clone(&self) -> Error {
+        fn io(e: &std::io::Error) -> std::io::Error {
+            std::io::Error::new(e.kind(), e.to_string())
+        }
+        match self {
+            Error::Storage(redb::Error::PreviousIo) => Error::Storage(redb::Error::PreviousIo),
+            Error::Storage(redb::Error::Io(inner)) => Error::Storage(redb::Error::Io(io(inner))),
+            Error::Storage(inner) => {
+                Error::Storage(redb::Error::Io(std::io::Error::other(inner.to_string())))
+            }
+            Error::Io(inner) => Error::Io(io(inner)),
+            Error::NotFound => Error::NotFound,
+            Error::Conflict { reason } => Error::conflict(reason.clone()),
+            Error::InvalidInput { field, reason } => Error::invalid(field, reason.clone()),
+            Error::TooLarge { field, len, max } => Error::TooLarge {
+                field,
+                len: *len,
+                max: *max,
+            },
+            Error::Corrupted { table, key, reason } => Error::Corrupted {
+                table,
+                key: key.clone(),
+                reason: reason.clone(),
+            },
+            Error::IncompatibleFormat { found, supported } => Error::IncompatibleFormat {
+                found: found.clone(),
+                supported: *supported,
+            },
+            Error::NotAStore { path, reason } => Error::NotAStore {
+                path: path.clone(),
+                reason: reason.clone(),
+            },
+            Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
+            Error::Reentrant => Error::Reentrant,
+            Error::Closed => Error::Closed,
+            Error::Panicked { during, message } => Error::Panicked {
+                during,
+                message: message.clone(),
+            },
+        }
+    }
 }
 
 /// Checks a key-like argument: 1..=max bytes.

@@ -187,7 +187,7 @@ impl Inbox {
     fn seen_unsettled(&self, event_key: &str) -> Result<bool> {
         let (at, seq) = self.lookup(event_key)?;
         if at.is_some() {
-            self.engine.settle(seq)?;
+            self.engine.wait_durable(seq)?;
         }
         Ok(at.is_some())
     }
@@ -201,7 +201,7 @@ impl Inbox {
     pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
         check_event_key(event_key)?;
         let (at, seq) = self.lookup(event_key)?;
-        self.engine.settle(seq)?;
+        self.engine.wait_durable(seq)?;
         at.map(|at| from_micros(INBOX.name(), &event_key, at))
             .transpose()
     }
@@ -211,7 +211,7 @@ impl Inbox {
     fn lookup(&self, event_key: &str) -> Result<(Option<i64>, u64)> {
         self.engine.commit_pending()?;
         let _removals = self.journal.hold_removals();
-        self.engine.read_unsettled(|tx| {
+        self.engine.read_with_seq(|tx| {
             let name: &str = &self.name;
             if let Some(ledger) = open_read(tx, INBOX)?
                 && let Some(at) = ledger.get((name, event_key))?

@@ -1,0 +1,189 @@
+//! Durability tracking: commit sequence numbers, what is known to be on
+//! disk ([`SyncState`]), waiting for it, and the two commits that feed it
+//! (a batch's, a caller closure's).
+//!
+//! # Invariants
+//!
+//! - Every commit takes its sequence number ([`Shared::next_seq`]) while its
+//!   transaction holds redb's writer lock, just before it commits, so the
+//!   numbers follow commit order, and every commit a read transaction can
+//!   see has a number no larger than [`Shared::current_seq`] read after the
+//!   read transaction began.
+//! - `durable` never decreases. A durable commit persists every commit
+//!   before it, so `durable >= n` means commit `n` is on disk.
+//! - `broken` is never cleared: once a commit failed, its fate is unknown
+//!   (a panic), or answered writes were lost, every wait and every batch
+//!   gets an `Err` until the store is reopened.
+//! - `committing` is one slot, not a set: durable commits are made only by
+//!   batch leaders ([`Shared::commit`]; caller closures commit without
+//!   fsync), one leader at a time, and each holds redb's writer lock from
+//!   [`Shared::begin_durable`] until its commit ends, so at most one durable
+//!   commit is under way. 0 means none.
+//! - `committing >= n` means a durable commit under way covers commit `n`;
+//!   a waiter that no commit under way covers queues an empty durable batch.
+//! - [`SyncState`] changes only under `sync`, and `synced` is notified after
+//!   every end of a durable commit, good ([`Shared::mark_durable`]) or bad
+//!   ([`Shared::mark_broken`]).
+//!
+//! # Locks
+//!
+//! `sync` is a leaf: taken alone by callers, or under `db` and `open` by a
+//! leader; nothing is taken while it is held, and waiting on `synced`
+//! releases it. [`Shared::wait_durable`] and [`Shared::sync_all`] may queue
+//! (and lead) a batch, with no lock held.
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::atomic::Ordering;
+
+use redb::WriteTransaction;
+
+use super::batch::Needs;
+use super::shared::Shared;
+use crate::error::{Error, Result};
+
+/// Durability bookkeeping shared by all callers.
+#[derive(Debug, Default)]
+pub(super) struct SyncState {
+    /// The largest commit sequence number known to be on disk.
+    durable: u64,
+    /// A durable commit failed: nothing after `durable` can be promised.
+    pub(super) broken: bool,
+    /// The sequence number of the durable commit in progress, or 0.
+    committing: u64,
+}
+
+/// The error of every call made after a commit failed.
+pub(super) fn previous_commit_failed() -> Error {
+    Error::Storage(redb::Error::PreviousIo)
+}
+
+impl Shared {
+    /// Takes the sequence number of a commit about to start. Called with
+    /// redb's writer lock held.
+    pub(super) fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The sequence number of the latest commit started.
+    pub(super) fn current_seq(&self) -> u64 {
+        self.seq.load(Ordering::SeqCst)
+    }
+
+    /// Takes the sequence number of a durable commit about to start.
+    fn begin_durable(&self) -> u64 {
+        let mut s = self.sync.lock();
+        let seq = self.next_seq();
+        s.committing = seq;
+        seq
+    }
+
+    fn mark_durable(&self, seq: u64) {
+        let mut s = self.sync.lock();
+        s.durable = s.durable.max(seq);
+        if s.committing == seq {
+            s.committing = 0;
+        }
+        drop(s);
+        self.synced.notify_all();
+    }
+
+    /// Nothing more can be promised: a commit failed or its fate is unknown,
+    /// or answered writes were lost.
+    pub(super) fn mark_broken(&self) {
+        let mut s = self.sync.lock();
+        s.broken = true;
+        s.committing = 0;
+        drop(s);
+        self.synced.notify_all();
+    }
+
+    /// Waits until commit `seq` is durable, making a durable commit if none
+    /// is on its way.
+    pub(super) fn wait_durable(&self, seq: u64) -> Result<()> {
+        loop {
+            {
+                let mut s = self.sync.lock();
+                loop {
+                    if s.durable >= seq {
+                        return Ok(());
+                    }
+                    if s.broken {
+                        return Err(previous_commit_failed());
+                    }
+                    if s.committing < seq {
+                        break;
+                    }
+                    // A durable commit that covers `seq` is on its way.
+                    self.synced.wait(&mut s);
+                }
+            }
+            // Nothing on its way covers `seq`: an empty durable batch will,
+            // as it persists every commit before it.
+            self.submit(|_| Ok(()), Needs::Durable)?;
+        }
+    }
+
+    /// Makes every write answered so far durable, including those in the
+    /// open transaction.
+    pub(super) fn sync_all(&self) -> Result<()> {
+        if self.pending.load(Ordering::SeqCst) {
+            self.submit(|_| Ok(()), Needs::Durable)?;
+        }
+        self.wait_durable(self.current_seq())
+    }
+
+    /// Commits a batch's transaction, durably or not, and does the
+    /// bookkeeping. Any failure marks the engine broken.
+    pub(super) fn commit(&self, mut tx: WriteTransaction, durable: bool) -> Result<()> {
+        let set = if durable {
+            tx.set_quick_repair(self.config.quick_repair);
+            tx.set_durability(redb::Durability::Immediate)
+        } else {
+            tx.set_durability(redb::Durability::None)
+        };
+        if let Err(e) = set {
+            let _ = tx.abort();
+            self.mark_broken();
+            return Err(e.into());
+        }
+        let seq = if durable {
+            self.begin_durable()
+        } else {
+            self.next_seq()
+        };
+        match tx.commit() {
+            Ok(()) => {
+                self.commits.fetch_add(1, Ordering::Relaxed);
+                if durable {
+                    self.durable_commits.fetch_add(1, Ordering::Relaxed);
+                    self.mark_durable(seq);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.mark_broken();
+                Err(Error::from(e))
+            }
+        }
+    }
+
+    /// Commits a caller closure's transaction (begun with
+    /// [`redb::Durability::None`]: no fsync) and returns its sequence
+    /// number, for the caller to wait on. A panic in redb's commit leaves
+    /// the commit's fate unknown: the engine is marked broken and the panic
+    /// resumed.
+    pub(super) fn commit_own_write(&self, tx: WriteTransaction) -> Result<u64> {
+        let seq = self.next_seq();
+        match catch_unwind(AssertUnwindSafe(|| tx.commit())) {
+            Ok(committed) => committed.map_err(Error::from)?,
+            Err(panic) => {
+                // The commit's fate is unknown: nothing more can be
+                // promised on top of it.
+                self.mark_broken();
+                resume_unwind(panic)
+            }
+        }
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        Ok(seq)
+    }
+}

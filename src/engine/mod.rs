@@ -1,0 +1,379 @@
+//! The one redb [`Database`] of a store, and the only place that opens write
+//! transactions: group commit, durability, panic-safe transactions.
+//!
+//! # Group commit
+//!
+//! redb has one writer at a time and a durable commit costs about one fsync.
+//! To let concurrent callers share that cost, writes take one of two paths:
+//!
+//! - **Operations** (the store's own calls: claims, enqueues, settlements,
+//!   reservations) are `Fn(&WriteTransaction) -> Result<T> + Send + 'static`
+//!   closures over owned data. A caller queues its operation; if no batch is
+//!   being led, it leads one itself: it takes every queued operation, runs
+//!   them in **one** write transaction, commits once, answers each caller,
+//!   and hands the lead to the first caller still waiting. A lone caller
+//!   therefore commits on its own thread with no hand-off, and under load
+//!   each fsync is shared by everyone who queued while the last one ran.
+//!   An operation that fails — returns `Err` or panics — may have written
+//!   part of its work before it failed, so it never commits: the
+//!   transaction is rolled back and the rest of the batch is run again
+//!   without it (operations are `Fn`, so they may run more than once; they
+//!   write only what they compute from the transaction's state). A failed
+//!   call therefore wrote nothing, by mechanism, whatever the operation did.
+//!   A panic anywhere else while leading (an after-commit hook, redb's
+//!   commit, the storage backend) never leaves a caller waiting: see
+//!   `Shared::lead`.
+//! - **Caller closures** ([`Engine::write`]: `Store::write`, `claim_with`
+//!   effects) are `FnOnce` and need not be `Send`. Each runs on its caller's
+//!   own thread in a write transaction of its own, committed with
+//!   [`redb::Durability::None`] (about 10 µs, no fsync). The caller then
+//!   waits until a later durable commit covers it: the next batch, or an
+//!   empty durable batch it queues. A closure that fails or panics aborts
+//!   only its own transaction; nobody else's work is touched, and no closure
+//!   ever runs twice.
+//!
+//! A durable redb commit persists every non-durable commit before it, so
+//! either way one fsync makes a whole group durable.
+//!
+//! Under [`Durability::None`] a batch does not even commit: the leader keeps
+//! its write transaction open, answers its callers, and the next batch runs
+//! in the same transaction. It is committed (without fsync) when a reader or
+//! a caller closure needs it, every `max_batch` operations, and durably on
+//! the flush interval, on `sync` and on close. The operations it holds are
+//! kept until then: should one panic, the transaction is rolled back and
+//! they are run again (operations are `Fn` and recompute their writes from
+//! the transaction's state), so no answered write is undone. One commit per
+//! call would cap a single thread near a non-durable redb commit's cost
+//! (the ≈ 10 µs above).
+//!
+//! # Durability invariants
+//!
+//! Every commit takes a sequence number while it holds redb's write lock, so
+//! the numbers follow commit order. `durable` is the largest number known to
+//! be on disk.
+//! - **D1**: under [`Durability::Immediate`] no write call returns `Ok` before
+//!   `durable` reaches its own commit's number.
+//! - **D2**: a read notes the sequence number after it opens its read
+//!   transaction (every commit it can see has a number no larger) and waits
+//!   for `durable` to reach it before it answers. Operations are answered only
+//!   after their batch's durable commit, which covers everything they saw.
+//!
+//! # Where each mechanism lives
+//!
+//! - `batch`: the queue, leadership, and the batch a leader runs in one
+//!   transaction (rollback of a failed operation, late arrivals, commit or
+//!   keep open).
+//! - `durability`: commit sequence numbers, what is on disk, waiting for it
+//!   (D1, D2), and the commits that move it.
+//! - `open_tx`: the transaction kept open under [`Durability::None`], its
+//!   replay log, and the flusher thread.
+//! - `wake`: how waiting callers are told their answer, or to lead.
+//! - `scope`: the thread-local scopes: inside a caller closure, and the
+//!   after-commit hooks of the transactions a thread runs.
+//! - `shared`: the state all of them share.
+//!
+//! # Locks
+//!
+//! Taken in this order, never the other way round:
+//!
+//! 1. `db`, the [`Database`]'s lock: shared by every transaction this
+//!    store opens, always with `read_recursive`, so that a thread holding it
+//!    may lead a batch that takes it again even while
+//!    [`Engine::exclusive`] waits for it; exclusive in
+//!    [`Engine::exclusive`] alone, which holds nothing else.
+//! 2. `open`: only a batch leader takes it, for its whole batch.
+//! 3. Then, one at a time: `sync` (durability bookkeeping, a leaf), or
+//!    `queue`, under which only a waiting caller's slot is taken (to promote
+//!    it). A slot's lock is a leaf.
+//!
+//! redb's writer lock (a live [`WriteTransaction`]) is taken under `db`: by
+//! a leader under `open` too; by a caller closure or
+//! [`Engine::inspect_write`] only once no transaction is kept open (see
+//! `open_tx`). Of the engine's locks, a leader holding it takes only `sync`,
+//! `queue` and slots; a caller closure holding it may read through the
+//! engine (`db` again, recursively, and nothing else) but not write
+//! ([`Error::Reentrant`]). So nobody holding it waits for `open`.
+//! Operations and after-commit hooks never call the engine: they run under
+//! a leader's locks.
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use redb::{Database, ReadTransaction, ReadableDatabase, WriteTransaction};
+
+use crate::error::{Error, Result};
+
+mod batch;
+mod durability;
+mod open_tx;
+mod scope;
+mod shared;
+#[cfg(test)]
+mod tests;
+mod wake;
+
+use batch::Needs;
+use open_tx::Flusher;
+pub(crate) use scope::after_commit;
+use scope::{WriteScope, in_write, run_hooks};
+use shared::Shared;
+
+/// How durable a store's commits are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every call that returns `Ok` has reached the disk (fsync) and survives
+    /// a crash or a power loss. Concurrent callers share fsyncs (group
+    /// commit). The default.
+    #[default]
+    Immediate,
+    /// Calls return once their write is in the store's in-memory state,
+    /// where every later read sees it, before it reaches the disk. **A crash or power loss loses the writes of roughly
+    /// the last [`StoreBuilder::flush_interval`](crate::StoreBuilder::flush_interval)**
+    /// (a claim can then be claimed again and its effect run twice), but the
+    /// file stays consistent: it rolls back to its last durable commit.
+    /// Dirty state is flushed on that interval, by [`Store::sync`](crate::Store::sync), and when the
+    /// store is closed. Choose it only where re-running recent effects after
+    /// a crash is acceptable.
+    None,
+}
+
+/// Settings the engine needs, filled in by the store builder.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineConfig {
+    pub(crate) durability: Durability,
+    pub(crate) quick_repair: bool,
+    pub(crate) max_batch: usize,
+    pub(crate) flush_interval: Duration,
+}
+
+/// The store's database, its batch queue and, under [`Durability::None`],
+/// its flusher thread.
+pub(crate) struct Engine {
+    shared: Arc<Shared>,
+    flusher: Option<Flusher>,
+    path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("path", &self.path)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    pub(crate) fn start(
+        db: Database,
+        config: EngineConfig,
+        path: Option<PathBuf>,
+    ) -> Result<Engine> {
+        let shared = Arc::new(Shared::new(db, config));
+        let flusher = if shared.config.durability == Durability::None {
+            Some(Flusher::start(&shared)?)
+        } else {
+            None
+        };
+        Ok(Engine {
+            shared,
+            flusher,
+            path,
+        })
+    }
+
+    pub(crate) fn path(&self) -> Option<&std::path::Path> {
+        self.path.as_deref()
+    }
+
+    pub(crate) fn durability(&self) -> Durability {
+        self.shared.config.durability
+    }
+
+    /// Runs a store operation in the next batch and returns its result once
+    /// the batch is committed (durably, under [`Durability::Immediate`]).
+    ///
+    /// If `op` returns `Err` (or panics), whatever it wrote is rolled back
+    /// and the caller gets its error: a failed operation wrote nothing. It
+    /// may be run more than once (after another operation in its batch
+    /// failed), and must then compute the same writes from the
+    /// transaction's state.
+    pub(crate) fn execute<T, F>(&self, op: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
+    {
+        if in_write() {
+            return Err(Error::Reentrant);
+        }
+        self.shared.submit(op, Needs::Default)
+    }
+
+    /// Whether a batch is being run right now or a transaction is kept open
+    /// (a hint: it may change at once). A write queued now will not commit
+    /// on its own.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.shared.pending.load(Ordering::Relaxed) || self.shared.queue.lock().leading
+    }
+
+    /// Runs a caller closure in a write transaction of its own on this
+    /// thread; commits if it returns `Ok`, aborts if it returns `Err` or
+    /// panics (then resumes the panic). Returns once the commit is durable
+    /// (under [`Durability::Immediate`]).
+    pub(crate) fn write<T, E>(
+        &self,
+        f: impl FnOnce(&WriteTransaction) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        let scope = WriteScope::enter()?;
+        let db = self.shared.db.read_recursive();
+        let mut tx = self.shared.begin_own_write()?;
+        tx.set_durability(redb::Durability::None)
+            .map_err(Error::from)?;
+        match catch_unwind(AssertUnwindSafe(|| f(&tx))) {
+            Err(panic) => {
+                // Abort explicitly: dropping a write transaction while a panic
+                // unwinds would flag the file for a full repair.
+                let _ = tx.abort();
+                drop(scope);
+                resume_unwind(panic)
+            }
+            Ok(Err(e)) => {
+                drop(scope);
+                tx.abort().map_err(Error::from)?;
+                Err(e)
+            }
+            Ok(Ok(value)) => {
+                let hooks = scope.take_hooks();
+                drop(scope);
+                let seq = self.shared.commit_own_write(tx)?;
+                drop(db);
+                self.wait_durable(seq)?;
+                if let Some(panic) = run_hooks(hooks) {
+                    resume_unwind(panic)
+                }
+                Ok(value)
+            }
+        }
+    }
+
+    /// Runs `f` in a read transaction. Under [`Durability::Immediate`] the
+    /// answer is returned only once everything the transaction could see is
+    /// durable (D2).
+    pub(crate) fn read<T, E>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        self.commit_pending()?;
+        let db = self.shared.db.read_recursive();
+        let tx = db.begin_read().map_err(Error::from)?;
+        let seen = self.shared.current_seq();
+        let out = f(&tx);
+        drop(tx);
+        drop(db);
+        if out.is_ok() {
+            self.wait_durable(seen)?;
+        }
+        out
+    }
+
+    /// Commits the transaction batches keep open under
+    /// [`Durability::None`], so that a read transaction begun next sees every
+    /// answered write. [`Engine::read`] does it itself; callers of
+    /// [`Engine::read_with_seq`] do it first.
+    pub(crate) fn commit_pending(&self) -> Result<()> {
+        if in_write() {
+            // Inside a caller closure no batch can hold a transaction open.
+            return Ok(());
+        }
+        self.shared.commit_pending()
+    }
+
+    /// Runs `f` in a read transaction begun now (after
+    /// [`Engine::commit_pending`]) and returns its answer at once, with the
+    /// sequence number to pass to [`Engine::wait_durable`] before acting on
+    /// the answer towards a caller (D2).
+    pub(crate) fn read_with_seq<T>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T>,
+    ) -> Result<(T, u64)> {
+        let db = self.shared.db.read_recursive();
+        let tx = db.begin_read()?;
+        let seen = self.shared.current_seq();
+        let out = f(&tx)?;
+        Ok((out, seen))
+    }
+
+    /// Under [`Durability::Immediate`], waits until commit `seq` is durable
+    /// (queuing an empty durable batch if no commit under way covers it).
+    /// Inside a caller closure it does not wait (it could not: the closure
+    /// holds the writer): what the closure returns is released only after
+    /// its own durable commit, which covers every commit before it.
+    pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
+        if self.shared.config.durability == Durability::Immediate && !in_write() {
+            self.shared.wait_durable(seq)?;
+        }
+        Ok(())
+    }
+
+    /// Makes every commit so far durable, whatever the store's durability.
+    pub(crate) fn sync(&self) -> Result<()> {
+        if in_write() {
+            return Err(Error::Reentrant);
+        }
+        self.shared.sync_all()
+    }
+
+    /// Runs `f` with the database to itself: no transaction of this store is
+    /// open meanwhile. For compaction and integrity checks.
+    pub(crate) fn exclusive<T>(&self, f: impl FnOnce(&mut Database) -> Result<T>) -> Result<T> {
+        self.sync()?;
+        self.shared.without_open(|| {
+            let mut db = self.shared.db.write();
+            f(&mut db)
+        })
+    }
+
+    /// Runs `f` in a write transaction that is always aborted, never
+    /// committed: for what only a write transaction can tell (redb's
+    /// [`WriteTransaction::stats`]). Waits for the writer like any write.
+    pub(crate) fn inspect_write<T>(
+        &self,
+        f: impl FnOnce(&WriteTransaction) -> Result<T>,
+    ) -> Result<T> {
+        let scope = WriteScope::enter()?;
+        let tx = self.shared.begin_own_write()?;
+        let out = f(&tx);
+        tx.abort()?;
+        drop(scope);
+        out
+    }
+
+    /// Commit counters: `(all commits, durable commits)`.
+    pub(crate) fn commit_counts(&self) -> (u64, u64) {
+        (
+            self.shared.commits.load(Ordering::Relaxed),
+            self.shared.durable_commits.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(flusher) = self.flusher.take() {
+            flusher.stop();
+        }
+        // Under Durability::None, what is still only in memory reaches the
+        // disk now; a failure here has nobody left to tell.
+        let _ = self.shared.sync_all();
+    }
+}

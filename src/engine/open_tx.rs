@@ -1,0 +1,167 @@
+//! Under [`Durability::None`]: the write transaction batches keep open
+//! between commits ([`OpenTx`]), with the answered operations it holds
+//! (its replay log); how callers get it committed before they read or
+//! write on their own ([`Shared::commit_pending`], [`Shared::without_open`]);
+//! and the flusher thread that makes it durable on the flush interval.
+//!
+//! [`Durability::None`]: super::Durability::None
+//!
+//! # Invariants
+//!
+//! - Only a batch leader touches `open`, and it holds the lock for its whole
+//!   batch, so the transaction a batch resumes is the one the last batch
+//!   kept. Under [`Durability::Immediate`](super::Durability::Immediate)
+//!   `open` is always empty: only a batch that need not be durable is kept.
+//! - Outside a running batch, `open` holds a transaction only if `pending`
+//!   is set: [`Shared::keep_open`] sets it before a transaction is parked,
+//!   and it is cleared only once that transaction is committed or lost.
+//!   (`pending` may be set with nothing open: it is a "may hold".)
+//! - No transaction is kept open while a caller waits to begin its own
+//!   (`writers_waiting > 0`): a leader sets `pending`, then reads
+//!   `writers_waiting`; a caller raises `writers_waiting`, then reads
+//!   `pending` (all sequentially consistent), so at least one of them sees
+//!   the other, and the caller commits what is open before it begins.
+//! - Every operation in the log has been answered `Ok`, and the hooks are
+//!   theirs. After a rollback they are run again in the new transaction; if
+//!   one fails, what the log held is lost as a crash would lose it, and the
+//!   engine is marked broken ([`Shared::lose_open`]) so that nothing more is
+//!   answered on top of it.
+//! - An open transaction holds fewer than `max_batch` operations.
+//!
+//! # Locks
+//!
+//! `open` is taken only by a leader, after `db` (see `batch`);
+//! `pending` and `writers_waiting` are atomics. [`Shared::begin_own_write`]
+//! may lead a batch (`db` → `open` → …) before it takes `db` and then
+//! redb's writer lock. The flusher thread takes what
+//! [`Shared::sync_all`] takes, holding nothing.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use redb::WriteTransaction;
+
+use super::batch::{Job, Needs};
+use super::scope::Hook;
+use super::shared::Shared;
+use crate::error::{Error, Result};
+
+/// A batch's write transaction, with what it holds from earlier batches:
+/// under `Durability::None`, the transaction kept open across batches, with
+/// the operations it holds (already answered) so that they can be run again
+/// should it have to be rolled back. A transaction just begun holds none.
+pub(super) struct OpenTx {
+    pub(super) tx: WriteTransaction,
+    pub(super) log: Vec<Box<dyn Job>>,
+    /// What the logged operations asked to run once it commits.
+    pub(super) hooks: Vec<Hook>,
+}
+
+impl OpenTx {
+    /// A transaction just begun, holding nothing yet.
+    pub(super) fn new(tx: WriteTransaction) -> OpenTx {
+        OpenTx {
+            tx,
+            log: Vec::new(),
+            hooks: Vec::new(),
+        }
+    }
+}
+
+/// Runs the answered operations of the open transaction again in `tx`
+/// after a rollback; `false` if one of them failed.
+pub(super) fn replay_log(log: &[Box<dyn Job>], tx: &WriteTransaction) -> bool {
+    for job in log {
+        if !job.replay(tx) {
+            return false;
+        }
+    }
+    true
+}
+
+impl Shared {
+    /// Whether a leader may keep its transaction open: marks it pending,
+    /// then checks that nobody is waiting to write (see
+    /// [`Shared::without_open`]).
+    pub(super) fn keep_open(&self) -> bool {
+        self.pending.store(true, Ordering::SeqCst);
+        self.writers_waiting.load(Ordering::SeqCst) == 0
+    }
+
+    /// The open transaction was rolled back and cannot be rebuilt: the
+    /// writes it held, already answered, are gone. The engine is marked
+    /// broken so that nothing more is answered on top of them.
+    pub(super) fn lose_open(&self) {
+        self.mark_broken();
+        self.pending.store(false, Ordering::SeqCst);
+    }
+
+    /// Commits the open transaction, if there is one, so that what it holds
+    /// is visible to readers.
+    pub(super) fn commit_pending(&self) -> Result<()> {
+        if self.pending.load(Ordering::SeqCst) {
+            self.submit(|_| Ok(()), Needs::Commit)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with no transaction left open by a batch: for callers that
+    /// begin a write transaction of their own, or need the database alone.
+    pub(super) fn without_open<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        // Announce first, then look: a leader about to keep a transaction
+        // open looks at `writers_waiting` after it sets `pending`, so one
+        // of the two sees the other (both sequentially consistent).
+        self.writers_waiting.fetch_add(1, Ordering::SeqCst);
+        let out = self.commit_pending().and_then(|()| f());
+        self.writers_waiting.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+
+    /// Begins a write transaction for this thread's own use, once no batch
+    /// holds one open.
+    pub(super) fn begin_own_write(&self) -> Result<WriteTransaction> {
+        self.without_open(|| {
+            let db = self.db.read_recursive();
+            Ok(db.begin_write()?)
+        })
+    }
+}
+
+/// Under `Durability::None`: the thread that flushes dirty state to disk
+/// every flush interval, until stopped.
+pub(super) struct Flusher {
+    stop: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl Flusher {
+    pub(super) fn start(shared: &Arc<Shared>) -> Result<Flusher> {
+        let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("idemstore-flush".into())
+            .spawn(move || flush_loop(&thread_shared, &stopped))
+            .map_err(Error::Io)?;
+        Ok(Flusher { stop, thread })
+    }
+
+    /// Stops the thread and waits for it (a flush under way ends first).
+    pub(super) fn stop(self) {
+        drop(self.stop);
+        let _ = self.thread.join();
+    }
+}
+
+/// Flushes dirty state every flush interval until `stop` closes.
+fn flush_loop(shared: &Shared, stop: &Receiver<()>) {
+    loop {
+        match stop.recv_timeout(shared.config.flush_interval) {
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = shared.sync_all();
+            }
+            _ => return,
+        }
+    }
+}

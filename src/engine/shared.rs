@@ -1,0 +1,73 @@
+//! [`Shared`]: the state of one engine, which every mechanism touches. Each
+//! mechanism adds its own `impl Shared` block in its file and owns the
+//! fields named there; this file only gathers them.
+//!
+//! # Invariants
+//!
+//! Those of each field are stated in the file that owns it.
+//!
+//! # Locks
+//!
+//! None taken here. The order of all of them is in the engine's module
+//! docs.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use redb::Database;
+
+use super::EngineConfig;
+use super::batch::Queue;
+use super::durability::SyncState;
+use super::open_tx::OpenTx;
+
+/// The state of one engine, shared by its handle, the callers' threads and
+/// the flusher. Fields drop in the order declared: `db` before a
+/// transaction `open` may still hold (after a close that could not commit
+/// it).
+pub(super) struct Shared {
+    /// Shared (always `read_recursive`) by every transaction this store
+    /// opens; exclusive only in `Engine::exclusive`.
+    pub(super) db: RwLock<Database>,
+    pub(super) config: EngineConfig,
+    /// Sequence number of the latest commit started (taken under redb's
+    /// write lock). See `durability`.
+    pub(super) seq: AtomicU64,
+    /// See `durability`.
+    pub(super) sync: Mutex<SyncState>,
+    /// Signalled when a durable commit ends, well or badly.
+    pub(super) synced: Condvar,
+    /// Operations waiting for a batch, and whether one is led. See `batch`.
+    pub(super) queue: Mutex<Queue>,
+    /// Durable commits made, for the tests and the benchmarks' fsync counts.
+    pub(super) durable_commits: AtomicU64,
+    /// Write transactions committed, durable or not.
+    pub(super) commits: AtomicU64,
+    /// Under [`Durability::None`](super::Durability::None): the transaction
+    /// batches keep open between commits (only a batch leader touches it).
+    /// See `open_tx`.
+    pub(super) open: Mutex<Option<OpenTx>>,
+    /// Whether `open` may hold answered, uncommitted writes.
+    pub(super) pending: AtomicBool,
+    /// Callers about to begin a write transaction of their own, which a
+    /// leader must not keep one open against.
+    pub(super) writers_waiting: AtomicUsize,
+}
+
+impl Shared {
+    pub(super) fn new(db: Database, config: EngineConfig) -> Shared {
+        Shared {
+            db: RwLock::new(db),
+            config,
+            seq: AtomicU64::new(0),
+            sync: Mutex::new(SyncState::default()),
+            synced: Condvar::new(),
+            queue: Mutex::new(Queue::default()),
+            durable_commits: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+            open: Mutex::new(None),
+            pending: AtomicBool::new(false),
+            writers_waiting: AtomicUsize::new(0),
+        }
+    }
+}

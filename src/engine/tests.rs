@@ -1,0 +1,302 @@
+//! The engine's unit tests: a failed or panicking operation writes nothing
+//! and loses nothing answered before it, after-commit hooks stay with their
+//! transaction, and under `Durability::None` batches share one open
+//! transaction that readers and caller closures commit first.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redb::backends::InMemoryBackend;
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+
+use super::{Durability, Engine, EngineConfig, after_commit};
+use crate::error::{Error, Result};
+
+const T: TableDefinition<&str, u64> = TableDefinition::new("t");
+
+fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
+    let db = redb::Database::builder()
+        .create_with_backend(InMemoryBackend::new())
+        .unwrap();
+    let config = EngineConfig {
+        durability,
+        quick_repair: false,
+        max_batch,
+        flush_interval: Duration::from_secs(3600),
+    };
+    Arc::new(Engine::start(db, config, None).unwrap())
+}
+
+fn put(engine: &Engine, key: &'static str, value: u64) -> Result<()> {
+    engine.execute(move |tx| {
+        tx.open_table(T)?.insert(key, value)?;
+        Ok(())
+    })
+}
+
+fn get(engine: &Engine, key: &str) -> Result<Option<u64>> {
+    engine.read(|tx| match tx.open_table(T) {
+        Ok(t) => Ok(t.get(key)?.map(|v| v.value())),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(Error::from(e)),
+    })
+}
+
+/// An operation that writes, then panics: its write must not survive.
+fn put_then_panic(engine: &Engine, key: &'static str) {
+    let out = catch_unwind(AssertUnwindSafe(|| {
+        engine.execute(move |tx| -> Result<()> {
+            tx.open_table(T)?.insert(key, 666)?;
+            panic!("operation failed half-way");
+        })
+    }));
+    assert!(out.is_err(), "the panic reaches its caller");
+}
+
+#[test]
+fn a_panicking_operation_loses_nothing_answered_before_it() {
+    for durability in [Durability::Immediate, Durability::None] {
+        let engine = engine(durability, 1024);
+        put(&engine, "before", 1).unwrap();
+        put_then_panic(&engine, "bad");
+        put(&engine, "after", 2).unwrap();
+        assert_eq!(get(&engine, "before").unwrap(), Some(1), "{durability:?}");
+        assert_eq!(get(&engine, "after").unwrap(), Some(2), "{durability:?}");
+        assert_eq!(get(&engine, "bad").unwrap(), None, "{durability:?}");
+    }
+}
+
+#[test]
+fn an_operation_that_fails_after_writing_leaves_nothing() {
+    for durability in [Durability::Immediate, Durability::None] {
+        let engine = engine(durability, 1024);
+        put(&engine, "before", 1).unwrap();
+        let out = engine.execute(|tx| -> Result<()> {
+            tx.open_table(T)?.insert("half", 7)?;
+            Err(Error::conflict("failed after its first write"))
+        });
+        assert!(matches!(out, Err(Error::Conflict { .. })), "{out:?}");
+        put(&engine, "after", 2).unwrap();
+        assert_eq!(get(&engine, "half").unwrap(), None, "{durability:?}");
+        assert_eq!(get(&engine, "before").unwrap(), Some(1), "{durability:?}");
+        assert_eq!(get(&engine, "after").unwrap(), Some(2), "{durability:?}");
+    }
+}
+
+#[test]
+fn failing_operations_roll_back_alone_among_concurrent_ones() {
+    let engine = engine(Durability::Immediate, 1024);
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                for i in 0..100u64 {
+                    let key: &'static str = Box::leak(format!("{t}-{i}").into_boxed_str());
+                    let fail = (t + i) % 3 == 0;
+                    let out = engine.execute(move |tx| -> Result<()> {
+                        tx.open_table(T)?.insert(key, i)?;
+                        if fail {
+                            return Err(Error::NotFound);
+                        }
+                        Ok(())
+                    });
+                    assert_eq!(out.is_err(), fail, "{key}: {out:?}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for t in 0..8u64 {
+        for i in 0..100u64 {
+            let expected = ((t + i) % 3 != 0).then_some(i);
+            assert_eq!(get(&engine, &format!("{t}-{i}")).unwrap(), expected);
+        }
+    }
+}
+
+#[test]
+fn a_panicking_after_commit_hook_answers_everyone_and_keeps_the_store_working() {
+    let engine = engine(Durability::Immediate, 1024);
+    let out = catch_unwind(AssertUnwindSafe(|| {
+        engine.execute(|tx| -> Result<()> {
+            tx.open_table(T)?.insert("hooked", 1)?;
+            after_commit(|| panic!("hook failed"));
+            Ok(())
+        })
+    }));
+    assert!(out.is_err(), "the hook's panic reaches the leader");
+    assert_eq!(get(&engine, "hooked").unwrap(), Some(1), "committed");
+    put(&engine, "later", 2).unwrap();
+    assert_eq!(get(&engine, "later").unwrap(), Some(2));
+}
+
+/// A caller closure's caller may lead a batch before its own
+/// transaction begins (to commit the transaction kept open under
+/// [`Durability::None`]). The hooks of that batch's operations belong
+/// to the batch: one whose operation was rolled back never runs, even
+/// when the closure commits afterwards.
+#[test]
+fn hooks_of_a_rolled_back_operation_never_run_when_a_closure_caller_leads() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+
+    let engine = engine(Durability::None, 2);
+    let queued = |n: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while engine.shared.queue.lock().jobs.len() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} jobs never queued"
+            );
+            std::thread::yield_now();
+        }
+    };
+    // Leaves a transaction open (pending).
+    put(&engine, "a", 1).unwrap();
+    // A batch held running while the others queue behind it.
+    let (started, is_started) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = Arc::new(parking_lot::Mutex::new(released));
+    let holder = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(move |_| {
+                let _ = started.send(());
+                let _ = released.lock().recv();
+                Ok(())
+            })
+        })
+    };
+    is_started.recv().unwrap();
+    let filler = {
+        let engine = engine.clone();
+        std::thread::spawn(move || put(&engine, "y", 2))
+    };
+    queued(1);
+    let writer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.write(|tx| -> Result<()> {
+                tx.open_table(T)?.insert("c", 3)?;
+                Ok(())
+            })
+        })
+    };
+    queued(2);
+    let ran = Arc::new(AtomicBool::new(false));
+    let panicker = {
+        let (engine, ran) = (engine.clone(), ran.clone());
+        std::thread::spawn(move || {
+            catch_unwind(AssertUnwindSafe(|| {
+                engine.execute(move |_| -> Result<()> {
+                    let ran = ran.clone();
+                    after_commit(move || ran.store(true, Ordering::SeqCst));
+                    panic!("rolled back");
+                })
+            }))
+            .is_err()
+        })
+    };
+    queued(3);
+    release.send(()).unwrap();
+    holder.join().unwrap().unwrap();
+    filler.join().unwrap().unwrap();
+    writer.join().unwrap().unwrap();
+    assert!(panicker.join().unwrap(), "the panic reached its caller");
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "a rolled-back operation's hook ran"
+    );
+    for (key, value) in [("a", 1), ("y", 2), ("c", 3)] {
+        assert_eq!(get(&engine, key).unwrap(), Some(value), "{key}");
+    }
+}
+
+#[test]
+fn under_none_writes_share_an_open_transaction_that_readers_see() {
+    let engine = engine(Durability::None, 1024);
+    let (commits, _) = engine.commit_counts();
+    for (i, key) in ["a", "b", "c"].into_iter().enumerate() {
+        put(&engine, key, i as u64).unwrap();
+    }
+    assert_eq!(
+        engine.commit_counts().0,
+        commits,
+        "nothing committed yet: the transaction is kept open"
+    );
+    // Another thread sees every answered write.
+    let reader = engine.clone();
+    let seen = std::thread::spawn(move || get(&reader, "c").unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(seen, Some(2));
+    assert_eq!(
+        engine.commit_counts().0,
+        commits + 1,
+        "the read committed it"
+    );
+}
+
+#[test]
+fn under_none_the_open_transaction_commits_every_max_batch_operations() {
+    let engine = engine(Durability::None, 8);
+    let (commits, _) = engine.commit_counts();
+    for _ in 0..40 {
+        engine
+            .execute(|tx| {
+                let mut t = tx.open_table(T)?;
+                let n = t.get("n")?.map_or(0, |v| v.value());
+                t.insert("n", n + 1)?;
+                Ok(())
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.commit_counts().0, commits + 5);
+    assert_eq!(get(&engine, "n").unwrap(), Some(40));
+}
+
+#[test]
+fn under_none_own_transactions_and_batches_interleave_without_deadlock() {
+    let engine = engine(Durability::None, 1024);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                for i in 0..200u64 {
+                    let key: &'static str = Box::leak(format!("{t}-{i}").into_boxed_str());
+                    if t % 2 == 0 {
+                        put(&engine, key, i).unwrap();
+                    } else {
+                        engine
+                            .write(|tx| -> Result<()> {
+                                tx.open_table(T)?.insert(key, i)?;
+                                Ok(())
+                            })
+                            .unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for t in 0..8 {
+        for i in 0..200u64 {
+            assert_eq!(get(&engine, &format!("{t}-{i}")).unwrap(), Some(i));
+        }
+    }
+    engine.sync().unwrap();
+    let (all, durable) = engine.commit_counts();
+    assert!(durable >= 1 && all >= durable);
+    engine
+        .exclusive(|db| {
+            let tx = db.begin_read()?;
+            assert_eq!(tx.open_table(T)?.len()?, 1600);
+            Ok(())
+        })
+        .unwrap();
+}
