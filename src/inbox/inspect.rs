@@ -35,8 +35,8 @@ impl Inbox {
             let mut journaled: Vec<(i64, String)> = Vec::new();
             if let Some(log) = open_read(tx, INBOX_JOURNAL)? {
                 for row in log.range((name, 0)..=(name, u64::MAX))? {
-                    let (_, entry) = row?;
-                    let (key, at) = entry.value();
+                    let (_, v) = row?;
+                    let (key, at) = v.value();
                     if past_start(at, key) {
                         journaled.push((at, key.to_owned()));
                     }
