@@ -136,9 +136,10 @@ fn write_row(
     old_at: Option<i64>,
     new: Option<&Row>,
 ) -> Result<()> {
-    match new {
-        Some(row) => drop(rows.insert((tenant, key), encode(row).as_slice())?),
-        None => drop(rows.remove((tenant, key))?),
+    if let Some(row) = new {
+        rows.insert((tenant, key), encode(row).as_slice())?;
+    } else {
+        rows.remove((tenant, key))?;
     }
     drop(rows);
     let new_at = new.map(Row::created_at);
@@ -171,14 +172,8 @@ pub(crate) fn complete(
     if !old.is_reserved_by(response.fence()) {
         return Ok(false);
     }
-    write_row(
-        tx,
-        rows,
-        tenant,
-        key,
-        Some(old.created_at()),
-        Some(response),
-    )?;
+    let old_at = Some(old.created_at());
+    write_row(tx, rows, tenant, key, old_at, Some(response))?;
     Ok(true)
 }
 

@@ -7,12 +7,13 @@
 //! the claim and the effect commit in one write transaction, or neither does.
 //!
 //! Layout: the ledger `(inbox, key) → seen_at` in [`INBOX`], its prune index
-//! `(inbox, seen_at, key)` in [`INBOX_SEEN`](crate::schema::INBOX_SEEN) and the per-inbox count of its
-//! rows in [`INBOX_COUNT`]. A durable store's claims first go to the journal
-//! of recent claims [`INBOX_JOURNAL`] and reach those three tables in bulk (see
-//! [`journal`]); under `Durability::None` a claim writes all three at once.
-//! The operations on one write transaction are in [`ops`]; listing and
-//! checking in [`inspect`].
+//! `(inbox, seen_at, key)` in [`INBOX_SEEN`](crate::schema::INBOX_SEEN) and
+//! the per-inbox count of its rows in [`INBOX_COUNT`]. A durable store's
+//! claims first go to the journal of recent claims [`INBOX_JOURNAL`] and
+//! reach those three tables in bulk (see [`journal`]); under
+//! `Durability::None` a claim writes all three at once. The operations on
+//! one write transaction are in [`ops`]; listing and checking in
+//! [`inspect`].
 
 mod inspect;
 mod journal;
