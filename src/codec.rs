@@ -1,6 +1,7 @@
-//! Records to bytes and back: the only module that knows the wire format.
+//! Rows to bytes and back: the only module that knows the wire format.
 //!
-//! A record is one version byte ([`RECORD_VERSION`]) followed by its
+//! Each module's stored form of a record is its `Row`. A stored row is one
+//! version byte ([`RECORD_VERSION`]) followed by its
 //! [postcard](https://docs.rs/postcard) encoding. postcard's format is
 //! documented and stable across 1.x, which matters for a file that must stay
 //! readable for years. Timestamps are `i64` microseconds since the Unix epoch,
@@ -14,16 +15,25 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
 
-/// The version byte in front of every record this build writes.
+/// The version byte in front of every row this build writes.
 pub(crate) const RECORD_VERSION: u8 = 1;
 
-/// Encodes a record. Encoding plain structs into a `Vec` cannot fail.
-pub(crate) fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+/// Encodes a row.
+// postcard's serializer fails only when its output is full (an `Extend`
+// sink never is), when a sequence does not tell its length (the derived
+// `Serialize` of the `Vec`s and `String`s in a row always does), or when a
+// value's own `Serialize` fails (rows derive theirs over plain data). So
+// this `expect` cannot fire.
+#[allow(
+    clippy::expect_used,
+    reason = "encoding a row into a Vec cannot fail; see the comment above"
+)]
+pub(crate) fn encode<T: Serialize>(row: &T) -> Vec<u8> {
     let out = vec![RECORD_VERSION];
-    postcard::to_extend(record, out).expect("postcard encoding into a Vec cannot fail")
+    postcard::to_extend(row, out).expect("postcard encoding into a Vec cannot fail")
 }
 
-/// Decodes a record read from `table` at `key`; bad bytes are
+/// Decodes a row read from `table` at `key`; bad bytes are
 /// [`Error::Corrupted`], never a panic.
 pub(crate) fn decode<T: DeserializeOwned>(
     table: &'static str,

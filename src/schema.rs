@@ -11,7 +11,7 @@
 //! Invariants between tables (each checked by the tests):
 //! - inbox: a key is claimed iff it has a row `(inbox, key) → seen_at` in
 //!   the ledger [`INBOX`] or a row `(inbox, id) → (key, seen_at)` in the
-//!   journal [`INBOX_LOG`], never both and never twice; a ledger row has its
+//!   journal [`INBOX_JOURNAL`], never both and never twice; a ledger row has its
 //!   `(inbox, seen_at, key)` in [`INBOX_SEEN`] and vice versa (journal rows
 //!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
 //!   number of ledger rows of each inbox (journal rows are counted when
@@ -50,7 +50,7 @@ pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
     TableDefinition::new("idemstore.v1.inbox.seen_at");
 /// `(inbox, id) → (event key, seen_at µs)`: recent claims not yet merged
 /// into [`INBOX`] (see `src/inbox/journal.rs`).
-pub(crate) const INBOX_LOG: TableDefinition<(&str, u64), (&str, i64)> =
+pub(crate) const INBOX_JOURNAL: TableDefinition<(&str, u64), (&str, i64)> =
     TableDefinition::new("idemstore.v1.inbox.journal");
 /// `inbox → number of keys in the ledger`; with the inbox's journal rows
 /// (at most `journal_size`), `len` without a scan of the ledger.

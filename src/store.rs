@@ -147,9 +147,7 @@ impl StoreBuilder {
     /// Opens the store file at `path`, creating it if it does not exist.
     pub fn open(self, path: impl AsRef<Path>) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
-        let builder = self.redb_builder();
-        let opened = catch_unwind(AssertUnwindSafe(|| builder.create(&path)));
-        let db = open_result(opened, &path)?;
+        let db = self.create_db(&path, |b| b.create(&path))?;
         self.finish(db, Some(path))
     }
 
@@ -162,16 +160,22 @@ impl StoreBuilder {
     /// Opens a store on a custom redb storage backend (for example one that
     /// injects I/O faults in tests).
     pub fn open_with_backend(self, backend: impl StorageBackend) -> Result<Store> {
-        let builder = self.redb_builder();
-        let opened = catch_unwind(AssertUnwindSafe(|| builder.create_with_backend(backend)));
-        let db = open_result(opened, Path::new("<backend>"))?;
+        let db = self.create_db(Path::new("<backend>"), |b| b.create_with_backend(backend))?;
         self.finish(db, None)
     }
 
-    fn redb_builder(&self) -> redb::Builder {
-        let mut b = redb::Database::builder();
-        b.set_cache_size(self.cache_size);
-        b
+    /// Opens the redb database with `create`, given redb's builder with
+    /// this builder's settings. A file redb cannot read is
+    /// [`Error::NotAStore`] (named `path`), including one it panics on.
+    fn create_db(
+        &self,
+        path: &Path,
+        create: impl FnOnce(&redb::Builder) -> std::result::Result<redb::Database, redb::DatabaseError>,
+    ) -> Result<redb::Database> {
+        let mut builder = redb::Database::builder();
+        builder.set_cache_size(self.cache_size);
+        let opened = catch_unwind(AssertUnwindSafe(|| create(&builder)));
+        open_result(opened, path)
     }
 
     fn finish(self, db: redb::Database, path: Option<PathBuf>) -> Result<Store> {
@@ -236,6 +240,26 @@ fn open_result(
             panic_message(&*panic)
         ))),
     }
+}
+
+/// What a file records of its format.
+enum Recorded {
+    /// No meta table: a new file.
+    Nothing,
+    /// A meta table without a format version.
+    NoVersion,
+    /// This format version.
+    Version(u64),
+}
+
+fn recorded_format(tx: &redb::ReadTransaction) -> Result<Recorded> {
+    let Some(meta) = open_read(tx, META)? else {
+        return Ok(Recorded::Nothing);
+    };
+    Ok(match meta.get(META_FORMAT_VERSION)? {
+        Some(v) => Recorded::Version(v.value()),
+        None => Recorded::NoVersion,
+    })
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -389,12 +413,10 @@ impl Store {
     /// moment (redb computes these in a write transaction, which is then
     /// aborted: nothing is written).
     pub fn stats(&self) -> Result<StoreStats> {
-        let format_version = self.engine.read(|tx| -> Result<u64> {
-            match open_read(tx, META)? {
-                Some(meta) => Ok(meta.get(META_FORMAT_VERSION)?.map_or(0, |v| v.value())),
-                None => Ok(0),
-            }
-        })?;
+        let format_version = match self.engine.read(recorded_format)? {
+            Recorded::Version(v) => v,
+            Recorded::Nothing | Recorded::NoVersion => 0,
+        };
         let s = self.engine.inspect_write(|tx| Ok(tx.stats()?))?;
         let file_bytes = match self.path() {
             Some(p) => Some(std::fs::metadata(p).map_err(Error::Io)?.len()),
@@ -433,24 +455,17 @@ impl Store {
 
     /// Checks (and on a new file, writes) the format version.
     fn check_format(engine: &Engine) -> Result<()> {
-        let found = engine.read(|tx| -> Result<Option<Option<u64>>> {
-            let Some(meta) = open_read(tx, META)? else {
-                return Ok(None);
-            };
-            let version = meta.get(META_FORMAT_VERSION)?.map(|v| v.value());
-            Ok(Some(version))
-        })?;
-        match found {
-            Some(Some(FORMAT_VERSION)) => Ok(()),
-            Some(Some(v)) => Err(Error::IncompatibleFormat {
+        match engine.read(recorded_format)? {
+            Recorded::Version(FORMAT_VERSION) => Ok(()),
+            Recorded::Version(v) => Err(Error::IncompatibleFormat {
                 found: format!("store format {v}"),
                 supported: FORMAT_VERSION,
             }),
-            Some(None) => Err(Error::IncompatibleFormat {
+            Recorded::NoVersion => Err(Error::IncompatibleFormat {
                 found: "a meta table without a format version".into(),
                 supported: FORMAT_VERSION,
             }),
-            None => engine.write(|tx| {
+            Recorded::Nothing => engine.write(|tx| {
                 let foreign = tx
                     .list_tables()?
                     .any(|t| redb::TableHandle::name(&t).starts_with("idemstore."));

@@ -4,12 +4,12 @@ use chrono::{DateTime, Utc};
 use redb::{ReadableTable, TableHandle as _};
 
 use super::IdempotencyKeys;
-use super::raw::{self, key_name};
-use super::record::{Row, check_key, check_tenant};
+use super::ops::stored_next_fence;
+use super::record::{Row, check_tenant, check_tenant_key, decode_row, key_name};
 use super::types::{KeyEntry, ResponseRecord, key_entry, to_response};
 use crate::codec::from_micros;
 use crate::error::Result;
-use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_read};
+use crate::schema::{IDEM, IDEM_CREATED, META, open_read};
 
 impl IdempotencyKeys {
     /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
@@ -32,7 +32,7 @@ impl IdempotencyKeys {
                 if tenant.is_some_and(|want| want != t) {
                     break;
                 }
-                out.push(key_entry(t, key, raw::decode_row(t, key, v.value())?)?);
+                out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
             }
             Ok(out)
         })
@@ -43,8 +43,7 @@ impl IdempotencyKeys {
     /// treats expired records as gone). `None` for no row or a reservation.
     /// For inspection tools and backups.
     pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
-        check_tenant(tenant)?;
-        check_key(key)?;
+        check_tenant_key(tenant, key)?;
         match self.read_row(tenant, key)? {
             Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
             _ => Ok(None),
@@ -64,7 +63,7 @@ impl IdempotencyKeys {
             for entry in rows.iter()? {
                 let (k, v) = entry?;
                 let (t, key) = k.value();
-                match raw::decode_row(t, key, v.value())? {
+                match decode_row(t, key, v.value())? {
                     Row::Completed { .. } => out.completed += 1,
                     Row::Reserved { .. } => out.reserved += 1,
                 }
@@ -89,7 +88,7 @@ impl IdempotencyKeys {
             let rows = open_read(tx, IDEM)?;
             let index = open_read(tx, IDEM_CREATED)?;
             let next_fence = match open_read(tx, META)? {
-                Some(m) => m.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value()),
+                Some(meta) => stored_next_fence(&meta)?,
                 None => 1,
             };
             if let Some(rows) = &rows {
@@ -97,7 +96,7 @@ impl IdempotencyKeys {
                     let (k, v) = entry?;
                     let (t, key) = k.value();
                     let name = key_name(t, key);
-                    let row = match raw::decode_row(t, key, v.value()) {
+                    let row = match decode_row(t, key, v.value()) {
                         Ok(r) => r,
                         Err(e) => {
                             findings.push(format!("row {name} does not decode: {e}"));
@@ -132,7 +131,7 @@ impl IdempotencyKeys {
                     match row {
                         None => findings.push(format!("index entry at {at} µs for {name} has no row")),
                         Some(v) => {
-                            if let Ok(row) = raw::decode_row(t, key, v.value())
+                            if let Ok(row) = decode_row(t, key, v.value())
                                 && row.created_at() != at
                             {
                                 findings.push(format!(

@@ -45,7 +45,7 @@
 //! expired never writes.
 
 mod inspect;
-mod raw;
+mod ops;
 mod record;
 mod types;
 
@@ -54,20 +54,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use redb::{TableHandle as _, WriteTransaction};
+use redb::WriteTransaction;
 
-use crate::codec::{from_micros, micros};
+use crate::codec::micros;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::schema::{IDEM, open_read};
 
 pub use inspect::KeySummary;
-use raw::{Began, Look, key_name};
+use ops::{Began, Look};
 pub use record::{
     MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
     MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, fingerprint,
 };
-use record::{Row, check_fingerprint, check_key, check_response, check_tenant};
+use record::{
+    Row, check_fingerprint, check_response, check_tenant_key, key_name, read_row, row_time,
+};
 pub(crate) use types::Counters;
 pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
 use types::{bump, to_response};
@@ -213,8 +215,7 @@ impl IdempotencyKeys {
         key: &str,
         expired_before: DateTime<Utc>,
     ) -> Result<Option<ResponseRecord>> {
-        check_tenant(tenant)?;
-        check_key(key)?;
+        check_tenant_key(tenant, key)?;
         let cutoff = micros(expired_before);
         let row = self.read_row(tenant, key)?;
         let row = match row {
@@ -222,7 +223,7 @@ impl IdempotencyKeys {
                 let (t, k) = (tenant.to_owned(), key.to_owned());
                 let (deleted, now) = self
                     .engine
-                    .execute(move |tx| raw::delete_expired(tx, &t, &k, cutoff))?;
+                    .execute(move |tx| ops::delete_expired(tx, &t, &k, cutoff))?;
                 if deleted {
                     bump(&self.counters.expired_deleted, 1);
                 }
@@ -246,8 +247,7 @@ impl IdempotencyKeys {
     /// ended reservation and fences its holder out. For responses produced
     /// under a reservation, use [`complete`](Self::complete) instead.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_tenant(&record.tenant)?;
-        check_key(&record.idempotency_key)?;
+        check_tenant_key(&record.tenant, &record.idempotency_key)?;
         check_fingerprint(&record.request_fingerprint)?;
         self.check_record(record)?;
         let row = into_row(record.clone(), 0, record.created_at);
@@ -255,7 +255,7 @@ impl IdempotencyKeys {
         let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
         let stored = self
             .engine
-            .execute(move |tx| raw::put(tx, &t, &k, &row, expired_before))?;
+            .execute(move |tx| ops::put(tx, &t, &k, &row, expired_before))?;
         if stored {
             bump(&self.counters.stored, 1);
         }
@@ -269,12 +269,12 @@ impl IdempotencyKeys {
     pub fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
         let cutoff = micros(expired_before);
         let mut total = 0;
-        let mut cursor: raw::PurgeCursor = None;
+        let mut cursor: ops::PurgeCursor = None;
         loop {
             let after = cursor.clone();
             let (n, next) = self
                 .engine
-                .execute(move |tx| raw::purge_chunk(tx, &after, cutoff, PURGE_CHUNK))?;
+                .execute(move |tx| ops::purge_chunk(tx, &after, cutoff, PURGE_CHUNK))?;
             total += n;
             bump(&self.counters.purged, n);
             match next {
@@ -307,21 +307,20 @@ impl IdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
-        check_tenant(tenant)?;
-        check_key(key)?;
+        check_tenant_key(tenant, key)?;
         check_fingerprint(fingerprint)?;
         let now_us = micros(now);
         let expired_before = now_us.saturating_sub(span_micros(self.ttl));
         let lease_until_us = now_us.saturating_add(span_micros(self.lease));
         let lease_until = time("now", lease_until_us)?;
         let row = self.read_row(tenant, key)?;
-        match raw::decide(row, fingerprint, now_us, expired_before) {
+        match ops::decide(row, fingerprint, now_us, expired_before) {
             Look::Reserve { .. } => {}
             answer => return self.answer(tenant, key, answer),
         }
         let (t, k, f) = (tenant.to_owned(), key.to_owned(), fingerprint.to_owned());
         let began = self.engine.execute(move |tx| {
-            raw::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)
+            ops::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)
         })?;
         match began {
             Began::Answered(answer) => self.answer(tenant, key, answer),
@@ -359,7 +358,7 @@ impl IdempotencyKeys {
             Look::InFlight(until) => {
                 bump(&self.counters.in_flight, 1);
                 Ok(Begin::InFlight {
-                    lease_until: from_micros(IDEM.name(), &key_name(tenant, key), until)?,
+                    lease_until: row_time(tenant, key, until)?,
                 })
             }
             Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
@@ -387,7 +386,7 @@ impl IdempotencyKeys {
         let (t, k) = (r.tenant.clone(), r.key.clone());
         let done = self
             .engine
-            .execute(move |tx| raw::complete(tx, &t, &k, &row))?;
+            .execute(move |tx| ops::complete(tx, &t, &k, &row))?;
         self.count_completion(done);
         Ok(done)
     }
@@ -409,7 +408,7 @@ impl IdempotencyKeys {
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let row = self.reservation_row(r, response, now)?;
-        let done = raw::complete(tx, &r.tenant, &r.key, &row)?;
+        let done = ops::complete(tx, &r.tenant, &r.key, &row)?;
         self.count_completion(done);
         Ok(done)
     }
@@ -431,7 +430,7 @@ impl IdempotencyKeys {
         let (t, k, fence) = (r.tenant.clone(), r.key.clone(), r.fence);
         if self
             .engine
-            .execute(move |tx| raw::release(tx, &t, &k, fence))?
+            .execute(move |tx| ops::release(tx, &t, &k, fence))?
         {
             bump(&self.counters.released, 1);
         }
@@ -443,7 +442,7 @@ impl IdempotencyKeys {
             let Some(table) = open_read(tx, IDEM)? else {
                 return Ok(None);
             };
-            raw::read_row(&table, tenant, key)
+            read_row(&table, tenant, key)
         })
     }
 

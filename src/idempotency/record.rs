@@ -1,9 +1,14 @@
-//! What an idempotency row holds, input limits, and the request fingerprint.
+//! What an idempotency row holds and how it is read, input limits, and the
+//! request fingerprint.
 
+use chrono::{DateTime, Utc};
+use redb::{ReadableTable, TableHandle as _};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::codec::{decode, from_micros};
 use crate::error::{Error, Result, check_len};
+use crate::schema::IDEM;
 
 /// Longest idempotency key accepted, in bytes (keys are 1–255 bytes).
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
@@ -65,6 +70,12 @@ impl Row {
         }
     }
 
+    /// Whether the row is the reservation fenced by `fence`: the only row
+    /// its holder may complete or release.
+    pub(crate) fn is_reserved_by(&self, fence: u64) -> bool {
+        matches!(self, Row::Reserved { fence: f, .. } if *f == fence)
+    }
+
     /// Whether the row counts as gone at `cutoff` (an `expired_before`): a
     /// response created strictly before it, or a reservation made before it
     /// whose lease also ended by then (a live lease is never cut short).
@@ -78,6 +89,33 @@ impl Row {
             } => *reserved_at < cutoff && *lease_until <= cutoff,
         }
     }
+}
+
+/// How a row's key is printed in errors.
+pub(crate) fn key_name(tenant: &str, key: &str) -> String {
+    format!("(tenant {tenant:?}, key {key:?})")
+}
+
+/// Decodes the stored row at `(tenant, key)`.
+pub(crate) fn decode_row(tenant: &str, key: &str, bytes: &[u8]) -> Result<Row> {
+    decode(IDEM.name(), &key_name(tenant, key), bytes)
+}
+
+/// Reads the row at `(tenant, key)` from any readable idempotency table.
+pub(crate) fn read_row<T>(table: &T, tenant: &str, key: &str) -> Result<Option<Row>>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    match table.get((tenant, key))? {
+        Some(v) => decode_row(tenant, key, v.value()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// A time stored in the row at `(tenant, key)`, as a `DateTime` (out of
+/// range: [`Error::Corrupted`]).
+pub(crate) fn row_time(tenant: &str, key: &str, us: i64) -> Result<DateTime<Utc>> {
+    from_micros(IDEM.name(), &key_name(tenant, key), us)
 }
 
 /// The hex SHA-256 of a request, for [`IdempotencyKeys::begin`](crate::IdempotencyKeys::begin):
@@ -106,17 +144,24 @@ pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
     out
 }
 
-pub(crate) fn check_key(key: &str) -> Result<()> {
+/// Checks the `(tenant, key)` a call names.
+pub(crate) fn check_tenant_key(tenant: &str, key: &str) -> Result<()> {
+    check_tenant(tenant)?;
+    check_key(key)
+}
+
+fn check_key(key: &str) -> Result<()> {
     check_len("idempotency key", key, MAX_IDEMPOTENCY_KEY_LEN)
 }
 
 pub(crate) fn check_tenant(tenant: &str) -> Result<()> {
-    if tenant.len() > MAX_TENANT_LEN {
-        return Err(Error::TooLarge {
-            field: "tenant",
-            len: tenant.len(),
-            max: MAX_TENANT_LEN,
-        });
+    check_at_most("tenant", tenant.len(), MAX_TENANT_LEN)
+}
+
+/// Checks a value that may be empty: at most `max` bytes.
+fn check_at_most(field: &'static str, len: usize, max: usize) -> Result<()> {
+    if len > max {
+        return Err(Error::TooLarge { field, len, max });
     }
     Ok(())
 }
@@ -174,23 +219,10 @@ pub(crate) fn check_response(
                 format!("{c:?} is not allowed in a header name"),
             ));
         }
-        if value.len() > MAX_HEADER_VALUE_LEN {
-            return Err(Error::TooLarge {
-                field: "header value",
-                len: value.len(),
-                max: MAX_HEADER_VALUE_LEN,
-            });
-        }
+        check_at_most("header value", value.len(), MAX_HEADER_VALUE_LEN)?;
         check_header_text("header value", value)?;
     }
-    if body.len() > max_body {
-        return Err(Error::TooLarge {
-            field: "response body",
-            len: body.len(),
-            max: max_body,
-        });
-    }
-    Ok(())
+    check_at_most("response body", body.len(), max_body)
 }
 
 #[cfg(test)]

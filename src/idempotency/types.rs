@@ -4,13 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
-use redb::TableHandle as _;
 
-use super::raw::key_name;
-use super::record::Row;
-use crate::codec::from_micros;
+use super::record::{Row, row_time};
 use crate::error::{Error, Result};
-use crate::schema::IDEM;
 
 /// A stored HTTP response, as [`Begin::Replay`] and
 /// [`IdempotencyKeys::get`](crate::IdempotencyKeys::get) return it and [`IdempotencyKeys::put`](crate::IdempotencyKeys::put) stores it.
@@ -238,7 +234,7 @@ pub(super) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseR
             content_type,
             headers,
             response_body: body,
-            created_at: from_micros(IDEM.name(), &key_name(tenant, key), created_at)?,
+            created_at: row_time(tenant, key, created_at)?,
         }),
         Row::Reserved { .. } => Err(Error::conflict(
             "the key holds a reservation, not a response",
@@ -247,8 +243,7 @@ pub(super) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseR
 }
 
 pub(super) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
-    let name = key_name(tenant, key);
-    let at = |us| from_micros(IDEM.name(), &name, us);
+    let at = |us| row_time(tenant, key, us);
     let fence = row.fence();
     let (fingerprint, state) = match row {
         Row::Completed {

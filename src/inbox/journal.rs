@@ -7,7 +7,7 @@
 //! a 2-core VM, that held group commit near 27k claims/s from 64 threads,
 //! and one thread committing 64 fresh keys at a time near 40k. So a claim
 //! instead appends `(inbox, id) → (key, seen_at)` under an increasing id to
-//! [`INBOX_LOG`], and once the journal holds the store's `journal_size`
+//! [`INBOX_JOURNAL`], and once the journal holds the store's `journal_size`
 //! entries, the claim that fills it moves the whole journal, sorted, into
 //! the ledger, its [`INBOX_SEEN`] index and the counts, in the same
 //! transaction. The ledger's pages are then written once per merge, not once
@@ -45,14 +45,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
+use super::ops;
 use crate::engine::after_commit;
 use crate::error::Result;
-use crate::schema::{INBOX, INBOX_LOG, INBOX_SEEN, open_read, open_write};
+use crate::schema::{INBOX, INBOX_JOURNAL, INBOX_SEEN, open_read, open_write};
 
 /// A journal table, as a write or a read transaction opened it.
-pub(crate) trait Log: ReadableTable<(&'static str, u64), (&'static str, i64)> {}
+pub(crate) trait JournalTable:
+    ReadableTable<(&'static str, u64), (&'static str, i64)>
+{
+}
 
-impl<T: ReadableTable<(&'static str, u64), (&'static str, i64)>> Log for T {}
+impl<T: ReadableTable<(&'static str, u64), (&'static str, i64)>> JournalTable for T {}
 
 /// The in-memory index of the journal's entries; see the module docs.
 #[derive(Debug, Default)]
@@ -79,7 +83,7 @@ impl Journal {
             merge_at,
             ..Journal::default()
         };
-        let Some(log) = open_read(tx, INBOX_LOG)? else {
+        let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
             return Ok(journal);
         };
         let mut next = 0;
@@ -135,7 +139,12 @@ impl Journal {
 /// When `key` of inbox `name` was claimed, if journal row `id` is its
 /// claim in the transaction that opened `log` (an index entry may point at a
 /// row that transaction does not see).
-pub(crate) fn journaled_at(log: &impl Log, name: &str, id: u64, key: &str) -> Result<Option<i64>> {
+pub(crate) fn journaled_at(
+    log: &impl JournalTable,
+    name: &str,
+    id: u64,
+    key: &str,
+) -> Result<Option<i64>> {
     Ok(log.get((name, id))?.and_then(|row| {
         let (k, at) = row.value();
         (k == key).then_some(at)
@@ -143,7 +152,7 @@ pub(crate) fn journaled_at(log: &impl Log, name: &str, id: u64, key: &str) -> Re
 }
 
 /// How many journal rows inbox `name` has.
-pub(crate) fn count(log: &impl Log, name: &str) -> Result<u64> {
+pub(crate) fn count(log: &impl JournalTable, name: &str) -> Result<u64> {
     let mut n = 0;
     for row in log.range((name, 0)..=(name, u64::MAX))? {
         row?;
@@ -175,7 +184,7 @@ pub(crate) fn claim(
     at: i64,
 ) -> Result<Claimed> {
     if let Some(id) = journal.hint(name, key)
-        && journaled_at(&open_write(tx, INBOX_LOG)?, name, id, key)?.is_some()
+        && journaled_at(&open_write(tx, INBOX_JOURNAL)?, name, id, key)?.is_some()
     {
         return Ok(Claimed::Before);
     }
@@ -193,7 +202,7 @@ pub(crate) fn claim(
     if open_write(tx, INBOX)?.get((name, key))?.is_some() {
         return Ok(Claimed::Before);
     }
-    let mut log = open_write(tx, INBOX_LOG)?;
+    let mut log = open_write(tx, INBOX_JOURNAL)?;
     let id = journal.next_id.fetch_add(1, Ordering::Relaxed);
     journal.note(name, key, id);
     log.insert((name, id), (key, at))?;
@@ -207,7 +216,7 @@ pub(crate) fn claim(
 /// Moves every journal row into the ledger, in key order, and writes their
 /// `seen_at` rows and counts.
 pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()> {
-    let mut log = open_write(tx, INBOX_LOG)?;
+    let mut log = open_write(tx, INBOX_JOURNAL)?;
     let mut rows = Vec::with_capacity(usize::try_from(log.len()?).unwrap_or(0));
     for row in log.iter()? {
         let (k, v) = row?;
@@ -230,8 +239,10 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
     }
     // Sorted by inbox first: one count update per inbox.
     for group in rows.chunk_by(|a, b| a.0 == b.0) {
-        let n = i64::try_from(group.len()).unwrap_or(i64::MAX);
-        super::add_count(tx, &group[0].0, n)?;
+        if let Some((name, ..)) = group.first() {
+            let n = i64::try_from(group.len()).unwrap_or(i64::MAX);
+            ops::add_count(tx, name, n)?;
+        }
     }
     log.retain(|_, _| false)?;
     let last = rows.iter().map(|&(_, _, _, id)| id).max().unwrap_or(0);

@@ -1,5 +1,5 @@
-//! Buffering a handler's response body up to a cap, without losing it when
-//! it is larger.
+//! Buffering a handler's response body up to `max_body` bytes, without
+//! losing it when it is larger.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,21 +10,20 @@ use http_body_util::BodyExt as _;
 
 use super::{BoxError, ResponseBody};
 
-/// A response body read as far as the cap allows.
+/// A response body read as far as `max_body` allows.
 pub(crate) enum Buffered {
     /// The whole body (trailers, if any, are dropped).
     Whole(Bytes),
-    /// Longer than the cap: the part read so far followed by the rest,
+    /// Longer than `max_body`: the part read so far followed by the rest,
     /// byte-identical to the original.
     TooLarge(ResponseBody),
     /// Reading the body failed.
     Failed,
 }
 
-/// Reads `body` into memory if it is at most `cap` bytes.
-pub(crate) async fn buffer(mut body: ResponseBody, cap: usize) -> Buffered {
-    let cap_u64 = u64::try_from(cap).unwrap_or(u64::MAX);
-    if body.size_hint().lower() > cap_u64 {
+/// Reads `body` into memory if it is at most `max_body` bytes.
+pub(crate) async fn buffer(mut body: ResponseBody, max_body: usize) -> Buffered {
+    if over_max_body(body.size_hint().lower(), max_body) {
         return Buffered::TooLarge(body);
     }
     let mut read = BytesMut::new();
@@ -36,7 +35,7 @@ pub(crate) async fn buffer(mut body: ResponseBody, cap: usize) -> Buffered {
                 let Ok(data) = frame.into_data() else {
                     continue; // trailers: not stored
                 };
-                if read.len() + data.len() > cap {
+                if read.len() + data.len() > max_body {
                     read.extend_from_slice(&data);
                     return Buffered::TooLarge(ResponseBody::new(Prefixed {
                         head: Some(read.freeze()),
@@ -47,6 +46,12 @@ pub(crate) async fn buffer(mut body: ResponseBody, cap: usize) -> Buffered {
             }
         }
     }
+}
+
+/// Whether a body of `len` bytes (a declared or hinted length) is over
+/// `max_body`.
+pub(crate) fn over_max_body(len: u64, max_body: usize) -> bool {
+    len > u64::try_from(max_body).unwrap_or(u64::MAX)
 }
 
 /// `head`, then every frame of `rest`.
@@ -113,15 +118,15 @@ mod tests {
         ResponseBody::new(Chunks(parts.iter().copied().collect()))
     }
 
-    async fn whole(body: ResponseBody, cap: usize) -> Option<Bytes> {
-        match buffer(body, cap).await {
+    async fn whole(body: ResponseBody, max_body: usize) -> Option<Bytes> {
+        match buffer(body, max_body).await {
             Buffered::Whole(b) => Some(b),
             _ => None,
         }
     }
 
-    async fn too_large(body: ResponseBody, cap: usize) -> Option<Bytes> {
-        match buffer(body, cap).await {
+    async fn too_large(body: ResponseBody, max_body: usize) -> Option<Bytes> {
+        match buffer(body, max_body).await {
             Buffered::TooLarge(rest) => Some(rest.collect().await.ok()?.to_bytes()),
             _ => None,
         }

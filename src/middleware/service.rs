@@ -14,7 +14,7 @@ use http::{HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 
-use super::body::{Buffered, buffer};
+use super::body::{Buffered, buffer, over_max_body};
 use super::key::parse_key;
 use super::problem::{Kind, full, in_flight, problem, quoted};
 use super::{BoxError, Config, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ResponseBody};
@@ -163,7 +163,7 @@ where
         reservation: Some(reservation),
     };
     match inner.call(Request::from_parts(parts, B::from(body))).await {
-        Ok(response) => Ok(settle(&config, held, &key, boxed(response)).await),
+        Ok(response) => Ok(store_response(&config, held, &key, boxed(response)).await),
         Err(e) => {
             held.release().await;
             Err(e)
@@ -268,7 +268,7 @@ where
 
 /// Stores the handler's `response` for the reservation in `held` (or
 /// releases it) and returns what its client gets.
-async fn settle(
+async fn store_response(
     config: &Config,
     mut held: Held,
     key: &str,
@@ -294,8 +294,11 @@ async fn settle(
             return problem(Kind::ResponseFailed, &detail, Some(key));
         }
     };
+    let Some(reservation) = held.disarm() else {
+        // Released already: nothing to store.
+        return Response::from_parts(parts, full(body));
+    };
     let done_at = (config.clock)();
-    let reservation = held.disarm();
     let mut record = reservation.response(parts.status.as_u16(), body.to_vec(), done_at);
     record.content_type = parts
         .headers
@@ -319,9 +322,9 @@ async fn settle(
     Response::from_parts(parts, full(body))
 }
 
-/// The request body, at most `max` bytes: 413 over it (from
+/// The request body, at most `max_body` bytes: 413 over it (from
 /// `Content-Length` when given, unread), 400 if it fails.
-async fn read_body<B>(parts: &Parts, body: B, max: usize) -> Result<Bytes, Kind>
+async fn read_body<B>(parts: &Parts, body: B, max_body: usize) -> Result<Bytes, Kind>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -331,10 +334,10 @@ where
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > u64::try_from(max).unwrap_or(u64::MAX)) {
+    if declared.is_some_and(|n| over_max_body(n, max_body)) {
         return Err(Kind::BodyTooLarge);
     }
-    match Limited::new(body, max).collect().await {
+    match Limited::new(body, max_body).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<LengthLimitError>() => Err(Kind::BodyTooLarge),
         Err(_) => Err(Kind::UnreadableBody),
@@ -414,11 +417,10 @@ impl Held {
         }
     }
 
-    /// The reservation, no longer released on drop.
-    fn disarm(&mut self) -> Reservation {
-        self.reservation
-            .take()
-            .expect("the reservation is taken once")
+    /// The reservation, no longer released on drop (`None` once released
+    /// or disarmed).
+    fn disarm(&mut self) -> Option<Reservation> {
+        self.reservation.take()
     }
 }
 

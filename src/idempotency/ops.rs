@@ -1,38 +1,21 @@
 //! The idempotency rows inside one write transaction: every write path of the
-//! module ends here, so the row/index invariant is kept in one place.
+//! module ends here, so the row/index invariant is kept in one place
+//! ([`write_row`]).
 //!
 //! Each function reads what it needs first and writes only once it knows it
 //! will succeed, so a function that returns `Err` wrote nothing (the engine's
 //! rule for queued operations), and it computes its writes from the
 //! transaction's state and its arguments only (it may be run twice).
 
-use redb::{ReadableTable, TableHandle as _, WriteTransaction};
+use redb::{ReadableTable, Table, WriteTransaction};
 
-use super::record::Row;
-use crate::codec::{decode, encode};
+use super::record::{Row, read_row};
+use crate::codec::encode;
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_write};
 
-/// How a row's key is printed in errors.
-pub(crate) fn key_name(tenant: &str, key: &str) -> String {
-    format!("(tenant {tenant:?}, key {key:?})")
-}
-
-/// Decodes a stored row.
-pub(crate) fn decode_row(tenant: &str, key: &str, bytes: &[u8]) -> Result<Row> {
-    decode(IDEM.name(), &key_name(tenant, key), bytes)
-}
-
-/// Reads the row at `(tenant, key)` from any readable idempotency table.
-pub(crate) fn read_row<T>(table: &T, tenant: &str, key: &str) -> Result<Option<Row>>
-where
-    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
-{
-    match table.get((tenant, key))? {
-        Some(v) => decode_row(tenant, key, v.value()).map(Some),
-        None => Ok(None),
-    }
-}
+/// The idempotency table, opened for writing.
+type Rows<'tx> = Table<'tx, (&'static str, &'static str), &'static [u8]>;
 
 /// What `begin` does about the row it found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,7 +89,7 @@ pub(crate) fn begin(
     expired_before: i64,
     lease_until: i64,
 ) -> Result<Began> {
-    let mut rows = open_write(tx, IDEM)?;
+    let rows = open_write(tx, IDEM)?;
     let old = read_row(&rows, tenant, key)?;
     let old_at = old.as_ref().map(Row::created_at);
     let (takeover, expired) = match decide(old, fingerprint, now, expired_before) {
@@ -120,9 +103,7 @@ pub(crate) fn begin(
         reserved_at: now,
         lease_until,
     };
-    rows.insert((tenant, key), encode(&row).as_slice())?;
-    drop(rows);
-    reindex(tx, tenant, key, old_at, Some(now))?;
+    write_row(tx, rows, tenant, key, old_at, Some(&row))?;
     Ok(Began::Reserved {
         fence,
         takeover,
@@ -133,27 +114,43 @@ pub(crate) fn begin(
 /// Takes the next fence token (store-wide, starting at 1, never reused).
 fn next_fence(tx: &WriteTransaction) -> Result<u64> {
     let mut meta = open_write(tx, META)?;
-    let fence = meta.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value());
+    let fence = stored_next_fence(&meta)?;
     meta.insert(META_IDEM_NEXT_FENCE, fence + 1)?;
     Ok(fence)
 }
 
-/// Moves the expiry index entry of `(tenant, key)` from `old` to `new`.
-fn reindex(
+/// The next fence token to hand out, as `meta` holds it (1 on a new file).
+pub(crate) fn stored_next_fence(meta: &impl ReadableTable<&'static str, u64>) -> Result<u64> {
+    Ok(meta.get(META_IDEM_NEXT_FENCE)?.map_or(1, |v| v.value()))
+}
+
+/// Replaces the row at `(tenant, key)`, whose expiry index entry is at
+/// `old_at` (`None`: there was no row), by `new` (`None`: removes it), and
+/// moves the index entry with it: the one place where a row and its index
+/// entry change together.
+fn write_row(
     tx: &WriteTransaction,
+    mut rows: Rows<'_>,
     tenant: &str,
     key: &str,
-    old: Option<i64>,
-    new: Option<i64>,
+    old_at: Option<i64>,
+    new: Option<&Row>,
 ) -> Result<()> {
-    if old == new {
+    if let Some(row) = new {
+        rows.insert((tenant, key), encode(row).as_slice())?;
+    } else {
+        rows.remove((tenant, key))?;
+    }
+    drop(rows);
+    let new_at = new.map(Row::created_at);
+    if old_at == new_at {
         return Ok(());
     }
     let mut index = open_write(tx, IDEM_CREATED)?;
-    if let Some(at) = old {
+    if let Some(at) = old_at {
         index.remove((at, tenant, key))?;
     }
-    if let Some(at) = new {
+    if let Some(at) = new_at {
         index.insert((at, tenant, key), ())?;
     }
     Ok(())
@@ -168,40 +165,29 @@ pub(crate) fn complete(
     key: &str,
     response: &Row,
 ) -> Result<bool> {
-    let mut rows = open_write(tx, IDEM)?;
+    let rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok(false);
     };
-    match &old {
-        Row::Reserved { fence, .. } if *fence == response.fence() => {}
-        _ => return Ok(false),
+    if !old.is_reserved_by(response.fence()) {
+        return Ok(false);
     }
-    rows.insert((tenant, key), encode(response).as_slice())?;
-    drop(rows);
-    reindex(
-        tx,
-        tenant,
-        key,
-        Some(old.created_at()),
-        Some(response.created_at()),
-    )?;
+    let old_at = Some(old.created_at());
+    write_row(tx, rows, tenant, key, old_at, Some(response))?;
     Ok(true)
 }
 
 /// Frees the reservation with `fence`; anything else at the key (a newer
 /// reservation, a response) is left alone. `true` if it freed the key.
 pub(crate) fn release(tx: &WriteTransaction, tenant: &str, key: &str, fence: u64) -> Result<bool> {
-    let mut rows = open_write(tx, IDEM)?;
+    let rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok(false);
     };
-    match &old {
-        Row::Reserved { fence: f, .. } if *f == fence => {}
-        _ => return Ok(false),
+    if !old.is_reserved_by(fence) {
+        return Ok(false);
     }
-    rows.remove((tenant, key))?;
-    drop(rows);
-    reindex(tx, tenant, key, Some(old.created_at()), None)?;
+    write_row(tx, rows, tenant, key, Some(old.created_at()), None)?;
     Ok(true)
 }
 
@@ -216,7 +202,7 @@ pub(crate) fn put(
     expired_before: i64,
 ) -> Result<bool> {
     let now = row.created_at();
-    let mut rows = open_write(tx, IDEM)?;
+    let rows = open_write(tx, IDEM)?;
     let old = read_row(&rows, tenant, key)?;
     let live = match &old {
         None => false,
@@ -228,15 +214,8 @@ pub(crate) fn put(
     }
     let fence = next_fence(tx)?;
     let row = with_fence(row, fence);
-    rows.insert((tenant, key), encode(&row).as_slice())?;
-    drop(rows);
-    reindex(
-        tx,
-        tenant,
-        key,
-        old.as_ref().map(Row::created_at),
-        Some(row.created_at()),
-    )?;
+    let old_at = old.as_ref().map(Row::created_at);
+    write_row(tx, rows, tenant, key, old_at, Some(&row))?;
     Ok(true)
 }
 
@@ -256,16 +235,14 @@ pub(crate) fn delete_expired(
     key: &str,
     cutoff: i64,
 ) -> Result<(bool, Option<Row>)> {
-    let mut rows = open_write(tx, IDEM)?;
+    let rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
         return Ok((false, None));
     };
     if !old.expired(cutoff) {
         return Ok((false, Some(old)));
     }
-    rows.remove((tenant, key))?;
-    drop(rows);
-    reindex(tx, tenant, key, Some(old.created_at()), None)?;
+    write_row(tx, rows, tenant, key, Some(old.created_at()), None)?;
     Ok((true, None))
 }
 
@@ -303,19 +280,19 @@ pub(crate) fn purge_chunk(
     }
     let mut rows = open_write(tx, IDEM)?;
     // Decide everything before writing anything.
-    let mut doomed: Vec<(bool, usize)> = Vec::new();
-    for (i, (at, tenant, key)) in candidates.iter().enumerate() {
+    let mut doomed: Vec<(bool, &(i64, String, String))> = Vec::new();
+    for candidate in &candidates {
+        let (at, tenant, key) = candidate;
         match read_row(&rows, tenant, key)? {
             // An index entry without its row: drop it, count nothing.
-            None => doomed.push((false, i)),
-            Some(row) if row.created_at() != *at => doomed.push((false, i)),
-            Some(row) if row.expired(cutoff) => doomed.push((true, i)),
+            None => doomed.push((false, candidate)),
+            Some(row) if row.created_at() != *at => doomed.push((false, candidate)),
+            Some(row) if row.expired(cutoff) => doomed.push((true, candidate)),
             Some(_) => {}
         }
     }
     let mut removed = 0;
-    for (has_row, i) in doomed {
-        let (at, tenant, key) = &candidates[i];
+    for (has_row, (at, tenant, key)) in doomed {
         index.remove((*at, tenant.as_str(), key.as_str()))?;
         if has_row {
             rows.remove((tenant.as_str(), key.as_str()))?;
