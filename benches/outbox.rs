@@ -90,9 +90,14 @@ fn claim_round(outbox: &Outbox, iters: u64) -> Duration {
         let claimed = outbox.claim_due(t(10), CLAIM, "bench").unwrap();
         timed += start.elapsed();
         assert_eq!(claimed.len(), CLAIM);
-        let back = claimed
-            .iter()
-            .map(|e| (e.fence(), Settlement::Rescheduled { at: e.due_at() }));
+        let back = claimed.iter().map(|e| {
+            (
+                e.fence(),
+                Settlement::Rescheduled {
+                    next_attempt_at: e.due_at(),
+                },
+            )
+        });
         for r in outbox.settle_many(back, t(10)).unwrap() {
             r.unwrap();
         }

@@ -339,7 +339,7 @@ fn start_dispatcher(
                 (Remote::Reject, _) => Delivery::Failed {
                     reason: "rejected_422".into(),
                 },
-                (Remote::Unknown, _) => Delivery::Unknown {
+                (Remote::Unknown, _) => Delivery::OutcomeUnknown {
                     remote_ref: Some(format!("req-{}", entry.id)),
                 },
             },

@@ -199,7 +199,7 @@ fn two_thousand_entries_end_where_their_sender_sends_them() -> Result<()> {
                 (Plan::Fail, _) => Delivery::Failed {
                     reason: "rejected".into(),
                 },
-                (Plan::Unknown, _) => Delivery::Unknown {
+                (Plan::Unknown, _) => Delivery::OutcomeUnknown {
                     remote_ref: Some(format!("ref-{i}")),
                 },
                 (Plan::PanicOnce, _) => {

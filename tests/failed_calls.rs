@@ -160,7 +160,7 @@ fn settle_and_claim_whose_claim_fails_wrote_no_settlement() -> Result<()> {
             fences[1],
             Settlement::Failed {
                 reason: "http_503".into(),
-                retry_at: Some(t(2)),
+                next_attempt_at: Some(t(2)),
             },
         ),
         (

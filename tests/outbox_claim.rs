@@ -98,7 +98,7 @@ fn retries_remote_refs_and_completion_times() -> Result<()> {
         claim.fence(),
         Settlement::Failed {
             reason: "http_503".into(),
-            retry_at: Some(t(30)),
+            next_attempt_at: Some(t(30)),
         },
         t(2),
     )?;
@@ -243,10 +243,12 @@ fn a_stale_attempt_cannot_settle() -> Result<()> {
         Settlement::Completed,
         Settlement::Failed {
             reason: "late".into(),
-            retry_at: None,
+            next_attempt_at: None,
         },
         Settlement::OutcomeUnknown { remote_ref: None },
-        Settlement::Rescheduled { at: t(99) },
+        Settlement::Rescheduled {
+            next_attempt_at: t(99),
+        },
     ] {
         let r = outbox.settle(first.fence(), s, t(63));
         assert!(matches!(r, Err(Error::Conflict { .. })), "{r:?}");
@@ -290,7 +292,7 @@ fn release_purge_counts_next_due_and_requeue() -> Result<()> {
         b.fence(),
         Settlement::Failed {
             reason: "bad_request".into(),
-            retry_at: None,
+            next_attempt_at: None,
         },
         t(30),
     )?;
@@ -451,7 +453,7 @@ fn bad_input_is_refused_and_writes_nothing() -> Result<()> {
             claim.fence(),
             Settlement::Failed {
                 reason: String::new(),
-                retry_at: None
+                next_attempt_at: None
             },
             t(2)
         ),
@@ -583,7 +585,7 @@ fn settle_and_claim_settles_then_claims_in_one_commit() -> Result<()> {
                 first[0].fence(),
                 Settlement::Failed {
                     reason: "timeout".into(),
-                    retry_at: Some(t(5)),
+                    next_attempt_at: Some(t(5)),
                 },
             ),
         ],

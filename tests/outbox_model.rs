@@ -63,7 +63,7 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
             (
                 Settlement::Failed {
                     reason: "http_503".into(),
-                    retry_at: Some(t(at)),
+                    next_attempt_at: Some(t(at)),
                 },
                 Change::Fail("http_503".into(), Some(at), now),
             )
@@ -71,7 +71,7 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
         2 => (
             Settlement::Failed {
                 reason: "http_400".into(),
-                retry_at: None,
+                next_attempt_at: None,
             },
             Change::Fail("http_400".into(), None, now),
         ),
@@ -87,7 +87,9 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
         _ => {
             let at = rng.near(now);
             (
-                Settlement::Rescheduled { at: t(at) },
+                Settlement::Rescheduled {
+                    next_attempt_at: t(at),
+                },
                 Change::Reschedule(at),
             )
         }

@@ -337,16 +337,18 @@ fn fenced_settlements_follow_the_table_only_while_holding_the_attempt() -> Resul
         Settlement::Completed,
         Settlement::Failed {
             reason: "http_503".into(),
-            retry_at: Some(t(RETRY)),
+            next_attempt_at: Some(t(RETRY)),
         },
         Settlement::Failed {
             reason: "http_400".into(),
-            retry_at: None,
+            next_attempt_at: None,
         },
         Settlement::OutcomeUnknown {
             remote_ref: Some("remote-7".into()),
         },
-        Settlement::Rescheduled { at: t(RETRY) },
+        Settlement::Rescheduled {
+            next_attempt_at: t(RETRY),
+        },
     ];
     for from in OutboxStatus::ALL {
         for s in &settlements {
@@ -366,7 +368,10 @@ fn fenced_settlements_follow_the_table_only_while_holding_the_attempt() -> Resul
                         (OutboxStatus::Completed, Settlement::Completed)
                             | (
                                 OutboxStatus::Failed,
-                                Settlement::Failed { retry_at: None, .. }
+                                Settlement::Failed {
+                                    next_attempt_at: None,
+                                    ..
+                                }
                             )
                     );
                 let ctx = format!("{from:?} × {s:?} at attempt {attempt}: {result:?}");

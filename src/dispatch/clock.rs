@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use crossbeam_channel::{Receiver, Sender, TrySendError};
+use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
+
+use crate::outbox::Notifier;
 
 /// A source of the current time.
 pub trait Clock: Send + Sync + 'static {
@@ -33,58 +35,50 @@ impl Clock for SystemClock {
 /// A clock that moves only when told to, for tests. Clones share one time.
 #[derive(Debug, Clone)]
 pub struct ManualClock {
-    inner: Arc<Mutex<ManualInner>>,
+    inner: Arc<ManualInner>,
 }
 
 #[derive(Debug)]
 struct ManualInner {
-    now: DateTime<Utc>,
-    watchers: Vec<Sender<()>>,
+    now: Mutex<DateTime<Utc>>,
+    watchers: Notifier,
 }
 
 impl ManualClock {
     /// A clock standing at `start`.
     pub fn new(start: DateTime<Utc>) -> Self {
         ManualClock {
-            inner: Arc::new(Mutex::new(ManualInner {
-                now: start,
-                watchers: Vec::new(),
-            })),
+            inner: Arc::new(ManualInner {
+                now: Mutex::new(start),
+                watchers: Notifier::default(),
+            }),
         }
     }
 
     /// Moves the clock forward by `by` and wakes whoever waits on it.
     pub fn advance(&self, by: std::time::Duration) {
         let by = chrono::Duration::from_std(by).unwrap_or(chrono::Duration::MAX);
-        let mut inner = self.inner.lock();
-        inner.now = inner.now.checked_add_signed(by).unwrap_or(inner.now);
-        Self::wake(&mut inner);
+        let mut now = self.inner.now.lock();
+        *now = now.checked_add_signed(by).unwrap_or(*now);
+        self.inner.watchers.notify();
     }
 
     /// Sets the clock to `at` (forwards or backwards) and wakes whoever
     /// waits on it.
     pub fn set(&self, at: DateTime<Utc>) {
-        let mut inner = self.inner.lock();
-        inner.now = at;
-        Self::wake(&mut inner);
-    }
-
-    fn wake(inner: &mut ManualInner) {
-        inner
-            .watchers
-            .retain(|w| !matches!(w.try_send(()), Err(TrySendError::Disconnected(()))));
+        let mut now = self.inner.now.lock();
+        *now = at;
+        self.inner.watchers.notify();
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> DateTime<Utc> {
-        self.inner.lock().now
+        *self.inner.now.lock()
     }
 
     fn changes(&self) -> Option<Receiver<()>> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.inner.lock().watchers.push(tx);
-        Some(rx)
+        Some(self.inner.watchers.subscribe())
     }
 }
 

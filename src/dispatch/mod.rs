@@ -76,7 +76,7 @@ pub enum Delivery {
     /// A retryable failure with the time the remote asked for (`Retry-After`).
     RetryAt {
         /// When to try again.
-        at: DateTime<Utc>,
+        next_attempt_at: DateTime<Utc>,
         /// A stable failure code, stored on the entry.
         reason: String,
     },
@@ -87,7 +87,7 @@ pub enum Delivery {
     },
     /// The send may or may not have happened (a timeout after the request
     /// left): the entry is `OutcomeUnknown`, for reconciliation.
-    Unknown {
+    OutcomeUnknown {
         /// The remote's reference for the attempt, if one came back.
         remote_ref: Option<String>,
     },
@@ -97,6 +97,8 @@ pub enum Delivery {
 pub const REASON_MAX_ATTEMPTS: &str = "max_attempts";
 /// The reason stored on an entry whose `send` panicked.
 pub const REASON_PANIC: &str = "panic";
+/// The reason stored for a failure whose `send` gave an empty one.
+const REASON_UNSPECIFIED: &str = "unspecified";
 
 /// Default number of worker threads: 2.
 pub const DEFAULT_WORKERS: usize = 2;
@@ -224,43 +226,27 @@ impl DispatcherBuilder {
         // From here on, an early return drops the handle, which stops and
         // joins the threads already started.
         let mut handle = DispatcherHandle {
-            ctx: ctx.clone(),
+            ctx,
             stop: Some(stop_tx),
             threads: Vec::new(),
         };
         // The reaper first, so a restart releases a crashed run's claims
         // before the workers look for work.
-        {
-            let (c, stop) = (ctx.clone(), stop_rx.clone());
-            handle.threads.push(spawn(
-                &ctx,
-                "idemstore-reaper".into(),
-                REAPER_THREAD,
-                Box::new(move || reaper(&c, &stop)),
-            )?);
-        }
+        handle.start_thread("idemstore-reaper".into(), REAPER_THREAD, &stop_rx, reaper)?;
         for i in 0..self.workers {
-            let (c, stop) = (ctx.clone(), stop_rx.clone());
             let id = format!("{}-{i}", self.worker_id);
-            handle.threads.push(spawn(
-                &ctx,
-                format!("idemstore-{id}"),
-                WORKER_THREAD,
-                Box::new(move || worker(&c, &id, &stop)),
-            )?);
+            let name = format!("idemstore-{id}");
+            handle.start_thread(name, WORKER_THREAD, &stop_rx, move |c, stop| {
+                worker(c, &id, stop);
+            })?;
         }
         if let Some(janitor) = self.janitor {
-            let (c, stop) = (ctx.clone(), stop_rx.clone());
-            handle.threads.push(spawn(
-                &ctx,
-                "idemstore-janitor".into(),
-                JANITOR_THREAD,
-                Box::new(move || {
-                    janitor.run(&*c.clock, &stop, &|at, outcome| {
-                        c.counters.janitor_run(at, outcome);
-                    });
-                }),
-            )?);
+            let name = "idemstore-janitor".into();
+            handle.start_thread(name, JANITOR_THREAD, &stop_rx, move |c, stop| {
+                janitor.run(&*c.clock, stop, &|at, outcome| {
+                    c.counters.janitor_run(at, outcome);
+                });
+            })?;
         }
         Ok(handle)
     }
@@ -272,31 +258,6 @@ const WORKER_THREAD: &str = "a dispatcher worker thread";
 const REAPER_THREAD: &str = "the dispatcher's reaper thread";
 /// What the janitor thread was when it panicked.
 const JANITOR_THREAD: &str = "the dispatcher's janitor thread";
-
-/// Starts one of the dispatcher's threads. A panic in it is kept as the
-/// last error, then goes on to end the thread (its join reports it).
-fn spawn(
-    ctx: &Arc<Ctx>,
-    name: String,
-    during: &'static str,
-    body: Box<dyn FnOnce() + Send>,
-) -> Result<(&'static str, JoinHandle<()>)> {
-    let ctx = ctx.clone();
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || {
-            if let Err(payload) = catch_unwind(AssertUnwindSafe(body)) {
-                // The clock may be what panicked: then the system's time.
-                let at = catch_unwind(AssertUnwindSafe(|| ctx.clock.now()))
-                    .unwrap_or_else(|_| Utc::now());
-                let error = Error::panicked(during, &*payload);
-                ctx.counters.last_error(LastError::new(at, during, &error));
-                resume_unwind(payload);
-            }
-        })
-        .map(|thread| (during, thread))
-        .map_err(Error::Io)
-}
 
 /// A running dispatcher. Dropping it shuts it down too (and waits), but
 /// [`DispatcherHandle::shutdown`] reports how that went.
@@ -317,6 +278,35 @@ impl std::fmt::Debug for DispatcherHandle {
 }
 
 impl DispatcherHandle {
+    /// Starts one of the dispatcher's threads, `name`, running `body` with
+    /// the dispatcher's context and the stop signal. A panic in it is kept
+    /// as the last error, then goes on to end the thread (its join reports
+    /// it, as `during`).
+    fn start_thread(
+        &mut self,
+        name: String,
+        during: &'static str,
+        stop: &Receiver<()>,
+        body: impl FnOnce(&Ctx, &Receiver<()>) + Send + 'static,
+    ) -> Result<()> {
+        let (ctx, stop) = (self.ctx.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| body(&ctx, &stop))) {
+                    // The clock may be what panicked: then the system's time.
+                    let at = catch_unwind(AssertUnwindSafe(|| ctx.clock.now()))
+                        .unwrap_or_else(|_| Utc::now());
+                    let error = Error::panicked(during, &*payload);
+                    ctx.counters.last_error(LastError::new(at, during, &error));
+                    resume_unwind(payload);
+                }
+            })
+            .map_err(Error::Io)?;
+        self.threads.push((during, thread));
+        Ok(())
+    }
+
     /// What the dispatcher did so far, its last error and its janitor's
     /// runs.
     pub fn stats(&self) -> DispatchStats {
@@ -487,43 +477,59 @@ fn settle_apart(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
     let now = ctx.clock.now();
     let mut kept = Vec::new();
     for (fence, settlement) in settlements.drain(..) {
-        match ctx.outbox.settle(fence, settlement.clone(), now) {
-            Ok(()) => {}
-            Err(Error::Conflict { .. } | Error::NotFound) => bump(&ctx.counters.fenced, 1),
-            Err(e) => {
-                ctx.store_error("settle", &e);
-                if e.is_storage() {
-                    kept.push((fence, settlement));
-                }
-            }
+        let answer = ctx.outbox.settle(fence, settlement.clone(), now);
+        if count_answer(ctx, &answer) {
+            kept.push((fence, settlement));
         }
     }
     *settlements = kept;
 }
 
-/// Counts the settlements refused by their fence (the entry moved on, or
-/// was purged since); any other failure of a settlement is a store error.
+/// Counts the store's answers to a batch of settlements (see
+/// [`count_answer`]).
 fn count_fenced(ctx: &Ctx, settled: &[Result<()>]) {
-    for outcome in settled {
-        match outcome {
-            Ok(()) => {}
-            Err(Error::Conflict { .. } | Error::NotFound) => bump(&ctx.counters.fenced, 1),
-            Err(e) => ctx.store_error("settle", e),
+    for answer in settled {
+        count_answer(ctx, answer);
+    }
+}
+
+/// Counts the store's answer to one settlement: refused by its fence (the
+/// entry moved on, or was purged since), or failed otherwise (a store
+/// error). Returns whether it failed for a storage error, so that offering
+/// it again may succeed.
+fn count_answer(ctx: &Ctx, answer: &Result<()>) -> bool {
+    match answer {
+        Ok(()) => false,
+        Err(Error::Conflict { .. } | Error::NotFound) => {
+            bump(&ctx.counters.fenced, 1);
+            false
+        }
+        Err(e) => {
+            ctx.store_error("settle", e);
+            e.is_storage()
         }
     }
 }
 
 /// Sends each entry of a claimed batch; returns how to settle each.
 fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) -> Vec<(Fence, Settlement)> {
-    let mut settlements: Vec<(Fence, Settlement)> = Vec::with_capacity(entries.len());
+    let mut settlements = Vec::with_capacity(entries.len());
+    let mut settle = |entry: &OutboxEntry, settlement: Settlement| {
+        ctx.counters.settled(&settlement);
+        settlements.push((entry.fence(), settlement));
+    };
     for (i, entry) in entries.iter().enumerate() {
         if ctx.stopping() {
             // Give the unsent rest back, due now.
             let now = ctx.clock.now();
-            for rest in &entries[i..] {
-                settlements.push((rest.fence(), Settlement::Rescheduled { at: now }));
+            for rest in entries.iter().skip(i) {
+                settle(
+                    rest,
+                    Settlement::Rescheduled {
+                        next_attempt_at: now,
+                    },
+                );
             }
-            bump(&ctx.counters.returned, (entries.len() - i) as u64);
             break;
         }
         let started = ctx.clock.now();
@@ -532,75 +538,73 @@ fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) -> Vec<(Fenc
             ctx.counters.latency.lock().record(latency);
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| (ctx.send)(entry)));
-        settlements.push((entry.fence(), settle_for(ctx, entry, outcome, rng)));
+        settle(entry, settle_for(ctx, entry, outcome, rng));
     }
     settlements
 }
 
+/// How to settle `entry` after its `send` returned `outcome` (or panicked).
 fn settle_for(
     ctx: &Ctx,
     entry: &OutboxEntry,
     outcome: std::thread::Result<Delivery>,
     rng: &mut Rng,
 ) -> Settlement {
-    let c = &ctx.counters;
-    let (reason, at) = match outcome {
-        Ok(Delivery::Delivered) => {
-            bump(&c.delivered, 1);
-            return Settlement::Completed;
-        }
+    let (reason, next_attempt_at) = match outcome {
+        Ok(Delivery::Delivered) => return Settlement::Completed,
         Ok(Delivery::Failed { reason }) => {
-            bump(&c.failed, 1);
             return Settlement::Failed {
-                reason: non_empty(reason),
-                retry_at: None,
+                reason: stored_reason(reason),
+                next_attempt_at: None,
             };
         }
-        Ok(Delivery::Unknown { remote_ref }) => {
-            bump(&c.unknown, 1);
+        Ok(Delivery::OutcomeUnknown { remote_ref }) => {
             return Settlement::OutcomeUnknown {
-                remote_ref: remote_ref.filter(|r| !r.is_empty()).map(fit),
+                remote_ref: stored_remote_ref(remote_ref),
             };
         }
-        Ok(Delivery::Retry { reason }) => (non_empty(reason), None),
-        Ok(Delivery::RetryAt { at, reason }) => (non_empty(reason), Some(at)),
+        Ok(Delivery::Retry { reason }) => (stored_reason(reason), None),
+        Ok(Delivery::RetryAt {
+            next_attempt_at,
+            reason,
+        }) => (stored_reason(reason), Some(next_attempt_at)),
         Err(_) => {
-            bump(&c.panics, 1);
+            bump(&ctx.counters.panics, 1);
             (REASON_PANIC.to_owned(), None)
         }
     };
     let now = ctx.clock.now();
-    let policy_at = ctx.retry.next_attempt(entry.attempt_count, now, rng.unit());
-    match policy_at {
-        None => {
-            bump(&c.failed, 1);
-            Settlement::Failed {
-                reason: REASON_MAX_ATTEMPTS.to_owned(),
-                retry_at: None,
-            }
-        }
-        Some(backoff) => {
-            bump(&c.retried, 1);
-            Settlement::Failed {
-                reason,
-                retry_at: Some(at.unwrap_or(backoff)),
-            }
-        }
+    match ctx.retry.next_attempt(entry.attempt_count, now, rng.unit()) {
+        None => Settlement::Failed {
+            reason: REASON_MAX_ATTEMPTS.to_owned(),
+            next_attempt_at: None,
+        },
+        Some(backoff) => Settlement::Failed {
+            reason,
+            next_attempt_at: Some(next_attempt_at.unwrap_or(backoff)),
+        },
     }
 }
 
 /// A failure code as stored: empty becomes `unspecified`, and one longer
-/// than the outbox accepts is cut at a character boundary (a dispatcher must
-/// settle every attempt, whatever its `send` returned).
-fn non_empty(reason: String) -> String {
+/// than the outbox accepts is cut (a dispatcher must settle every attempt,
+/// whatever its `send` returned).
+fn stored_reason(reason: String) -> String {
     if reason.is_empty() {
-        "unspecified".to_owned()
+        REASON_UNSPECIFIED.to_owned()
     } else {
-        fit(reason)
+        cut_to_field_len(reason)
     }
 }
 
-fn fit(mut s: String) -> String {
+/// A remote reference as stored: none if empty, and one longer than the
+/// outbox accepts is cut.
+fn stored_remote_ref(remote_ref: Option<String>) -> Option<String> {
+    remote_ref.filter(|r| !r.is_empty()).map(cut_to_field_len)
+}
+
+/// `s` cut to [`MAX_OUTBOX_FIELD_LEN`] bytes, at a character boundary.
+fn cut_to_field_len(mut s: String) -> String {
     if s.len() > MAX_OUTBOX_FIELD_LEN {
         let mut end = MAX_OUTBOX_FIELD_LEN;
         while !s.is_char_boundary(end) {

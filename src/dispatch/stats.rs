@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 
 use super::janitor::{JanitorReport, JanitorStats};
 use crate::error::Error;
+use crate::outbox::Settlement;
 
 /// Counters of a running dispatcher, its enqueue→send latency, and the last
 /// error its threads ran into.
@@ -20,7 +21,8 @@ pub struct DispatchStats {
     pub retried: u64,
     /// Entries that failed for good (a [`Delivery::Failed`](super::Delivery::Failed), or `max_attempts`).
     pub failed: u64,
-    /// Sends that returned [`Delivery::Unknown`](super::Delivery::Unknown).
+    /// Sends that returned
+    /// [`Delivery::OutcomeUnknown`](super::Delivery::OutcomeUnknown).
     pub unknown: u64,
     /// Sends that panicked (each counted as a retryable failure).
     pub panics: u64,
@@ -135,7 +137,10 @@ impl Histogram {
 
     pub(crate) fn record(&mut self, d: Duration) {
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        self.buckets[Self::index(us)] += 1;
+        // Every index is below 64 · SUB: log2 < 64, sub < SUB.
+        if let Some(bucket) = self.buckets.get_mut(Self::index(us)) {
+            *bucket += 1;
+        }
         self.count += 1;
         self.max_us = self.max_us.max(us);
     }
@@ -200,6 +205,25 @@ impl Counters {
             janitor: Mutex::new(with_janitor.then(JanitorStats::default)),
             ..Counters::default()
         }
+    }
+
+    /// Counts how a worker settles an attempt (or gives an entry back
+    /// unsent): the one place the outcome counters change.
+    pub(crate) fn settled(&self, settlement: &Settlement) {
+        let counter = match settlement {
+            Settlement::Completed => &self.delivered,
+            Settlement::Failed {
+                next_attempt_at: Some(_),
+                ..
+            } => &self.retried,
+            Settlement::Failed {
+                next_attempt_at: None,
+                ..
+            } => &self.failed,
+            Settlement::OutcomeUnknown { .. } => &self.unknown,
+            Settlement::Rescheduled { .. } => &self.returned,
+        };
+        bump(counter, 1);
     }
 
     /// Counts a failed store call and keeps it as the last error.

@@ -30,7 +30,7 @@ use redb::{
 };
 
 use super::OutboxStatus;
-use super::record::Stored;
+use super::record::Row;
 use crate::codec::encode;
 use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
@@ -39,33 +39,70 @@ use crate::schema::{
     OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
 };
 
-/// The status-dependent index keys of a record: `(due, claimed, finished)`.
-fn status_keys(id: u64, s: &Stored) -> Result<(Option<i64>, Option<i64>, Option<i64>)> {
-    Ok(match s.status(id)? {
-        OutboxStatus::Pending => (Some(s.due()), None, None),
-        OutboxStatus::Dispatching => (
-            None,
-            Some(s.attempt.as_ref().map_or(s.created_at, |a| a.1)),
-            None,
-        ),
-        OutboxStatus::Completed | OutboxStatus::Failed => {
-            (None, None, Some(s.completed_at.unwrap_or(s.created_at)))
-        }
-        OutboxStatus::OutcomeUnknown => (None, None, None),
+/// The status-dependent index keys of a record: the time of its
+/// `(time, id)` row in the due, the claims and the finished index, when it
+/// has one (at most one of the three).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct StatusKeys {
+    due: Option<i64>,
+    claimed: Option<i64>,
+    finished: Option<i64>,
+}
+
+/// The status-dependent index keys of record `id`.
+fn status_keys(id: u64, row: &Row) -> Result<StatusKeys> {
+    let none = StatusKeys::default();
+    Ok(match row.status(id)? {
+        OutboxStatus::Pending => StatusKeys {
+            due: Some(row.due_at()),
+            ..none
+        },
+        OutboxStatus::Dispatching => StatusKeys {
+            claimed: Some(row.claimed_at()),
+            ..none
+        },
+        OutboxStatus::Completed | OutboxStatus::Failed => StatusKeys {
+            finished: Some(row.completed_at.unwrap_or(row.created_at)),
+            ..none
+        },
+        OutboxStatus::OutcomeUnknown => none,
     })
 }
+
+/// The record `id` of the outbox's rows, decoded; `None` if there is none.
+pub(super) fn load_row(
+    rows: &impl ReadableTable<u64, &'static [u8]>,
+    id: u64,
+) -> Result<Option<Row>> {
+    match rows.get(id)? {
+        Some(v) => Row::decode(id, v.value()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// An index row whose record is missing.
+pub(super) fn dangling(index: &'static str, id: u64) -> Error {
+    Error::Corrupted {
+        table: index,
+        key: id.to_string(),
+        reason: "index row without its outbox record".into(),
+    }
+}
+
+/// A `(time, id)` index, open for writing.
+pub(super) type TimeIndex<'tx> = Table<'tx, (i64, u64), ()>;
 
 /// Every outbox table, open in one write transaction.
 pub(super) struct Tables<'tx> {
     pub(super) rows: Table<'tx, u64, &'static [u8]>,
-    pub(super) due: Table<'tx, (i64, u64), ()>,
-    pub(super) claimed: Table<'tx, (i64, u64), ()>,
+    pub(super) due: TimeIndex<'tx>,
+    pub(super) claimed: TimeIndex<'tx>,
     pub(super) dedup: Table<'tx, (&'static str, &'static str), u64>,
     pub(super) by_command: Table<'tx, (&'static str, i64, u64), ()>,
-    pub(super) finished: Table<'tx, (i64, u64), ()>,
+    pub(super) finished: TimeIndex<'tx>,
     count: Table<'tx, u8, u64>,
-    /// Count changes per status code, written by [`Tables::finish`].
-    deltas: [i64; 5],
+    /// Count changes per status, written by [`Tables::finish`].
+    deltas: BTreeMap<u8, i64>,
 }
 
 impl<'tx> Tables<'tx> {
@@ -78,30 +115,34 @@ impl<'tx> Tables<'tx> {
             by_command: open_write(tx, OUTBOX_BY_COMMAND)?,
             finished: open_write(tx, OUTBOX_FINISHED)?,
             count: open_write(tx, OUTBOX_COUNT)?,
-            deltas: [0; 5],
+            deltas: BTreeMap::new(),
         })
     }
 
     /// The record `id`, decoded; `None` if there is none.
-    pub(super) fn load(&self, id: u64) -> Result<Option<Stored>> {
-        match self.rows.get(id)? {
-            Some(v) => Stored::decode(id, v.value()).map(Some),
-            None => Ok(None),
+    pub(super) fn load(&self, id: u64) -> Result<Option<Row>> {
+        load_row(&self.rows, id)
+    }
+
+    /// The record a row of `index` points at, which the index holds in a
+    /// status that `indexed` accepts only. A dangling index row, or a record
+    /// in another status, is [`Error::Corrupted`].
+    pub(super) fn load_indexed(
+        &self,
+        index: &'static str,
+        id: u64,
+        indexed: impl Fn(OutboxStatus) -> bool,
+    ) -> Result<Row> {
+        let row = self.load(id)?.ok_or_else(|| dangling(index, id))?;
+        if indexed(row.status(id)?) {
+            Ok(row)
+        } else {
+            Err(index_mismatch(index, id))
         }
     }
 
-    /// The record an index row points at; a dangling index row is
-    /// [`Error::Corrupted`].
-    pub(super) fn load_indexed(&self, index: &'static str, id: u64) -> Result<Stored> {
-        self.load(id)?.ok_or_else(|| Error::Corrupted {
-            table: index,
-            key: id.to_string(),
-            reason: "index row without its outbox record".into(),
-        })
-    }
-
     /// Writes a new record with all its index rows.
-    pub(super) fn insert_new(&mut self, id: u64, s: &Stored) -> Result<()> {
+    pub(super) fn insert_new(&mut self, id: u64, s: &Row) -> Result<()> {
         let keys = status_keys(id, s)?;
         self.rows.insert(id, encode(s).as_slice())?;
         self.dedup
@@ -109,29 +150,26 @@ impl<'tx> Tables<'tx> {
         self.by_command
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
-        self.add_count(s.status, 1);
+        self.count_move(None, Some(s.status));
         Ok(())
     }
 
     /// Replaces record `id` (`old` as stored) by `new`, moving its status
     /// index rows and counts. Immutable fields (destination, key, command,
     /// `created_at`) keep their index rows.
-    pub(super) fn replace(&mut self, id: u64, old: &Stored, new: &Stored) -> Result<()> {
+    pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
         let (old_keys, new_keys) = (status_keys(id, old)?, status_keys(id, new)?);
         self.rows.insert(id, encode(new).as_slice())?;
         if old_keys != new_keys {
             self.remove_status_keys(id, old_keys)?;
             self.put_status_keys(id, new_keys)?;
         }
-        if old.status != new.status {
-            self.add_count(old.status, -1);
-            self.add_count(new.status, 1);
-        }
+        self.count_move(Some(old.status), Some(new.status));
         Ok(())
     }
 
     /// Deletes record `id` (`old` as stored) and every index row of it.
-    pub(super) fn delete(&mut self, id: u64, old: &Stored) -> Result<()> {
+    pub(super) fn delete(&mut self, id: u64, old: &Row) -> Result<()> {
         let keys = status_keys(id, old)?;
         self.rows.remove(id)?;
         self.dedup
@@ -139,53 +177,54 @@ impl<'tx> Tables<'tx> {
         self.by_command
             .remove((old.command_id.as_str(), old.created_at, id))?;
         self.remove_status_keys(id, keys)?;
-        self.add_count(old.status, -1);
+        self.count_move(Some(old.status), None);
         Ok(())
     }
 
-    fn put_status_keys(
-        &mut self,
-        id: u64,
-        (d, c, f): (Option<i64>, Option<i64>, Option<i64>),
-    ) -> Result<()> {
-        if let Some(at) = d {
-            self.due.insert((at, id), ())?;
-        }
-        if let Some(at) = c {
-            self.claimed.insert((at, id), ())?;
-        }
-        if let Some(at) = f {
-            self.finished.insert((at, id), ())?;
-        }
-        Ok(())
+    /// Each status index with the time of the record's row in it, if any.
+    fn status_indexes(&mut self, keys: StatusKeys) -> [(Option<i64>, &mut TimeIndex<'tx>); 3] {
+        [
+            (keys.due, &mut self.due),
+            (keys.claimed, &mut self.claimed),
+            (keys.finished, &mut self.finished),
+        ]
     }
 
-    fn remove_status_keys(
-        &mut self,
-        id: u64,
-        (d, c, f): (Option<i64>, Option<i64>, Option<i64>),
-    ) -> Result<()> {
-        if let Some(at) = d {
-            self.due.remove((at, id))?;
-        }
-        if let Some(at) = c {
-            self.claimed.remove((at, id))?;
-        }
-        if let Some(at) = f {
-            self.finished.remove((at, id))?;
+    fn put_status_keys(&mut self, id: u64, keys: StatusKeys) -> Result<()> {
+        for (at, index) in self.status_indexes(keys) {
+            if let Some(at) = at {
+                index.insert((at, id), ())?;
+            }
         }
         Ok(())
     }
 
-    /// Notes a count change; [`Tables::finish`] writes it.
-    fn add_count(&mut self, status: u8, delta: i64) {
-        self.deltas[usize::from(status)] += delta;
+    fn remove_status_keys(&mut self, id: u64, keys: StatusKeys) -> Result<()> {
+        for (at, index) in self.status_indexes(keys) {
+            if let Some(at) = at {
+                index.remove((at, id))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes that a record left the status with code `from` (`None`: it is
+    /// new) for the one with code `to` (`None`: it is deleted); the one
+    /// place where counts change. [`Tables::finish`] writes them.
+    fn count_move(&mut self, from: Option<u8>, to: Option<u8>) {
+        if from == to {
+            return;
+        }
+        let moves = from.map(|code| (code, -1)).into_iter();
+        for (code, delta) in moves.chain(to.map(|code| (code, 1))) {
+            *self.deltas.entry(code).or_default() += delta;
+        }
     }
 
     /// Writes the status counters changed since `open`: once per operation,
     /// not once per entry. Every operation that writes ends with it.
     pub(super) fn finish(mut self) -> Result<()> {
-        for (code, delta) in (0u8..).zip(self.deltas) {
+        for (code, delta) in self.deltas {
             if delta == 0 {
                 continue;
             }
@@ -202,8 +241,29 @@ impl<'tx> Tables<'tx> {
 }
 
 /// The next outbox id to hand out (ids start at 1 and only grow).
-pub(super) fn next_id(meta: &Table<'_, &'static str, u64>) -> Result<u64> {
+pub(super) fn next_id(meta: &impl ReadableTable<&'static str, u64>) -> Result<u64> {
     Ok(meta.get(META_OUTBOX_NEXT_ID)?.map_or(1, |v| v.value()))
+}
+
+/// An index row whose record is not in the status the index is for.
+pub(super) fn index_mismatch(index: &'static str, id: u64) -> Error {
+    Error::Corrupted {
+        table: index,
+        key: id.to_string(),
+        reason: "indexed record is not in the indexed status".into(),
+    }
+}
+
+/// The status counters as stored: `status code → n`.
+pub(super) fn read_counts(tx: &ReadTransaction) -> Result<BTreeMap<u8, u64>> {
+    let mut counts = BTreeMap::new();
+    if let Some(t) = open_read(tx, OUTBOX_COUNT)? {
+        for row in t.iter()? {
+            let (k, v) = row?;
+            counts.insert(k.value(), v.value());
+        }
+    }
+    Ok(counts)
 }
 
 /// Every key of a `(i64, u64) → ()` index.
@@ -259,7 +319,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
         let (key, value) = row?;
         let id = key.value();
         ex.max_id = ex.max_id.max(id);
-        let rec = match Stored::decode(id, value.value()) {
+        let rec = match Row::decode(id, value.value()) {
             Ok(rec) => rec,
             Err(e) => {
                 findings.push(format!("record {id}: {e}"));
@@ -285,10 +345,10 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
                 rec.completed_at
             ));
         }
-        let (due, claimed, finished) = status_keys(id, &rec)?;
-        ex.due.extend(due.map(|at| (at, id)));
-        ex.claimed.extend(claimed.map(|at| (at, id)));
-        ex.finished.extend(finished.map(|at| (at, id)));
+        let keys = status_keys(id, &rec)?;
+        ex.due.extend(keys.due.map(|at| (at, id)));
+        ex.claimed.extend(keys.claimed.map(|at| (at, id)));
+        ex.finished.extend(keys.finished.map(|at| (at, id)));
         ex.by_command
             .insert((rec.command_id.clone(), rec.created_at, id));
         ex.dedup
@@ -313,24 +373,13 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         counts,
         max_id,
     } = expected;
-    compare(
-        &mut findings,
-        OUTBOX_DUE.name(),
-        &due,
-        &pairs(tx, OUTBOX_DUE)?,
-    );
-    compare(
-        &mut findings,
-        OUTBOX_CLAIMED.name(),
-        &claimed,
-        &pairs(tx, OUTBOX_CLAIMED)?,
-    );
-    compare(
-        &mut findings,
-        OUTBOX_FINISHED.name(),
-        &finished,
-        &pairs(tx, OUTBOX_FINISHED)?,
-    );
+    for (index, expected) in [
+        (OUTBOX_DUE, due),
+        (OUTBOX_CLAIMED, claimed),
+        (OUTBOX_FINISHED, finished),
+    ] {
+        compare(&mut findings, index.name(), &expected, &pairs(tx, index)?);
+    }
     let mut found = BTreeSet::new();
     if let Some(t) = open_read(tx, OUTBOX_BY_COMMAND)? {
         for row in t.iter()? {
@@ -349,13 +398,7 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         }
     }
     compare(&mut findings, OUTBOX_DEDUP.name(), &dedup, &found);
-    let mut stored_counts = BTreeMap::new();
-    if let Some(t) = open_read(tx, OUTBOX_COUNT)? {
-        for row in t.iter()? {
-            let (k, v) = row?;
-            stored_counts.insert(k.value(), v.value());
-        }
-    }
+    let stored_counts = read_counts(tx)?;
     if stored_counts != counts {
         findings.push(format!(
             "{}: counters {stored_counts:?} but records say {counts:?}",
@@ -363,7 +406,7 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         ));
     }
     let next = match open_read(tx, META)? {
-        Some(meta) => meta.get(META_OUTBOX_NEXT_ID)?.map_or(1, |v| v.value()),
+        Some(meta) => next_id(&meta)?,
         None => 1,
     };
     if next <= max_id {

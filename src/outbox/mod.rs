@@ -63,240 +63,37 @@
 //! [`Outbox::check_indexes`] verifies.
 
 mod index;
+mod notifier;
 mod ops;
 mod record;
+mod types;
 
-use std::fmt;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use crossbeam_channel::{Receiver, Sender, TrySendError};
-use parking_lot::Mutex;
-use redb::{ReadableTable, TableDefinition, TableHandle as _, WriteTransaction};
+use crossbeam_channel::Receiver;
+use redb::{ReadOnlyTable, ReadableTable, TableDefinition, TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
-use crate::error::{Error, Result, check_len};
+use crate::error::{Error, Result};
 use crate::schema::{
     OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE,
 };
-use index::open_read;
-use record::{Change, Stored};
-
-/// Longest `command_id`, `destination`, `idempotency_key`, `worker_id`,
-/// failure reason and remote reference accepted, in bytes.
-pub const MAX_OUTBOX_FIELD_LEN: usize = 1024;
-
-/// An outbox entry's id: assigned by the store, increasing in enqueue order
-/// (also across reopens), never reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OutboxId(pub u64);
-
-impl fmt::Display for OutboxId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-/// Where an outbox entry is in its life.
-///
-/// | from \ op      | `claim_due` | `mark_completed` | `mark_failed` (retry) | `mark_failed` (none) | `mark_outcome_unknown` | `reschedule` | `release_expired` | `requeue` |
-/// |----------------|-------------|------------------|-----------------------|----------------------|------------------------|--------------|-------------------|-----------|
-/// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict |
-/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →`OutcomeUnknown`    | →Pending   | →Pending (if claimed before cutoff) | Conflict |
-/// | `OutcomeUnknown` | —       | →Completed     | →Pending           | →Failed           | accepted; fills a missing `remote_ref` | →Pending | — | →Pending |
-/// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict |
-/// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending |
-///
-/// An unknown id is [`Error::NotFound`]; a refused cell is
-/// [`Error::Conflict`] and changes nothing. `release_expired` puts an entry
-/// back due at its claim time, so due at once.
-///
-/// **Only `Dispatching` holds a claim.** Every edge out of it (→`Completed`,
-/// →`Pending`, →`Failed`, →`OutcomeUnknown`) clears the claim
-/// `{worker_id, claimed_at}` ([`OutboxRecord::claim`] becomes `None`) and
-/// removes the entry's `(claimed_at, id)` row from the claims index, which
-/// holds `Dispatching` entries only; so
-/// [`release_expired_claims`](Outbox::release_expired_claims) never touches
-/// an entry of any other status, `OutcomeUnknown` included. On the edge to
-/// `OutcomeUnknown` the worker and time of the attempt stay on the record as
-/// [`OutboxRecord::attempt_in_doubt`], for reconciliation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum OutboxStatus {
-    /// Waiting to be claimed once due.
-    Pending,
-    /// Claimed by a worker, which is performing the effect.
-    Dispatching,
-    /// The effect happened. Terminal.
-    Completed,
-    /// The effect was given up on. Terminal (an operator may
-    /// [`requeue`](Outbox::requeue) it).
-    Failed,
-    /// The worker cannot tell whether the effect happened (a timeout after
-    /// sending). Holds no claim. Needs reconciliation: complete, fail or
-    /// requeue it.
-    OutcomeUnknown,
-}
-
-impl OutboxStatus {
-    /// Every status, in code order.
-    pub const ALL: [OutboxStatus; 5] = [
-        OutboxStatus::Pending,
-        OutboxStatus::Dispatching,
-        OutboxStatus::Completed,
-        OutboxStatus::Failed,
-        OutboxStatus::OutcomeUnknown,
-    ];
-
-    /// Whether some operation moves an entry from `self` to `to`: the edges
-    /// of the table above. `Pending → Pending` (a new due time) and
-    /// `OutcomeUnknown → OutcomeUnknown` (a remote reference filled in)
-    /// count; the accepted no-op cells on `Completed` and `Failed` change
-    /// nothing and do not.
-    pub fn can_transition(self, to: OutboxStatus) -> bool {
-        use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
-        matches!(
-            (self, to),
-            (Pending, Pending | Dispatching)
-                | (
-                    Dispatching | OutcomeUnknown,
-                    Pending | Completed | Failed | OutcomeUnknown
-                )
-                | (Failed, Pending)
-        )
-    }
-
-    /// Whether the entry is finished (`Completed` or `Failed`): it has a
-    /// `completed_at` and is what [`Outbox::purge_finished`] removes.
-    pub fn is_finished(self) -> bool {
-        matches!(self, OutboxStatus::Completed | OutboxStatus::Failed)
-    }
-}
-
-/// An effect to enqueue.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewEntry {
-    /// The command (or business operation) the effect belongs to; entries
-    /// are listed by it. 1–1024 bytes.
-    pub command_id: String,
-    /// Where the effect goes (a service, a topic). 1–1024 bytes.
-    pub destination: String,
-    /// Unique per destination: a second enqueue with the same
-    /// `(destination, idempotency_key)` is a [`Enqueued::Duplicate`]. Send
-    /// it with the effect so the receiver can deduplicate too. 1–1024 bytes.
-    pub idempotency_key: String,
-    /// The effect's body, up to the store's `max_body` (default 1 MiB).
-    pub payload: Vec<u8>,
-    /// Not due before this time (default: due at once).
-    pub not_before: Option<DateTime<Utc>>,
-}
-
-impl NewEntry {
-    /// An entry due at once.
-    pub fn new(
-        command_id: impl Into<String>,
-        destination: impl Into<String>,
-        idempotency_key: impl Into<String>,
-        payload: impl Into<Vec<u8>>,
-    ) -> Self {
-        NewEntry {
-            command_id: command_id.into(),
-            destination: destination.into(),
-            idempotency_key: idempotency_key.into(),
-            payload: payload.into(),
-            not_before: None,
-        }
-    }
-
-    /// Makes the entry due from `at` on (its `next_attempt_at`).
-    #[must_use]
-    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
-        self.not_before = Some(at);
-        self
-    }
-}
-
-/// An outbox entry as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxEntry {
-    /// Its id.
-    pub id: OutboxId,
-    /// As enqueued.
-    pub command_id: String,
-    /// As enqueued.
-    pub destination: String,
-    /// As enqueued.
-    pub idempotency_key: String,
-    /// As enqueued.
-    pub payload: Vec<u8>,
-    /// Where it is in its life.
-    pub status: OutboxStatus,
-    /// How many times it was claimed; the current claim's attempt number
-    /// while `Dispatching`. Never decreases.
-    pub attempt_count: u32,
-    /// When it is (or was) due, if not at creation: `not_before`, a retry
-    /// time, a reschedule. `None` once finished.
-    pub next_attempt_at: Option<DateTime<Utc>>,
-    /// The `now` of its enqueue.
-    pub created_at: DateTime<Utc>,
-    /// When it was completed or finally failed; `None` otherwise.
-    pub completed_at: Option<DateTime<Utc>>,
-}
-
-impl OutboxEntry {
-    /// The fence of the entry's current attempt, to settle it with
-    /// [`Outbox::settle`]. Take it from an entry [`Outbox::claim_due`]
-    /// returned.
-    pub fn fence(&self) -> Fence {
-        Fence {
-            id: self.id,
-            attempt: self.attempt_count,
-        }
-    }
-
-    /// When the entry is due if `Pending`: `next_attempt_at`, else
-    /// `created_at`.
-    pub fn due_at(&self) -> DateTime<Utc> {
-        self.next_attempt_at.unwrap_or(self.created_at)
-    }
-}
-
-/// Who claimed an attempt, and when: the claim of a `Dispatching` entry
-/// ([`OutboxRecord::claim`]), or the attempt an `OutcomeUnknown` entry is
-/// in doubt about ([`OutboxRecord::attempt_in_doubt`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxClaim {
-    /// The `worker_id` given to [`Outbox::claim_due`].
-    pub worker_id: String,
-    /// The `now` of that claim.
-    pub claimed_at: DateTime<Utc>,
-}
-
-/// An entry with its claim and settlement details.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxRecord {
-    /// The entry.
-    pub entry: OutboxEntry,
-    /// The claim: present while `Dispatching`, `None` in every other status
-    /// (only `Dispatching` holds a claim).
-    pub claim: Option<OutboxClaim>,
-    /// While `OutcomeUnknown`: who claimed the attempt whose outcome is
-    /// unknown, and when (the worker whose logs to read, the time to ask
-    /// the destination about). `None` in every other status; cleared when
-    /// the entry is completed, failed, rescheduled or requeued.
-    pub attempt_in_doubt: Option<OutboxClaim>,
-    /// The reason of the latest `mark_failed`, kept across retries.
-    pub last_failure: Option<String>,
-    /// The remote system's reference for the attempt, from
-    /// `mark_outcome_unknown`, kept once set.
-    pub remote_ref: Option<String>,
-}
+use index::{dangling, load_row, open_read};
+pub(crate) use notifier::Notifier;
+use record::{Change, Row};
+use types::check_field;
+pub use types::{
+    Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, OutboxClaim, OutboxCounts, OutboxEntry,
+    OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, SettledAndClaimed, Settlement,
+};
 
 /// A change to entry `id`, fenced by its attempt number.
 type FencedChange = (u64, u32, Change);
 
 /// Checks settlements and turns them into fenced changes; also says whether
-/// any of them may make work due (a wake-up is worth sending).
+/// any of them may make work due ([`Change::makes_work_due`]).
 fn plan_settlements(
     settlements: impl IntoIterator<Item = (Fence, Settlement)>,
     now: DateTime<Utc>,
@@ -304,231 +101,16 @@ fn plan_settlements(
     let mut wake = false;
     let mut changes = Vec::new();
     for (fence, s) in settlements {
-        s.check()?;
-        wake |= s.makes_work();
-        changes.push((fence.id.0, fence.attempt, s.into_change(now)));
+        let change = s.into_change(now)?;
+        wake |= change.makes_work_due();
+        changes.push((fence.id.0, fence.attempt, change));
     }
     Ok((changes, wake))
 }
 
-/// What [`Outbox::settle_and_claim`] did: one result per settlement, in
-/// order, and the claimed entries. A claim that fails fails the whole call,
-/// which then wrote nothing (settlements included).
-pub type SettledAndClaimed = (Vec<Result<()>>, Vec<OutboxEntry>);
-
-/// The outcome of an enqueue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Enqueued {
-    /// A new entry.
-    New(OutboxId),
-    /// `(destination, idempotency_key)` was already enqueued, as this id;
-    /// nothing changed.
-    Duplicate(OutboxId),
-}
-
-impl Enqueued {
-    /// The entry's id, new or existing.
-    pub fn id(&self) -> OutboxId {
-        match *self {
-            Enqueued::New(id) | Enqueued::Duplicate(id) => id,
-        }
-    }
-
-    /// Whether the enqueue created the entry.
-    pub fn is_new(&self) -> bool {
-        matches!(self, Enqueued::New(_))
-    }
-}
-
-/// One claimed attempt of one entry: the right to settle it.
-///
-/// Taken from a claimed entry with [`OutboxEntry::fence`]. It stays valid
-/// while the entry is at this attempt and `Dispatching` or
-/// `OutcomeUnknown`; after a release, a reschedule or a new claim it is
-/// stale and [`Outbox::settle`] refuses it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Fence {
-    /// The entry.
-    pub id: OutboxId,
-    /// The attempt number (`attempt_count` right after the claim).
-    pub attempt: u32,
-}
-
-impl fmt::Display for Fence {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}", self.id, self.attempt)
-    }
-}
-
-/// How a dispatcher settles an attempt ([`Outbox::settle`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settlement {
-    /// The effect happened: `Completed`, `completed_at = now`.
-    Completed,
-    /// The attempt failed with `reason` (a stable code): retry at
-    /// `retry_at` (`Pending`), or give up (`Failed`, `completed_at = now`).
-    Failed {
-        /// A stable failure code, stored as `last_failure`. 1–1024 bytes.
-        reason: String,
-        /// When to try again; `None` gives up.
-        retry_at: Option<DateTime<Utc>>,
-    },
-    /// The effect may or may not have happened: `OutcomeUnknown`.
-    OutcomeUnknown {
-        /// The remote system's reference, if one came back. 1–1024 bytes.
-        remote_ref: Option<String>,
-    },
-    /// Give the attempt back without a failure: `Pending`, due at `at`
-    /// (for example, the destination asked to slow down).
-    Rescheduled {
-        /// The new due time.
-        at: DateTime<Utc>,
-    },
-}
-
-impl Settlement {
-    fn check(&self) -> Result<()> {
-        match self {
-            Settlement::Failed { reason, .. } => check_field("reason", reason),
-            Settlement::OutcomeUnknown {
-                remote_ref: Some(r),
-            } => check_field("remote_ref", r),
-            _ => Ok(()),
-        }
-    }
-
-    fn into_change(self, now: DateTime<Utc>) -> Change {
-        match self {
-            Settlement::Completed => Change::Complete { now: micros(now) },
-            Settlement::Failed { reason, retry_at } => Change::Fail {
-                reason,
-                retry_at: retry_at.map(micros),
-                now: micros(now),
-            },
-            Settlement::OutcomeUnknown { remote_ref } => Change::OutcomeUnknown { remote_ref },
-            Settlement::Rescheduled { at } => Change::Reschedule { at: micros(at) },
-        }
-    }
-
-    /// Whether applying it may make work due (a wake-up is worth sending).
-    fn makes_work(&self) -> bool {
-        matches!(
-            self,
-            Settlement::Rescheduled { .. }
-                | Settlement::Failed {
-                    retry_at: Some(_),
-                    ..
-                }
-        )
-    }
-}
-
-/// Which entries [`Outbox::list`] returns: all of them by default; each
-/// setter narrows the listing.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-#[must_use]
-pub struct OutboxFilter {
-    status: Option<OutboxStatus>,
-    destination: Option<String>,
-    after: Option<OutboxId>,
-}
-
-impl OutboxFilter {
-    /// Every entry. Default: no status, destination or start restriction.
-    pub fn any() -> Self {
-        OutboxFilter::default()
-    }
-
-    /// Only entries in `status`. Default: any status.
-    pub fn status(mut self, status: OutboxStatus) -> Self {
-        self.status = Some(status);
-        self
-    }
-
-    /// Only entries for `destination`. Default: any destination.
-    pub fn destination(mut self, destination: impl Into<String>) -> Self {
-        self.destination = Some(destination.into());
-        self
-    }
-
-    /// Only entries with an id strictly above `id`: the next page after a
-    /// listing whose last entry was `id`. Default: from the first id.
-    pub fn after(mut self, id: OutboxId) -> Self {
-        self.after = Some(id);
-        self
-    }
-
-    fn matches(&self, s: &Stored) -> bool {
-        self.status.is_none_or(|st| st.code() == s.status)
-            && self
-                .destination
-                .as_deref()
-                .is_none_or(|d| d == s.destination)
-    }
-}
-
-/// Number of entries in each status ([`Outbox::counts`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct OutboxCounts {
-    /// `Pending` entries (due or not).
-    pub pending: u64,
-    /// `Dispatching` entries.
-    pub dispatching: u64,
-    /// `Completed` entries not yet purged.
-    pub completed: u64,
-    /// `Failed` entries not yet purged.
-    pub failed: u64,
-    /// `OutcomeUnknown` entries.
-    pub outcome_unknown: u64,
-}
-
-impl OutboxCounts {
-    /// The count of one status.
-    pub fn get(&self, status: OutboxStatus) -> u64 {
-        match status {
-            OutboxStatus::Pending => self.pending,
-            OutboxStatus::Dispatching => self.dispatching,
-            OutboxStatus::Completed => self.completed,
-            OutboxStatus::Failed => self.failed,
-            OutboxStatus::OutcomeUnknown => self.outcome_unknown,
-        }
-    }
-
-    /// All entries.
-    pub fn total(&self) -> u64 {
-        OutboxStatus::ALL.iter().map(|s| self.get(*s)).sum()
-    }
-
-    fn slot(&mut self, status: OutboxStatus) -> &mut u64 {
-        match status {
-            OutboxStatus::Pending => &mut self.pending,
-            OutboxStatus::Dispatching => &mut self.dispatching,
-            OutboxStatus::Completed => &mut self.completed,
-            OutboxStatus::Failed => &mut self.failed,
-            OutboxStatus::OutcomeUnknown => &mut self.outcome_unknown,
-        }
-    }
-}
-
-/// In-process wake-ups for dispatchers.
-#[derive(Debug, Default)]
-struct Notifier {
-    subscribers: Mutex<Vec<Sender<()>>>,
-}
-
-impl Notifier {
-    fn subscribe(&self) -> Receiver<()> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.subscribers.lock().push(tx);
-        rx
-    }
-
-    fn notify(&self) {
-        // A full channel already holds a signal; a closed one is dropped.
-        self.subscribers
-            .lock()
-            .retain(|s| !matches!(s.try_send(()), Err(TrySendError::Disconnected(()))));
-    }
+/// The record `id` of the outbox's rows, if there is one.
+fn read_record(rows: &ReadOnlyTable<u64, &'static [u8]>, id: u64) -> Result<Option<OutboxRecord>> {
+    load_row(rows, id)?.map(|row| row.to_record(id)).transpose()
 }
 
 /// The store's outbox. Cheap to clone; every clone (and every
@@ -568,15 +150,15 @@ impl Notifier {
 #[derive(Clone, Debug)]
 pub struct Outbox {
     engine: Arc<Engine>,
-    max_payload: usize,
+    max_body: usize,
     notifier: Arc<Notifier>,
 }
 
 impl Outbox {
-    pub(crate) fn new(engine: Arc<Engine>, max_payload: usize) -> Outbox {
+    pub(crate) fn new(engine: Arc<Engine>, max_body: usize) -> Outbox {
         Outbox {
             engine,
-            max_payload,
+            max_body,
             notifier: Arc::default(),
         }
     }
@@ -670,9 +252,8 @@ impl Outbox {
     /// (completed twice, failed without retry twice) is accepted and changes
     /// nothing. [`Error::NotFound`] if the entry is gone.
     pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
-        settlement.check()?;
-        let wake = settlement.makes_work();
-        let change = settlement.into_change(now);
+        let change = settlement.into_change(now)?;
+        let wake = change.makes_work_due();
         self.engine
             .execute(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))?;
         if wake {
@@ -692,14 +273,9 @@ impl Outbox {
         settlement: &Settlement,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        settlement.check()?;
-        ops::change(
-            tx,
-            fence.id.0,
-            &settlement.clone().into_change(now),
-            Some(fence.attempt),
-        )?;
-        if settlement.makes_work() {
+        let change = settlement.clone().into_change(now)?;
+        ops::change(tx, fence.id.0, &change, Some(fence.attempt))?;
+        if change.makes_work_due() {
             self.notify_after_commit();
         }
         Ok(())
@@ -727,9 +303,7 @@ impl Outbox {
         let out = self
             .engine
             .execute(move |tx| ops::change_many(tx, &changes))?;
-        if wake && out.iter().any(Result::is_ok) {
-            self.notify();
-        }
+        self.notify_if_settled(wake, &out);
         Ok(out)
     }
 
@@ -770,9 +344,7 @@ impl Outbox {
             };
             Ok((settled, claimed))
         })?;
-        if wake && settled.iter().any(Result::is_ok) {
-            self.notify();
-        }
+        self.notify_if_settled(wake, &settled);
         Ok((settled, claimed))
     }
 
@@ -780,7 +352,7 @@ impl Outbox {
     /// `Dispatching` and `OutcomeUnknown`; accepted without change on
     /// `Completed`; otherwise [`Error::Conflict`].
     pub fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
-        self.change(id, Change::Complete { now: micros(now) })
+        self.change(id, Change::Completed { now: micros(now) })
     }
 
     /// Operator call, unfenced: records `reason` (a stable code, 1–1024
@@ -799,9 +371,9 @@ impl Outbox {
         check_field("reason", reason)?;
         self.change(
             id,
-            Change::Fail {
+            Change::Failed {
                 reason: reason.to_owned(),
-                retry_at: retry_at.map(micros),
+                next_attempt_at: retry_at.map(micros),
                 now: micros(now),
             },
         )
@@ -830,18 +402,24 @@ impl Outbox {
     pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
         self.change(
             id,
-            Change::Reschedule {
-                at: micros(next_attempt_at),
+            Change::Rescheduled {
+                next_attempt_at: micros(next_attempt_at),
             },
         )
     }
 
     /// Operator call: the one way out of a terminal status. Moves a `Failed`
-    /// or `OutcomeUnknown` entry back to `Pending`, due at `due`, clearing
-    /// `completed_at` and the claim (`attempt_count`, `last_failure` and
-    /// `remote_ref` stay). Anything else is [`Error::Conflict`].
-    pub fn requeue(&self, id: OutboxId, due: DateTime<Utc>) -> Result<()> {
-        self.change(id, Change::Requeue { due: micros(due) })
+    /// or `OutcomeUnknown` entry back to `Pending`, due at `next_attempt_at`,
+    /// clearing `completed_at` and the claim (`attempt_count`,
+    /// `last_failure` and `remote_ref` stay). Anything else is
+    /// [`Error::Conflict`].
+    pub fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        self.change(
+            id,
+            Change::Requeued {
+                next_attempt_at: micros(next_attempt_at),
+            },
+        )
     }
 
     /// Moves every `Dispatching` entry claimed strictly before
@@ -882,8 +460,7 @@ impl Outbox {
             let Some(rows) = open_read(tx, OUTBOX)? else {
                 return Err(Error::NotFound);
             };
-            let row = rows.get(id.0)?.ok_or(Error::NotFound)?;
-            Stored::decode(id.0, row.value())?.to_record(id.0)
+            read_record(&rows, id.0)?.ok_or(Error::NotFound)
         })
     }
 
@@ -901,11 +478,13 @@ impl Outbox {
             else {
                 return Ok(None);
             };
-            let rows = open_read(tx, OUTBOX)?.ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))?;
-            let row = rows
-                .get(id)?
-                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))?;
-            Stored::decode(id, row.value())?.to_record(id).map(Some)
+            let record = match open_read(tx, OUTBOX)? {
+                Some(rows) => read_record(&rows, id)?,
+                None => None,
+            };
+            record
+                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))
+                .map(Some)
         })
     }
 
@@ -921,10 +500,10 @@ impl Outbox {
             let mut out = Vec::new();
             for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
                 let id = key?.0.value().2;
-                let row = rows
-                    .get(id)?
-                    .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?;
-                out.push(Stored::decode(id, row.value())?.to_record(id)?);
+                out.push(
+                    read_record(&rows, id)?
+                        .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
+                );
             }
             Ok(out)
         })
@@ -933,20 +512,20 @@ impl Outbox {
     /// How many entries are in each status (from counters, no scan).
     pub fn counts(&self) -> Result<OutboxCounts> {
         self.engine.read(|tx| {
-            let mut counts = OutboxCounts::default();
-            if let Some(t) = open_read(tx, OUTBOX_COUNT)? {
-                for row in t.iter()? {
-                    let (k, v) = row?;
-                    let status =
-                        OutboxStatus::from_code(k.value()).ok_or_else(|| Error::Corrupted {
-                            table: OUTBOX_COUNT.name(),
-                            key: k.value().to_string(),
-                            reason: "unknown status code".into(),
-                        })?;
-                    *counts.slot(status) = v.value();
-                }
+            let counts = index::read_counts(tx)?;
+            if let Some(code) = counts
+                .keys()
+                .find(|c| OutboxStatus::from_code(**c).is_none())
+            {
+                return Err(Error::Corrupted {
+                    table: OUTBOX_COUNT.name(),
+                    key: code.to_string(),
+                    reason: "unknown status code".into(),
+                });
             }
-            Ok(counts)
+            Ok(OutboxCounts::from_fn(|s| {
+                counts.get(&s.code()).copied().unwrap_or(0)
+            }))
         })
     }
 
@@ -964,15 +543,12 @@ impl Outbox {
     /// [`claim_due`](Outbox::claim_due)). Page with
     /// [`OutboxFilter::after`] and the last id returned.
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
-        if let Some(d) = &filter.destination {
-            check_field("destination", d)?;
-        }
+        filter.check()?;
         self.engine.read(|tx| {
             let Some(rows) = open_read(tx, OUTBOX)? else {
                 return Ok(Vec::new());
             };
-            let start = filter.after.map_or(Some(0), |id| id.0.checked_add(1));
-            let Some(start) = start else {
+            let Some(start) = filter.first_id() else {
                 return Ok(Vec::new());
             };
             let mut out = Vec::new();
@@ -982,9 +558,9 @@ impl Outbox {
                 }
                 let (k, v) = row?;
                 let id = k.value();
-                let stored = Stored::decode(id, v.value())?;
-                if filter.matches(&stored) {
-                    out.push(stored.to_record(id)?);
+                let row = Row::decode(id, v.value())?;
+                if filter.matches(&row) {
+                    out.push(row.to_record(id)?);
                 }
             }
             Ok(out)
@@ -1049,16 +625,17 @@ impl Outbox {
         crate::engine::after_commit(move || notifier.notify());
     }
 
+    /// Wakes the subscribers after a bulk settle that wrote: if one of its
+    /// settlements may make work due and at least one was accepted.
+    fn notify_if_settled(&self, wake: bool, settled: &[Result<()>]) {
+        if wake && settled.iter().any(Result::is_ok) {
+            self.notify();
+        }
+    }
+
+    /// Applies an operator's unfenced `change` to `id` in its own commit.
     fn change(&self, id: OutboxId, change: Change) -> Result<()> {
-        let wake = matches!(
-            change,
-            Change::Reschedule { .. }
-                | Change::Requeue { .. }
-                | Change::Fail {
-                    retry_at: Some(_),
-                    ..
-                }
-        );
+        let wake = change.makes_work_due();
         self.engine
             .execute(move |tx| ops::change(tx, id.0, &change, None))?;
         if wake {
@@ -1071,25 +648,13 @@ impl Outbox {
         check_field("command_id", &e.command_id)?;
         check_field("destination", &e.destination)?;
         check_field("idempotency_key", &e.idempotency_key)?;
-        if e.payload.len() > self.max_payload {
+        if e.payload.len() > self.max_body {
             return Err(Error::TooLarge {
                 field: "payload",
                 len: e.payload.len(),
-                max: self.max_payload,
+                max: self.max_body,
             });
         }
         Ok(())
-    }
-}
-
-fn check_field(field: &'static str, value: &str) -> Result<()> {
-    check_len(field, value, MAX_OUTBOX_FIELD_LEN)
-}
-
-fn dangling(table: &'static str, id: u64) -> Error {
-    Error::Corrupted {
-        table,
-        key: id.to_string(),
-        reason: "index row without its outbox record".into(),
     }
 }

@@ -10,10 +10,12 @@
 //! which check everything before they write: their `Err` wrote nothing
 //! even if the caller goes on to commit.
 
+use std::ops::RangeBounds;
+
 use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
-use super::index::{Tables, next_id};
-use super::record::{Change, Stored, plan};
+use super::index::{Tables, TimeIndex, index_mismatch, next_id};
+use super::record::{Change, Row, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
 use crate::codec::micros;
 use crate::error::{Error, Result};
@@ -43,7 +45,7 @@ pub(super) fn enqueue(
             out.push(Enqueued::Duplicate(OutboxId(id)));
             continue;
         }
-        let stored = Stored {
+        let stored = Row {
             command_id: e.command_id.clone(),
             destination: e.destination.clone(),
             idempotency_key: e.idempotency_key.clone(),
@@ -77,34 +79,19 @@ pub(super) fn claim_due(
     worker_id: &str,
 ) -> Result<Vec<OutboxEntry>> {
     let mut t = Tables::open(tx)?;
-    let keys = t
-        .due
-        .range(..=(now, u64::MAX))?
-        .take(limit)
-        .map(|row| row.map(|(k, _)| k.value().1))
-        .collect::<std::result::Result<Vec<u64>, _>>()?;
-    let change = Change::Claim {
+    let ids = index_ids(&t.due, ..=(now, u64::MAX), limit)?;
+    let change = Change::Claimed {
         worker_id: worker_id.to_owned(),
         now,
     };
-    let mut plans = Vec::with_capacity(keys.len());
-    for id in keys {
-        let old = t.load_indexed(OUTBOX_DUE.name(), id)?;
-        if old.status(id)? != OutboxStatus::Pending {
-            return Err(index_mismatch(OUTBOX_DUE.name(), id));
-        }
-        let new =
-            plan(id, &old, &change, None)?.ok_or_else(|| index_mismatch(OUTBOX_DUE.name(), id))?;
-        let entry = new.to_record(id)?.entry;
-        plans.push((id, old, new, entry));
-    }
-    let mut out = Vec::with_capacity(plans.len());
-    for (id, old, new, entry) in plans {
-        t.replace(id, &old, &new)?;
-        out.push(entry);
-    }
+    let plans = plan_indexed(&t, OUTBOX_DUE.name(), OutboxStatus::Pending, ids, &change)?;
+    let entries = plans
+        .iter()
+        .map(|(id, _, new)| new.to_record(*id).map(|r| r.entry))
+        .collect::<Result<Vec<_>>>()?;
+    replace_all(&mut t, &plans)?;
     t.finish()?;
-    Ok(out)
+    Ok(entries)
 }
 
 /// Applies `change` to record `id`, fenced by `attempt` if given. Returns
@@ -161,24 +148,15 @@ pub(super) fn change_many(
 /// to `Pending`, due at its claim time. Costs what it releases.
 pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<OutboxId>> {
     let mut t = Tables::open(tx)?;
-    let keys = t
-        .claimed
-        .range(..(cutoff, 0))?
-        .map(|row| row.map(|(k, _)| k.value().1))
-        .collect::<std::result::Result<Vec<u64>, _>>()?;
-    let mut plans = Vec::with_capacity(keys.len());
-    for id in keys {
-        let old = t.load_indexed(OUTBOX_CLAIMED.name(), id)?;
-        if old.status(id)? != OutboxStatus::Dispatching {
-            return Err(index_mismatch(OUTBOX_CLAIMED.name(), id));
-        }
-        let new = plan(id, &old, &Change::Release, None)?
-            .ok_or_else(|| index_mismatch(OUTBOX_CLAIMED.name(), id))?;
-        plans.push((id, old, new));
-    }
-    for (id, old, new) in &plans {
-        t.replace(*id, old, new)?;
-    }
+    let ids = index_ids(&t.claimed, ..(cutoff, 0), usize::MAX)?;
+    let plans = plan_indexed(
+        &t,
+        OUTBOX_CLAIMED.name(),
+        OutboxStatus::Dispatching,
+        ids,
+        &Change::Released,
+    )?;
+    replace_all(&mut t, &plans)?;
     t.finish()?;
     Ok(plans.into_iter().map(|(id, ..)| OutboxId(id)).collect())
 }
@@ -187,17 +165,10 @@ pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<
 /// `cutoff`, with all their index rows. Costs what it removes.
 pub(super) fn purge_finished(tx: &WriteTransaction, cutoff: i64) -> Result<u64> {
     let mut t = Tables::open(tx)?;
-    let keys = t
-        .finished
-        .range(..(cutoff, 0))?
-        .map(|row| row.map(|(k, _)| k.value().1))
-        .collect::<std::result::Result<Vec<u64>, _>>()?;
-    let mut doomed = Vec::with_capacity(keys.len());
-    for id in keys {
-        let old = t.load_indexed(OUTBOX_FINISHED.name(), id)?;
-        if !old.status(id)?.is_finished() {
-            return Err(index_mismatch(OUTBOX_FINISHED.name(), id));
-        }
+    let ids = index_ids(&t.finished, ..(cutoff, 0), usize::MAX)?;
+    let mut doomed = Vec::with_capacity(ids.len());
+    for id in ids {
+        let old = t.load_indexed(OUTBOX_FINISHED.name(), id, OutboxStatus::is_finished)?;
         doomed.push((id, old));
     }
     for (id, old) in &doomed {
@@ -207,11 +178,45 @@ pub(super) fn purge_finished(tx: &WriteTransaction, cutoff: i64) -> Result<u64> 
     Ok(doomed.len() as u64)
 }
 
-/// An index row whose record is not in the status the index is for.
-fn index_mismatch(table: &'static str, id: u64) -> Error {
-    Error::Corrupted {
-        table,
-        key: id.to_string(),
-        reason: "indexed record is not in the indexed status".into(),
+/// Writes planned replacements.
+fn replace_all(t: &mut Tables<'_>, plans: &[(u64, Row, Row)]) -> Result<()> {
+    for (id, old, new) in plans {
+        t.replace(*id, old, new)?;
     }
+    Ok(())
+}
+
+/// The ids of the first `limit` rows of a `(time, id)` index in `range`.
+fn index_ids(
+    index: &TimeIndex<'_>,
+    range: impl RangeBounds<(i64, u64)> + 'static,
+    limit: usize,
+) -> Result<Vec<u64>> {
+    let ids = index
+        .range(range)?
+        .take(limit)
+        .map(|row| row.map(|(k, _)| k.value().1))
+        .collect::<std::result::Result<_, _>>()?;
+    Ok(ids)
+}
+
+/// Plans `change` for every record of `ids`, read through the index
+/// `index`, which holds records in status `indexed` only; a record that
+/// does not match its index, or that `change` does not move, is
+/// [`Error::Corrupted`]. Checks everything before anything is written:
+/// `(id, old, new)` for [`Tables::replace`].
+fn plan_indexed(
+    t: &Tables<'_>,
+    index: &'static str,
+    indexed: OutboxStatus,
+    ids: Vec<u64>,
+    change: &Change,
+) -> Result<Vec<(u64, Row, Row)>> {
+    let mut plans = Vec::with_capacity(ids.len());
+    for id in ids {
+        let old = t.load_indexed(index, id, |s| s == indexed)?;
+        let new = plan(id, &old, change, None)?.ok_or_else(|| index_mismatch(index, id))?;
+        plans.push((id, old, new));
+    }
+    Ok(plans)
 }

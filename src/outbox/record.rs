@@ -1,15 +1,16 @@
 //! The stored outbox record and the status machine.
 //!
-//! A record is [`Stored`], encoded by [`crate::codec`]: the entry's fields,
-//! its status as a one-byte code, times as `i64` microseconds, the latest
-//! attempt while it is in progress or in doubt, and the settlement details.
-//! [`Stored::to_record`] turns it into the public [`OutboxRecord`].
+//! A record is stored as a [`Row`], encoded by [`crate::codec`]: the
+//! entry's fields, its status as a one-byte code, times as `i64`
+//! microseconds, the latest attempt while it is in progress or in doubt, and
+//! the settlement details. [`Row::to_record`] turns it into the public
+//! [`OutboxRecord`].
 //!
 //! Every status change goes through one pure function, [`plan`]: given the
-//! stored record and a [`Change`], it returns the new record, `None` for an
-//! accepted no-op, or an error — and writes nothing. The callers write the
-//! plan (row and index rows) only once it has been accepted, so a refused
-//! change never leaves a trace.
+//! row and a [`Change`], it returns the new row, `None` for an accepted
+//! no-op, or an error — and writes nothing. The callers write the plan (row
+//! and index rows) only once it has been accepted, so a refused change
+//! never leaves a trace.
 
 use redb::TableHandle as _;
 use serde::{Deserialize, Serialize};
@@ -19,9 +20,9 @@ use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::OUTBOX;
 
-/// An outbox row as stored. Field order is the wire format: append only.
+/// An outbox record as stored. Field order is the wire format: append only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct Stored {
+pub(super) struct Row {
     pub(super) command_id: String,
     pub(super) destination: String,
     pub(super) idempotency_key: String,
@@ -68,7 +69,7 @@ impl OutboxStatus {
     }
 }
 
-impl Stored {
+impl Row {
     /// The record's status; an unknown code is [`Error::Corrupted`].
     pub(super) fn status(&self, id: u64) -> Result<OutboxStatus> {
         OutboxStatus::from_code(self.status).ok_or_else(|| Error::Corrupted {
@@ -79,23 +80,28 @@ impl Stored {
     }
 
     /// When a `Pending` record is due: `next_attempt_at`, else `created_at`.
-    pub(super) fn due(&self) -> i64 {
+    pub(super) fn due_at(&self) -> i64 {
         self.next_attempt_at.unwrap_or(self.created_at)
     }
 
+    /// When the latest attempt was claimed (`created_at` if none is stored).
+    pub(super) fn claimed_at(&self) -> i64 {
+        self.attempt.as_ref().map_or(self.created_at, |a| a.1)
+    }
+
     /// Decodes and checks a stored row (status code, timestamps in range).
-    pub(super) fn decode(id: u64, bytes: &[u8]) -> Result<Stored> {
-        let stored: Stored = crate::codec::decode(OUTBOX.name(), &id, bytes)?;
-        stored.status(id)?;
-        let times = [stored.created_at]
+    pub(super) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
+        let row: Row = crate::codec::decode(OUTBOX.name(), &id, bytes)?;
+        row.status(id)?;
+        let times = [row.created_at]
             .into_iter()
-            .chain(stored.next_attempt_at)
-            .chain(stored.completed_at)
-            .chain(stored.attempt.as_ref().map(|a| a.1));
+            .chain(row.next_attempt_at)
+            .chain(row.completed_at)
+            .chain(row.attempt.as_ref().map(|a| a.1));
         for us in times {
             from_micros(OUTBOX.name(), &id, us)?;
         }
-        Ok(stored)
+        Ok(row)
     }
 
     /// The public view of this record.
@@ -135,69 +141,118 @@ impl Stored {
             remote_ref: self.remote_ref.clone(),
         })
     }
+
+    /// Back to `Pending`, due at `next_attempt_at`, the attempt dropped.
+    fn make_pending(&mut self, next_attempt_at: i64) {
+        self.status = OutboxStatus::Pending.code();
+        self.next_attempt_at = Some(next_attempt_at);
+        self.attempt = None;
+    }
+
+    /// Finished as `status` (`Completed` or `Failed`) at `now`: no longer
+    /// due, the attempt dropped.
+    fn make_finished(&mut self, status: OutboxStatus, now: i64) {
+        self.status = status.code();
+        self.completed_at = Some(now);
+        self.next_attempt_at = None;
+        self.attempt = None;
+    }
 }
 
-/// A status change asked of one record. Times are µs.
+/// A status change asked of one record, named by what it does to the
+/// record (the tense of [`Settlement`](super::Settlement)). Times are µs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Change {
     /// `claim_due` took it (the caller has checked it is due).
-    Claim { worker_id: String, now: i64 },
+    Claimed { worker_id: String, now: i64 },
     /// The effect happened.
-    Complete { now: i64 },
-    /// The attempt failed; retry at `retry_at`, or give up.
-    Fail {
+    Completed { now: i64 },
+    /// The attempt failed; retry at `next_attempt_at`, or give up.
+    Failed {
         reason: String,
-        retry_at: Option<i64>,
+        next_attempt_at: Option<i64>,
         now: i64,
     },
     /// The attempt may or may not have happened.
     OutcomeUnknown { remote_ref: Option<String> },
-    /// Try again at `at` (no failure recorded).
-    Reschedule { at: i64 },
+    /// Try again at `next_attempt_at` (no failure recorded).
+    Rescheduled { next_attempt_at: i64 },
     /// The claim expired: back to `Pending`, due at its claim time.
-    Release,
+    Released,
     /// An operator puts a `Failed` or `OutcomeUnknown` entry back to work.
-    Requeue { due: i64 },
+    Requeued { next_attempt_at: i64 },
 }
 
 impl Change {
+    /// Whether applying it may make work due sooner, so that a wake-up is
+    /// worth sending: the changes that can leave the entry `Pending` (a
+    /// retry, a reschedule, a released claim, a requeue). The one rule for
+    /// every path that changes an entry; an enqueue wakes on its own.
+    pub(super) fn makes_work_due(&self) -> bool {
+        match self {
+            Change::Failed {
+                next_attempt_at, ..
+            } => next_attempt_at.is_some(),
+            Change::Rescheduled { .. } | Change::Released | Change::Requeued { .. } => true,
+            Change::Claimed { .. } | Change::Completed { .. } | Change::OutcomeUnknown { .. } => {
+                false
+            }
+        }
+    }
+
     /// The operation's name in error messages.
     fn name(&self) -> &'static str {
         match self {
-            Change::Claim { .. } => "claim",
-            Change::Complete { .. } => "mark_completed",
-            Change::Fail {
-                retry_at: Some(_), ..
+            Change::Claimed { .. } => "claim",
+            Change::Completed { .. } => "mark_completed",
+            Change::Failed {
+                next_attempt_at: Some(_),
+                ..
             } => "mark_failed with a retry time",
-            Change::Fail { retry_at: None, .. } => "mark_failed without a retry time",
+            Change::Failed {
+                next_attempt_at: None,
+                ..
+            } => "mark_failed without a retry time",
             Change::OutcomeUnknown { .. } => "mark_outcome_unknown",
-            Change::Reschedule { .. } => "reschedule",
-            Change::Release => "release_expired_claims",
-            Change::Requeue { .. } => "requeue",
+            Change::Rescheduled { .. } => "reschedule",
+            Change::Released => "release_expired_claims",
+            Change::Requeued { .. } => "requeue",
         }
+    }
+
+    /// Whether it settles an attempt for good: repeating it on an entry
+    /// already settled that way is accepted and changes nothing.
+    fn is_final_for(&self, status: OutboxStatus) -> bool {
+        matches!(
+            (status, self),
+            (OutboxStatus::Completed, Change::Completed { .. })
+                | (
+                    OutboxStatus::Failed,
+                    Change::Failed {
+                        next_attempt_at: None,
+                        ..
+                    }
+                )
+        )
     }
 }
 
 /// Refuses a fenced change unless it comes from the holder of `attempt`.
 fn check_fence(
     id: u64,
-    old: &Stored,
+    old: &Row,
     from: OutboxStatus,
     change: &Change,
     attempt: u32,
 ) -> Result<()> {
-    use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown};
+    use OutboxStatus::{Dispatching, OutcomeUnknown};
     if attempt != old.attempt_count {
         return Err(Error::conflict(format!(
             "attempt {attempt} of outbox entry {id} is stale: the entry is at attempt {} ({from:?})",
             old.attempt_count
         )));
     }
-    let idempotent_repeat = matches!(
-        (from, change),
-        (Completed, Change::Complete { .. }) | (Failed, Change::Fail { retry_at: None, .. })
-    );
-    if matches!(from, Dispatching | OutcomeUnknown) || idempotent_repeat {
+    if matches!(from, Dispatching | OutcomeUnknown) || change.is_final_for(from) {
         Ok(())
     } else {
         Err(Error::conflict(format!(
@@ -221,12 +276,7 @@ fn check_fence(
 /// that attempt: the record's `attempt_count` must equal it and the record
 /// must still be `Dispatching` or `OutcomeUnknown` (or already settled the
 /// same way, for the table's "accepted, no change" cells).
-pub(super) fn plan(
-    id: u64,
-    old: &Stored,
-    change: &Change,
-    fence: Option<u32>,
-) -> Result<Option<Stored>> {
+pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> Result<Option<Row>> {
     use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
     let from = old.status(id)?;
     let refuse = || {
@@ -238,48 +288,40 @@ pub(super) fn plan(
     if let Some(attempt) = fence {
         check_fence(id, old, from, change, attempt)?;
     }
+    if change.is_final_for(from) {
+        return Ok(None);
+    }
     let mut new = old.clone();
     match (from, change) {
-        (Pending, Change::Claim { worker_id, now }) => {
+        (Pending, Change::Claimed { worker_id, now }) => {
             new.status = Dispatching.code();
             new.attempt_count = old.attempt_count.saturating_add(1);
             new.attempt = Some((worker_id.clone(), *now));
         }
-        (Dispatching | OutcomeUnknown, Change::Complete { now }) => {
-            new.status = Completed.code();
-            new.completed_at = Some(*now);
-            new.next_attempt_at = None;
-            new.attempt = None;
-        }
-        (Completed, Change::Complete { .. }) | (Failed, Change::Fail { retry_at: None, .. }) => {
-            return Ok(None);
+        (Dispatching | OutcomeUnknown, Change::Completed { now }) => {
+            new.make_finished(Completed, *now);
         }
         (
             Pending | Dispatching | OutcomeUnknown,
-            Change::Fail {
+            Change::Failed {
                 reason,
-                retry_at: Some(at),
+                next_attempt_at: Some(at),
                 ..
             },
         ) => {
-            new.status = Pending.code();
-            new.next_attempt_at = Some(*at);
+            new.make_pending(*at);
             new.last_failure = Some(reason.clone());
-            new.attempt = None;
         }
         (
             Dispatching | OutcomeUnknown,
-            Change::Fail {
+            Change::Failed {
                 reason,
-                retry_at: None,
+                next_attempt_at: None,
                 now,
             },
         ) => {
-            new.status = Failed.code();
-            new.completed_at = Some(*now);
-            new.next_attempt_at = None;
+            new.make_finished(Failed, *now);
             new.last_failure = Some(reason.clone());
-            new.attempt = None;
         }
         (Dispatching, Change::OutcomeUnknown { remote_ref }) => {
             // The claim ends; its `attempt` stays as the attempt in doubt.
@@ -294,22 +336,13 @@ pub(super) fn plan(
             }
             new.remote_ref.clone_from(remote_ref);
         }
-        (Pending | Dispatching | OutcomeUnknown, Change::Reschedule { at }) => {
-            new.status = Pending.code();
-            new.next_attempt_at = Some(*at);
-            new.attempt = None;
+        (Pending | Dispatching | OutcomeUnknown, Change::Rescheduled { next_attempt_at }) => {
+            new.make_pending(*next_attempt_at);
         }
-        (Dispatching, Change::Release) => {
-            let claimed_at = old.attempt.as_ref().map_or(old.created_at, |a| a.1);
-            new.status = Pending.code();
-            new.next_attempt_at = Some(claimed_at);
-            new.attempt = None;
-        }
-        (Failed | OutcomeUnknown, Change::Requeue { due }) => {
-            new.status = Pending.code();
-            new.next_attempt_at = Some(*due);
+        (Dispatching, Change::Released) => new.make_pending(old.claimed_at()),
+        (Failed | OutcomeUnknown, Change::Requeued { next_attempt_at }) => {
+            new.make_pending(*next_attempt_at);
             new.completed_at = None;
-            new.attempt = None;
         }
         _ => return refuse(),
     }
@@ -326,8 +359,8 @@ mod tests {
     use super::*;
     use crate::codec::encode;
 
-    fn stored(status: u8) -> Stored {
-        Stored {
+    fn row(status: u8) -> Row {
+        Row {
             command_id: "c".into(),
             destination: "d".into(),
             idempotency_key: "k".into(),
@@ -345,17 +378,17 @@ mod tests {
 
     #[test]
     fn round_trips_and_rejects_unknown_statuses_and_times() {
-        let good = stored(OutboxStatus::Pending.code());
-        assert_eq!(Stored::decode(1, &encode(&good)).unwrap(), good);
-        let bad_status = encode(&stored(9));
+        let good = row(OutboxStatus::Pending.code());
+        assert_eq!(Row::decode(1, &encode(&good)).unwrap(), good);
+        let bad_status = encode(&row(9));
         assert!(matches!(
-            Stored::decode(1, &bad_status),
+            Row::decode(1, &bad_status),
             Err(Error::Corrupted { .. })
         ));
-        let mut bad_time = stored(0);
+        let mut bad_time = row(0);
         bad_time.next_attempt_at = Some(i64::MAX);
         assert!(matches!(
-            Stored::decode(1, &encode(&bad_time)),
+            Row::decode(1, &encode(&bad_time)),
             Err(Error::Corrupted { .. })
         ));
     }
@@ -380,7 +413,7 @@ mod tests {
 
     #[test]
     fn records_written_before_read_the_same_and_hold_no_claim_when_in_doubt() {
-        let old = Stored::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap();
+        let old = Row::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap();
         assert_eq!(old.attempt, Some(("w".to_owned(), 7)));
         assert_eq!(old.status(3).unwrap(), OutboxStatus::OutcomeUnknown);
         // The wire form has not changed: this build writes the same bytes.
@@ -402,11 +435,11 @@ mod tests {
 
     #[test]
     fn every_edge_out_of_dispatching_ends_the_claim() {
-        let mut claimed = stored(OutboxStatus::Pending.code());
+        let mut claimed = row(OutboxStatus::Pending.code());
         claimed = plan(
             1,
             &claimed,
-            &Change::Claim {
+            &Change::Claimed {
                 worker_id: "w".into(),
                 now: 9,
             },
@@ -415,20 +448,22 @@ mod tests {
         .unwrap()
         .unwrap();
         let changes = [
-            Change::Complete { now: 10 },
-            Change::Fail {
+            Change::Completed { now: 10 },
+            Change::Failed {
                 reason: "r".into(),
-                retry_at: Some(11),
+                next_attempt_at: Some(11),
                 now: 10,
             },
-            Change::Fail {
+            Change::Failed {
                 reason: "r".into(),
-                retry_at: None,
+                next_attempt_at: None,
                 now: 10,
             },
             Change::OutcomeUnknown { remote_ref: None },
-            Change::Reschedule { at: 11 },
-            Change::Release,
+            Change::Rescheduled {
+                next_attempt_at: 11,
+            },
+            Change::Released,
         ];
         for c in &changes {
             let new = plan(1, &claimed, c, None).unwrap().unwrap();
@@ -446,5 +481,90 @@ mod tests {
             assert_eq!(OutboxStatus::from_code(s.code()), Some(s));
         }
         assert_eq!(OutboxStatus::from_code(5), None);
+    }
+
+    /// A valid row in `status`, as the status machine leaves one.
+    fn row_in(status: OutboxStatus) -> Row {
+        let mut r = row(status.code());
+        r.attempt_count = 1;
+        match status {
+            OutboxStatus::Dispatching | OutboxStatus::OutcomeUnknown => {
+                r.attempt = Some(("w".into(), 9));
+            }
+            OutboxStatus::Completed | OutboxStatus::Failed => r.completed_at = Some(10),
+            OutboxStatus::Pending => {}
+        }
+        r
+    }
+
+    /// Every change, in each of its forms.
+    fn every_change() -> Vec<Change> {
+        let all = vec![
+            Change::Claimed {
+                worker_id: "w".into(),
+                now: 9,
+            },
+            Change::Completed { now: 10 },
+            Change::Failed {
+                reason: "r".into(),
+                next_attempt_at: Some(11),
+                now: 10,
+            },
+            Change::Failed {
+                reason: "r".into(),
+                next_attempt_at: None,
+                now: 10,
+            },
+            Change::OutcomeUnknown { remote_ref: None },
+            Change::OutcomeUnknown {
+                remote_ref: Some("r".into()),
+            },
+            Change::Rescheduled {
+                next_attempt_at: 11,
+            },
+            Change::Released,
+            Change::Requeued {
+                next_attempt_at: 11,
+            },
+        ];
+        // A new variant does not compile here until it is in the list.
+        let mut covered = [false; 7];
+        for c in &all {
+            let variant = match c {
+                Change::Claimed { .. } => 0,
+                Change::Completed { .. } => 1,
+                Change::Failed { .. } => 2,
+                Change::OutcomeUnknown { .. } => 3,
+                Change::Rescheduled { .. } => 4,
+                Change::Released => 5,
+                Change::Requeued { .. } => 6,
+            };
+            covered[variant] = true;
+        }
+        assert!(covered.iter().all(|c| *c), "every variant is listed");
+        all
+    }
+
+    #[test]
+    fn a_change_makes_work_due_exactly_when_it_can_leave_the_entry_pending() {
+        for c in every_change() {
+            let leaves_pending = |from: OutboxStatus, fence: Option<u32>| {
+                matches!(plan(1, &row_in(from), &c, fence),
+                    Ok(Some(new)) if new.status(1).unwrap() == OutboxStatus::Pending)
+            };
+            let to_pending: Vec<OutboxStatus> = OutboxStatus::ALL
+                .into_iter()
+                .filter(|from| {
+                    [None, Some(1)]
+                        .into_iter()
+                        .any(|f| leaves_pending(*from, f))
+                })
+                .collect();
+            assert_eq!(
+                c.makes_work_due(),
+                !to_pending.is_empty(),
+                "{c:?} leaves an entry Pending from {to_pending:?}"
+            );
+        }
     }
 }

@@ -138,7 +138,7 @@ fn setup(store: &Store) -> Reservation {
         .expect("complete");
     let give_up = Settlement::Failed {
         reason: "http_400".into(),
-        retry_at: None,
+        next_attempt_at: None,
     };
     outbox
         .settle(claimed[1].fence(), give_up, t(110))
@@ -278,10 +278,12 @@ fn exercise_outbox(store: &Store, now: i64) {
         Settlement::Completed,
         Settlement::Failed {
             reason: "http_503".into(),
-            retry_at: Some(t(now + 5)),
+            next_attempt_at: Some(t(now + 5)),
         },
         Settlement::OutcomeUnknown { remote_ref: None },
-        Settlement::Rescheduled { at: t(now + 1) },
+        Settlement::Rescheduled {
+            next_attempt_at: t(now + 1),
+        },
     ];
     let batch: Vec<(Fence, Settlement)> = fences
         .iter()

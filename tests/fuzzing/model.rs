@@ -425,7 +425,7 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
             (
                 Settlement::Failed {
                     reason: "http_503".into(),
-                    retry_at: Some(t(at)),
+                    next_attempt_at: Some(t(at)),
                 },
                 Change::Fail("http_503".into(), Some(at), now),
             )
@@ -433,7 +433,7 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
         How::GiveUp => (
             Settlement::Failed {
                 reason: "http_400".into(),
-                retry_at: None,
+                next_attempt_at: None,
             },
             Change::Fail("http_400".into(), None, now),
         ),
@@ -449,7 +449,9 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
         How::Reschedule(o) => {
             let at = now + offset(*o);
             (
-                Settlement::Rescheduled { at: t(at) },
+                Settlement::Rescheduled {
+                    next_attempt_at: t(at),
+                },
                 Change::Reschedule(at),
             )
         }

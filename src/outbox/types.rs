@@ -1,0 +1,437 @@
+//! The public data types of the outbox: what is enqueued, what is stored
+//! and listed, and how an attempt is settled.
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+
+#[cfg(doc)]
+use super::Outbox;
+use super::record::{Change, Row};
+use crate::codec::micros;
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::{Result, check_len};
+
+/// Longest `command_id`, `destination`, `idempotency_key`, `worker_id`,
+/// failure reason and remote reference accepted, in bytes.
+pub const MAX_OUTBOX_FIELD_LEN: usize = 1024;
+
+/// Checks one of the outbox's string fields: 1 to [`MAX_OUTBOX_FIELD_LEN`]
+/// bytes.
+pub(super) fn check_field(field: &'static str, value: &str) -> Result<()> {
+    check_len(field, value, MAX_OUTBOX_FIELD_LEN)
+}
+
+/// An outbox entry's id: assigned by the store, increasing in enqueue order
+/// (also across reopens), never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OutboxId(pub u64);
+
+impl fmt::Display for OutboxId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where an outbox entry is in its life.
+///
+/// | from \ op      | `claim_due` | `mark_completed` | `mark_failed` (retry) | `mark_failed` (none) | `mark_outcome_unknown` | `reschedule` | `release_expired` | `requeue` |
+/// |----------------|-------------|------------------|-----------------------|----------------------|------------------------|--------------|-------------------|-----------|
+/// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict |
+/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →`OutcomeUnknown`    | →Pending   | →Pending (if claimed before cutoff) | Conflict |
+/// | `OutcomeUnknown` | —       | →Completed     | →Pending           | →Failed           | accepted; fills a missing `remote_ref` | →Pending | — | →Pending |
+/// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict |
+/// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending |
+///
+/// An unknown id is [`Error::NotFound`]; a refused cell is
+/// [`Error::Conflict`] and changes nothing. `release_expired` puts an entry
+/// back due at its claim time, so due at once.
+///
+/// **Only `Dispatching` holds a claim.** Every edge out of it (→`Completed`,
+/// →`Pending`, →`Failed`, →`OutcomeUnknown`) clears the claim
+/// `{worker_id, claimed_at}` ([`OutboxRecord::claim`] becomes `None`) and
+/// removes the entry's `(claimed_at, id)` row from the claims index, which
+/// holds `Dispatching` entries only; so
+/// [`release_expired_claims`](Outbox::release_expired_claims) never touches
+/// an entry of any other status, `OutcomeUnknown` included. On the edge to
+/// `OutcomeUnknown` the worker and time of the attempt stay on the record as
+/// [`OutboxRecord::attempt_in_doubt`], for reconciliation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OutboxStatus {
+    /// Waiting to be claimed once due.
+    Pending,
+    /// Claimed by a worker, which is performing the effect.
+    Dispatching,
+    /// The effect happened. Terminal.
+    Completed,
+    /// The effect was given up on. Terminal (an operator may
+    /// [`requeue`](Outbox::requeue) it).
+    Failed,
+    /// The worker cannot tell whether the effect happened (a timeout after
+    /// sending). Holds no claim. Needs reconciliation: complete, fail or
+    /// requeue it.
+    OutcomeUnknown,
+}
+
+impl OutboxStatus {
+    /// Every status, in code order.
+    pub const ALL: [OutboxStatus; 5] = [
+        OutboxStatus::Pending,
+        OutboxStatus::Dispatching,
+        OutboxStatus::Completed,
+        OutboxStatus::Failed,
+        OutboxStatus::OutcomeUnknown,
+    ];
+
+    /// Whether some operation moves an entry from `self` to `to`: the edges
+    /// of the table above. `Pending → Pending` (a new due time) and
+    /// `OutcomeUnknown → OutcomeUnknown` (a remote reference filled in)
+    /// count; the accepted no-op cells on `Completed` and `Failed` change
+    /// nothing and do not.
+    pub fn can_transition(self, to: OutboxStatus) -> bool {
+        use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
+        matches!(
+            (self, to),
+            (Pending, Pending | Dispatching)
+                | (
+                    Dispatching | OutcomeUnknown,
+                    Pending | Completed | Failed | OutcomeUnknown
+                )
+                | (Failed, Pending)
+        )
+    }
+
+    /// Whether the entry is finished (`Completed` or `Failed`): it has a
+    /// `completed_at` and is what [`Outbox::purge_finished`] removes.
+    pub fn is_finished(self) -> bool {
+        matches!(self, OutboxStatus::Completed | OutboxStatus::Failed)
+    }
+}
+
+/// An effect to enqueue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEntry {
+    /// The command (or business operation) the effect belongs to; entries
+    /// are listed by it. 1–1024 bytes.
+    pub command_id: String,
+    /// Where the effect goes (a service, a topic). 1–1024 bytes.
+    pub destination: String,
+    /// Unique per destination: a second enqueue with the same
+    /// `(destination, idempotency_key)` is a [`Enqueued::Duplicate`]. Send
+    /// it with the effect so the receiver can deduplicate too. 1–1024 bytes.
+    pub idempotency_key: String,
+    /// The effect's body, up to the store's `max_body` (default 1 MiB).
+    pub payload: Vec<u8>,
+    /// Not due before this time (default: due at once).
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+impl NewEntry {
+    /// An entry due at once.
+    pub fn new(
+        command_id: impl Into<String>,
+        destination: impl Into<String>,
+        idempotency_key: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        NewEntry {
+            command_id: command_id.into(),
+            destination: destination.into(),
+            idempotency_key: idempotency_key.into(),
+            payload: payload.into(),
+            not_before: None,
+        }
+    }
+
+    /// Makes the entry due from `at` on (its `next_attempt_at`).
+    #[must_use]
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(at);
+        self
+    }
+}
+
+/// An outbox entry as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEntry {
+    /// Its id.
+    pub id: OutboxId,
+    /// As enqueued.
+    pub command_id: String,
+    /// As enqueued.
+    pub destination: String,
+    /// As enqueued.
+    pub idempotency_key: String,
+    /// As enqueued.
+    pub payload: Vec<u8>,
+    /// Where it is in its life.
+    pub status: OutboxStatus,
+    /// How many times it was claimed; the current claim's attempt number
+    /// while `Dispatching`. Never decreases.
+    pub attempt_count: u32,
+    /// When it is (or was) due, if not at creation: `not_before`, a retry
+    /// time, a reschedule. `None` once finished.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The `now` of its enqueue.
+    pub created_at: DateTime<Utc>,
+    /// When it was completed or finally failed; `None` otherwise.
+    pub completed_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxEntry {
+    /// The fence of the entry's current attempt, to settle it with
+    /// [`Outbox::settle`]. Take it from an entry [`Outbox::claim_due`]
+    /// returned.
+    pub fn fence(&self) -> Fence {
+        Fence {
+            id: self.id,
+            attempt: self.attempt_count,
+        }
+    }
+
+    /// When the entry is due if `Pending`: `next_attempt_at`, else
+    /// `created_at`.
+    pub fn due_at(&self) -> DateTime<Utc> {
+        self.next_attempt_at.unwrap_or(self.created_at)
+    }
+}
+
+/// Who claimed an attempt, and when: the claim of a `Dispatching` entry
+/// ([`OutboxRecord::claim`]), or the attempt an `OutcomeUnknown` entry is
+/// in doubt about ([`OutboxRecord::attempt_in_doubt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxClaim {
+    /// The `worker_id` given to [`Outbox::claim_due`].
+    pub worker_id: String,
+    /// The `now` of that claim.
+    pub claimed_at: DateTime<Utc>,
+}
+
+/// An entry with its claim and settlement details.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// The entry.
+    pub entry: OutboxEntry,
+    /// The claim: present while `Dispatching`, `None` in every other status
+    /// (only `Dispatching` holds a claim).
+    pub claim: Option<OutboxClaim>,
+    /// While `OutcomeUnknown`: who claimed the attempt whose outcome is
+    /// unknown, and when (the worker whose logs to read, the time to ask
+    /// the destination about). `None` in every other status; cleared when
+    /// the entry is completed, failed, rescheduled or requeued.
+    pub attempt_in_doubt: Option<OutboxClaim>,
+    /// The reason of the latest `mark_failed`, kept across retries.
+    pub last_failure: Option<String>,
+    /// The remote system's reference for the attempt, from
+    /// `mark_outcome_unknown`, kept once set.
+    pub remote_ref: Option<String>,
+}
+
+/// What [`Outbox::settle_and_claim`] did: one result per settlement, in
+/// order, and the claimed entries. A claim that fails fails the whole call,
+/// which then wrote nothing (settlements included).
+pub type SettledAndClaimed = (Vec<Result<()>>, Vec<OutboxEntry>);
+
+/// The outcome of an enqueue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Enqueued {
+    /// A new entry.
+    New(OutboxId),
+    /// `(destination, idempotency_key)` was already enqueued, as this id;
+    /// nothing changed.
+    Duplicate(OutboxId),
+}
+
+impl Enqueued {
+    /// The entry's id, new or existing.
+    pub fn id(&self) -> OutboxId {
+        match *self {
+            Enqueued::New(id) | Enqueued::Duplicate(id) => id,
+        }
+    }
+
+    /// Whether the enqueue created the entry.
+    pub fn is_new(&self) -> bool {
+        matches!(self, Enqueued::New(_))
+    }
+}
+
+/// One claimed attempt of one entry: the right to settle it.
+///
+/// Taken from a claimed entry with [`OutboxEntry::fence`]. It stays valid
+/// while the entry is at this attempt and `Dispatching` or
+/// `OutcomeUnknown`; after a release, a reschedule or a new claim it is
+/// stale and [`Outbox::settle`] refuses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fence {
+    /// The entry.
+    pub id: OutboxId,
+    /// The attempt number (`attempt_count` right after the claim).
+    pub attempt: u32,
+}
+
+impl fmt::Display for Fence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.id, self.attempt)
+    }
+}
+
+/// How a dispatcher settles an attempt ([`Outbox::settle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settlement {
+    /// The effect happened: `Completed`, `completed_at = now`.
+    Completed,
+    /// The attempt failed with `reason` (a stable code): retry at
+    /// `next_attempt_at` (`Pending`), or give up (`Failed`,
+    /// `completed_at = now`).
+    Failed {
+        /// A stable failure code, stored as `last_failure`. 1–1024 bytes.
+        reason: String,
+        /// When to try again; `None` gives up.
+        next_attempt_at: Option<DateTime<Utc>>,
+    },
+    /// The effect may or may not have happened: `OutcomeUnknown`.
+    OutcomeUnknown {
+        /// The remote system's reference, if one came back. 1–1024 bytes.
+        remote_ref: Option<String>,
+    },
+    /// Give the attempt back without a failure: `Pending`, due at
+    /// `next_attempt_at` (for example, the destination asked to slow down).
+    Rescheduled {
+        /// When to try again.
+        next_attempt_at: DateTime<Utc>,
+    },
+}
+
+impl Settlement {
+    /// Checks its fields, then turns it into the change it makes at `now`.
+    pub(super) fn into_change(self, now: DateTime<Utc>) -> Result<Change> {
+        Ok(match self {
+            Settlement::Completed => Change::Completed { now: micros(now) },
+            Settlement::Failed {
+                reason,
+                next_attempt_at,
+            } => {
+                check_field("reason", &reason)?;
+                Change::Failed {
+                    reason,
+                    next_attempt_at: next_attempt_at.map(micros),
+                    now: micros(now),
+                }
+            }
+            Settlement::OutcomeUnknown { remote_ref } => {
+                if let Some(r) = &remote_ref {
+                    check_field("remote_ref", r)?;
+                }
+                Change::OutcomeUnknown { remote_ref }
+            }
+            Settlement::Rescheduled { next_attempt_at } => Change::Rescheduled {
+                next_attempt_at: micros(next_attempt_at),
+            },
+        })
+    }
+}
+
+/// Which entries [`Outbox::list`] returns: all of them by default; each
+/// setter narrows the listing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[must_use]
+pub struct OutboxFilter {
+    status: Option<OutboxStatus>,
+    destination: Option<String>,
+    after: Option<OutboxId>,
+}
+
+impl OutboxFilter {
+    /// Every entry. Default: no status, destination or start restriction.
+    pub fn any() -> Self {
+        OutboxFilter::default()
+    }
+
+    /// Only entries in `status`. Default: any status.
+    pub fn status(mut self, status: OutboxStatus) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Only entries for `destination`. Default: any destination.
+    pub fn destination(mut self, destination: impl Into<String>) -> Self {
+        self.destination = Some(destination.into());
+        self
+    }
+
+    /// Only entries with an id strictly above `id`: the next page after a
+    /// listing whose last entry was `id`. Default: from the first id.
+    pub fn after(mut self, id: OutboxId) -> Self {
+        self.after = Some(id);
+        self
+    }
+
+    /// Checks the filter's fields.
+    pub(super) fn check(&self) -> Result<()> {
+        match &self.destination {
+            Some(d) => check_field("destination", d),
+            None => Ok(()),
+        }
+    }
+
+    /// The first id the listing may return; `None` when no id can follow
+    /// [`OutboxFilter::after`].
+    pub(super) fn first_id(&self) -> Option<u64> {
+        self.after.map_or(Some(0), |id| id.0.checked_add(1))
+    }
+
+    /// Whether `row` is listed.
+    pub(super) fn matches(&self, row: &Row) -> bool {
+        self.status.is_none_or(|st| st.code() == row.status)
+            && self
+                .destination
+                .as_deref()
+                .is_none_or(|d| d == row.destination)
+    }
+}
+
+/// Number of entries in each status ([`Outbox::counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct OutboxCounts {
+    /// `Pending` entries (due or not).
+    pub pending: u64,
+    /// `Dispatching` entries.
+    pub dispatching: u64,
+    /// `Completed` entries not yet purged.
+    pub completed: u64,
+    /// `Failed` entries not yet purged.
+    pub failed: u64,
+    /// `OutcomeUnknown` entries.
+    pub outcome_unknown: u64,
+}
+
+impl OutboxCounts {
+    /// The count of one status.
+    pub fn get(&self, status: OutboxStatus) -> u64 {
+        match status {
+            OutboxStatus::Pending => self.pending,
+            OutboxStatus::Dispatching => self.dispatching,
+            OutboxStatus::Completed => self.completed,
+            OutboxStatus::Failed => self.failed,
+            OutboxStatus::OutcomeUnknown => self.outcome_unknown,
+        }
+    }
+
+    /// All entries.
+    pub fn total(&self) -> u64 {
+        OutboxStatus::ALL.iter().map(|s| self.get(*s)).sum()
+    }
+
+    /// The counts `count` gives for each status.
+    pub(super) fn from_fn(count: impl Fn(OutboxStatus) -> u64) -> Self {
+        OutboxCounts {
+            pending: count(OutboxStatus::Pending),
+            dispatching: count(OutboxStatus::Dispatching),
+            completed: count(OutboxStatus::Completed),
+            failed: count(OutboxStatus::Failed),
+            outcome_unknown: count(OutboxStatus::OutcomeUnknown),
+        }
+    }
+}
