@@ -1,6 +1,6 @@
 //! The dispatcher end to end, beside the same cycle hand-rolled on SQLite.
 //!
-//! `cargo bench --bench dispatch` prints, from one run:
+//! `cargo bench -p idemstore-benches --bench dispatch` prints, from one run:
 //! - enqueue → `send` latency (p50, p99) for entries enqueued one at a time
 //!   into an idle dispatcher: idemstore wakes its workers on commit; the
 //!   SQLite queue polls every millisecond, as such queues do;

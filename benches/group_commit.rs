@@ -1,11 +1,11 @@
 //! Durable claims from 1, 16 and 64 threads: idemstore (group commit), raw
 //! redb (one commit per claim) and SQLite (WAL, `synchronous=FULL`, one
 //! connection per thread), in the same run. Criterion reports the time per
-//! claim; `examples/throughput.rs` prints the same comparison as a table of
+//! claim; `benches/bin/throughput.rs` prints the same comparison as a table of
 //! claims per second with ratios. A last group compares one thread's
 //! claims under `Durability::None` with raw redb's non-durable commits.
 //!
-//! `cargo bench --bench group_commit`
+//! `cargo bench -p idemstore-benches --bench group_commit`
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};

@@ -1,7 +1,7 @@
 //! Durable `claim` and `claim_with` beside a raw redb insert-and-commit,
 //! measured in the same run.
 //!
-//! `cargo bench --bench inbox`
+//! `cargo bench -p idemstore-benches --bench inbox`
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -8,7 +8,7 @@
 //! - first execution: a new key every request (`begin` and `complete`,
 //!   two durable commits, group-committed across concurrent requests).
 //!
-//! `cargo bench --features middleware --bench middleware` (about 25 s;
+//! `cargo bench -p idemstore-benches --bench middleware` (about 25 s;
 //! `-- --quick` for a shorter run). Client and server share the machine, so
 //! read the ratios rather than the absolute figures.
 

@@ -11,7 +11,7 @@
 //!   100 entries per cycle through the bulk calls, and one entry per cycle
 //!   from 8 threads at once (where group commit shares fsyncs).
 //!
-//! Run with `cargo bench --bench outbox`.
+//! Run with `cargo bench -p idemstore-benches --bench outbox`.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;

@@ -82,3 +82,58 @@ pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,
     DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY, Store, StoreBuilder, StoreStats,
 };
+
+// The handles, the errors and the values a caller hands to another thread are
+// `Send + Sync + 'static`: a change that loses either fails the build here.
+const _: () = {
+    const fn send_sync<T: Send + Sync + 'static>() {}
+
+    // Handles and builders.
+    send_sync::<Store>();
+    send_sync::<StoreBuilder>();
+    send_sync::<Inbox>();
+    send_sync::<Outbox>();
+    send_sync::<IdempotencyKeys>();
+    send_sync::<Reservation>();
+    send_sync::<Dispatcher>();
+    send_sync::<DispatcherBuilder>();
+    send_sync::<DispatcherHandle>();
+    send_sync::<Janitor>();
+    send_sync::<SystemClock>();
+    send_sync::<ManualClock>();
+    // Errors.
+    send_sync::<Error>();
+    send_sync::<LastError>();
+    // Values.
+    send_sync::<Claim<()>>();
+    send_sync::<NewEntry>();
+    send_sync::<Enqueued>();
+    send_sync::<OutboxEntry>();
+    send_sync::<OutboxRecord>();
+    send_sync::<OutboxClaim>();
+    send_sync::<Fence>();
+    send_sync::<Settlement>();
+    send_sync::<SettledAndClaimed>();
+    send_sync::<Delivery>();
+    send_sync::<Begin>();
+    send_sync::<ResponseRecord>();
+    send_sync::<KeyEntry>();
+    // Statistics a monitoring thread reads.
+    send_sync::<CommitStats>();
+    send_sync::<StoreStats>();
+    send_sync::<DispatchStats>();
+    send_sync::<JanitorStats>();
+    send_sync::<JanitorReport>();
+};
+
+// The layer and its service cross threads with the server that runs them; the
+// service is `Send + Sync` when the service it wraps is, and its future `Send`.
+#[cfg(feature = "middleware")]
+const _: () = {
+    const fn send_sync<T: Send + Sync + 'static>() {}
+    const fn send<T: Send + 'static>() {}
+
+    send_sync::<middleware::IdempotencyLayer>();
+    send_sync::<middleware::IdempotencyService<()>>();
+    send::<middleware::ResponseFuture<Error>>();
+};

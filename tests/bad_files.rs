@@ -3,7 +3,6 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
 
 use chrono::{TimeZone, Utc};
 use idemstore::redb::TableDefinition;
@@ -310,17 +309,8 @@ fn a_store_in_use_by_another_process_is_refused() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("held.idem");
     drop(Store::open(&path)?);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "hold_store_open",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::child_test("hold_store_open")
         .env(HOLDER_ENV, &path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

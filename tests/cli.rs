@@ -162,7 +162,7 @@ fn stats_counts_what_the_store_holds() -> TestResult {
 }
 
 #[test]
-fn listings_filter_and_limit() -> TestResult {
+fn inbox_list_shows_the_oldest_keys_first_up_to_the_limit() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
     let v = json(&["inbox", "list", s(&file), "webhooks", "--limit", "2"])?;
@@ -178,7 +178,13 @@ fn listings_filter_and_limit() -> TestResult {
         text.contains("evt_new") && text.contains("3 of 3 keys"),
         "{text}"
     );
+    Ok(())
+}
 
+#[test]
+fn outbox_list_shows_only_the_entries_its_filters_match_up_to_the_limit() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let v = json(&["outbox", "list", s(&file), "--status", "outcome-unknown"])?;
     let ids: Vec<u64> = v
         .as_array()
@@ -196,7 +202,13 @@ fn listings_filter_and_limit() -> TestResult {
         text.contains("6 entries") && text.contains("outcome_unknown"),
         "{text}"
     );
+    Ok(())
+}
 
+#[test]
+fn outbox_show_prints_one_entry_whole_and_a_missing_one_exits_1() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let v = json(&["outbox", "show", s(&file), "4"])?;
     assert_eq!(v["status"], "outcome_unknown");
     assert_eq!(v["remote_ref"], "ref-4");
@@ -219,7 +231,13 @@ fn listings_filter_and_limit() -> TestResult {
     let o = run(&["outbox", "show", s(&file), "99"])?;
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("no such record"), "{}", stderr(&o));
+    Ok(())
+}
 
+#[test]
+fn keys_list_shows_a_tenants_responses_and_reservations() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let v = json(&["keys", "list", s(&file), "--tenant", "acme"])?;
     let rows = v.as_array().ok_or("keys")?;
     assert_eq!(rows.len(), 2);
@@ -320,34 +338,60 @@ fn resolve_settles_an_outcome_unknown_entry() -> TestResult {
 }
 
 #[test]
-fn purge_prune_and_release_report_what_they_removed() -> TestResult {
+fn outbox_purge_removes_entries_finished_before_the_cutoff_and_says_how_many() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
     let text = ok(&["outbox", "purge", s(&file), "--finished-before", "5d"])?;
     assert!(text.contains("purged 1 "), "{text}");
     let v = json(&["outbox", "purge", s(&file), "--finished-before", "5d"])?;
     assert_eq!(v["purged"], 0);
+
+    let store = Store::open(&file)?;
+    assert!(store.outbox().get(OutboxId(2)).is_err());
+    assert_eq!(store.outbox().counts()?.completed, 0);
+    assert!(store.outbox().check_indexes()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn inbox_prune_removes_keys_seen_before_the_cutoff_and_says_how_many() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let text = ok(&["inbox", "prune", s(&file), "webhooks", "--before", "1d"])?;
     assert!(text.contains("pruned 2 keys"), "{text}");
+
+    let store = Store::open(&file)?;
+    let webhooks = store.inbox("webhooks")?;
+    assert_eq!(webhooks.len()?, 1);
+    assert!(webhooks.seen("evt_new")?);
+    assert!(store.check_inbox_indexes()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn keys_purge_removes_responses_created_before_the_cutoff_and_says_how_many() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let cutoff = ago(2 * D).to_rfc3339();
     let v = json(&["keys", "purge", s(&file), "--before", &cutoff])?;
     assert_eq!(v["purged"], 1);
+
+    let store = Store::open(&file)?;
+    let keys = store.idempotency_keys().summary()?;
+    assert_eq!((keys.completed, keys.reserved), (1, 1));
+    Ok(())
+}
+
+#[test]
+fn outbox_release_frees_claims_taken_before_the_cutoff_and_names_them() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     let v = json(&["outbox", "release", s(&file), "--claimed-before", "90m"])?;
     assert_eq!(v["released"], serde_json::json!([5]));
 
     let store = Store::open(&file)?;
-    assert!(store.outbox().get(OutboxId(2)).is_err());
     let counts = store.outbox().counts()?;
-    assert_eq!(
-        (counts.completed, counts.pending, counts.dispatching),
-        (0, 2, 0)
-    );
-    let webhooks = store.inbox("webhooks")?;
-    assert_eq!(webhooks.len()?, 1);
-    assert!(webhooks.seen("evt_new")?);
-    let keys = store.idempotency_keys().summary()?;
-    assert_eq!((keys.completed, keys.reserved), (1, 1));
-    assert!(store.check_inbox_indexes()?.is_empty());
+    assert_eq!((counts.pending, counts.dispatching), (2, 0));
     assert!(store.outbox().check_indexes()?.is_empty());
     Ok(())
 }
@@ -461,13 +505,19 @@ fn idemstore_status(s: OutboxStatus) -> &'static str {
 }
 
 #[test]
-fn check_passes_a_clean_file_and_names_a_missing_index_row() -> TestResult {
+fn check_passes_a_clean_file() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
     let text = ok(&["check", s(&file)])?;
     assert!(text.starts_with("ok:"), "{text}");
     assert_eq!(json(&["check", s(&file)])?["ok"], true);
+    Ok(())
+}
 
+#[test]
+fn check_names_each_missing_index_row_and_exits_1() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
     // Recent claims sit in the journal; a prune (of nothing) merges them
     // into the ledger and its `seen_at` index, which the damage below hits.
     assert_eq!(
@@ -550,7 +600,7 @@ fn a_store_held_by_another_process_is_reported_cleanly() -> TestResult {
 }
 
 #[test]
-fn bad_usage_exits_2_and_a_missing_file_is_not_created() -> TestResult {
+fn bad_usage_exits_2() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
     let o = run(&[
@@ -571,7 +621,12 @@ fn bad_usage_exits_2_and_a_missing_file_is_not_created() -> TestResult {
     );
     assert_eq!(run(&["frobnicate"])?.status.code(), Some(2));
     assert_eq!(run(&["export", s(&file)])?.status.code(), Some(2));
+    Ok(())
+}
 
+#[test]
+fn a_missing_file_is_reported_and_not_created() -> TestResult {
+    let dir = tempfile::tempdir()?;
     let missing = dir.path().join("missing.idem");
     let o = run(&["stats", s(&missing)])?;
     assert_eq!(o.status.code(), Some(1));

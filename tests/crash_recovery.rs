@@ -11,7 +11,6 @@ mod common;
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::t;
@@ -26,7 +25,7 @@ const THREADS: usize = 4;
 /// The child: claims `r{round}-w{thread}-{n}` with an effect, forever, printing
 /// `claim KEY` or `http KEY` after each acknowledged call.
 #[test]
-#[ignore = "run by `kill_child_at_random_moments` as a child process"]
+#[ignore = "run by `every_acknowledged_call_and_its_effect_survive_a_kill_at_any_moment` as a child process"]
 fn crash_child() -> Result<()> {
     let Ok(path) = std::env::var(CHILD_ENV) else {
         return Ok(());
@@ -86,18 +85,9 @@ struct Round {
 
 /// Runs the child until it has printed `acks` lines, or `deadline`, then kills it.
 fn run_and_kill(path: &Path, round: u32, acks: usize, deadline: Duration) -> Round {
-    let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "crash_child",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::child_test("crash_child")
         .env(CHILD_ENV, path)
         .env(ROUND_ENV, round.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
         .spawn()
         .expect("spawn child");
     let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
@@ -137,7 +127,7 @@ fn run_and_kill(path: &Path, round: u32, acks: usize, deadline: Duration) -> Rou
 }
 
 #[test]
-fn kill_child_at_random_moments() -> Result<()> {
+fn every_acknowledged_call_and_its_effect_survive_a_kill_at_any_moment() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.idem");
     let mut seed: u64 = 0x005e_ed0f_c4a5;

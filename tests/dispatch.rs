@@ -5,7 +5,6 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +35,7 @@ fn entry(i: usize) -> NewEntry {
 }
 
 #[test]
-fn back_off_follows_the_policy_and_max_attempts_ends_in_failed() -> Result<()> {
+fn retries_follow_the_back_off_policy_until_max_attempts_fails_the_entry() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
     let clock = ManualClock::new(t(0));
@@ -361,17 +360,8 @@ fn a_killed_dispatchers_entries_are_delivered_after_restart() -> Result<()> {
             .map(|e| e.id())
             .collect()
     };
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "dispatch_child",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::child_test("dispatch_child")
         .env(CHILD_ENV, &path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

@@ -57,7 +57,7 @@ fn print_stats(label: &str, stats: &ModelStats) {
 }
 
 #[test]
-fn model_seed_corpus() {
+fn the_store_agrees_with_the_model_on_every_seed_and_the_seeds_reach_every_path() {
     let started = Instant::now();
     let files = seed_files("model");
     assert!(
@@ -83,7 +83,7 @@ fn model_seed_corpus() {
 }
 
 #[test]
-fn codec_seed_corpus() {
+fn damaged_records_from_every_codec_seed_are_errors_not_panics() {
     let started = Instant::now();
     let files = seed_files("codec");
     assert!(
@@ -103,7 +103,7 @@ fn codec_seed_corpus() {
 }
 
 #[test]
-fn model_pseudo_random_inputs() {
+fn the_store_agrees_with_the_model_on_pseudo_random_inputs() {
     let started = Instant::now();
     let n = random_inputs();
     let mut rng = Rng(0x6d6f_6465_6c00_0001);
@@ -121,7 +121,7 @@ fn model_pseudo_random_inputs() {
 }
 
 #[test]
-fn codec_pseudo_random_inputs() {
+fn damaged_records_from_pseudo_random_inputs_are_errors_not_panics() {
     let started = Instant::now();
     let n = random_inputs();
     let mut rng = Rng(0x636f_6465_6300_0001);

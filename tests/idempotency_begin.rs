@@ -28,7 +28,7 @@ fn keys() -> Result<(Store, IdempotencyKeys)> {
 }
 
 #[test]
-fn every_begin_outcome() -> Result<()> {
+fn each_begin_outcome_follows_from_what_the_key_holds() -> Result<()> {
     let (_store, keys) = keys()?;
     let fp = fingerprint("POST", "/orders", b"{\"n\":1}");
     let other = fingerprint("POST", "/orders", b"{\"n\":2}");
@@ -142,7 +142,7 @@ fn an_ended_lease_nobody_took_over_can_still_complete() -> Result<()> {
 }
 
 #[test]
-fn release_lets_a_retry_proceed_and_a_stale_release_frees_nothing() -> Result<()> {
+fn only_the_current_holders_release_frees_the_key() -> Result<()> {
     let (_store, keys) = keys()?;
     let fp = fingerprint("POST", "/a", b"x");
     let first = proceed(keys.begin("", "k", &fp, t(0))?);
@@ -157,6 +157,13 @@ fn release_lets_a_retry_proceed_and_a_stale_release_frees_nothing() -> Result<()
     assert!(!keys.complete(&first, first.response(200, Vec::new(), t(2)), t(2))?);
     assert!(keys.complete(&second, second.response(200, Vec::new(), t(2)), t(2))?);
     assert_eq!(keys.stats().released, 1);
+    Ok(())
+}
+
+#[test]
+fn a_released_key_binds_no_fingerprint() -> Result<()> {
+    let (_store, keys) = keys()?;
+    let fp = fingerprint("POST", "/a", b"x");
     // A released key with another fingerprint is no mismatch: nothing binds it.
     let r = proceed(keys.begin("", "free", &fp, t(3))?);
     keys.release(&r)?;
@@ -207,7 +214,7 @@ fn complete_in_commits_with_the_handler_or_not_at_all() -> Result<()> {
 }
 
 #[test]
-fn complete_refuses_a_response_for_another_key() -> Result<()> {
+fn complete_refuses_a_foreign_or_malformed_response() -> Result<()> {
     let (_store, keys) = keys()?;
     let fp = fingerprint("POST", "/a", b"");
     let r = proceed(keys.begin("", "k", &fp, t(0))?);
@@ -276,7 +283,7 @@ fn sixteen_threads_racing_on_one_key_get_one_proceed() -> Result<()> {
 }
 
 #[test]
-fn stats_move_and_are_shared_by_handles_of_one_store() -> Result<()> {
+fn stats_count_each_outcome_per_store_whichever_handle_served_it() -> Result<()> {
     let (store, keys) = keys()?;
     let fp = fingerprint("GET", "/s", b"");
     let r = proceed(keys.begin("", "k", &fp, t(0))?);

@@ -181,7 +181,7 @@ fn begin_on_an_expired_response_replaces_it() -> Result<()> {
 }
 
 #[test]
-fn purge_counts_what_it_removes_with_the_index() -> Result<()> {
+fn purge_removes_only_what_has_expired_with_its_index_entries() -> Result<()> {
     let store = Store::in_memory()?;
     let keys = store.idempotency_keys();
     for i in 0..3000 {
@@ -213,7 +213,7 @@ fn purge_counts_what_it_removes_with_the_index() -> Result<()> {
 }
 
 #[test]
-fn oversized_inputs_are_refused_and_write_nothing() -> Result<()> {
+fn oversized_or_empty_inputs_are_refused_and_write_nothing() -> Result<()> {
     let store = Store::in_memory()?;
     let keys = store.idempotency_keys();
     let max = idemstore::DEFAULT_MAX_BODY;
@@ -308,13 +308,24 @@ fn oversized_inputs_are_refused_and_write_nothing() -> Result<()> {
 }
 
 #[test]
-fn put_is_first_write_wins_and_respects_live_reservations() -> Result<()> {
+fn put_keeps_the_first_response_until_it_expires() -> Result<()> {
     let store = Store::in_memory()?;
     let keys = store.idempotency_keys();
     assert!(keys.put(&record("", "k", b"first", t(0)))?);
     assert!(!keys.put(&record("", "k", b"second", t(1)))?);
     assert_eq!(keys.get("", "k", t(0))?.unwrap().response_body, b"first");
+    // A response older than the TTL (24 h) is replaced.
+    assert!(keys.put(&record("", "k", b"third", t(24 * 3600 + 1)))?);
+    assert_eq!(keys.get("", "k", t(0))?.unwrap().response_body, b"third");
+    assert_eq!(raw_counts(&store)?, (1, 1));
+    assert!(keys.check_indexes()?.is_empty());
+    Ok(())
+}
 
+#[test]
+fn put_never_overwrites_a_live_reservation() -> Result<()> {
+    let store = Store::in_memory()?;
+    let keys = store.idempotency_keys();
     let r = proceed(keys.begin("", "held", "fp", t(0))?);
     assert!(
         !keys.put(&record("", "held", b"x", t(59)))?,
@@ -328,10 +339,7 @@ fn put_is_first_write_wins_and_respects_live_reservations() -> Result<()> {
         !keys.complete(&r, r.response(200, Vec::new(), t(61)), t(61))?,
         "and its holder is fenced out"
     );
-    // A response older than the TTL (24 h) is replaced.
-    assert!(keys.put(&record("", "k", b"third", t(24 * 3600 + 1)))?);
-    assert_eq!(keys.get("", "k", t(0))?.unwrap().response_body, b"third");
-    assert_eq!(raw_counts(&store)?, (2, 2));
+    assert_eq!(raw_counts(&store)?, (1, 1));
     assert!(keys.check_indexes()?.is_empty());
     Ok(())
 }

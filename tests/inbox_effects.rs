@@ -30,7 +30,7 @@ fn balance(store: &Store, account: &str) -> Result<i64> {
 }
 
 #[test]
-fn effect_commits_with_the_claim_and_duplicates_never_run_it() -> Result<()> {
+fn an_effect_runs_once_and_commits_with_its_claim() -> Result<()> {
     let store = Store::in_memory()?;
     let inbox = store.inbox("payments")?;
     let runs = Cell::new(0);
@@ -148,7 +148,7 @@ fn panicking_effect_leaves_the_key_unclaimed_and_the_file_clean() -> Result<()> 
 }
 
 #[test]
-fn claim_in_composes_with_the_callers_tables_in_one_write() -> Result<()> {
+fn claim_in_commits_or_rolls_back_with_the_callers_writes() -> Result<()> {
     let store = Store::in_memory()?;
     let inbox = store.inbox("events")?;
     let audit = store.inbox("audit")?;
@@ -177,7 +177,13 @@ fn claim_in_composes_with_the_callers_tables_in_one_write() -> Result<()> {
     assert!(r.is_err());
     assert!(!inbox.seen("e-2")?);
     assert_eq!(balance(&store, "bob")?, 5);
+    Ok(())
+}
 
+#[test]
+fn a_plain_claim_inside_a_write_is_refused_not_deadlocked() -> Result<()> {
+    let store = Store::in_memory()?;
+    let inbox = store.inbox("events")?;
     // Inside a write closure, the non-`_in` calls refuse instead of deadlocking.
     let r = store.write(|_| inbox.claim("e-3", t(2)));
     assert!(matches!(r, Err(Error::Reentrant)));

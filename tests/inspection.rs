@@ -5,7 +5,9 @@ mod common;
 
 use common::t;
 use idemstore::redb::TableDefinition;
-use idemstore::{Begin, NewEntry, OutboxFilter, OutboxId, OutboxStatus, ResponseRecord, Store};
+use idemstore::{
+    Begin, IdempotencyKeys, NewEntry, OutboxFilter, OutboxId, OutboxStatus, ResponseRecord, Store,
+};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -145,10 +147,11 @@ fn inbox_index_check_finds_each_broken_invariant() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn outbox_list_filters_and_pages() -> TestResult {
-    let store = Store::in_memory()?;
-    let outbox = store.outbox();
+/// Ten entries (ids 1–10, even ids to "odd", odd ids to "even"), the first
+/// three claimed; returns the claimed ones.
+fn ten_entries_three_claimed(
+    outbox: &idemstore::Outbox,
+) -> Result<Vec<idemstore::OutboxEntry>, idemstore::Error> {
     for i in 0..10 {
         let dest = if i % 2 == 0 { "even" } else { "odd" };
         outbox.enqueue(
@@ -156,8 +159,18 @@ fn outbox_list_filters_and_pages() -> TestResult {
             t(i.into()),
         )?;
     }
-    let claimed = outbox.claim_due(t(100), 3, "w")?;
-    let ids = |rs: &[idemstore::OutboxRecord]| rs.iter().map(|r| r.entry.id.0).collect::<Vec<_>>();
+    outbox.claim_due(t(100), 3, "w")
+}
+
+fn ids(rs: &[idemstore::OutboxRecord]) -> Vec<u64> {
+    rs.iter().map(|r| r.entry.id.0).collect()
+}
+
+#[test]
+fn outbox_list_pages_through_every_entry_in_id_order() -> TestResult {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    ten_entries_three_claimed(&outbox)?;
 
     let all = outbox.list(&OutboxFilter::any(), 100)?;
     assert_eq!(ids(&all), (1..=10).collect::<Vec<_>>());
@@ -171,6 +184,20 @@ fn outbox_list_filters_and_pages() -> TestResult {
             .list(&OutboxFilter::any().after(OutboxId(u64::MAX)), 4)?
             .is_empty()
     );
+    assert!(
+        Store::in_memory()?
+            .outbox()
+            .list(&OutboxFilter::any(), 10)?
+            .is_empty()
+    );
+    Ok(())
+}
+
+#[test]
+fn outbox_list_returns_only_the_entries_its_filter_matches() -> TestResult {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let claimed = ten_entries_three_claimed(&outbox)?;
 
     let dispatching = outbox.list(&OutboxFilter::any().status(OutboxStatus::Dispatching), 100)?;
     assert_eq!(
@@ -186,12 +213,6 @@ fn outbox_list_filters_and_pages() -> TestResult {
         outbox
             .list(&OutboxFilter::any().destination(""), 1)
             .is_err()
-    );
-    assert!(
-        Store::in_memory()?
-            .outbox()
-            .list(&OutboxFilter::any(), 10)?
-            .is_empty()
     );
     Ok(())
 }
@@ -213,15 +234,11 @@ fn oldest_claim_follows_the_claims_index() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn key_summary_and_plain_response_reads() -> TestResult {
-    let store = Store::in_memory()?;
-    let keys = store.idempotency_keys();
-    let summary = keys.summary()?;
-    assert_eq!(
-        (summary.completed, summary.reserved, summary.oldest),
-        (0, 0, None)
-    );
+/// A completed response for ("t", "old") created at t(5), and a reservation
+/// for ("t", "new"); returns the response.
+fn one_response_one_reservation(
+    keys: &IdempotencyKeys,
+) -> Result<ResponseRecord, idemstore::Error> {
     let record = ResponseRecord {
         tenant: "t".into(),
         idempotency_key: "old".into(),
@@ -237,9 +254,30 @@ fn key_summary_and_plain_response_reads() -> TestResult {
         keys.begin("t", "new", "fp2", t(50))?,
         Begin::Proceed(_)
     ));
+    Ok(record)
+}
+
+#[test]
+fn key_summary_counts_completed_and_reserved_keys_and_the_oldest() -> TestResult {
+    let store = Store::in_memory()?;
+    let keys = store.idempotency_keys();
+    let summary = keys.summary()?;
+    assert_eq!(
+        (summary.completed, summary.reserved, summary.oldest),
+        (0, 0, None)
+    );
+    one_response_one_reservation(&keys)?;
     let summary = keys.summary()?;
     assert_eq!((summary.completed, summary.reserved), (1, 1));
     assert_eq!(summary.oldest, Some(t(5)));
+    Ok(())
+}
+
+#[test]
+fn response_reads_a_stored_response_at_any_age_and_deletes_nothing() -> TestResult {
+    let store = Store::in_memory()?;
+    let keys = store.idempotency_keys();
+    let record = one_response_one_reservation(&keys)?;
 
     // `response` reads whatever the age and deletes nothing.
     assert_eq!(keys.response("t", "old")?, Some(record.clone()));

@@ -13,7 +13,7 @@ mod common;
 use std::convert::Infallible;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -424,17 +424,8 @@ fn a_crash_after_the_commit_replays_the_stored_response_at_once() -> TestResult 
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("api.idem");
     let mut child = Reaped(
-        Command::new(std::env::current_exe()?)
-            .args([
-                "crash_child",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        common::child_test("crash_child")
             .env(CHILD_ENV, &path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
             .spawn()?,
     );
     let stdout = child.0.stdout.take().ok_or("piped")?;

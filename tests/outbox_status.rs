@@ -195,7 +195,7 @@ fn check_claim(store: &Store, rec: &OutboxRecord, ctx: &str) -> Result<()> {
 }
 
 #[test]
-fn every_status_times_every_operation() -> Result<()> {
+fn every_operation_in_every_status_follows_the_transition_table() -> Result<()> {
     for from in OutboxStatus::ALL {
         for op in OPS {
             let (store, outbox, id) = entry_in(from)?;
@@ -309,7 +309,7 @@ fn outcome_unknown_fills_a_missing_remote_ref_once() -> Result<()> {
 }
 
 #[test]
-fn mark_failed_keeps_the_reason_across_a_retry_and_pending_moves_time() -> Result<()> {
+fn mark_failed_with_a_retry_time_delays_the_entry_and_keeps_its_reason() -> Result<()> {
     let (_store, outbox, id) = entry_in(OutboxStatus::Pending)?;
     outbox.mark_failed(id, "rate_limited", Some(t(60)), t(1))?;
     let rec = outbox.get(id)?;

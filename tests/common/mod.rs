@@ -64,6 +64,26 @@ pub fn claims_index(store: &idemstore::Store) -> idemstore::Result<Vec<(i64, u64
     })
 }
 
+/// This test binary, set up to run again as a child process that runs only
+/// the ignored test `name`: its stdout piped (where the test harness prints
+/// its own words first, on the first line), its stderr dropped. The caller
+/// adds the environment that tells the child what to do, then spawns it.
+pub fn child_test(name: &str) -> std::process::Command {
+    use std::process::Stdio;
+    let mut child = std::process::Command::new(std::env::current_exe().expect("the test binary"));
+    child
+        .args([
+            name,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    child
+}
+
 /// A fixed instant plus `secs` seconds.
 pub fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()

@@ -1,8 +1,8 @@
 //! Durable claim throughput: idemstore beside raw `redb` and `SQLite`, one run.
 //!
 //! ```text
-//! cargo run --release --example throughput            # the full table (~1 min)
-//! cargo run --release --example throughput -- --quick # shorter runs
+//! cargo run --release -p idemstore-benches --bin throughput            # the full table (~1 min)
+//! cargo run --release -p idemstore-benches --bin throughput -- --quick # shorter runs
 //! ```
 //!
 //! Every figure is measured in this run, on this machine, so the ratios are
