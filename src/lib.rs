@@ -40,6 +40,12 @@
 //! durable. Concurrent calls share fsyncs: see the `engine` notes in the
 //! README for how group commit keeps those promises.
 
+// Storage code answers bad bytes and bad input with an `Error`, never a
+// panic: no unwrap, no expect (the codec's one, which cannot fire, is
+// allowed by name where it stands), no indexing that could be out of range.
+// Tests are exempt (see clippy.toml).
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
 /// The README's code samples, compiled and run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

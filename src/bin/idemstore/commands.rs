@@ -8,8 +8,8 @@ use idemstore::{KeyState, OutboxFilter, OutboxId, OutboxStatus};
 use serde_json::{Value, json};
 
 use crate::output::{
-    bar, bytes, key_json, outbox_json, preview, print_json, spinner, status_name, ts, ts_opt, when,
-    when_opt,
+    bar, bytes, key_json, outbox_json, preview, print_json, put, spinner, status_name, ts, ts_opt,
+    when, when_opt,
 };
 use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open};
 
@@ -594,7 +594,7 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
         filter = filter.after(last.entry.id);
         for r in &page {
             let mut v = outbox_json(r, true);
-            v["kind"] = json!("outbox");
+            put(&mut v, "kind", json!("outbox"));
             writeln!(out, "{v}")?;
         }
         pb.inc(page.len() as u64);
@@ -606,7 +606,7 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
             KeyState::Reserved { .. } => None,
         };
         let mut v = key_json(&k, response.as_ref());
-        v["kind"] = json!("key");
+        put(&mut v, "kind", json!("key"));
         writeln!(out, "{v}")?;
         pb.inc(1);
     }

@@ -7,6 +7,9 @@
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
 //! usage.
 
+// An operator tool reports bad files and bad arguments; it does not panic.
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
 mod commands;
 mod output;
 mod time;

@@ -63,15 +63,16 @@ fn age(secs: u64) -> String {
 pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
+    let mut units = UNITS.iter();
+    let mut unit = units.next();
+    while v >= 1024.0 {
+        let Some(bigger) = units.next() else { break };
         v /= 1024.0;
-        unit += 1;
+        unit = Some(bigger);
     }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
+    match unit {
+        Some(&u) if u != "B" => format!("{v:.1} {u}"),
+        _ => format!("{n} B"),
     }
 }
 
@@ -112,9 +113,17 @@ pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
         "payload_len": e.payload.len(),
     });
     if with_payload {
-        v["payload"] = Value::String(b64(&e.payload));
+        put(&mut v, "payload", Value::String(b64(&e.payload)));
     }
     v
+}
+
+/// Sets `key` in the JSON object `v` (which every caller builds with
+/// `json!({..})`).
+pub(crate) fn put(v: &mut Value, key: &str, value: Value) {
+    if let Value::Object(fields) = v {
+        fields.insert(key.to_owned(), value);
+    }
 }
 
 /// Who claimed an attempt and when, as one JSON object: the claim of a
@@ -142,24 +151,24 @@ pub(crate) fn key_json(k: &KeyEntry, response: Option<&ResponseRecord>) -> Value
             body_len,
             created_at,
         } => {
-            v["state"] = json!("completed");
-            v["response_status"] = json!(status);
-            v["body_len"] = json!(body_len);
-            v["created_at"] = json!(ts(*created_at));
+            put(&mut v, "state", json!("completed"));
+            put(&mut v, "response_status", json!(status));
+            put(&mut v, "body_len", json!(body_len));
+            put(&mut v, "created_at", json!(ts(*created_at)));
         }
         KeyState::Reserved {
             reserved_at,
             lease_until,
         } => {
-            v["state"] = json!("reserved");
-            v["reserved_at"] = json!(ts(*reserved_at));
-            v["lease_until"] = json!(ts(*lease_until));
+            put(&mut v, "state", json!("reserved"));
+            put(&mut v, "reserved_at", json!(ts(*reserved_at)));
+            put(&mut v, "lease_until", json!(ts(*lease_until)));
         }
     }
     if let Some(r) = response {
-        v["content_type"] = json!(r.content_type);
-        v["headers"] = json!(r.headers);
-        v["body"] = json!(b64(&r.response_body));
+        put(&mut v, "content_type", json!(r.content_type));
+        put(&mut v, "headers", json!(r.headers));
+        put(&mut v, "body", json!(b64(&r.response_body)));
     }
     v
 }
