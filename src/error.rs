@@ -201,14 +201,10 @@ impl Error {
 
     /// An [`Error::Panicked`] from a caught panic's payload.
     pub(crate) fn panicked(during: &'static str, payload: &(dyn std::any::Any + Send)) -> Self {
-        let message = if let Some(s) = payload.downcast_ref::<&str>() {
-            (*s).to_owned()
-        } else if let Some(s) = payload.downcast_ref::<String>() {
-            s.clone()
-        } else {
-            "(no message)".to_owned()
-        };
-        Error::Panicked { during, message }
+        Error::Panicked {
+            during,
+            message: panic_message(payload),
+        }
     }
 
     /// Whether this error came from the storage engine or the disk rather than
@@ -317,6 +313,18 @@ impl From<redb::TableError> for Error {
 impl From<redb::Error> for Error {
     fn from(e: redb::Error) -> Self {
         Error::Storage(e)
+    }
+}
+
+/// The message a panic carried (`panic!("…")` or `panic!("{…}")`), or
+/// `(no message)` for any other payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_owned()
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use redb::StorageBackend;
 
 use crate::engine::{Durability, Engine, EngineConfig};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, panic_message};
 use crate::idempotency::IdempotencyKeys;
 use crate::inbox::{Inbox, Journal};
 use crate::outbox::Outbox;
@@ -260,16 +260,6 @@ fn recorded_format(tx: &redb::ReadTransaction) -> Result<Recorded> {
         Some(v) => Recorded::Version(v.value()),
         None => Recorded::NoVersion,
     })
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
 }
 
 /// What a store file holds and how much of it is in use ([`Store::stats`]).

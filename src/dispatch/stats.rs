@@ -23,7 +23,7 @@ pub struct DispatchStats {
     pub failed: u64,
     /// Sends that returned
     /// [`Delivery::OutcomeUnknown`](super::Delivery::OutcomeUnknown).
-    pub unknown: u64,
+    pub outcome_unknown: u64,
     /// Sends that panicked (each counted as a retryable failure).
     pub panics: u64,
     /// Settlements refused because the claim had expired and the entry had
@@ -182,7 +182,7 @@ pub(crate) struct Counters {
     pub(crate) delivered: AtomicU64,
     pub(crate) retried: AtomicU64,
     pub(crate) failed: AtomicU64,
-    pub(crate) unknown: AtomicU64,
+    pub(crate) outcome_unknown: AtomicU64,
     pub(crate) panics: AtomicU64,
     pub(crate) fenced: AtomicU64,
     pub(crate) released: AtomicU64,
@@ -220,7 +220,7 @@ impl Counters {
                 next_attempt_at: None,
                 ..
             } => &self.failed,
-            Settlement::OutcomeUnknown { .. } => &self.unknown,
+            Settlement::OutcomeUnknown { .. } => &self.outcome_unknown,
             Settlement::Rescheduled { .. } => &self.returned,
         };
         bump(counter, 1);
@@ -263,7 +263,7 @@ impl Counters {
             delivered: get(&self.delivered),
             retried: get(&self.retried),
             failed: get(&self.failed),
-            unknown: get(&self.unknown),
+            outcome_unknown: get(&self.outcome_unknown),
             panics: get(&self.panics),
             fenced: get(&self.fenced),
             released: get(&self.released),
