@@ -45,6 +45,8 @@
 // allowed by name where it stands), no indexing that could be out of range.
 // Tests are exempt (see clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+// docs.rs marks each feature-gated item with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// The README's code samples, compiled and run as doctests.
 #[cfg(doctest)]
