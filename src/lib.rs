@@ -53,9 +53,9 @@
 //! [`tokio::task::spawn_blocking`](https://docs.rs/tokio/1/tokio/task/fn.spawn_blocking.html)
 //! and `.await` the result. Every handle — [`Store`], [`Inbox`],
 //! [`Outbox`], [`IdempotencyKeys`] — is a cheap `Clone + Send + Sync +
-//! 'static` (an `Arc` inside), and so are the values the calls take and
-//! return ([`Reservation`], [`NewEntry`], …): clone what the call needs and
-//! move it into the closure. The closure, and so every effect and
+//! 'static` (an `Arc` inside), and the values the calls take and return
+//! ([`Reservation`], [`NewEntry`], …) are `Send + Sync + 'static` too: clone
+//! what the call needs and move it into the closure. The closure, and so every effect and
 //! [`Store::write`] closure run inside it, executes on a pool thread: what it
 //! captures must be `Send + 'static` (owned: a `String`, a `Bytes`, not a
 //! `&str` borrowed from the request). Handlers on the pool share fsyncs
