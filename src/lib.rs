@@ -10,7 +10,7 @@
 //! - [`IdempotencyKeys`]: an HTTP `Idempotency-Key` response store.
 //!
 //! ```
-//! use chrono::Utc;
+//! use idemstore::chrono::Utc;
 //! use idemstore::{Claim, Store};
 //! use idemstore::redb::{ReadableTable as _, TableDefinition};
 //!
@@ -39,12 +39,106 @@
 //! [`Durability::Immediate`]), and no call answers from state that is not yet
 //! durable. Concurrent calls share fsyncs: see the `engine` notes in the
 //! README for how group commit keeps those promises.
+//!
+//! # Calls block; from async code, use the blocking pool
+//!
+//! Every store call is blocking: a call that writes returns only once a
+//! durable commit covers it (an fsync, a fraction of a millisecond on a quiet
+//! disk, several milliseconds on a busy one), and a read may wait for the
+//! fsync of a commit it saw. Made directly inside an `async fn`, a call holds
+//! its runtime worker for that long, and on a `current_thread` runtime it
+//! stops every other task.
+//!
+//! So in async code, run store calls on tokio's blocking pool with
+//! [`tokio::task::spawn_blocking`](https://docs.rs/tokio/1/tokio/task/fn.spawn_blocking.html)
+//! and `.await` the result. Every handle — [`Store`], [`Inbox`],
+//! [`Outbox`], [`IdempotencyKeys`] — is a cheap `Clone + Send + Sync +
+//! 'static` (an `Arc` inside), and the values the calls take and return
+//! ([`Reservation`], [`NewEntry`], …) are `Send + Sync + 'static` too: clone
+//! what the call needs and move it into the closure. The closure, and so every effect and
+//! [`Store::write`] closure run inside it, executes on a pool thread: what it
+//! captures must be `Send + 'static` (owned: a `String`, a `Bytes`, not a
+//! `&str` borrowed from the request). Handlers on the pool share fsyncs
+//! through group commit exactly as threads do; a panic in the closure rolls
+//! its transaction back and reaches the `.await` as a `JoinError`.
+//!
+//! ```
+//! use idemstore::chrono::Utc;
+//! use idemstore::Inbox;
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! /// `Ok(true)` the first time `event_id` is delivered.
+//! async fn on_delivery(inbox: &Inbox, event_id: String) -> Result<bool, BoxError> {
+//!     let inbox = inbox.clone();
+//!     // The outer `?`: the closure panicked (nothing was committed), or the
+//!     // runtime is shutting down. The inner one: the store's own error.
+//!     let first = tokio::task::spawn_blocking(move || inbox.claim(&event_id, Utc::now())).await??;
+//!     Ok(first)
+//! }
+//!
+//! #[tokio::main(flavor = "current_thread")]
+//! async fn main() -> Result<(), BoxError> {
+//!     let inbox = idemstore::Store::in_memory()?.inbox("webhooks")?;
+//!     assert!(on_delivery(&inbox, "evt_1".to_owned()).await?);
+//!     assert!(!on_delivery(&inbox, "evt_1".to_owned()).await?);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! The README shows an axum handler that claims a webhook, applies its effect
+//! and enqueues an outbox entry in one commit this way. The [`Dispatcher`]
+//! runs on threads of its own, and the HTTP middleware makes its store calls
+//! on the blocking pool itself.
+//!
+//! # Re-exported crates
+//!
+//! Types of these crates appear in the API, so they are re-exported at the
+//! versions this crate is built with: [`redb`] (the transaction handed to
+//! effects, and your own tables in the same file), [`chrono`] (every instant
+//! is a `chrono::DateTime<Utc>`) and [`crossbeam_channel`] (the
+//! [`Receiver`](crossbeam_channel::Receiver) of [`Outbox::subscribe`], to
+//! `select!` on it with your own channels).
+//!
+//! ```
+//! use idemstore::crossbeam_channel::{Receiver, select};
+//! use idemstore::Outbox;
+//!
+//! /// Waits for a wake-up of `outbox` or a message on `stop`.
+//! fn wait(outbox_wake_ups: &Receiver<()>, stop: &Receiver<()>) -> bool {
+//!     select! {
+//!         recv(outbox_wake_ups) -> _ => true,
+//!         recv(stop) -> _ => false,
+//!     }
+//! }
+//!
+//! let outbox: Outbox = idemstore::Store::in_memory()?.outbox();
+//! let wake_ups = outbox.subscribe();
+//! let (_stop_tx, stop) = idemstore::crossbeam_channel::bounded(1);
+//! outbox.notify();
+//! assert!(wait(&wake_ups, &stop));
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! # Cargo features
+//!
+//! None is on by default.
+//!
+//! - `middleware`: `middleware::IdempotencyLayer`, a tower layer that puts
+//!   the idempotency keys in front of any tower 0.5 service over `http` 1
+//!   types (axum 0.8, hyper 1).
+//! - `tokio`: the async dispatcher, on the caller's tokio runtime.
+//! - `tracing`, `metrics`: spans and events, counters and histograms, through
+//!   the facade crates; the application picks the subscriber or recorder.
+//! - `cli`: the `idemstore` operator binary.
 
 // Storage code answers bad bytes and bad input with an `Error`, never a
 // panic: no unwrap, no expect (the codec's one, which cannot fire, is
 // allowed by name where it stands), no indexing that could be out of range.
 // Tests are exempt (see clippy.toml).
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+// docs.rs marks each feature-gated item with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// The README's code samples, compiled and run as doctests.
 #[cfg(doctest)]
@@ -58,11 +152,16 @@ mod error;
 mod idempotency;
 mod inbox;
 #[cfg(feature = "middleware")]
+#[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
 mod outbox;
 mod schema;
 mod store;
 
+// Crates whose types are part of the API, at the versions built against
+// (see the crate docs).
+pub use chrono;
+pub use crossbeam_channel;
 pub use redb;
 
 pub use dispatch::{
