@@ -180,8 +180,9 @@ pub use idempotency::{
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use outbox::{
-    Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox, OutboxClaim, OutboxCounts,
-    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, SettledAndClaimed, Settlement,
+    AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox,
+    OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
+    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,
@@ -216,6 +217,7 @@ const _: () = {
     send_sync::<OutboxEntry>();
     send_sync::<OutboxRecord>();
     send_sync::<OutboxClaim>();
+    send_sync::<AttemptRecord>();
     send_sync::<Fence>();
     send_sync::<Settlement>();
     send_sync::<SettledAndClaimed>();

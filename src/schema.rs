@@ -16,8 +16,8 @@
 //!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
 //!   number of ledger rows of each inbox (journal rows are counted when
 //!   merged).
-//! - outbox: see `src/outbox/index.rs` for the record, its five indexes and
-//!   the status counters.
+//! - outbox: see `src/outbox/index.rs` for the record, its five indexes,
+//!   its attempt history and the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
 //!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`], where
 //!   `created_at` is the response's creation time for a completed row and the
@@ -76,6 +76,14 @@ pub(crate) const OUTBOX_BY_COMMAND: TableDefinition<(&str, i64, u64), ()> =
 /// `(completed_at µs, id) → ()` for `Completed` and `Failed` entries: retention.
 pub(crate) const OUTBOX_FINISHED: TableDefinition<(i64, u64), ()> =
     TableDefinition::new("idemstore.v1.outbox.finished");
+/// `(id, seq) → attempt record` (postcard): the attempt history of entry
+/// `id`, oldest first (`seq` grows per entry), at most
+/// [`MAX_ATTEMPT_HISTORY`](crate::MAX_ATTEMPT_HISTORY) rows per
+/// entry, removed with the entry. Kept apart from [`OUTBOX`] so that the
+/// hot row stays small and files of earlier builds (which have no history)
+/// read unchanged.
+pub(crate) const OUTBOX_ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.attempts");
 /// `status code → number of entries`.
 pub(crate) const OUTBOX_COUNT: TableDefinition<u8, u64> =
     TableDefinition::new("idemstore.v1.outbox.count");

@@ -289,6 +289,161 @@ fn retry_moves_a_failed_entry_back_to_pending() -> TestResult {
 }
 
 #[test]
+fn cancel_fails_pending_and_outcome_unknown_entries_and_refuses_the_others() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let text = ok(&["outbox", "cancel", s(&file), "1", "4"])?;
+    assert!(text.contains("1: pending -> failed (cancelled)"), "{text}");
+    assert!(
+        text.contains("4: outcome_unknown -> failed (cancelled)"),
+        "{text}"
+    );
+    // Again: accepted, nothing to do.
+    let text = ok(&["outbox", "cancel", s(&file), "1"])?;
+    assert!(text.contains("1: already cancelled"), "{text}");
+    // Completed, failed for another reason, dispatching, missing: refused,
+    // the others still cancelled, exit 1.
+    let o = run(&[
+        "--json",
+        "outbox",
+        "cancel",
+        s(&file),
+        "2",
+        "3",
+        "5",
+        "6",
+        "99",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_str(&stdout(&o))?;
+    let ids = |key: &str| -> Vec<u64> {
+        v[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|r| r["id"].as_u64()).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(ids("cancelled"), [6]);
+    assert_eq!(ids("failed"), [2, 3, 5, 99]);
+    let err = stderr(&o);
+    assert!(err.contains("entry 5") && err.contains("settled"), "{err}");
+    assert!(
+        err.contains("entry 3") && err.contains("(bank_down)"),
+        "{err}"
+    );
+    assert!(err.contains("entry 99"), "{err}");
+    // An id is required.
+    assert_eq!(run(&["outbox", "cancel", s(&file)])?.status.code(), Some(2));
+
+    let store = Store::open(&file)?;
+    let outbox = store.outbox();
+    for id in [1, 4, 6] {
+        let r = outbox.get(OutboxId(id))?;
+        assert_eq!(r.entry.status, OutboxStatus::Failed, "{id}");
+        assert_eq!(r.last_failure.as_deref(), Some("cancelled"), "{id}");
+        assert!(r.entry.completed_at.is_some(), "{id}");
+    }
+    let status = |id| outbox.get(OutboxId(id)).map(|r| r.entry.status);
+    assert_eq!(status(2)?, OutboxStatus::Completed);
+    assert_eq!(status(3)?, OutboxStatus::Failed);
+    assert_eq!(
+        outbox.get(OutboxId(3))?.last_failure.as_deref(),
+        Some("bank_down")
+    );
+    assert_eq!(status(5)?, OutboxStatus::Dispatching);
+    assert!(outbox.check_indexes()?.is_empty());
+    Ok(())
+}
+
+/// A store with one entry (id 1) whose three attempts failed, ended in
+/// doubt, then ran out, as the dispatcher settles them.
+fn store_with_history(dir: &Path) -> Result<PathBuf, Box<dyn std::error::Error>> {
+    use idemstore::Settlement;
+    let path = dir.join("history.idem");
+    let store = Store::open(&path)?;
+    let outbox = store.outbox();
+    let id = outbox
+        .enqueue(NewEntry::new("cmd", "bank", "k", b"p".to_vec()), ago(3 * H))?
+        .id();
+    let claim = |at| -> Result<idemstore::Fence, Box<dyn std::error::Error>> {
+        Ok(outbox.claim_due(at, 1, "worker-a")?[0].fence())
+    };
+    let retry = Settlement::Failed {
+        reason: "http_503".into(),
+        next_attempt_at: Some(ago(2 * H)),
+    };
+    outbox.settle(claim(ago(3 * H))?, retry, ago(3 * H))?;
+    let fence = claim(ago(2 * H))?;
+    let unknown = Settlement::OutcomeUnknown {
+        remote_ref: Some("ref-7".into()),
+    };
+    outbox.settle(fence, unknown, ago(2 * H))?;
+    outbox.requeue(id, ago(H))?;
+    let gave_up = Settlement::Failed {
+        reason: "max_attempts (http_500)".into(),
+        next_attempt_at: None,
+    };
+    outbox.settle(claim(ago(H))?, gave_up, ago(H))?;
+    Ok(path)
+}
+
+#[test]
+fn outbox_show_prints_the_attempt_history_and_list_the_last_reason() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = store_with_history(dir.path())?;
+    let text = ok(&["outbox", "show", s(&file), "1"])?;
+    assert!(text.contains("last failure     max_attempts\n"), "{text}");
+    assert!(
+        text.contains("history          3 attempt records"),
+        "{text}"
+    );
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("  attempt "))
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[0].contains("attempt    1") && lines[0].ends_with("http_503"));
+    assert!(lines[1].contains("attempt    2"));
+    assert!(lines[1].ends_with("outcome_unknown (remote ref ref-7)"));
+    assert!(lines[2].contains("attempt    3"));
+    assert!(lines[2].ends_with("max_attempts (http_500)"));
+
+    let v = json(&["outbox", "show", s(&file), "1"])?;
+    assert_eq!(v["last_failure"], "max_attempts");
+    assert_eq!(v["last_reason"], "max_attempts (http_500)");
+    let attempts = v["attempts"].as_array().ok_or("attempts")?;
+    let reasons: Vec<&str> = attempts
+        .iter()
+        .filter_map(|a| a["reason"].as_str())
+        .collect();
+    assert_eq!(
+        reasons,
+        ["http_503", "outcome_unknown", "max_attempts (http_500)"]
+    );
+    assert_eq!(attempts[1]["attempt"], 2);
+    assert_eq!(attempts[1]["remote_ref"], "ref-7");
+    assert_eq!(attempts[0]["remote_ref"], Value::Null);
+    let at: DateTime<Utc> = attempts[2]["at"].as_str().ok_or("at")?.parse()?;
+    let r = Store::open(&file)?.outbox().get(OutboxId(1))?;
+    assert_eq!(at, r.attempts[2].at);
+
+    let v = json(&["outbox", "list", s(&file)])?;
+    assert_eq!(v[0]["last_reason"], "max_attempts (http_500)");
+    let text = ok(&["outbox", "list", s(&file)])?;
+    assert!(text.contains("LAST REASON"), "{text}");
+    assert!(text.contains("max_attempts (http_500)"), "{text}");
+
+    // Entries without a history: the last failure, or nothing.
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let v = json(&["outbox", "list", s(&file)])?;
+    assert_eq!(v[0]["last_reason"], Value::Null);
+    assert_eq!(v[2]["last_reason"], "bank_down");
+    let text = ok(&["outbox", "show", s(&file), "1"])?;
+    assert!(text.contains("history          -"), "{text}");
+    Ok(())
+}
+
+#[test]
 fn resolve_settles_an_outcome_unknown_entry() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
@@ -459,7 +614,14 @@ fn export_round_trips_every_record() -> TestResult {
         );
         assert_eq!(v["last_failure"].as_str(), r.last_failure.as_deref());
         assert_eq!(v["remote_ref"].as_str(), r.remote_ref.as_deref());
+        same_attempts(&v["attempts"], &r.attempts)?;
     }
+    // The fixture's failed entry has the one attempt record of its failure.
+    assert!(
+        outbox
+            .iter()
+            .any(|v| v["attempts"][0]["reason"] == "bank_down")
+    );
     let keys = &by_kind["key"];
     assert_eq!(keys.len(), 3);
     let far_past = ago(1000 * D);
@@ -490,6 +652,20 @@ fn export_round_trips_every_record() -> TestResult {
             }
             other => return Err(format!("unexpected state {other:?}").into()),
         }
+    }
+    Ok(())
+}
+
+/// Whether exported attempt records are the record's.
+fn same_attempts(v: &Value, want: &[idemstore::AttemptRecord]) -> TestResult {
+    let got = v.as_array().ok_or("attempts")?;
+    assert_eq!(got.len(), want.len());
+    for (got, want) in got.iter().zip(want) {
+        assert_eq!(got["attempt"], want.attempt);
+        let at: DateTime<Utc> = got["at"].as_str().ok_or("at")?.parse()?;
+        assert_eq!(at, want.at);
+        assert_eq!(got["reason"], want.reason.as_str());
+        assert_eq!(got["remote_ref"].as_str(), want.remote_ref.as_deref());
     }
     Ok(())
 }

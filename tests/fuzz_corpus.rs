@@ -151,7 +151,7 @@ impl Encoder {
     }
 
     fn op(&mut self, i: u64) -> &mut Self {
-        self.tag(i, 20)
+        self.tag(i, 21)
     }
 
     fn u8s(&mut self, bytes: &[u8]) -> &mut Self {
@@ -245,6 +245,9 @@ impl Encoder {
     fn reopen(&mut self) -> &mut Self {
         self.op(19)
     }
+    fn cancel(&mut self, pick: u8) -> &mut Self {
+        self.op(20).u8s(&[pick])
+    }
 }
 
 /// Hand-written model seeds, each with the counter it must reach.
@@ -335,6 +338,25 @@ fn hand_model_seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         .reopen()
         .begin(0, 1, 1);
     out.push(("hand-expiry", "expired", e.0));
+
+    // Cancel a pending entry, one in doubt, one being dispatched (refused)
+    // and a cancelled one again; then purge and reopen with its history.
+    let mut e = Encoder::default();
+    e.enqueue(0, 0, 0)
+        .enqueue(1, 1, 1)
+        .enqueue(2, 0, 2)
+        .claim_due(2, 0)
+        .settle(0, false, 3)
+        .settle(1, false, 1)
+        .cancel(0)
+        .cancel(0)
+        .claim_due(1, 1)
+        .cancel(1)
+        .reopen()
+        .cancel(0)
+        .advance(5)
+        .purge_finished(0);
+    out.push(("hand-cancel", "cancelled", e.0));
     out
 }
 
@@ -372,6 +394,14 @@ fn hand_codec_seeds() -> Vec<(&'static str, Vec<u8>)> {
             e.tag(3, 5).u8s(&at.to_le_bytes()).vec(bytes);
         }
     };
+    // An attempt record: no row patch, the time byte, then one record
+    // (behind its continuation byte).
+    let attempt = |entry: u8, seq: u8, bytes: &dyn Fn(&mut Encoder)| {
+        let mut e = Encoder::default();
+        e.none().u8s(&[5]).some().u8s(&[entry, seq]);
+        bytes(&mut e);
+        e.0
+    };
     let inbox = |row: u8, seen_at: i64| {
         let mut e = Encoder::default();
         e.some().tag(2, 3).u8s(&[row]).u8s(&seen_at.to_le_bytes());
@@ -398,6 +428,14 @@ fn hand_codec_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("hand-inbox-max", inbox(0, i64::MAX)),
         ("hand-inbox-min", inbox(1, i64::MIN)),
         ("hand-inbox-orphan", inbox(2, 0)),
+        ("hand-attempt-version", attempt(1, 0, &flip(0, 0x03))),
+        ("hand-attempt-time", attempt(2, 0, &varint(2, u64::MAX))),
+        ("hand-attempt-truncate", attempt(1, 0, &truncate(4))),
+        ("hand-attempt-trailing", attempt(2, 0, &insert(40, b"\0"))),
+        (
+            "hand-attempt-orphan",
+            attempt(5, 1, &raw(b"\x01\x01\x02\x02ok\x00")),
+        ),
     ]
 }
 

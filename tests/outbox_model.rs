@@ -1,7 +1,8 @@
 //! Seeded random operation sequences against an in-memory model of the
 //! outbox, including reopens of a file store. After every operation the
-//! store must agree with the model (records, order, counts, next due time,
-//! dedup) and `check_indexes` must find nothing.
+//! store must agree with the model (records with their attempt history,
+//! order, counts, next due time, dedup) and `check_indexes` must find
+//! nothing. Operators cancel too.
 
 use std::path::Path;
 
@@ -70,10 +71,10 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
         }
         2 => (
             Settlement::Failed {
-                reason: "http_400".into(),
+                reason: "http_400 (bad request)".into(),
                 next_attempt_at: None,
             },
-            Change::Fail("http_400".into(), None, now),
+            Change::Fail("http_400 (bad request)".into(), None, now),
         ),
         3 => {
             let remote = rng.chance(50).then(|| format!("ref-{}", rng.below(100)));
@@ -81,7 +82,7 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
                 Settlement::OutcomeUnknown {
                     remote_ref: remote.clone(),
                 },
-                Change::Unknown(remote),
+                Change::Unknown(remote, now),
             )
         }
         _ => {
@@ -90,7 +91,7 @@ fn settlement(rng: &mut Rng, now: i64) -> (Settlement, Change) {
                 Settlement::Rescheduled {
                     next_attempt_at: t(at),
                 },
-                Change::Reschedule(at),
+                Change::Reschedule(at, now),
             )
         }
     }
@@ -166,12 +167,13 @@ fn step(rng: &mut Rng, model: &mut OutboxModel, outbox: &Outbox, now: i64) -> Re
                 Change::Fail(reason, retry, _) => {
                     outbox.mark_failed(OutboxId(id), reason, retry.map(t), t(now))
                 }
-                Change::Unknown(remote) => {
+                Change::Unknown(remote, _) => {
                     outbox.mark_outcome_unknown(OutboxId(id), remote.as_deref())
                 }
-                Change::Reschedule(at) | Change::Requeue(at) => {
+                Change::Reschedule(at, _) | Change::Requeue(at) => {
                     outbox.reschedule(OutboxId(id), t(*at))
                 }
+                Change::Cancel(_) => outbox.cancel(OutboxId(id), t(now)),
             };
             let what = format!("mark {id} {change:?}");
             assert_eq!(
@@ -181,12 +183,19 @@ fn step(rng: &mut Rng, model: &mut OutboxModel, outbox: &Outbox, now: i64) -> Re
             );
             what
         }
-        75..=81 => {
+        75..=78 => {
             let id = pick_id(rng, model);
             let at = rng.near(now);
             let what = format!("requeue {id}");
             let got = outcome(&outbox.requeue(OutboxId(id), t(at)), &what);
             assert_eq!(got, model.change(id, &Change::Requeue(at), None), "{what}");
+            what
+        }
+        79..=81 => {
+            let id = pick_id(rng, model);
+            let what = format!("cancel {id}");
+            let got = outcome(&outbox.cancel(OutboxId(id), t(now)), &what);
+            assert_eq!(got, model.change(id, &Change::Cancel(now), None), "{what}");
             what
         }
         82..=89 => {

@@ -7,7 +7,8 @@ mod common;
 
 use common::{claims_index, t};
 use idemstore::{
-    Error, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Result, Settlement, Store,
+    Error, Fence, NewEntry, Outbox, OutboxCounts, OutboxId, OutboxRecord, OutboxStatus,
+    REASON_CANCELLED, Result, Settlement, Store,
 };
 
 const CREATED: i64 = 0;
@@ -50,9 +51,10 @@ enum Op {
     Reschedule,
     ReleaseExpired,
     Requeue,
+    Cancel,
 }
 
-const OPS: [Op; 8] = [
+const OPS: [Op; 9] = [
     Op::ClaimDue,
     Op::MarkCompleted,
     Op::MarkFailedRetry,
@@ -61,6 +63,7 @@ const OPS: [Op; 8] = [
     Op::Reschedule,
     Op::ReleaseExpired,
     Op::Requeue,
+    Op::Cancel,
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,7 +76,9 @@ enum Expect {
     Conflict,
 }
 
-/// The status table (on `OutboxStatus`), plus `requeue`.
+/// The status table (on `OutboxStatus`), plus `requeue` and `cancel`. The
+/// `Failed` entry of `entry_in` failed for another reason than a cancel
+/// (see `cancelling_a_cancelled_entry_changes_nothing` for that one).
 #[expect(
     clippy::match_same_arms,
     reason = "one arm per group of cells reads like the table"
@@ -93,6 +98,7 @@ fn expected(from: OutboxStatus, op: Op) -> Expect {
         (Dispatching | OutcomeUnknown, Op::MarkFailedFinal) => To(Failed),
         (Dispatching | OutcomeUnknown, Op::MarkOutcomeUnknown) => To(OutcomeUnknown),
         (Failed | OutcomeUnknown, Op::Requeue) => To(Pending),
+        (Pending | OutcomeUnknown, Op::Cancel) => To(Failed),
         _ => Conflict,
     }
 }
@@ -107,6 +113,7 @@ fn apply(outbox: &Outbox, id: OutboxId, op: Op) -> Result<()> {
         Op::Reschedule => outbox.reschedule(id, t(RETRY)),
         Op::ReleaseExpired => outbox.release_expired_claims(t(OP_TIME)).map(drop),
         Op::Requeue => outbox.requeue(id, t(RETRY)),
+        Op::Cancel => outbox.cancel(id, t(OP_TIME)),
     }
 }
 
@@ -160,7 +167,36 @@ fn check_details(from: OutboxStatus, op: Op, before: &OutboxRecord, after: &Outb
             assert_eq!(e.next_attempt_at, Some(t(CLAIMED)), "{ctx}");
             assert_eq!(after.claim, None, "{ctx}");
         }
+        Op::Cancel => {
+            assert_eq!(e.completed_at, Some(t(OP_TIME)), "{ctx}");
+            assert_eq!(e.next_attempt_at, None, "{ctx}");
+            assert_eq!(
+                after.last_failure.as_deref(),
+                Some(REASON_CANCELLED),
+                "{ctx}"
+            );
+            assert_eq!(after.remote_ref, before.remote_ref, "{ctx}");
+            let added = after.attempts.last().expect("the cancel's attempt record");
+            assert_eq!(
+                (added.attempt, added.at, added.reason.as_str()),
+                (before.entry.attempt_count, t(OP_TIME), REASON_CANCELLED),
+                "{ctx}"
+            );
+        }
     }
+    // The operations that end an attempt without completing it, and have a
+    // time, add one attempt record; the others none.
+    let adds_attempt = matches!(op, Op::MarkFailedRetry | Op::MarkFailedFinal | Op::Cancel);
+    assert_eq!(
+        after.attempts.len(),
+        before.attempts.len() + usize::from(adds_attempt),
+        "{ctx}"
+    );
+    assert_eq!(
+        after.attempts[..before.attempts.len()],
+        before.attempts[..],
+        "{ctx}: earlier attempt records stay"
+    );
     if op != Op::ClaimDue {
         assert_eq!(e.attempt_count, before.entry.attempt_count, "{ctx}");
     }
@@ -249,6 +285,7 @@ fn can_transition_is_exactly_the_tables_edges() {
         (OutcomeUnknown, Failed),
         (OutcomeUnknown, OutcomeUnknown),
         (Failed, Pending),
+        (Pending, Failed),
     ];
     for from in OutboxStatus::ALL {
         for to in OutboxStatus::ALL {
@@ -405,6 +442,7 @@ fn unknown_ids_are_not_found() -> Result<()> {
         outbox.mark_outcome_unknown(ghost, None),
         outbox.reschedule(ghost, now),
         outbox.requeue(ghost, now),
+        outbox.cancel(ghost, now),
         outbox.settle(
             Fence {
                 id: ghost,
@@ -417,5 +455,90 @@ fn unknown_ids_are_not_found() -> Result<()> {
     for r in results {
         assert!(matches!(r, Err(Error::NotFound)), "{r:?}");
     }
+    Ok(())
+}
+
+#[test]
+fn cancelling_a_cancelled_entry_changes_nothing() -> Result<()> {
+    for from in [OutboxStatus::Pending, OutboxStatus::OutcomeUnknown] {
+        let (_store, outbox, id) = entry_in(from)?;
+        outbox.cancel(id, t(OP_TIME))?;
+        let cancelled = outbox.get(id)?;
+        assert_eq!(cancelled.entry.status, OutboxStatus::Failed, "{from:?}");
+        let counts = outbox.counts()?;
+        // Again, later: accepted, and nothing moves (not even the time).
+        outbox.cancel(id, t(OP_TIME + 100))?;
+        assert_eq!(outbox.get(id)?, cancelled, "{from:?}");
+        assert_eq!(outbox.counts()?, counts, "{from:?}");
+        // A final failure on it is the table's accepted no-op too.
+        outbox.mark_failed(id, "http_400", None, t(OP_TIME + 200))?;
+        assert_eq!(outbox.get(id)?, cancelled, "{from:?}");
+        assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    }
+    Ok(())
+}
+
+#[test]
+fn a_cancelled_entry_leaves_the_due_index_counts_as_failed_and_wakes_nobody() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let later = outbox
+        .enqueue(
+            NewEntry::new("cmd", "dest", "later", b"p".to_vec()).not_before(t(50)),
+            t(CREATED),
+        )?
+        .id();
+    let soon = outbox
+        .enqueue(
+            NewEntry::new("cmd", "dest", "soon", b"p".to_vec()),
+            t(CREATED),
+        )?
+        .id();
+    assert_eq!(outbox.next_due()?, Some(t(CREATED)));
+    let wake = outbox.subscribe();
+    outbox.cancel(soon, t(OP_TIME))?;
+    assert!(wake.try_recv().is_err(), "a cancel makes nothing due");
+    assert_eq!(
+        outbox.next_due()?,
+        Some(t(50)),
+        "only the other entry is due"
+    );
+    assert_eq!(
+        outbox.counts()?,
+        OutboxCounts {
+            pending: 1,
+            failed: 1,
+            ..OutboxCounts::default()
+        }
+    );
+    // However late, a claim never takes the cancelled entry.
+    let claimed = outbox.claim_due(t(1_000), 10, "worker")?;
+    assert_eq!(ids(&claimed), vec![later]);
+    // It is finished: purged with the others once old enough.
+    assert_eq!(outbox.purge_finished(t(OP_TIME + 1))?, 1);
+    assert!(matches!(outbox.get(soon), Err(Error::NotFound)));
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+#[test]
+fn a_dispatching_entry_must_be_settled_before_it_is_cancelled() -> Result<()> {
+    let (_store, outbox, id) = entry_in(OutboxStatus::Dispatching)?;
+    let err = outbox.cancel(id, t(OP_TIME)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Conflict { .. }) && err.to_string().contains("settled"),
+        "{err}"
+    );
+    // Once its attempt ends in doubt, the entry can be cancelled.
+    outbox.settle(
+        Fence { id, attempt: 1 },
+        Settlement::OutcomeUnknown { remote_ref: None },
+        t(OP_TIME),
+    )?;
+    outbox.cancel(id, t(OP_TIME + 1))?;
+    let rec = outbox.get(id)?;
+    assert_eq!(rec.entry.status, OutboxStatus::Failed);
+    assert_eq!(rec.last_failure.as_deref(), Some(REASON_CANCELLED));
+    assert_eq!(rec.attempt_in_doubt, None);
     Ok(())
 }

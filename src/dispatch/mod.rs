@@ -575,10 +575,24 @@ fn settle_for(
     };
     let now = ctx.clock.now();
     match ctx.retry.next_attempt(entry.attempt_count, now, rng.unit()) {
-        None => Settlement::Failed {
-            reason: REASON_MAX_ATTEMPTS.to_owned(),
-            next_attempt_at: None,
-        },
+        // The attempts ran out. The entry's `last_failure` is the code,
+        // `max_attempts`; the detail in parentheses keeps this attempt's own
+        // reason in its history (`max_attempts (http_500)`), cut so that the
+        // whole fits the field.
+        None => {
+            let mut reason = reason;
+            let mut room = MAX_OUTBOX_FIELD_LEN.saturating_sub(REASON_MAX_ATTEMPTS.len() + 3);
+            if reason.len() > room {
+                while !reason.is_char_boundary(room) {
+                    room -= 1;
+                }
+                reason.truncate(room);
+            }
+            Settlement::Failed {
+                reason: format!("{REASON_MAX_ATTEMPTS} ({reason})"),
+                next_attempt_at: None,
+            }
+        }
         Some(backoff) => Settlement::Failed {
             reason,
             next_attempt_at: Some(next_attempt_at.unwrap_or(backoff)),

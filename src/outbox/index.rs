@@ -11,6 +11,17 @@
 //! | [`OUTBOX_CLAIMED`]    | `(claimed_at, id)`                   | `s = Dispatching`            |
 //! | [`OUTBOX_FINISHED`]   | `(completed_at, id)`                 | `s ∈ {Completed, Failed}`    |
 //! | [`OUTBOX_COUNT`]      | `status code → n`                    | one count per status, no zeros |
+//! | [`OUTBOX_ATTEMPTS`]   | `(id, seq) → attempt record`         | 0 to [`MAX_ATTEMPT_HISTORY`] rows, oldest first |
+//!
+//! The attempt history is not an index: its rows are written beside the
+//! record by the changes that end an attempt without completing it (see
+//! [`AttemptRecord`](super::AttemptRecord)), the oldest dropped beyond
+//! [`MAX_ATTEMPT_HISTORY`], and deleted with the record. Every history row
+//! belongs to a record and decodes. An entry's `seq` only grows, so its
+//! history reads oldest first. Earlier builds kept no history: their files
+//! have no such table (read as empty histories), and such a build that
+//! purges entries of a file this build wrote leaves their history rows
+//! behind, which [`check`] reports.
 //!
 //! Only `Dispatching` holds a claim: its `(claimed_at, id)` row in
 //! [`OUTBOX_CLAIMED`] is what the reaper walks, and every edge out of
@@ -29,14 +40,14 @@ use redb::{
     ReadTransaction, ReadableTable, Table, TableDefinition, TableHandle as _, WriteTransaction,
 };
 
-use super::OutboxStatus;
-use super::record::Row;
+use super::record::{AttemptRow, Row};
+use super::{AttemptRecord, MAX_ATTEMPT_HISTORY, OutboxStatus};
 use crate::codec::encode;
 use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
 use crate::schema::{
-    META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT,
-    OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
+    META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED,
+    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
 };
 
 /// The status-dependent index keys of a record: the time of its
@@ -92,6 +103,36 @@ pub(super) fn dangling(index: &'static str, id: u64) -> Error {
 /// A `(time, id)` index, open for writing.
 pub(super) type TimeIndex<'tx> = Table<'tx, (i64, u64), ()>;
 
+/// The keys of entry `id`'s rows in the attempt history, oldest first.
+fn attempt_keys(
+    attempts: &impl ReadableTable<(u64, u64), &'static [u8]>,
+    id: u64,
+) -> Result<Vec<(u64, u64)>> {
+    let keys = attempts
+        .range((id, 0)..=(id, u64::MAX))?
+        .map(|row| row.map(|(k, _)| k.value()))
+        .collect::<std::result::Result<_, _>>()?;
+    Ok(keys)
+}
+
+/// The attempt history of entry `id`, oldest first (empty if the table
+/// was never written); a row that does not decode is [`Error::Corrupted`].
+pub(super) fn load_attempts(
+    attempts: Option<&impl ReadableTable<(u64, u64), &'static [u8]>>,
+    id: u64,
+) -> Result<Vec<AttemptRecord>> {
+    let Some(attempts) = attempts else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for row in attempts.range((id, 0)..=(id, u64::MAX))? {
+        let (k, v) = row?;
+        let (_, seq) = k.value();
+        out.push(AttemptRow::decode(id, seq, v.value())?.to_record(id, seq)?);
+    }
+    Ok(out)
+}
+
 /// Every outbox table, open in one write transaction.
 pub(super) struct Tables<'tx> {
     pub(super) rows: Table<'tx, u64, &'static [u8]>,
@@ -101,6 +142,10 @@ pub(super) struct Tables<'tx> {
     pub(super) by_command: Table<'tx, (&'static str, i64, u64), ()>,
     pub(super) finished: TimeIndex<'tx>,
     count: Table<'tx, u8, u64>,
+    /// The attempt history, opened on first use: most operations (claims,
+    /// completions) never touch it.
+    attempts: Option<Table<'tx, (u64, u64), &'static [u8]>>,
+    tx: &'tx WriteTransaction,
     /// Count changes per status, written by [`Tables::finish`].
     deltas: BTreeMap<u8, i64>,
 }
@@ -115,8 +160,35 @@ impl<'tx> Tables<'tx> {
             by_command: open_write(tx, OUTBOX_BY_COMMAND)?,
             finished: open_write(tx, OUTBOX_FINISHED)?,
             count: open_write(tx, OUTBOX_COUNT)?,
+            attempts: None,
+            tx,
             deltas: BTreeMap::new(),
         })
+    }
+
+    /// The attempt history table, opened (or created) on first use. Opening
+    /// is the one step of a history write that can fail for a reason other
+    /// than storage (a table of ours with other types): the single-entry
+    /// operations open it before they write anything.
+    pub(super) fn attempts(&mut self) -> Result<&mut Table<'tx, (u64, u64), &'static [u8]>> {
+        match &mut self.attempts {
+            Some(t) => Ok(t),
+            slot @ None => Ok(slot.insert(open_write(self.tx, OUTBOX_ATTEMPTS)?)),
+        }
+    }
+
+    /// Appends `row` to entry `id`'s attempt history, dropping the oldest
+    /// rows beyond [`MAX_ATTEMPT_HISTORY`].
+    pub(super) fn push_attempt(&mut self, id: u64, row: &AttemptRow) -> Result<()> {
+        let attempts = self.attempts()?;
+        let keys = attempt_keys(attempts, id)?;
+        let seq = keys.last().map_or(0, |(_, seq)| seq.saturating_add(1));
+        let excess = (keys.len() + 1).saturating_sub(MAX_ATTEMPT_HISTORY);
+        for key in keys.into_iter().take(excess) {
+            attempts.remove(key)?;
+        }
+        attempts.insert((id, seq), encode(row).as_slice())?;
+        Ok(())
     }
 
     /// The record `id`, decoded; `None` if there is none.
@@ -168,7 +240,8 @@ impl<'tx> Tables<'tx> {
         Ok(())
     }
 
-    /// Deletes record `id` (`old` as stored) and every index row of it.
+    /// Deletes record `id` (`old` as stored), every index row of it and its
+    /// attempt history.
     pub(super) fn delete(&mut self, id: u64, old: &Row) -> Result<()> {
         let keys = status_keys(id, old)?;
         self.rows.remove(id)?;
@@ -178,6 +251,10 @@ impl<'tx> Tables<'tx> {
             .remove((old.command_id.as_str(), old.created_at, id))?;
         self.remove_status_keys(id, keys)?;
         self.count_move(Some(old.status), None);
+        let attempts = self.attempts()?;
+        for key in attempt_keys(attempts, id)? {
+            attempts.remove(key)?;
+        }
         Ok(())
     }
 
@@ -307,6 +384,8 @@ struct Expected {
     dedup: BTreeSet<(String, String, u64)>,
     counts: BTreeMap<u8, u64>,
     max_id: u64,
+    /// Every record's id.
+    ids: BTreeSet<u64>,
 }
 
 /// Reads every record; notes findings about single records.
@@ -319,6 +398,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
         let (key, value) = row?;
         let id = key.value();
         ex.max_id = ex.max_id.max(id);
+        ex.ids.insert(id);
         let rec = match Row::decode(id, value.value()) {
             Ok(rec) => rec,
             Err(e) => {
@@ -372,6 +452,7 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         dedup,
         counts,
         max_id,
+        ids,
     } = expected;
     for (index, expected) in [
         (OUTBOX_DUE, due),
@@ -414,5 +495,41 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
             "next outbox id {next} is not above the largest id {max_id}"
         ));
     }
+    check_attempts(tx, &ids, &mut findings)?;
     Ok(findings)
+}
+
+/// The attempt history: every row belongs to a record and decodes, and no
+/// entry keeps more than [`MAX_ATTEMPT_HISTORY`] rows.
+fn check_attempts(
+    tx: &ReadTransaction,
+    ids: &BTreeSet<u64>,
+    findings: &mut Vec<String>,
+) -> Result<()> {
+    let Some(attempts) = open_read(tx, OUTBOX_ATTEMPTS)? else {
+        return Ok(());
+    };
+    let mut per_entry: BTreeMap<u64, usize> = BTreeMap::new();
+    for row in attempts.iter()? {
+        let (k, v) = row?;
+        let (id, seq) = k.value();
+        *per_entry.entry(id).or_default() += 1;
+        if !ids.contains(&id) {
+            findings.push(format!(
+                "{}: attempt record {id}/{seq} has no outbox record",
+                OUTBOX_ATTEMPTS.name()
+            ));
+        } else if let Err(e) = AttemptRow::decode(id, seq, v.value()) {
+            findings.push(format!("attempt record {id}/{seq}: {e}"));
+        }
+    }
+    for (id, n) in per_entry {
+        if n > MAX_ATTEMPT_HISTORY {
+            findings.push(format!(
+                "{}: record {id} keeps {n} attempt records, more than {MAX_ATTEMPT_HISTORY}",
+                OUTBOX_ATTEMPTS.name()
+            ));
+        }
+    }
+    Ok(())
 }

@@ -14,7 +14,19 @@
 //! `Pending` (a retry, a reschedule, a released claim), or `OutcomeUnknown`
 //! (the worker cannot tell whether the effect happened) until someone
 //! settles it. `Completed` and `Failed` are terminal; an operator's
-//! [`Outbox::requeue`] is the one way back from `Failed`.
+//! [`Outbox::requeue`] is the one way back from `Failed`. An entry not being
+//! sent (`Pending`, `OutcomeUnknown`) can be [cancelled](Outbox::cancel):
+//! `Failed` with the reason `cancelled`.
+//!
+//! # Attempt history
+//!
+//! Each attempt that fails, is given back or ends in doubt (and each
+//! cancel) adds an [`AttemptRecord`] `{attempt, at, reason}` to the entry's
+//! history, the last [`MAX_ATTEMPT_HISTORY`] of which
+//! [`OutboxRecord::attempts`] shows, oldest first. `last_failure` holds the
+//! latest failure's code only; the history keeps every attempt's own reason
+//! (an entry the dispatcher gave up on says `max_attempts`, its last attempt
+//! `max_attempts (http_500)`).
 //!
 //! The exact table, with the accepted no-op cells, is on
 //! [`OutboxStatus`]. Every refused edge is [`Error::Conflict`] and changes
@@ -58,9 +70,9 @@
 //!
 //! # Layout
 //!
-//! One row per entry (`id → record`) and five index tables written in the
-//! same transaction: see `src/outbox/index.rs` for the invariants, which
-//! [`Outbox::check_indexes`] verifies.
+//! One row per entry (`id → record`), five index tables and the attempt
+//! history, written in the same transaction: see `src/outbox/index.rs` for
+//! the invariants, which [`Outbox::check_indexes`] verifies.
 
 mod index;
 mod notifier;
@@ -72,21 +84,26 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
-use redb::{ReadOnlyTable, ReadableTable, TableDefinition, TableHandle as _, WriteTransaction};
+use redb::{
+    ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _,
+    WriteTransaction,
+};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::schema::{
-    OUTBOX, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE,
+    OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
+    OUTBOX_DUE,
 };
-use index::{dangling, load_row, open_read};
+use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
 use record::{Change, Row};
 use types::check_field;
 pub use types::{
-    Enqueued, Fence, MAX_OUTBOX_FIELD_LEN, NewEntry, OutboxClaim, OutboxCounts, OutboxEntry,
-    OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, SettledAndClaimed, Settlement,
+    AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,
+    OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
+    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
 
 /// A change to entry `id`, fenced by its attempt number.
@@ -108,9 +125,36 @@ fn plan_settlements(
     Ok((changes, wake))
 }
 
-/// The record `id` of the outbox's rows, if there is one.
-fn read_record(rows: &ReadOnlyTable<u64, &'static [u8]>, id: u64) -> Result<Option<OutboxRecord>> {
-    load_row(rows, id)?.map(|row| row.to_record(id)).transpose()
+/// The outbox's rows and attempt history, open in one read transaction.
+struct Reader {
+    rows: ReadOnlyTable<u64, &'static [u8]>,
+    /// `None` in a file whose history table was never written.
+    attempts: Option<ReadOnlyTable<(u64, u64), &'static [u8]>>,
+}
+
+impl Reader {
+    /// Opens the tables; `None` if the outbox was never written.
+    fn open(tx: &ReadTransaction) -> Result<Option<Reader>> {
+        let Some(rows) = open_read(tx, OUTBOX)? else {
+            return Ok(None);
+        };
+        let attempts = open_read(tx, OUTBOX_ATTEMPTS)?;
+        Ok(Some(Reader { rows, attempts }))
+    }
+
+    /// The record `id`, with its attempt history, if there is one.
+    fn record(&self, id: u64) -> Result<Option<OutboxRecord>> {
+        load_row(&self.rows, id)?
+            .map(|row| self.complete(id, &row))
+            .transpose()
+    }
+
+    /// The public view of `row` (record `id`), with its attempt history.
+    fn complete(&self, id: u64, row: &Row) -> Result<OutboxRecord> {
+        let mut record = row.to_record(id)?;
+        record.attempts = load_attempts(self.attempts.as_ref(), id)?;
+        Ok(record)
+    }
 }
 
 /// The store's outbox. Cheap to clone; every clone (and every
@@ -383,6 +427,9 @@ impl Outbox {
     /// `remote_ref` if given. On `OutcomeUnknown` it is accepted and fills
     /// the remote reference only if none is stored yet. Otherwise
     /// [`Error::Conflict`].
+    ///
+    /// It takes no time, so it adds no [`AttemptRecord`] (the dispatcher's
+    /// [`Settlement::OutcomeUnknown`] does).
     pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
         if let Some(r) = remote_ref {
             check_field("remote_ref", r)?;
@@ -391,6 +438,7 @@ impl Outbox {
             id,
             Change::OutcomeUnknown {
                 remote_ref: remote_ref.map(str::to_owned),
+                now: None,
             },
         )
     }
@@ -399,11 +447,15 @@ impl Outbox {
     /// `OutcomeUnknown` entry to `Pending` due at `next_attempt_at` (the
     /// claim, if any, is dropped; `attempt_count` stays). Otherwise
     /// [`Error::Conflict`].
+    ///
+    /// It takes no time, so it adds no [`AttemptRecord`] (the dispatcher's
+    /// [`Settlement::Rescheduled`] does).
     pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
         self.change(
             id,
             Change::Rescheduled {
                 next_attempt_at: micros(next_attempt_at),
+                now: None,
             },
         )
     }
@@ -420,6 +472,23 @@ impl Outbox {
                 next_attempt_at: micros(next_attempt_at),
             },
         )
+    }
+
+    /// Cancels `id` at `now`: a `Pending` or `OutcomeUnknown` entry becomes
+    /// `Failed` with `last_failure` [`REASON_CANCELLED`] and `completed_at =
+    /// now`, leaves the due index (no dispatcher will claim it), is counted
+    /// as failed, and gets an [`AttemptRecord`] with that reason. It wakes
+    /// nobody.
+    ///
+    /// Cancelling an entry already cancelled (`Failed` with reason
+    /// `cancelled`) is accepted and changes nothing. [`Error::Conflict`],
+    /// changing nothing, for a `Dispatching` entry (a worker is sending it:
+    /// cancel once its attempt is settled), a `Completed` one, and one
+    /// `Failed` for another reason; [`Error::NotFound`] for an unknown id. A
+    /// cancelled entry is finished: [`purge_finished`](Outbox::purge_finished)
+    /// removes it in time, and [`requeue`](Outbox::requeue) brings it back.
+    pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, Change::Cancelled { now: micros(now) })
     }
 
     /// Moves every `Dispatching` entry claimed strictly before
@@ -442,25 +511,25 @@ impl Outbox {
     }
 
     /// Deletes `Completed` and `Failed` entries whose `completed_at` is
-    /// strictly before `before`, with all their index rows; returns how many.
-    /// Costs what it removes. A purged entry's `(destination,
-    /// idempotency_key)` can be enqueued again: purge only past the window in
-    /// which duplicates can arrive. A call that returns `Err` removed
-    /// nothing.
+    /// strictly before `before`, with all their index rows and attempt
+    /// history; returns how many. Costs what it removes. A purged entry's
+    /// `(destination, idempotency_key)` can be enqueued again: purge only
+    /// past the window in which duplicates can arrive. A call that returns
+    /// `Err` removed nothing.
     pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
         let cutoff = micros(before);
         self.engine
             .execute(move |tx| ops::purge_finished(tx, cutoff))
     }
 
-    /// The entry `id` with its claim and settlement details;
-    /// [`Error::NotFound`] if there is none.
+    /// The entry `id` with its claim, settlement details and attempt
+    /// history; [`Error::NotFound`] if there is none.
     pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
         self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, OUTBOX)? else {
+            let Some(reader) = Reader::open(tx)? else {
                 return Err(Error::NotFound);
             };
-            read_record(&rows, id.0)?.ok_or(Error::NotFound)
+            reader.record(id.0)?.ok_or(Error::NotFound)
         })
     }
 
@@ -478,8 +547,8 @@ impl Outbox {
             else {
                 return Ok(None);
             };
-            let record = match open_read(tx, OUTBOX)? {
-                Some(rows) => read_record(&rows, id)?,
+            let record = match Reader::open(tx)? {
+                Some(reader) => reader.record(id)?,
                 None => None,
             };
             record
@@ -492,8 +561,8 @@ impl Outbox {
     pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
         check_field("command_id", command_id)?;
         self.engine.read(|tx| {
-            let (Some(index), Some(rows)) =
-                (open_read(tx, OUTBOX_BY_COMMAND)?, open_read(tx, OUTBOX)?)
+            let (Some(index), Some(reader)) =
+                (open_read(tx, OUTBOX_BY_COMMAND)?, Reader::open(tx)?)
             else {
                 return Ok(Vec::new());
             };
@@ -501,7 +570,8 @@ impl Outbox {
             for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
                 let id = key?.0.value().2;
                 out.push(
-                    read_record(&rows, id)?
+                    reader
+                        .record(id)?
                         .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
                 );
             }
@@ -545,14 +615,14 @@ impl Outbox {
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
         filter.check()?;
         self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, OUTBOX)? else {
+            let Some(reader) = Reader::open(tx)? else {
                 return Ok(Vec::new());
             };
             let Some(start) = filter.first_id() else {
                 return Ok(Vec::new());
             };
             let mut out = Vec::new();
-            for row in rows.range(start..)? {
+            for row in reader.rows.range(start..)? {
                 if out.len() >= limit {
                     break;
                 }
@@ -560,7 +630,7 @@ impl Outbox {
                 let id = k.value();
                 let row = Row::decode(id, v.value())?;
                 if filter.matches(&row) {
-                    out.push(row.to_record(id)?);
+                    out.push(reader.complete(id, &row)?);
                 }
             }
             Ok(out)

@@ -94,8 +94,9 @@ pub(super) fn claim_due(
     Ok(entries)
 }
 
-/// Applies `change` to record `id`, fenced by `attempt` if given. Returns
-/// the status after (unchanged for an accepted no-op).
+/// Applies `change` to record `id`, fenced by `attempt` if given, with the
+/// attempt record it adds to the history. Returns the status after
+/// (unchanged for an accepted no-op).
 pub(super) fn change(
     tx: &WriteTransaction,
     id: u64,
@@ -106,7 +107,15 @@ pub(super) fn change(
     let old = t.load(id)?.ok_or(Error::NotFound)?;
     match plan(id, &old, change, fence)? {
         Some(new) => {
+            let attempt = change.attempt_row(&old, old.status(id)?);
+            if attempt.is_some() {
+                // Opened before anything is written (see `Tables::attempts`).
+                t.attempts()?;
+            }
             t.replace(id, &old, &new)?;
+            if let Some(a) = attempt {
+                t.push_attempt(id, &a)?;
+            }
             t.finish()?;
             new.status(id)
         }
@@ -133,6 +142,9 @@ pub(super) fn change_many(
         out.push(match plan(*id, &old, c, Some(*attempt)) {
             Ok(Some(new)) => {
                 t.replace(*id, &old, &new)?;
+                if let Some(a) = c.attempt_row(&old, old.status(*id)?) {
+                    t.push_attempt(*id, &a)?;
+                }
                 Ok(())
             }
             Ok(None) => Ok(()),

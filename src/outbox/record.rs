@@ -15,10 +15,14 @@
 use redb::TableHandle as _;
 use serde::{Deserialize, Serialize};
 
-use super::{OutboxClaim, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus};
+use super::types::failure_code;
+use super::{
+    AttemptRecord, OutboxClaim, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
+    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED,
+};
 use crate::codec::from_micros;
 use crate::error::{Error, Result};
-use crate::schema::OUTBOX;
+use crate::schema::{OUTBOX, OUTBOX_ATTEMPTS};
 
 /// An outbox record as stored. Field order is the wire format: append only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,7 +108,8 @@ impl Row {
         Ok(row)
     }
 
-    /// The public view of this record.
+    /// The public view of this record, without its attempt history (which
+    /// is stored apart: the caller adds it).
     pub(super) fn to_record(&self, id: u64) -> Result<OutboxRecord> {
         let table = OUTBOX.name();
         let at = |us: i64| from_micros(table, &id, us);
@@ -139,6 +144,7 @@ impl Row {
             attempt_in_doubt,
             last_failure: self.last_failure.clone(),
             remote_ref: self.remote_ref.clone(),
+            attempts: Vec::new(),
         })
     }
 
@@ -173,14 +179,26 @@ pub(super) enum Change {
         next_attempt_at: Option<i64>,
         now: i64,
     },
-    /// The attempt may or may not have happened.
-    OutcomeUnknown { remote_ref: Option<String> },
-    /// Try again at `next_attempt_at` (no failure recorded).
-    Rescheduled { next_attempt_at: i64 },
+    /// The attempt may or may not have happened. `now` is the settlement's
+    /// time; `None` for the operator's call, which takes none (and so adds
+    /// no attempt record).
+    OutcomeUnknown {
+        remote_ref: Option<String>,
+        now: Option<i64>,
+    },
+    /// Try again at `next_attempt_at` (no failure recorded). `now` as for
+    /// `OutcomeUnknown`.
+    Rescheduled {
+        next_attempt_at: i64,
+        now: Option<i64>,
+    },
     /// The claim expired: back to `Pending`, due at its claim time.
     Released,
     /// An operator puts a `Failed` or `OutcomeUnknown` entry back to work.
     Requeued { next_attempt_at: i64 },
+    /// Given up before (another) attempt: `Failed` with the reason
+    /// [`REASON_CANCELLED`].
+    Cancelled { now: i64 },
 }
 
 impl Change {
@@ -194,9 +212,10 @@ impl Change {
                 next_attempt_at, ..
             } => next_attempt_at.is_some(),
             Change::Rescheduled { .. } | Change::Released | Change::Requeued { .. } => true,
-            Change::Claimed { .. } | Change::Completed { .. } | Change::OutcomeUnknown { .. } => {
-                false
-            }
+            Change::Claimed { .. }
+            | Change::Completed { .. }
+            | Change::OutcomeUnknown { .. }
+            | Change::Cancelled { .. } => false,
         }
     }
 
@@ -217,6 +236,7 @@ impl Change {
             Change::Rescheduled { .. } => "reschedule",
             Change::Released => "release_expired_claims",
             Change::Requeued { .. } => "requeue",
+            Change::Cancelled { .. } => "cancel",
         }
     }
 
@@ -234,6 +254,66 @@ impl Change {
                     }
                 )
         )
+    }
+
+    /// The attempt record the change adds to the history of `old`, which it
+    /// moves from status `from` (see [`AttemptRecord`](super::AttemptRecord)
+    /// for the rules); `None` for a change that adds none. Only asked of a
+    /// change that [`plan`] accepted and that changes the record.
+    pub(super) fn attempt_row(&self, old: &Row, from: OutboxStatus) -> Option<AttemptRow> {
+        let (at, reason, remote_ref) = match self {
+            Change::Failed { reason, now, .. } => (*now, reason.clone(), None),
+            Change::OutcomeUnknown {
+                remote_ref,
+                now: Some(now),
+            } if from == OutboxStatus::Dispatching => {
+                (*now, REASON_OUTCOME_UNKNOWN.to_owned(), remote_ref.clone())
+            }
+            Change::Rescheduled { now: Some(now), .. } if from != OutboxStatus::Pending => {
+                (*now, REASON_RESCHEDULED.to_owned(), None)
+            }
+            Change::Cancelled { now } => (*now, REASON_CANCELLED.to_owned(), None),
+            _ => return None,
+        };
+        Some(AttemptRow {
+            attempt: old.attempt_count,
+            at,
+            reason,
+            remote_ref,
+        })
+    }
+}
+
+/// One record of an entry's attempt history as stored in
+/// [`OUTBOX_ATTEMPTS`] under `(id, seq)`, encoded by [`crate::codec`].
+/// Field order is the wire format: append only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct AttemptRow {
+    pub(super) attempt: u32,
+    /// µs.
+    pub(super) at: i64,
+    pub(super) reason: String,
+    pub(super) remote_ref: Option<String>,
+}
+
+impl AttemptRow {
+    /// Decodes and checks a stored attempt record of entry `id`.
+    pub(super) fn decode(id: u64, seq: u64, bytes: &[u8]) -> Result<AttemptRow> {
+        let key = format!("{id}/{seq}");
+        let row: AttemptRow = crate::codec::decode(OUTBOX_ATTEMPTS.name(), &key, bytes)?;
+        from_micros(OUTBOX_ATTEMPTS.name(), &key, row.at)?;
+        Ok(row)
+    }
+
+    /// The public view of this attempt record.
+    pub(super) fn to_record(&self, id: u64, seq: u64) -> Result<AttemptRecord> {
+        let key = format!("{id}/{seq}");
+        Ok(AttemptRecord {
+            attempt: self.attempt,
+            at: from_micros(OUTBOX_ATTEMPTS.name(), &key, self.at)?,
+            reason: self.reason.clone(),
+            remote_ref: self.remote_ref.clone(),
+        })
     }
 }
 
@@ -291,6 +371,9 @@ pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> R
     if change.is_final_for(from) {
         return Ok(None);
     }
+    if let Change::Cancelled { now } = change {
+        return plan_cancel(id, old, from, *now);
+    }
     let mut new = old.clone();
     match (from, change) {
         (Pending, Change::Claimed { worker_id, now }) => {
@@ -310,7 +393,7 @@ pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> R
             },
         ) => {
             new.make_pending(*at);
-            new.last_failure = Some(reason.clone());
+            new.last_failure = Some(failure_code(reason).to_owned());
         }
         (
             Dispatching | OutcomeUnknown,
@@ -321,22 +404,27 @@ pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> R
             },
         ) => {
             new.make_finished(Failed, *now);
-            new.last_failure = Some(reason.clone());
+            new.last_failure = Some(failure_code(reason).to_owned());
         }
-        (Dispatching, Change::OutcomeUnknown { remote_ref }) => {
+        (Dispatching, Change::OutcomeUnknown { remote_ref, .. }) => {
             // The claim ends; its `attempt` stays as the attempt in doubt.
             new.status = OutcomeUnknown.code();
             if remote_ref.is_some() {
                 new.remote_ref.clone_from(remote_ref);
             }
         }
-        (OutcomeUnknown, Change::OutcomeUnknown { remote_ref }) => {
+        (OutcomeUnknown, Change::OutcomeUnknown { remote_ref, .. }) => {
             if old.remote_ref.is_some() || remote_ref.is_none() {
                 return Ok(None);
             }
             new.remote_ref.clone_from(remote_ref);
         }
-        (Pending | Dispatching | OutcomeUnknown, Change::Rescheduled { next_attempt_at }) => {
+        (
+            Pending | Dispatching | OutcomeUnknown,
+            Change::Rescheduled {
+                next_attempt_at, ..
+            },
+        ) => {
             new.make_pending(*next_attempt_at);
         }
         (Dispatching, Change::Released) => new.make_pending(old.claimed_at()),
@@ -352,6 +440,38 @@ pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> R
         OutboxStatus::from_code(new.status)
     );
     Ok(Some(new))
+}
+
+/// What a cancel at `now` does to `old` (record `id`, in status `from`):
+/// `Pending` and `OutcomeUnknown` become `Failed` with the reason
+/// [`REASON_CANCELLED`]; an entry already cancelled is an accepted no-op;
+/// anything else is refused, saying why.
+fn plan_cancel(id: u64, old: &Row, from: OutboxStatus, now: i64) -> Result<Option<Row>> {
+    use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
+    match from {
+        Pending | OutcomeUnknown => {
+            let mut new = old.clone();
+            new.make_finished(Failed, now);
+            new.last_failure = Some(REASON_CANCELLED.to_owned());
+            Ok(Some(new))
+        }
+        Failed if old.last_failure.as_deref() == Some(REASON_CANCELLED) => Ok(None),
+        Completed | Failed => {
+            let why = old
+                .last_failure
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default();
+            Err(Error::conflict(format!(
+                "outbox entry {id} is already finished: {from:?}{why}; only a Pending or \
+                 OutcomeUnknown entry can be cancelled"
+            )))
+        }
+        Dispatching => Err(Error::conflict(format!(
+            "outbox entry {id} is Dispatching: a worker is sending it; cancel it once the \
+             attempt is settled (or its claim released)"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -433,6 +553,32 @@ mod tests {
         assert_eq!(rec.attempt_in_doubt, None);
     }
 
+    /// The wire form of an attempt record, pinned: files keep it.
+    #[test]
+    fn attempt_records_have_a_fixed_wire_form() {
+        const BYTES: [u8; 12] = [
+            1,  // record version
+            3,  // attempt
+            14, // at: 7 µs (zigzag)
+            5, b'x', b' ', b'(', b'y', b')', // reason
+            1, 1, b'r', // remote_ref: Some("r")
+        ];
+        let row = AttemptRow {
+            attempt: 3,
+            at: 7,
+            reason: "x (y)".into(),
+            remote_ref: Some("r".into()),
+        };
+        assert_eq!(encode(&row), BYTES);
+        assert_eq!(AttemptRow::decode(1, 0, &BYTES).unwrap(), row);
+        let mut late = row.clone();
+        late.at = i64::MAX;
+        assert!(matches!(
+            AttemptRow::decode(1, 0, &encode(&late)),
+            Err(Error::Corrupted { key, .. }) if key == "1/0"
+        ));
+    }
+
     #[test]
     fn every_edge_out_of_dispatching_ends_the_claim() {
         let mut claimed = row(OutboxStatus::Pending.code());
@@ -459,9 +605,13 @@ mod tests {
                 next_attempt_at: None,
                 now: 10,
             },
-            Change::OutcomeUnknown { remote_ref: None },
+            Change::OutcomeUnknown {
+                remote_ref: None,
+                now: Some(10),
+            },
             Change::Rescheduled {
                 next_attempt_at: 11,
+                now: Some(10),
             },
             Change::Released,
         ];
@@ -515,20 +665,26 @@ mod tests {
                 next_attempt_at: None,
                 now: 10,
             },
-            Change::OutcomeUnknown { remote_ref: None },
+            Change::OutcomeUnknown {
+                remote_ref: None,
+                now: Some(10),
+            },
             Change::OutcomeUnknown {
                 remote_ref: Some("r".into()),
+                now: None,
             },
             Change::Rescheduled {
                 next_attempt_at: 11,
+                now: Some(10),
             },
             Change::Released,
             Change::Requeued {
                 next_attempt_at: 11,
             },
+            Change::Cancelled { now: 10 },
         ];
         // A new variant does not compile here until it is in the list.
-        let mut covered = [false; 7];
+        let mut covered = [false; 8];
         for c in &all {
             let variant = match c {
                 Change::Claimed { .. } => 0,
@@ -538,6 +694,7 @@ mod tests {
                 Change::Rescheduled { .. } => 4,
                 Change::Released => 5,
                 Change::Requeued { .. } => 6,
+                Change::Cancelled { .. } => 7,
             };
             covered[variant] = true;
         }

@@ -36,13 +36,13 @@ impl fmt::Display for OutboxId {
 
 /// Where an outbox entry is in its life.
 ///
-/// | from \ op      | `claim_due` | `mark_completed` | `mark_failed` (retry) | `mark_failed` (none) | `mark_outcome_unknown` | `reschedule` | `release_expired` | `requeue` |
-/// |----------------|-------------|------------------|-----------------------|----------------------|------------------------|--------------|-------------------|-----------|
-/// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict |
-/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →`OutcomeUnknown`    | →Pending   | →Pending (if claimed before cutoff) | Conflict |
-/// | `OutcomeUnknown` | —       | →Completed     | →Pending           | →Failed           | accepted; fills a missing `remote_ref` | →Pending | — | →Pending |
-/// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict |
-/// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending |
+/// | from \ op      | `claim_due` | `mark_completed` | `mark_failed` (retry) | `mark_failed` (none) | `mark_outcome_unknown` | `reschedule` | `release_expired` | `requeue` | `cancel` |
+/// |----------------|-------------|------------------|-----------------------|----------------------|------------------------|--------------|-------------------|-----------|----------|
+/// | Pending        | →Dispatching (if due) | Conflict | →Pending (moves time) | Conflict | Conflict | →Pending (moves time) | — | Conflict | →Failed |
+/// | Dispatching    | —         | →Completed     | →Pending           | →Failed           | →`OutcomeUnknown`    | →Pending   | →Pending (if claimed before cutoff) | Conflict | Conflict |
+/// | `OutcomeUnknown` | —       | →Completed     | →Pending           | →Failed           | accepted; fills a missing `remote_ref` | →Pending | — | →Pending | →Failed |
+/// | Completed      | —         | accepted, no change | Conflict      | Conflict          | Conflict             | Conflict   | — | Conflict | Conflict |
+/// | Failed         | —         | Conflict       | Conflict           | accepted, no change | Conflict           | Conflict   | — | →Pending | accepted, no change if cancelled; else Conflict |
 ///
 /// An unknown id is [`Error::NotFound`]; a refused cell is
 /// [`Error::Conflict`] and changes nothing. `release_expired` puts an entry
@@ -65,8 +65,8 @@ pub enum OutboxStatus {
     Dispatching,
     /// The effect happened. Terminal.
     Completed,
-    /// The effect was given up on. Terminal (an operator may
-    /// [`requeue`](Outbox::requeue) it).
+    /// The effect was given up on, or [cancelled](Outbox::cancel).
+    /// Terminal (an operator may [`requeue`](Outbox::requeue) it).
     Failed,
     /// The worker cannot tell whether the effect happened (a timeout after
     /// sending). Holds no claim. Needs reconciliation: complete, fail or
@@ -85,15 +85,15 @@ impl OutboxStatus {
     ];
 
     /// Whether some operation moves an entry from `self` to `to`: the edges
-    /// of the table above. `Pending → Pending` (a new due time) and
-    /// `OutcomeUnknown → OutcomeUnknown` (a remote reference filled in)
-    /// count; the accepted no-op cells on `Completed` and `Failed` change
-    /// nothing and do not.
+    /// of the table above. `Pending → Pending` (a new due time),
+    /// `OutcomeUnknown → OutcomeUnknown` (a remote reference filled in) and
+    /// `Pending → Failed` (a cancel) count; the accepted no-op cells on
+    /// `Completed` and `Failed` change nothing and do not.
     pub fn can_transition(self, to: OutboxStatus) -> bool {
         use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
         matches!(
             (self, to),
-            (Pending, Pending | Dispatching)
+            (Pending, Pending | Dispatching | Failed)
                 | (
                     Dispatching | OutcomeUnknown,
                     Pending | Completed | Failed | OutcomeUnknown
@@ -208,6 +208,72 @@ pub struct OutboxClaim {
     pub claimed_at: DateTime<Utc>,
 }
 
+/// How many attempt records an entry keeps ([`OutboxRecord::attempts`]):
+/// the last 20. Older ones are dropped as new ones come.
+pub const MAX_ATTEMPT_HISTORY: usize = 20;
+
+/// The reason an entry [cancelled](Outbox::cancel) is `Failed` with (its
+/// `last_failure`, and the reason of the attempt record the cancel adds).
+pub const REASON_CANCELLED: &str = "cancelled";
+
+/// The reason of the attempt record written when an attempt's outcome
+/// becomes unknown ([`Settlement::OutcomeUnknown`]).
+pub const REASON_OUTCOME_UNKNOWN: &str = "outcome_unknown";
+
+/// The reason of the attempt record written when an attempt is given back
+/// without a failure ([`Settlement::Rescheduled`]).
+pub const REASON_RESCHEDULED: &str = "rescheduled";
+
+/// The failure code of `reason`: a reason is a stable code, optionally
+/// followed by a detail in parentheses (`http_500 (upstream timed out)`),
+/// and the code is what `last_failure` keeps. A reason of another form is
+/// its own code.
+pub(super) fn failure_code(reason: &str) -> &str {
+    match reason.strip_suffix(')').and_then(|r| r.split_once(" (")) {
+        Some((code, _)) if !code.is_empty() => code,
+        _ => reason,
+    }
+}
+
+/// One attempt that did not complete the entry, as its history keeps it
+/// ([`OutboxRecord::attempts`], oldest first, the last
+/// [`MAX_ATTEMPT_HISTORY`]).
+///
+/// A record is added, at the `now` of the call, by:
+/// - a failure, with or without a retry time ([`Settlement::Failed`],
+///   [`Outbox::mark_failed`]): `reason` is the reason as given, detail
+///   included (the dispatcher's `max_attempts (http_500)` keeps the last
+///   attempt's own reason; `last_failure` keeps the code, `max_attempts`);
+/// - a settlement that leaves the attempt's outcome unknown
+///   ([`Settlement::OutcomeUnknown`] on a `Dispatching` entry):
+///   [`REASON_OUTCOME_UNKNOWN`], with the remote reference it reported;
+/// - a settlement that gives the attempt back ([`Settlement::Rescheduled`]):
+///   [`REASON_RESCHEDULED`];
+/// - a cancel ([`Outbox::cancel`]): [`REASON_CANCELLED`].
+///
+/// Storage calls never read the clock, so the operator calls that take no
+/// time, [`Outbox::mark_outcome_unknown`] and [`Outbox::reschedule`], add
+/// no record; nor does a claim released by
+/// [`Outbox::release_expired_claims`], a completion or a requeue. A call
+/// that changes nothing (a repeated final failure, a repeated cancel) adds
+/// nothing either.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// The entry's `attempt_count` when it was recorded: the attempt that
+    /// failed, was given back or is in doubt (for a cancel or a failure
+    /// marked on a `Pending` entry, the last attempt made; 0 if none was).
+    pub attempt: u32,
+    /// The `now` of the call that recorded it.
+    pub at: DateTime<Utc>,
+    /// Why the attempt did not complete the entry: the failure reason as
+    /// given, or one of [`REASON_OUTCOME_UNKNOWN`], [`REASON_RESCHEDULED`],
+    /// [`REASON_CANCELLED`].
+    pub reason: String,
+    /// For an attempt whose outcome is unknown: the remote system's
+    /// reference it reported, if any. `None` otherwise.
+    pub remote_ref: Option<String>,
+}
+
 /// An entry with its claim and settlement details.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRecord {
@@ -221,11 +287,18 @@ pub struct OutboxRecord {
     /// the destination about). `None` in every other status; cleared when
     /// the entry is completed, failed, rescheduled or requeued.
     pub attempt_in_doubt: Option<OutboxClaim>,
-    /// The reason of the latest `mark_failed`, kept across retries.
+    /// The code of the latest failure (its reason up to a detail in
+    /// parentheses: `max_attempts` for `max_attempts (http_500)`), kept
+    /// across retries; [`REASON_CANCELLED`] once cancelled.
     pub last_failure: Option<String>,
     /// The remote system's reference for the attempt, from
     /// `mark_outcome_unknown`, kept once set.
     pub remote_ref: Option<String>,
+    /// The entry's attempts that did not complete it, oldest first: the
+    /// last [`MAX_ATTEMPT_HISTORY`] (see [`AttemptRecord`] for what adds
+    /// one). Empty for an entry that never failed, and for entries settled
+    /// by builds that kept no history.
+    pub attempts: Vec<AttemptRecord>,
 }
 
 /// What [`Outbox::settle_and_claim`] did: one result per settlement, in
@@ -286,7 +359,10 @@ pub enum Settlement {
     /// `next_attempt_at` (`Pending`), or give up (`Failed`,
     /// `completed_at = now`).
     Failed {
-        /// A stable failure code, stored as `last_failure`. 1–1024 bytes.
+        /// A stable failure code, optionally followed by a detail in
+        /// parentheses (`http_500 (upstream timed out)`): the code is
+        /// stored as `last_failure`, the whole reason in the attempt's
+        /// history. 1–1024 bytes.
         reason: String,
         /// When to try again; `None` gives up.
         next_attempt_at: Option<DateTime<Utc>>,
@@ -324,10 +400,14 @@ impl Settlement {
                 if let Some(r) = &remote_ref {
                     check_field("remote_ref", r)?;
                 }
-                Change::OutcomeUnknown { remote_ref }
+                Change::OutcomeUnknown {
+                    remote_ref,
+                    now: Some(micros(now)),
+                }
             }
             Settlement::Rescheduled { next_attempt_at } => Change::Rescheduled {
                 next_attempt_at: micros(next_attempt_at),
+                now: Some(micros(now)),
             },
         })
     }

@@ -1,4 +1,5 @@
-//! The codec target: stored records replaced by arbitrary bytes, or by
+//! The codec target: stored records (outbox rows and their attempt
+//! history, idempotency rows, inbox keys) replaced by arbitrary bytes, or by
 //! valid records with bytes flipped, cut or inserted, then every reader and
 //! writer called. No call may panic; an error is `Corrupted`, or for calls
 //! where it is an expected answer `NotFound` or `Conflict`.
@@ -15,6 +16,8 @@ use super::t;
 
 /// The record tables, with the key and value types of `src/schema.rs`.
 const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
+const ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.attempts");
 const IDEM: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("idemstore.v1.idempotency");
 const INBOX: TableDefinition<(&str, &str), i64> = TableDefinition::new("idemstore.v1.inbox");
 
@@ -29,6 +32,18 @@ struct CodecInput {
     patches: Vec<Patch>,
     /// Seconds past the setup time at which the calls run.
     now: u8,
+    /// Last, so that inputs written before it decode as they did: the rest
+    /// of the input, one patch after another.
+    attempts: Vec<AttemptPatch>,
+}
+
+/// One attempt record to replace (or add: the setup stores `(2, 0)` and
+/// `(3, 0)`), under outbox id `1 + entry % 7` and sequence `seq % 3`.
+#[derive(Debug, Arbitrary)]
+struct AttemptPatch {
+    entry: u8,
+    seq: u8,
+    bytes: Bytes,
 }
 
 /// One stored value to replace.
@@ -111,6 +126,9 @@ pub(crate) fn run_codec(data: &[u8]) {
     for p in input.patches.iter().take(8) {
         patch(&store, p);
     }
+    for p in input.attempts.iter().take(8) {
+        patch_attempt(&store, p);
+    }
     exercise(&store, &held, 1000 + i64::from(input.now));
 }
 
@@ -132,7 +150,8 @@ fn setup(store: &Store) -> Reservation {
     }
     let claimed = outbox.claim_due(t(100), 3, "w0").expect("claim_due");
     assert_eq!(claimed.len(), 3, "setup claims");
-    // 1 Completed, 2 Failed, 3 OutcomeUnknown, 4 Pending, 5 Pending later.
+    // 1 Completed, 2 Failed, 3 OutcomeUnknown, 4 Pending, 5 Pending later;
+    // 2 and 3 with an attempt record each.
     outbox
         .settle(claimed[0].fence(), Settlement::Completed, t(110))
         .expect("complete");
@@ -212,6 +231,21 @@ fn patch(store: &Store, p: &Patch) {
             Ok::<_, Error>(())
         })
         .expect("write a raw value");
+}
+
+fn patch_attempt(store: &Store, p: &AttemptPatch) {
+    let key = (1 + u64::from(p.entry) % OUTBOX_IDS, u64::from(p.seq % 3));
+    store
+        .write(|tx| {
+            let mut table = tx.open_table(ATTEMPTS)?;
+            let old = table
+                .get(key)?
+                .map(|v| v.value().to_vec())
+                .unwrap_or_default();
+            table.insert(key, p.bytes.apply(&old).as_slice())?;
+            Ok::<_, Error>(())
+        })
+        .expect("write a raw attempt record");
 }
 
 /// `Ok`, or `Corrupted`; with `expected`, `NotFound` and `Conflict` too.
@@ -310,6 +344,7 @@ fn exercise_outbox(store: &Store, now: i64) {
         );
         check("reschedule", outbox.reschedule(id, t(now)), true);
         check("requeue", outbox.requeue(id, t(now)), true);
+        check("cancel", outbox.cancel(id, t(now)), true);
         check("mark_completed", outbox.mark_completed(id, t(now)), true);
         check(
             "mark_failed final",

@@ -131,6 +131,9 @@ enum Op {
         back: u8,
     },
     Reopen,
+    Cancel {
+        pick: u8,
+    },
 }
 
 /// A settlement of an outbox attempt.
@@ -165,6 +168,7 @@ pub(crate) struct ModelStats {
     pub(crate) mismatches: u64,
     pub(crate) fenced_out: u64,
     pub(crate) expired: u64,
+    pub(crate) cancelled: u64,
 }
 
 impl ModelStats {
@@ -177,7 +181,7 @@ impl ModelStats {
 
     /// Every counter with its name.
     pub(crate) fn named(&self) -> Vec<(&'static str, u64)> {
-        const NAMES: [&str; 19] = [
+        const NAMES: [&str; 20] = [
             "ops",
             "reopens",
             "effects_applied",
@@ -197,11 +201,12 @@ impl ModelStats {
             "mismatches",
             "fenced_out",
             "expired",
+            "cancelled",
         ];
         NAMES.into_iter().zip(self.fields()).collect()
     }
 
-    fn fields(&self) -> [u64; 19] {
+    fn fields(&self) -> [u64; 20] {
         [
             self.ops,
             self.reopens,
@@ -222,10 +227,11 @@ impl ModelStats {
             self.mismatches,
             self.fenced_out,
             self.expired,
+            self.cancelled,
         ]
     }
 
-    fn fields_mut(&mut self) -> [&mut u64; 19] {
+    fn fields_mut(&mut self) -> [&mut u64; 20] {
         [
             &mut self.ops,
             &mut self.reopens,
@@ -246,6 +252,7 @@ impl ModelStats {
             &mut self.mismatches,
             &mut self.fenced_out,
             &mut self.expired,
+            &mut self.cancelled,
         ]
     }
 }
@@ -432,10 +439,10 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
         }
         How::GiveUp => (
             Settlement::Failed {
-                reason: "http_400".into(),
+                reason: "http_400 (bad request)".into(),
                 next_attempt_at: None,
             },
-            Change::Fail("http_400".into(), None, now),
+            Change::Fail("http_400 (bad request)".into(), None, now),
         ),
         How::Unknown(r) => {
             let remote = r.map(|r| format!("ref-{}", r % 4));
@@ -443,7 +450,7 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
                 Settlement::OutcomeUnknown {
                     remote_ref: remote.clone(),
                 },
-                Change::Unknown(remote),
+                Change::Unknown(remote, now),
             )
         }
         How::Reschedule(o) => {
@@ -452,7 +459,7 @@ fn settlement(how: &How, now: i64) -> (Settlement, Change) {
                 Settlement::Rescheduled {
                     next_attempt_at: t(at),
                 },
-                Change::Reschedule(at),
+                Change::Reschedule(at, now),
             )
         }
     }
@@ -863,8 +870,9 @@ fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut
                 Change::Fail(reason, retry, _) => {
                     outbox.mark_failed(oid, reason, retry.map(t), t(now))
                 }
-                Change::Unknown(remote) => outbox.mark_outcome_unknown(oid, remote.as_deref()),
-                Change::Reschedule(at) | Change::Requeue(at) => outbox.reschedule(oid, t(*at)),
+                Change::Unknown(remote, _) => outbox.mark_outcome_unknown(oid, remote.as_deref()),
+                Change::Reschedule(at, _) | Change::Requeue(at) => outbox.reschedule(oid, t(*at)),
+                Change::Cancel(_) => outbox.cancel(oid, t(now)),
             };
             let what = format!("mark {id} {change:?}");
             let want = m.change(id, &change, None);
@@ -879,6 +887,16 @@ fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut
             let got = outcome(&outbox.requeue(OutboxId(id), t(at)), &what);
             let want = m.change(id, &Change::Requeue(at), None);
             stats.requeued += u64::from(want == Outcome::Ok);
+            assert_eq!(got, want, "{what}");
+        }
+        Op::Cancel { pick } => {
+            let id = m.pick_id(pick.wrapping_add(128));
+            let what = format!("cancel {id}");
+            let before = m.records.get(&id).map(|r| r.entry.status);
+            let got = outcome(&outbox.cancel(OutboxId(id), t(now)), &what);
+            let want = m.change(id, &Change::Cancel(now), None);
+            stats.cancelled +=
+                u64::from(want == Outcome::Ok && before.is_some_and(|s| s != OutboxStatus::Failed));
             assert_eq!(got, want, "{what}");
         }
         Op::ReleaseClaims { back } => {

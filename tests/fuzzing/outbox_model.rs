@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use idemstore::{
-    Enqueued, Error, NewEntry, OutboxClaim, OutboxCounts, OutboxEntry, OutboxId, OutboxRecord,
-    OutboxStatus,
+    AttemptRecord, Enqueued, Error, MAX_ATTEMPT_HISTORY, NewEntry, OutboxClaim, OutboxCounts,
+    OutboxEntry, OutboxId, OutboxRecord, OutboxStatus, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN,
+    REASON_RESCHEDULED,
 };
 
 use super::t;
@@ -31,14 +32,39 @@ pub(crate) fn outcome<T>(r: &idemstore::Result<T>, what: &str) -> Outcome {
     }
 }
 
-/// A single-entry change, as the model sees it. Times in seconds.
+/// A single-entry change, as the model sees it. Times in seconds; the last
+/// one of `Unknown` and `Reschedule` is the settlement's `now`, which the
+/// unfenced operator calls do not take (so they add no attempt record).
 #[derive(Debug, Clone)]
 pub(crate) enum Change {
     Complete(i64),
     Fail(String, Option<i64>, i64),
-    Unknown(Option<String>),
-    Reschedule(i64),
+    Unknown(Option<String>, i64),
+    Reschedule(i64, i64),
     Requeue(i64),
+    Cancel(i64),
+}
+
+/// The code `last_failure` keeps of a reason: the reason up to a detail in
+/// parentheses.
+pub(crate) fn failure_code(reason: &str) -> &str {
+    match reason.strip_suffix(')').and_then(|r| r.split_once(" (")) {
+        Some((code, _)) if !code.is_empty() => code,
+        _ => reason,
+    }
+}
+
+/// Adds an attempt record to `r`'s history, keeping the last
+/// `MAX_ATTEMPT_HISTORY`.
+fn push_attempt(r: &mut OutboxRecord, at: i64, reason: &str, remote_ref: Option<String>) {
+    r.attempts.push(AttemptRecord {
+        attempt: r.entry.attempt_count,
+        at: t(at),
+        reason: reason.to_owned(),
+        remote_ref,
+    });
+    let excess = r.attempts.len().saturating_sub(MAX_ATTEMPT_HISTORY);
+    r.attempts.drain(..excess);
 }
 
 /// Everything the outbox should hold.
@@ -82,6 +108,7 @@ impl OutboxModel {
                 attempt_in_doubt: None,
                 last_failure: None,
                 remote_ref: None,
+                attempts: Vec::new(),
             },
         );
         Enqueued::New(OutboxId(id))
@@ -173,22 +200,24 @@ impl OutboxModel {
                 r.attempt_in_doubt = None;
             }
             (Completed, Change::Complete(_)) | (Failed, Change::Fail(_, None, _)) => {}
-            (Pending | Dispatching | OutcomeUnknown, Change::Fail(reason, Some(at), _)) => {
+            (Pending | Dispatching | OutcomeUnknown, Change::Fail(reason, Some(at), now)) => {
                 r.entry.status = Pending;
                 r.entry.next_attempt_at = Some(t(*at));
-                r.last_failure = Some(reason.clone());
+                r.last_failure = Some(failure_code(reason).to_owned());
                 r.claim = None;
                 r.attempt_in_doubt = None;
+                push_attempt(&mut r, *now, reason, None);
             }
             (Dispatching | OutcomeUnknown, Change::Fail(reason, None, now)) => {
                 r.entry.status = Failed;
                 r.entry.completed_at = Some(t(*now));
                 r.entry.next_attempt_at = None;
-                r.last_failure = Some(reason.clone());
+                r.last_failure = Some(failure_code(reason).to_owned());
                 r.claim = None;
                 r.attempt_in_doubt = None;
+                push_attempt(&mut r, *now, reason, None);
             }
-            (Dispatching, Change::Unknown(remote)) => {
+            (Dispatching, Change::Unknown(remote, now)) => {
                 // The claim ends; who made the attempt, and when, stays as
                 // the attempt in doubt.
                 r.entry.status = OutcomeUnknown;
@@ -196,17 +225,33 @@ impl OutboxModel {
                 if remote.is_some() {
                     r.remote_ref.clone_from(remote);
                 }
+                if fence.is_some() {
+                    push_attempt(&mut r, *now, REASON_OUTCOME_UNKNOWN, remote.clone());
+                }
             }
-            (OutcomeUnknown, Change::Unknown(remote)) => {
+            (OutcomeUnknown, Change::Unknown(remote, _)) => {
                 if r.remote_ref.is_none() {
                     r.remote_ref.clone_from(remote);
                 }
             }
-            (Pending | Dispatching | OutcomeUnknown, Change::Reschedule(at)) => {
+            (Pending | Dispatching | OutcomeUnknown, Change::Reschedule(at, now)) => {
                 r.entry.status = Pending;
                 r.entry.next_attempt_at = Some(t(*at));
                 r.claim = None;
                 r.attempt_in_doubt = None;
+                if fence.is_some() {
+                    push_attempt(&mut r, *now, REASON_RESCHEDULED, None);
+                }
+            }
+            (Failed, Change::Cancel(_))
+                if old.last_failure.as_deref() == Some(REASON_CANCELLED) => {}
+            (Pending | OutcomeUnknown, Change::Cancel(now)) => {
+                r.entry.status = Failed;
+                r.entry.completed_at = Some(t(*now));
+                r.entry.next_attempt_at = None;
+                r.last_failure = Some(REASON_CANCELLED.to_owned());
+                r.attempt_in_doubt = None;
+                push_attempt(&mut r, *now, REASON_CANCELLED, None);
             }
             (Failed | OutcomeUnknown, Change::Requeue(at)) => {
                 r.entry.status = Pending;

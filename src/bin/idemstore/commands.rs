@@ -8,8 +8,8 @@ use idemstore::{KeyState, OutboxFilter, OutboxId, OutboxStatus};
 use serde_json::{Value, json};
 
 use crate::output::{
-    bar, bytes, key_json, outbox_json, preview, print_json, put, spinner, status_name, ts, ts_opt,
-    when, when_opt,
+    bar, bytes, key_json, last_reason, outbox_json, preview, print_json, put, spinner, status_name,
+    ts, ts_opt, when, when_opt,
 };
 use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open};
 
@@ -225,6 +225,7 @@ fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
             Ok(Outcome::Ok)
         }
         OutboxCommand::Retry { file, ids } => retry(file, ids, json),
+        OutboxCommand::Cancel { file, ids } => cancel(file, ids, json),
         OutboxCommand::Resolve {
             file,
             id,
@@ -294,8 +295,8 @@ fn outbox_list(
         return Ok(Outcome::Ok);
     }
     println!(
-        "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  IDEMPOTENCY KEY",
-        "ID", "STATUS", "ATTEMPTS", "DUE/CLAIMED/FINISHED", "DESTINATION"
+        "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {:<24}  IDEMPOTENCY KEY",
+        "ID", "STATUS", "ATTEMPTS", "DUE/CLAIMED/FINISHED", "DESTINATION", "LAST REASON"
     );
     for r in &rows {
         let e = &r.entry;
@@ -309,12 +310,13 @@ fn outbox_list(
                 .map(|c| c.claimed_at))
             .unwrap_or_else(|| e.due_at());
         println!(
-            "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {}",
+            "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {:<24}  {}",
             e.id.0,
             status_name(e.status),
             e.attempt_count,
             at.format("%Y-%m-%dT%H:%M:%SZ"),
             e.destination,
+            clip(last_reason(r).unwrap_or("-"), 24),
             e.idempotency_key
         );
     }
@@ -358,6 +360,78 @@ fn print_record(r: &idemstore::OutboxRecord) {
         r.remote_ref.as_deref().unwrap_or("-")
     );
     println!("payload          {}", preview(&e.payload));
+    if r.attempts.is_empty() {
+        println!("history          -");
+    } else {
+        println!(
+            "history          {} attempt records, oldest first (the last {} are kept)",
+            r.attempts.len(),
+            idemstore::MAX_ATTEMPT_HISTORY
+        );
+        for a in &r.attempts {
+            let remote = a
+                .remote_ref
+                .as_deref()
+                .map(|r| format!(" (remote ref {r})"))
+                .unwrap_or_default();
+            println!(
+                "  attempt {:>4}  {}  {}{remote}",
+                a.attempt,
+                when(a.at, now),
+                a.reason
+            );
+        }
+    }
+}
+
+/// `s` cut to `max` characters, the cut shown by `…`.
+fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_owned();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
+    let outbox = open(file)?.outbox();
+    let now = Utc::now();
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for &id in ids {
+        let attempt = outbox
+            .get(OutboxId(id))
+            .and_then(|before| outbox.cancel(OutboxId(id), now).map(|()| before));
+        match attempt {
+            Ok(before) => {
+                let was = before.entry.status;
+                let already = was == OutboxStatus::Failed;
+                if !json {
+                    if already {
+                        println!("{id}: already cancelled");
+                    } else {
+                        println!("{id}: {} -> failed (cancelled)", status_name(was));
+                    }
+                }
+                done.push(json!({"id": id, "was": status_name(was), "already": already}));
+            }
+            Err(e) => {
+                eprintln!("idemstore: error: entry {id}: {e}");
+                failed.push(json!({"id": id, "error": e.to_string()}));
+            }
+        }
+    }
+    if json {
+        print_json(&json!({"cancelled": done, "failed": failed, "at": ts(now)}));
+    } else {
+        println!("cancelled {} of {} entries", done.len(), ids.len());
+    }
+    Ok(if failed.is_empty() {
+        Outcome::Ok
+    } else {
+        Outcome::Findings
+    })
 }
 
 fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {

@@ -1,7 +1,7 @@
 //! `idemstore`: the operator's tool for an idemstore file.
 //!
 //! Inspect a store (`stats`, `inbox list`, `outbox list|show`, `keys list`),
-//! repair by hand (`outbox retry|resolve|release`), reclaim space (`inbox
+//! repair by hand (`outbox retry|resolve|release|cancel`), reclaim space (`inbox
 //! prune`, `outbox purge`, `keys purge`, `compact`), verify it (`check`) and
 //! back it up (`export --jsonl`). Output is for people by default and JSON
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
@@ -102,7 +102,8 @@ pub(crate) enum InboxCommand {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum OutboxCommand {
-    /// Entries by id, optionally of one status or destination.
+    /// Entries by id, optionally of one status or destination, each with
+    /// the reason of its latest attempt record.
     List {
         /// The store file.
         file: PathBuf,
@@ -116,7 +117,7 @@ pub(crate) enum OutboxCommand {
         #[arg(long, default_value_t = 100)]
         limit: usize,
     },
-    /// One entry in full.
+    /// One entry in full, with its attempt history.
     Show {
         /// The store file.
         file: PathBuf,
@@ -125,6 +126,16 @@ pub(crate) enum OutboxCommand {
     },
     /// Move failed or outcome-unknown entries back to pending, due now.
     Retry {
+        /// The store file.
+        file: PathBuf,
+        /// The entries' ids.
+        #[arg(required = true)]
+        ids: Vec<u64>,
+    },
+    /// Cancel pending or outcome-unknown entries: failed with the reason
+    /// `cancelled`, never sent (again). An entry being dispatched must be
+    /// settled first.
+    Cancel {
         /// The store file.
         file: PathBuf,
         /// The entries' ids.

@@ -6,7 +6,9 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, SecondsFormat, Utc};
-use idemstore::{KeyEntry, KeyState, OutboxClaim, OutboxRecord, OutboxStatus, ResponseRecord};
+use idemstore::{
+    AttemptRecord, KeyEntry, KeyState, OutboxClaim, OutboxRecord, OutboxStatus, ResponseRecord,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
@@ -93,8 +95,19 @@ pub(crate) fn preview(data: &[u8]) -> String {
     }
 }
 
-/// An outbox record as one JSON object; the payload in base64 if asked.
-pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
+/// Why the entry's latest attempt did not complete it: the reason of its
+/// latest attempt record (`max_attempts (http_500)`, `cancelled`), else its
+/// `last_failure` (records settled before histories were kept).
+pub(crate) fn last_reason(r: &OutboxRecord) -> Option<&str> {
+    r.attempts
+        .last()
+        .map(|a| a.reason.as_str())
+        .or(r.last_failure.as_deref())
+}
+
+/// An outbox record as one JSON object, with the reason of its latest
+/// attempt; whole (payload in base64, every attempt record) if asked.
+pub(crate) fn outbox_json(r: &OutboxRecord, whole: bool) -> Value {
     let e = &r.entry;
     let mut v = json!({
         "id": e.id.0,
@@ -110,12 +123,25 @@ pub(crate) fn outbox_json(r: &OutboxRecord, with_payload: bool) -> Value {
         "attempt_in_doubt": r.attempt_in_doubt.as_ref().map(claim_json),
         "last_failure": r.last_failure,
         "remote_ref": r.remote_ref,
+        "last_reason": last_reason(r),
         "payload_len": e.payload.len(),
     });
-    if with_payload {
+    if whole {
         put(&mut v, "payload", Value::String(b64(&e.payload)));
+        let attempts = r.attempts.iter().map(attempt_json).collect();
+        put(&mut v, "attempts", Value::Array(attempts));
     }
     v
+}
+
+/// One attempt record as one JSON object.
+fn attempt_json(a: &AttemptRecord) -> Value {
+    json!({
+        "attempt": a.attempt,
+        "at": ts(a.at),
+        "reason": a.reason,
+        "remote_ref": a.remote_ref,
+    })
 }
 
 /// Sets `key` in the JSON object `v` (which every caller builds with
