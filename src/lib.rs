@@ -61,6 +61,7 @@ mod idempotency;
 mod inbox;
 #[cfg(feature = "middleware")]
 pub mod middleware;
+mod observe;
 mod outbox;
 mod schema;
 mod store;

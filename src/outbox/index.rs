@@ -236,6 +236,7 @@ impl<'tx> Tables<'tx> {
                 self.count.insert(code, next)?;
             }
         }
+        super::depth::report_after_commit(&self.count);
         Ok(())
     }
 }

@@ -62,6 +62,7 @@
 //! same transaction: see `src/outbox/index.rs` for the invariants, which
 //! [`Outbox::check_indexes`] verifies.
 
+mod depth;
 mod index;
 mod notifier;
 mod ops;
