@@ -170,8 +170,8 @@ pub(crate) fn engine_broken(during: &'static str, error: &Error) {
 
 // ---------------------------------------------------------------- inbox
 
-/// Claims in `inbox` that committed, one answer per key: `true` for a
-/// first delivery, `false` for a duplicate.
+/// Claims in `inbox` as they were answered, one answer per key: `true`
+/// for a first delivery, `false` for a duplicate.
 #[inline]
 pub(crate) fn claims(inbox: &Arc<str>, answers: &[bool]) {
     #[cfg(feature = "metrics")]
@@ -261,15 +261,15 @@ pub(crate) fn idempotency(outcome: Idempotency) {
 /// left them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct OutboxDepth {
-    /// Takes the order of the transactions that took it (see
+    /// Its place in the order of the transactions (see
     /// [`OutboxDepth::new`]).
     #[cfg(feature = "metrics")]
     ticket: u64,
-    pub(crate) pending: u64,
-    pub(crate) dispatching: u64,
-    pub(crate) completed: u64,
-    pub(crate) failed: u64,
-    pub(crate) outcome_unknown: u64,
+    pending: u64,
+    dispatching: u64,
+    completed: u64,
+    failed: u64,
+    outcome_unknown: u64,
 }
 
 /// The last ticket taken, and the newest one published.
@@ -279,11 +279,11 @@ static DEPTH_TICKETS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 static DEPTH_PUBLISHED: std::sync::Mutex<u64> = std::sync::Mutex::new(0);
 
 impl OutboxDepth {
-    /// The counts a write transaction leaves. Made while the transaction
-    /// holds the engine's writer lock, so that the order of the values is
-    /// the order of the commits: [`outbox_depth`] publishes them after the
-    /// commit, and a value published late (a caller's transaction answered
-    /// after a later batch) never overwrites a newer one.
+    /// The counts a write transaction leaves, read while it holds redb's
+    /// writer lock, so that the order in which they are made is the order
+    /// of the commits: [`outbox_depth`] publishes them after the commit,
+    /// and a depth published late (a caller's transaction whose hooks run
+    /// after those of a later batch) never overwrites a newer one.
     pub(crate) fn new(
         pending: u64,
         dispatching: u64,

@@ -334,7 +334,7 @@ impl Counters {
     /// does): a dispatcher calls both for an entry it sent, `settled` alone
     /// for one it gives back unsent.
     #[cfg_attr(
-        not(test),
+        not(all(test, feature = "tracing", feature = "metrics")),
         expect(
             dead_code,
             reason = "the send loop in dispatch/mod.rs is to call it after each send"
