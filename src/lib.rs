@@ -154,6 +154,7 @@ mod inbox;
 #[cfg(feature = "middleware")]
 #[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
+mod observe;
 mod outbox;
 mod schema;
 mod store;

@@ -11,6 +11,7 @@ use super::stats::LastError;
 use crate::error::Result;
 use crate::idempotency::IdempotencyKeys;
 use crate::inbox::Inbox;
+use crate::observe;
 use crate::outbox::Outbox;
 
 /// Default time between janitor runs: 1 hour.
@@ -104,6 +105,7 @@ impl Janitor {
                 .and_then(|k| now.checked_sub_signed(k))
                 .unwrap_or(DateTime::<Utc>::MIN_UTC)
         };
+        let run = observe::Stopwatch::start();
         let mut report = JanitorReport::default();
         if let Some((outbox, keep)) = &self.outbox {
             report.outbox_purged = outbox.purge_finished(before(*keep))?;
@@ -114,6 +116,12 @@ impl Janitor {
         if let Some(keys) = &self.keys {
             report.keys_purged = keys.purge_expired(before(keys.ttl()))?;
         }
+        observe::janitor_run(
+            report.outbox_purged,
+            report.inbox_pruned,
+            report.keys_purged,
+            run,
+        );
         Ok(report)
     }
 

@@ -1,5 +1,6 @@
 //! [`DispatchStats`]: what a dispatcher did, for metrics and reports.
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -8,7 +9,8 @@ use parking_lot::Mutex;
 
 use super::janitor::{JanitorReport, JanitorStats};
 use crate::error::Error;
-use crate::outbox::Settlement;
+use crate::observe::{self, Settled};
+use crate::outbox::{OutboxEntry, Settlement};
 
 /// Counters of a running dispatcher, its enqueue→send latency, and the last
 /// error its threads ran into.
@@ -176,6 +178,94 @@ impl Histogram {
     }
 }
 
+/// The enqueue→send latency of [`DispatchStats::latency`]; each sample is
+/// also reported (`crate::observe`).
+#[derive(Debug, Default)]
+pub(crate) struct EnqueueLatency(Histogram);
+
+impl EnqueueLatency {
+    pub(crate) fn record(&mut self, d: Duration) {
+        self.0.record(d);
+        observe::dispatch_latency(d);
+    }
+
+    fn summary(&self) -> LatencySummary {
+        self.0.summary()
+    }
+}
+
+/// A counter of [`Counters`]: [`bump`] adds to it.
+pub(crate) trait Tally {
+    fn add(&self, n: u64);
+    fn get(&self) -> u64;
+}
+
+impl Tally for AtomicU64 {
+    fn add(&self, n: u64) {
+        self.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u64 {
+        self.load(Ordering::Relaxed)
+    }
+}
+
+/// What a [`Reported`] counter reports with each bump.
+pub(crate) trait Report {
+    fn report(n: u64);
+}
+
+/// A counter whose every bump is also reported (`crate::observe`), so that
+/// the dispatcher's `bump(&counters.released, n)` is the one call for both.
+pub(crate) struct Reported<R>(AtomicU64, PhantomData<R>);
+
+impl<R> Default for Reported<R> {
+    fn default() -> Self {
+        Reported(AtomicU64::new(0), PhantomData)
+    }
+}
+
+impl<R> std::fmt::Debug for Reported<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<R: Report> Tally for Reported<R> {
+    fn add(&self, n: u64) {
+        self.0.add(n);
+        R::report(n);
+    }
+
+    fn get(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+/// Sends that panicked.
+pub(crate) struct Panics;
+impl Report for Panics {
+    fn report(n: u64) {
+        observe::send_panicked(n);
+    }
+}
+
+/// Settlements refused by their fence.
+pub(crate) struct Fenced;
+impl Report for Fenced {
+    fn report(n: u64) {
+        observe::fenced(n);
+    }
+}
+
+/// Claims the reaper released.
+pub(crate) struct Released;
+impl Report for Released {
+    fn report(n: u64) {
+        observe::reaper_released(n);
+    }
+}
+
 /// The live counters behind [`DispatchStats`].
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -183,19 +273,36 @@ pub(crate) struct Counters {
     pub(crate) retried: AtomicU64,
     pub(crate) failed: AtomicU64,
     pub(crate) outcome_unknown: AtomicU64,
-    pub(crate) panics: AtomicU64,
-    pub(crate) fenced: AtomicU64,
-    pub(crate) released: AtomicU64,
+    pub(crate) panics: Reported<Panics>,
+    pub(crate) fenced: Reported<Fenced>,
+    pub(crate) released: Reported<Released>,
     pub(crate) returned: AtomicU64,
     pub(crate) store_errors: AtomicU64,
-    pub(crate) latency: Mutex<Histogram>,
+    pub(crate) latency: Mutex<EnqueueLatency>,
     last_error: Mutex<Option<LastError>>,
     /// `Some` when the dispatcher runs a janitor.
     janitor: Mutex<Option<JanitorStats>>,
 }
 
-pub(crate) fn bump(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
+pub(crate) fn bump(c: &impl Tally, n: u64) {
+    c.add(n);
+}
+
+/// How `settlement` is counted and reported.
+fn outcome(settlement: &Settlement) -> Settled {
+    match settlement {
+        Settlement::Completed => Settled::Delivered,
+        Settlement::Failed {
+            next_attempt_at: Some(_),
+            ..
+        } => Settled::Retried,
+        Settlement::Failed {
+            next_attempt_at: None,
+            ..
+        } => Settled::Failed,
+        Settlement::OutcomeUnknown { .. } => Settled::OutcomeUnknown,
+        Settlement::Rescheduled { .. } => Settled::Returned,
+    }
 }
 
 impl Counters {
@@ -210,30 +317,64 @@ impl Counters {
     /// Counts how a worker settles an attempt (or gives an entry back
     /// unsent): the one place the outcome counters change.
     pub(crate) fn settled(&self, settlement: &Settlement) {
-        let counter = match settlement {
-            Settlement::Completed => &self.delivered,
-            Settlement::Failed {
-                next_attempt_at: Some(_),
-                ..
-            } => &self.retried,
-            Settlement::Failed {
-                next_attempt_at: None,
-                ..
-            } => &self.failed,
-            Settlement::OutcomeUnknown { .. } => &self.outcome_unknown,
-            Settlement::Rescheduled { .. } => &self.returned,
+        let outcome = outcome(settlement);
+        let counter = match outcome {
+            Settled::Delivered => &self.delivered,
+            Settled::Retried => &self.retried,
+            Settled::Failed => &self.failed,
+            Settled::OutcomeUnknown => &self.outcome_unknown,
+            Settled::Returned => &self.returned,
         };
         bump(counter, 1);
+        observe::settled(outcome);
     }
 
-    /// Counts a failed store call and keeps it as the last error.
+    /// Reports one attempt: `entry` was sent, its `send` took `took`, and
+    /// it is settled as `settlement`. Counts nothing ([`Counters::settled`]
+    /// does): a dispatcher calls both for an entry it sent, `settled` alone
+    /// for one it gives back unsent.
+    #[cfg_attr(
+        not(all(test, feature = "tracing", feature = "metrics")),
+        expect(
+            dead_code,
+            reason = "the send loop in dispatch/mod.rs is to call it after each send"
+        )
+    )]
+    #[expect(
+        clippy::unused_self,
+        reason = "one of the dispatcher's calls on its counters, though it counts nothing"
+    )]
+    pub(crate) fn attempted(&self, entry: &OutboxEntry, settlement: &Settlement, took: Duration) {
+        let reason = match settlement {
+            Settlement::Failed { reason, .. } => Some(reason.as_str()),
+            _ => None,
+        };
+        observe::attempt(
+            entry.id.0,
+            &entry.destination,
+            entry.attempt_count,
+            outcome(settlement),
+            reason,
+            took,
+        );
+    }
+
+    /// Counts a failed store call, reports it and keeps it as the last
+    /// error.
     pub(crate) fn store_error(&self, at: DateTime<Utc>, during: &'static str, error: &Error) {
         bump(&self.store_errors, 1);
-        self.last_error(LastError::new(at, during, error));
+        observe::store_error(during, error);
+        self.keep(LastError::new(at, during, error));
     }
 
-    /// Keeps `error` as the last error.
+    /// Reports and keeps `error`, which ended a thread (a panic), as the
+    /// last error.
     pub(crate) fn last_error(&self, error: LastError) {
+        observe::thread_panicked(error.during, &error.message);
+        self.keep(error);
+    }
+
+    fn keep(&self, error: LastError) {
         *self.last_error.lock() = Some(error);
     }
 
@@ -258,17 +399,16 @@ impl Counters {
     }
 
     pub(crate) fn snapshot(&self) -> DispatchStats {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         DispatchStats {
-            delivered: get(&self.delivered),
-            retried: get(&self.retried),
-            failed: get(&self.failed),
-            outcome_unknown: get(&self.outcome_unknown),
-            panics: get(&self.panics),
-            fenced: get(&self.fenced),
-            released: get(&self.released),
-            returned: get(&self.returned),
-            store_errors: get(&self.store_errors),
+            delivered: self.delivered.get(),
+            retried: self.retried.get(),
+            failed: self.failed.get(),
+            outcome_unknown: self.outcome_unknown.get(),
+            panics: self.panics.get(),
+            fenced: self.fenced.get(),
+            released: self.released.get(),
+            returned: self.returned.get(),
+            store_errors: self.store_errors.get(),
             latency: self.latency.lock().summary(),
             last_error: self.last_error.lock().clone(),
             janitor: self.janitor.lock().clone(),
@@ -279,6 +419,64 @@ impl Counters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(all(feature = "tracing", feature = "metrics"))]
+    #[test]
+    fn an_attempt_is_reported_with_its_entry_outcome_and_send_time() {
+        use crate::observe::capture::{Events, Metrics};
+        use crate::outbox::{OutboxId, OutboxStatus};
+
+        let at = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let entry = OutboxEntry {
+            id: OutboxId(7),
+            command_id: "cmd-7".into(),
+            destination: "mailer".into(),
+            idempotency_key: "key-7".into(),
+            payload: Vec::new(),
+            status: OutboxStatus::Dispatching,
+            attempt_count: 2,
+            next_attempt_at: None,
+            created_at: at,
+            completed_at: None,
+        };
+        let retry = Settlement::Failed {
+            reason: "http_500".into(),
+            next_attempt_at: Some(at),
+        };
+        let (events, metrics) = (Events::default(), Metrics::default());
+        let counters = Counters::default();
+        tracing::subscriber::with_default(events.clone(), || {
+            metrics::with_local_recorder(&metrics, || {
+                counters.attempted(&entry, &retry, Duration::from_millis(3));
+                counters.attempted(&entry, &Settlement::Completed, Duration::from_millis(1));
+            });
+        });
+
+        let attempts = events.named("idemstore::dispatch", "attempt");
+        assert_eq!(attempts.len(), 2, "{attempts:#?}");
+        let retried = &attempts[0];
+        assert_eq!(retried.level, tracing::Level::INFO);
+        for (field, value) in [
+            ("id", "7"),
+            ("destination", "mailer"),
+            ("attempt", "2"),
+            ("outcome", "retried"),
+            ("reason", "http_500"),
+            ("latency_us", "3000"),
+        ] {
+            assert_eq!(retried.field(field), Some(value), "{field}");
+        }
+        let delivered = &attempts[1];
+        assert_eq!(delivered.level, tracing::Level::DEBUG);
+        assert_eq!(delivered.field("outcome"), Some("delivered"));
+        assert_eq!(delivered.field("reason"), None);
+        let send =
+            |outcome| metrics.histogram("idemstore_dispatch_send_seconds", &[("outcome", outcome)]);
+        assert_eq!(send("retried"), [0.003]);
+        assert_eq!(send("delivered"), [0.001]);
+        // Counting is `settled`'s.
+        assert_eq!(counters.snapshot().retried, 0);
+    }
 
     #[test]
     fn quantiles_are_within_a_bucket() {

@@ -69,6 +69,7 @@ use super::scope::{HookFrame, run_hooks};
 use super::shared::Shared;
 use super::wake::{Notify, Reply, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
+use crate::observe;
 
 /// A queued operation, as the batch leader sees it.
 pub(super) trait Job: Send {
@@ -233,7 +234,9 @@ impl Shared {
             && let Err(panic) = catch_unwind(AssertUnwindSafe(|| run_batch(self, &mut batch)))
         {
             self.lose_open();
-            batch.fail_rest(&Error::panicked("a batch commit", &*panic));
+            let e = Error::panicked("a batch commit", &*panic);
+            observe::engine_broken("a batch commit", &e);
+            batch.fail_rest(&e);
         }
         self.hand_on_lead();
         wake(batch.answers);
@@ -370,7 +373,9 @@ fn begin_or_resume(
         Ok(tx) => Some(OpenTx::new(tx)),
         Err(e) => {
             shared.mark_broken();
-            batch.fail_rest(&Error::from(e));
+            let e = Error::from(e);
+            observe::engine_broken("beginning a batch", &e);
+            batch.fail_rest(&e);
             None
         }
     }
@@ -425,7 +430,9 @@ fn roll_back_without(
         Ok(tx) => tx,
         Err(e) => {
             shared.lose_open();
-            batch.fail_rest(&Error::from(e));
+            let e = Error::from(e);
+            observe::engine_broken("a batch rollback", &e);
+            batch.fail_rest(&e);
             return None;
         }
     };
@@ -434,7 +441,9 @@ fn roll_back_without(
         // log held is lost, as a crash would have lost it.
         let _ = tx.abort();
         shared.lose_open();
-        batch.fail_rest(&previous_commit_failed());
+        let e = previous_commit_failed();
+        observe::engine_broken("a batch rollback", &e);
+        batch.fail_rest(&e);
         return None;
     }
     Some(OpenTx { tx, log, hooks })
@@ -532,12 +541,15 @@ fn commit_and_answer(
     let OpenTx { tx, log, mut hooks } = work;
     hooks.extend(frame.take());
     drop(frame);
+    let ops = log.len() + batch.jobs.len();
+    let commit = observe::Stopwatch::start();
     let outcome = shared.commit(tx, durable);
     // Committed or lost: nothing is open any more.
     shared.pending.store(false, Ordering::SeqCst);
     drop(log);
     match outcome {
         Ok(()) => {
+            observe::batch_committed(ops, durable, commit);
             batch.hook_panic = run_hooks(hooks);
             batch.commit_rest();
         }

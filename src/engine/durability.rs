@@ -40,6 +40,7 @@ use redb::WriteTransaction;
 use super::batch::Needs;
 use super::shared::Shared;
 use crate::error::{Error, Result};
+use crate::observe;
 
 /// Durability bookkeeping shared by all callers.
 #[derive(Debug, Default)]
@@ -144,7 +145,9 @@ impl Shared {
         if let Err(e) = set {
             let _ = tx.abort();
             self.mark_broken();
-            return Err(e.into());
+            let e = Error::from(e);
+            observe::engine_broken("a batch commit", &e);
+            return Err(e);
         }
         let seq = if durable {
             self.begin_durable()
@@ -162,7 +165,9 @@ impl Shared {
             }
             Err(e) => {
                 self.mark_broken();
-                Err(Error::from(e))
+                let e = Error::from(e);
+                observe::engine_broken("a batch commit", &e);
+                Err(e)
             }
         }
     }
@@ -174,15 +179,18 @@ impl Shared {
     /// resumed.
     pub(super) fn commit_own_write(&self, tx: WriteTransaction) -> Result<u64> {
         let seq = self.next_seq();
+        let commit = observe::Stopwatch::start();
         match catch_unwind(AssertUnwindSafe(|| tx.commit())) {
             Ok(committed) => committed.map_err(Error::from)?,
             Err(panic) => {
                 // The commit's fate is unknown: nothing more can be
                 // promised on top of it.
                 self.mark_broken();
+                observe::engine_broken("a caller's commit", &Error::panicked("a commit", &*panic));
                 resume_unwind(panic)
             }
         }
+        observe::own_write_committed(commit);
         self.commits.fetch_add(1, Ordering::Relaxed);
         Ok(seq)
     }

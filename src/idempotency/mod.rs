@@ -57,8 +57,9 @@ use chrono::{DateTime, Utc};
 use redb::WriteTransaction;
 
 use crate::codec::micros;
-use crate::engine::Engine;
+use crate::engine::{Engine, after_commit};
 use crate::error::{Error, Result};
+use crate::observe::{self, Idempotency as Outcome};
 use crate::schema::{IDEM, open_read};
 
 pub use inspect::KeySummary;
@@ -332,6 +333,11 @@ impl IdempotencyKeys {
                 bump(&self.counters.reserved, 1);
                 bump(&self.counters.takeovers, u64::from(takeover));
                 bump(&self.counters.expired_deleted, u64::from(expired));
+                observe::idempotency(if takeover {
+                    Outcome::Takeover
+                } else {
+                    Outcome::Proceed
+                });
                 Ok(Begin::Proceed(Reservation {
                     tenant: tenant.to_owned(),
                     key: key.to_owned(),
@@ -349,14 +355,17 @@ impl IdempotencyKeys {
             Look::Replay(row) => {
                 let r = to_response(tenant, key, row)?;
                 bump(&self.counters.replays, 1);
+                observe::idempotency(Outcome::Replay);
                 Ok(Begin::Replay(r))
             }
             Look::Mismatch(stored_fingerprint) => {
                 bump(&self.counters.mismatches, 1);
+                observe::idempotency(Outcome::Mismatch);
                 Ok(Begin::Mismatch { stored_fingerprint })
             }
             Look::InFlight(until) => {
                 bump(&self.counters.in_flight, 1);
+                observe::idempotency(Outcome::InFlight);
                 Ok(Begin::InFlight {
                     lease_until: row_time(tenant, key, until)?,
                 })
@@ -388,6 +397,7 @@ impl IdempotencyKeys {
             .engine
             .execute(move |tx| ops::complete(tx, &t, &k, &row))?;
         self.count_completion(done);
+        observe::idempotency(completion(done));
         Ok(done)
     }
 
@@ -410,6 +420,11 @@ impl IdempotencyKeys {
         let row = self.reservation_row(r, response, now)?;
         let done = ops::complete(tx, &r.tenant, &r.key, &row)?;
         self.count_completion(done);
+        if observe::ENABLED {
+            // Reported once the caller's transaction commits, never if it
+            // rolls back.
+            after_commit(move || observe::idempotency(completion(done)));
+        }
         Ok(done)
     }
 
@@ -481,6 +496,15 @@ impl IdempotencyKeys {
             &record.response_body,
             self.max_body,
         )
+    }
+}
+
+/// How a `complete` that stored (`done`) or was fenced out is reported.
+fn completion(done: bool) -> Outcome {
+    if done {
+        Outcome::Stored
+    } else {
+        Outcome::FencedOut
     }
 }
 

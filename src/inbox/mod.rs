@@ -25,8 +25,9 @@ use chrono::{DateTime, Utc};
 use redb::{TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
-use crate::engine::Engine;
+use crate::engine::{Engine, after_commit};
 use crate::error::{Error, Result, check_len};
+use crate::observe;
 use crate::schema::{INBOX, INBOX_COUNT, INBOX_JOURNAL, open_read};
 
 pub(crate) use inspect::{check_indexes, names};
@@ -94,14 +95,17 @@ impl Inbox {
         // When the writer is idle, a duplicate is answered from a read,
         // without a commit. Under load a commit is on its way anyway and the
         // claim rides in it: the extra read would only cost time.
-        if !self.engine.is_busy() && self.seen_durable(event_key)? {
-            return Ok(false);
-        }
-        let (journal, name) = (self.journal.clone(), self.name.clone());
-        let key = event_key.to_owned();
-        let at = micros(seen_at);
-        self.engine
-            .execute(move |tx| ops::claim(tx, &journal, &name, &key, at))
+        let applied = if !self.engine.is_busy() && self.seen_durable(event_key)? {
+            false
+        } else {
+            let (journal, name) = (self.journal.clone(), self.name.clone());
+            let key = event_key.to_owned();
+            let at = micros(seen_at);
+            self.engine
+                .execute(move |tx| ops::claim(tx, &journal, &name, &key, at))?
+        };
+        observe::claim(&self.name, applied);
+        Ok(applied)
     }
 
     /// Records many event keys in one commit, for a caller that holds many
@@ -126,11 +130,13 @@ impl Inbox {
         }
         let (journal, name) = (self.journal.clone(), self.name.clone());
         let at = micros(seen_at);
-        self.engine.execute(move |tx| {
+        let claimed: Vec<bool> = self.engine.execute(move |tx| {
             keys.iter()
                 .map(|k| ops::claim(tx, &journal, &name, k, at))
                 .collect()
-        })
+        })?;
+        observe::claims(&self.name, &claimed);
+        Ok(claimed)
     }
 
     /// Claims `event_key` and, on its first delivery, runs `effect` in the
@@ -163,15 +169,18 @@ impl Inbox {
         check_event_key(event_key)?;
         // A replay is answered from a read, without taking the writer.
         if self.seen_durable(event_key)? {
+            observe::claim(&self.name, false);
             return Ok(Claim::Duplicate);
         }
         let at = micros(seen_at);
-        self.engine.write(|tx| {
+        let claim = self.engine.write(|tx| {
             if !ops::claim(tx, &self.journal, &self.name, event_key, at)? {
                 return Ok(Claim::Duplicate);
             }
             effect(tx).map(Claim::Applied)
-        })
+        })?;
+        observe::claim(&self.name, claim.is_applied());
+        Ok(claim)
     }
 
     /// Claims `event_key` inside the caller's own write transaction (from
@@ -184,7 +193,14 @@ impl Inbox {
         seen_at: DateTime<Utc>,
     ) -> Result<bool> {
         check_event_key(event_key)?;
-        ops::claim(tx, &self.journal, &self.name, event_key, micros(seen_at))
+        let applied = ops::claim(tx, &self.journal, &self.name, event_key, micros(seen_at))?;
+        if observe::ENABLED {
+            // Counted once the caller's transaction commits, never if it
+            // rolls back.
+            let name = self.name.clone();
+            after_commit(move || observe::claim(&name, applied));
+        }
+        Ok(applied)
     }
 
     /// Whether `event_key` is claimed; a `true` is returned only once that

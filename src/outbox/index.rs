@@ -313,6 +313,7 @@ impl<'tx> Tables<'tx> {
                 self.count.insert(code, next)?;
             }
         }
+        super::depth::report_after_commit(&self.count);
         Ok(())
     }
 }

@@ -74,6 +74,7 @@
 //! history, written in the same transaction: see `src/outbox/index.rs` for
 //! the invariants, which [`Outbox::check_indexes`] verifies.
 
+mod depth;
 mod index;
 mod notifier;
 mod ops;
