@@ -26,7 +26,7 @@ use hyper_util::rt::TokioExecutor;
 use idemstore::redb::{TableDefinition, TableHandle as _};
 use idemstore::{
     Clock, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxEntry, OutboxId,
-    OutboxStatus, REASON_MAX_ATTEMPTS, REASON_PANIC, Result, RetryPolicy, Store,
+    OutboxStatus, REASON_MAX_ATTEMPTS, REASON_PANIC, RetryPolicy, Store,
 };
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -81,8 +81,11 @@ async fn pass(gate: &mut watch::Receiver<bool>) {
 /// order.
 #[derive(Clone, Default)]
 struct Remote {
-    received: Arc<Mutex<Vec<(String, String, Vec<u8>)>>>,
+    received: Arc<Mutex<Vec<Received>>>,
 }
+
+/// One request the remote received: `(destination, idempotency key, body)`.
+type Received = (String, String, Vec<u8>);
 
 /// `POST /{destination}`: 200, except `flaky` (503 the first time a key
 /// comes) and `gone` (410).
@@ -634,6 +637,23 @@ fn plan(i: usize) -> Plan {
     }
 }
 
+/// What the send of entry `i` returns, on its first attempt or a later
+/// one (the panics aside).
+fn planned(i: usize, first: bool) -> Delivery {
+    match (plan(i), first) {
+        (Plan::RetryOnce, true) => Delivery::Retry {
+            reason: "timeout".into(),
+        },
+        (Plan::Fail, _) => Delivery::Failed {
+            reason: "rejected".into(),
+        },
+        (Plan::Unknown, _) => Delivery::OutcomeUnknown {
+            remote_ref: Some(format!("ref-{i}")),
+        },
+        _ => Delivery::Delivered,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_entries_end_where_their_sender_sends_them() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -670,26 +690,11 @@ async fn a_thousand_entries_end_where_their_sender_sends_them() -> TestResult {
             let (flight, done) = (flight.clone(), done.clone());
             async move {
                 tokio::task::yield_now().await;
-                let outcome = match (plan(i), first) {
-                    (Plan::PanicInFutureOnce, true) => {
-                        flight.lock().remove(&e.id);
-                        panic!("sender bug in the future of {i}");
-                    }
-                    (Plan::Deliver, _)
-                    | (Plan::RetryOnce | Plan::PanicOnce | Plan::PanicInFutureOnce, false) => {
-                        Delivery::Delivered
-                    }
-                    (Plan::RetryOnce, true) => Delivery::Retry {
-                        reason: "timeout".into(),
-                    },
-                    (Plan::Fail, _) => Delivery::Failed {
-                        reason: "rejected".into(),
-                    },
-                    (Plan::Unknown, _) => Delivery::OutcomeUnknown {
-                        remote_ref: Some(format!("ref-{i}")),
-                    },
-                    (Plan::PanicOnce, true) => unreachable!(),
-                };
+                if plan(i) == Plan::PanicInFutureOnce && first {
+                    flight.lock().remove(&e.id);
+                    panic!("sender bug in the future of {i}");
+                }
+                let outcome = planned(i, first);
                 if outcome == Delivery::Delivered {
                     *done.lock().entry(e.id).or_default() += 1;
                 }

@@ -332,8 +332,8 @@ async fn unwind<T>(error: JoinError) -> T {
 async fn reaper(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     let mut changes = ctx.clock.changes_async();
     while !ctx.stopping() {
-        let step = ctx.clone();
-        blocking(move || worker::reap(&step)).await;
+        let shared = ctx.clone();
+        blocking(move || worker::reap(&shared)).await;
         if !pause(worker::reaper_period(&ctx), &mut changes, &mut stop).await {
             break;
         }
@@ -345,11 +345,11 @@ async fn run_janitor(ctx: Arc<Ctx>, janitor: Arc<Janitor>, mut stop: watch::Rece
     let mut changes = ctx.clock.changes_async();
     let mut next = ctx.clock.now();
     while !ctx.stopping() {
-        let (step, janitor) = (ctx.clone(), janitor.clone());
+        let (shared, janitor) = (ctx.clone(), janitor.clone());
         let wait;
         (wait, next) = blocking(move || {
-            let wait = janitor.turn(&*step.clock, &mut next, &|at, outcome| {
-                step.counters.janitor_run(at, outcome);
+            let wait = janitor.turn(&*shared.clock, &mut next, &|at, outcome| {
+                shared.counters.janitor_run(at, outcome);
             });
             (wait, next)
         })
@@ -552,10 +552,10 @@ impl Claimer {
             if stop.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Event::Stop);
             }
-            if let Some(commit) = commit.as_mut() {
-                if let Poll::Ready(done) = Pin::new(commit).poll(cx) {
-                    return Poll::Ready(Event::Committed(done));
-                }
+            if let Some(commit) = commit.as_mut()
+                && let Poll::Ready(done) = Pin::new(commit).poll(cx)
+            {
+                return Poll::Ready(Event::Committed(done));
             }
             if let Poll::Ready(Some(sent)) = sends.poll_join_next(cx) {
                 return Poll::Ready(Event::Sent(sent));

@@ -12,9 +12,7 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, Sender, select};
 
 use super::stats::{DispatchStats, LastError};
-use super::worker::{
-    self, BACK_OFF, BackOff, Ctx, IDLE_CAP, Rng, claim_cycle, give_back, sending, sent,
-};
+use super::worker::{self, BACK_OFF, Ctx, IDLE_CAP, Rng, claim_cycle, give_back, sending, sent};
 use super::{Delivery, DispatcherBuilder, Parts};
 use crate::error::{Error, Result};
 use crate::outbox::{Fence, OutboxEntry, Settlement};
@@ -195,24 +193,18 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, stop: &Receiver<()>) {
     // claim: one durable commit per batch instead of two.
     let mut settlements: Vec<(Fence, Settlement)> = Vec::new();
     while !ctx.stopping() {
-        let entries = match claim_cycle(ctx, &mut settlements, ctx.batch_size, worker_id) {
-            Ok(entries) => entries,
-            Err(BackOff) => {
+        let Ok(entries) = claim_cycle(ctx, &mut settlements, ctx.batch_size, worker_id) else {
+            if !back_off(ctx, stop) {
+                break;
+            }
+            continue;
+        };
+        if entries.is_empty() {
+            let Ok(next) = worker::next_due(ctx) else {
                 if !back_off(ctx, stop) {
                     break;
                 }
                 continue;
-            }
-        };
-        if entries.is_empty() {
-            let next = match worker::next_due(ctx) {
-                Ok(next) => next,
-                Err(BackOff) => {
-                    if !back_off(ctx, stop) {
-                        break;
-                    }
-                    continue;
-                }
             };
             if !wait(ctx, next, IDLE_CAP, &wake, &changes, stop) {
                 break;
