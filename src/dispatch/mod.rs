@@ -6,7 +6,7 @@
 //! retry, fencing, stats, reaper, janitor): worker threads
 //! ([`DispatcherBuilder::start`], a blocking `send`) and, with feature
 //! `tokio`, tasks on the caller's runtime
-//! ([`DispatcherBuilder::start_async`], an async `send`).
+//! (`DispatcherBuilder::start_async`, an async `send`).
 //!
 //! # Guarantees
 //!
@@ -31,7 +31,11 @@
 //! janitor's runs and its last error are in [`DispatchStats::janitor`]. A
 //! thread that panics (a [`Clock`] that panicked: a panicking `send` is
 //! caught and retried) is kept there too, and its join in
-//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`].
+//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`]. So does a
+//! task of the async dispatcher, at its `shutdown().await`; if the task
+//! that panicked is the one that claims, the sends it had in flight end
+//! with it and their claims wait for a reaper, as a panicked worker
+//! thread's do.
 //!
 //! # Wake-ups
 //!
@@ -169,17 +173,16 @@ impl std::fmt::Debug for DispatcherBuilder {
 
 impl DispatcherBuilder {
     /// Worker threads, each claiming and sending its own batches. With
-    /// [`start_async`](DispatcherBuilder::start_async): the most sends in
-    /// flight at once (async sends are cheap: set it well above the
-    /// runtime's thread count when sends wait on the network). Default: 2.
+    /// `start_async`: the most sends in flight at once (async sends are
+    /// cheap: set it well above the runtime's thread count when sends wait
+    /// on the network). Default: 2.
     pub fn workers(mut self, n: usize) -> Self {
         self.workers = n.max(1);
         self
     }
 
-    /// Entries a worker claims at once. With
-    /// [`start_async`](DispatcherBuilder::start_async): the most entries
-    /// claimed ahead of a free send slot. Default: 16.
+    /// Entries a worker claims at once. With `start_async`: the most
+    /// entries claimed ahead of a free send slot. Default: 16.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self
@@ -187,7 +190,9 @@ impl DispatcherBuilder {
 
     /// How long a claim holds its entry. Default: 60 s. The reaper releases
     /// claims older than this (a crashed process's entries are sent again),
-    /// so it must exceed the time a worker needs for one batch of sends.
+    /// so it must exceed the time a worker needs for one batch of sends
+    /// (with `start_async`: the slowest send, plus the wait of an entry
+    /// claimed ahead for a free slot).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(1));
         self
@@ -205,9 +210,8 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The prefix of the workers' ids (`{prefix}-{n}`; with
-    /// [`start_async`](DispatcherBuilder::start_async), `{prefix}-async`),
-    /// stored on their claims. Default: `dispatcher`.
+    /// The prefix of the workers' ids (`{prefix}-{n}`; with `start_async`,
+    /// `{prefix}-async`), stored on their claims. Default: `dispatcher`.
     pub fn worker_id(mut self, prefix: impl Into<String>) -> Self {
         self.worker_id = prefix.into();
         self

@@ -63,7 +63,9 @@ pub struct LastError {
     /// reaper's `"reaper"`; the janitor's `"janitor"`. A thread that
     /// panicked: `"a dispatcher worker thread"`, `"the dispatcher's reaper
     /// thread"`, `"the dispatcher's janitor thread"` (the same words as the
-    /// [`Error::Panicked`] its join returns).
+    /// [`Error::Panicked`] its join returns); with `start_async`, a task:
+    /// `"the async dispatcher's claimer task"`, `"the async dispatcher's
+    /// reaper task"`, `"the async dispatcher's janitor task"`.
     pub during: &'static str,
     /// The error, as its `Display` reads.
     pub message: String,
