@@ -450,10 +450,12 @@ impl Claimer {
             if self.ctx.stopping() {
                 // Give the unsent back, due now; let the sends in flight
                 // and the commit in progress finish.
-                let now = self.ctx.clock.now();
-                for entry in std::mem::take(&mut self.waiting) {
-                    let give_back = worker::give_back(&self.ctx, &entry, now);
-                    self.settlements.push(give_back);
+                if !self.waiting.is_empty() {
+                    let now = self.ctx.clock.now();
+                    for entry in std::mem::take(&mut self.waiting) {
+                        let give_back = worker::give_back(&self.ctx, &entry, now);
+                        self.settlements.push(give_back);
+                    }
                 }
                 if self.sends.is_empty() && self.commit.is_none() {
                     break;
