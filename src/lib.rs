@@ -165,6 +165,8 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
+#[cfg(feature = "tokio")]
+pub use dispatch::AsyncDispatcherHandle;
 pub use dispatch::{
     Clock, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_LEASE, DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION,
     DEFAULT_WORKERS, Delivery, DispatchStats, Dispatcher, DispatcherBuilder, DispatcherHandle,
@@ -232,6 +234,13 @@ const _: () = {
     send_sync::<DispatchStats>();
     send_sync::<JanitorStats>();
     send_sync::<JanitorReport>();
+};
+
+// The async dispatcher's handle moves between tasks and threads.
+#[cfg(feature = "tokio")]
+const _: () = {
+    const fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<AsyncDispatcherHandle>();
 };
 
 // The layer and its service cross threads with the server that runs them; the

@@ -20,6 +20,19 @@ pub trait Clock: Send + Sync + 'static {
     fn changes(&self) -> Option<Receiver<()>> {
         None
     }
+
+    /// [`Clock::changes`] for async waiters (the dispatcher started with
+    /// [`start_async`](crate::DispatcherBuilder::start_async)): a watch
+    /// receiver marked changed whenever the clock jumps; its tasks await
+    /// `changed()`. `None` (the default) for clocks that move with real
+    /// time. A clock that wraps a [`ManualClock`] forwards both methods, or
+    /// an async dispatcher only notices its jumps when a timer it set (by
+    /// real time) fires.
+    #[cfg(feature = "tokio")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+    fn changes_async(&self) -> Option<tokio::sync::watch::Receiver<()>> {
+        None
+    }
 }
 
 /// The system's wall clock.
@@ -80,6 +93,11 @@ impl Clock for ManualClock {
     fn changes(&self) -> Option<Receiver<()>> {
         Some(self.inner.watchers.subscribe())
     }
+
+    #[cfg(feature = "tokio")]
+    fn changes_async(&self) -> Option<tokio::sync::watch::Receiver<()>> {
+        Some(self.inner.watchers.subscribe_async())
+    }
 }
 
 #[cfg(test)]
@@ -101,5 +119,20 @@ mod tests {
         assert_eq!(clock.now(), start);
         assert!(changes.try_recv().is_ok());
         assert!(SystemClock.changes().is_none());
+    }
+
+    #[cfg(feature = "tokio")]
+    #[test]
+    fn manual_clock_signals_async_waiters() {
+        let start = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let clock = ManualClock::new(start);
+        let mut changes = clock.changes_async().unwrap();
+        assert!(!changes.has_changed().unwrap());
+        clock.advance(Duration::from_secs(1));
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        clock.set(start);
+        assert!(changes.has_changed().unwrap());
+        assert!(SystemClock.changes_async().is_none());
     }
 }

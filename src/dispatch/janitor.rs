@@ -134,27 +134,40 @@ impl Janitor {
         stop: &Receiver<()>,
         record: &dyn Fn(DateTime<Utc>, &Result<JanitorReport>),
     ) {
-        let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
-        let period = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
         let changes = clock.changes().unwrap_or_else(crossbeam_channel::never);
         let mut next = clock.now();
         loop {
-            let now = clock.now();
-            if now >= next {
-                record(now, &self.run_once(now));
-                next = now
-                    .checked_add_signed(period)
-                    .unwrap_or(DateTime::<Utc>::MAX_UTC);
-            }
-            let wait = (next - clock.now())
-                .to_std()
-                .unwrap_or(Duration::ZERO)
-                .min(interval);
+            let wait = self.turn(clock, &mut next, record);
             select! {
                 recv(stop) -> _ => return,
                 recv(changes) -> _ => {}
                 default(wait) => {}
             }
         }
+    }
+
+    /// One turn of a dispatcher's janitor loop (threads or tasks): runs
+    /// every task if `next` has come (its time and outcome go to `record`)
+    /// and moves `next` an interval on; returns how long to wait before the
+    /// next turn (at most an interval: a clock change ends the wait early).
+    pub(crate) fn turn(
+        &self,
+        clock: &dyn Clock,
+        next: &mut DateTime<Utc>,
+        record: &dyn Fn(DateTime<Utc>, &Result<JanitorReport>),
+    ) -> Duration {
+        let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
+        let period = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
+        let now = clock.now();
+        if now >= *next {
+            record(now, &self.run_once(now));
+            *next = now
+                .checked_add_signed(period)
+                .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        }
+        (*next - clock.now())
+            .to_std()
+            .unwrap_or(Duration::ZERO)
+            .min(interval)
     }
 }

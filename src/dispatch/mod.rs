@@ -2,6 +2,12 @@
 //! entries and call your `send`, a reaper for crashed deliveries, and an
 //! optional [`Janitor`].
 //!
+//! Two runtimes share one set of steps (`worker.rs`: claim and settle,
+//! retry, fencing, stats, reaper, janitor): worker threads
+//! ([`DispatcherBuilder::start`], a blocking `send`) and, with feature
+//! `tokio`, tasks on the caller's runtime
+//! (`DispatcherBuilder::start_async`, an async `send`).
+//!
 //! # Guarantees
 //!
 //! Delivery is **at least once**. An entry is claimed (durably), sent, then
@@ -25,30 +31,36 @@
 //! janitor's runs and its last error are in [`DispatchStats::janitor`]. A
 //! thread that panics (a [`Clock`] that panicked: a panicking `send` is
 //! caught and retried) is kept there too, and its join in
-//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`].
+//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`]. So does a
+//! task of the async dispatcher, at its `shutdown().await`; if the task
+//! that panicked is the one that claims, the sends it had in flight end
+//! with it and their claims wait for a reaper, as a panicked worker
+//! thread's do.
 //!
 //! # Wake-ups
 //!
 //! No polling: an idle worker sleeps until the earliest due entry
 //! ([`Outbox::next_due`]) or until a commit that made work due wakes it
-//! ([`Outbox::subscribe`]). Never holds a read transaction while waiting.
+//! ([`Outbox::subscribe`]; async waiters are signalled by the same
+//! commits). Never holds a read transaction while waiting.
 
 mod clock;
 mod janitor;
 mod retry;
 mod stats;
+#[cfg(feature = "tokio")]
+mod tasks;
+mod threads;
+mod worker;
 
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, MAX_OUTBOX_FIELD_LEN, Outbox, OutboxEntry, Settlement};
+use crate::outbox::{MAX_OUTBOX_FIELD_LEN, Outbox, OutboxEntry, Settlement};
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use janitor::{
@@ -57,6 +69,10 @@ pub use janitor::{
 pub use retry::RetryPolicy;
 use stats::{Counters, bump};
 pub use stats::{DispatchStats, LastError, LatencySummary};
+#[cfg(feature = "tokio")]
+pub use tasks::AsyncDispatcherHandle;
+pub use threads::DispatcherHandle;
+use worker::{Ctx, Rng};
 
 /// What one `send` did, as the `send` function reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,7 +116,7 @@ pub const REASON_PANIC: &str = "panic";
 /// The reason stored for a failure whose `send` gave an empty one.
 const REASON_UNSPECIFIED: &str = "unspecified";
 
-/// Default number of worker threads: 2.
+/// Default number of worker threads (with `start_async`: sends in flight): 2.
 pub const DEFAULT_WORKERS: usize = 2;
 /// Default number of entries a worker claims at once: 16.
 pub const DEFAULT_BATCH_SIZE: usize = 16;
@@ -109,7 +125,8 @@ pub const DEFAULT_BATCH_SIZE: usize = 16;
 /// sends.
 pub const DEFAULT_CLAIM_LEASE: Duration = Duration::from_secs(60);
 
-/// Entry point: `Dispatcher::builder(outbox)…start(send)`.
+/// Entry point: `Dispatcher::builder(outbox)…start(send)` (worker threads),
+/// or `…start_async(send)` (tasks on a tokio runtime, feature `tokio`).
 #[derive(Debug)]
 pub struct Dispatcher;
 
@@ -155,13 +172,17 @@ impl std::fmt::Debug for DispatcherBuilder {
 }
 
 impl DispatcherBuilder {
-    /// Worker threads, each claiming and sending its own batches. Default: 2.
+    /// Worker threads, each claiming and sending its own batches. With
+    /// `start_async`: the most sends in flight at once (async sends are
+    /// cheap: set it well above the runtime's thread count when sends wait
+    /// on the network). Default: 2.
     pub fn workers(mut self, n: usize) -> Self {
         self.workers = n.max(1);
         self
     }
 
-    /// Entries a worker claims at once. Default: 16.
+    /// Entries a worker claims at once. With `start_async`: the most
+    /// entries claimed ahead of a free send slot. Default: 16.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self
@@ -169,7 +190,9 @@ impl DispatcherBuilder {
 
     /// How long a claim holds its entry. Default: 60 s. The reaper releases
     /// claims older than this (a crashed process's entries are sent again),
-    /// so it must exceed the time a worker needs for one batch of sends.
+    /// so it must exceed the time a worker needs for one batch of sends
+    /// (with `start_async`: the slowest send, plus the wait of an entry
+    /// claimed ahead for a free slot).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(1));
         self
@@ -187,8 +210,8 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The prefix of the workers' ids (`{prefix}-{n}`), stored on their
-    /// claims. Default: `dispatcher`.
+    /// The prefix of the workers' ids (`{prefix}-{n}`; with `start_async`,
+    /// `{prefix}-async`), stored on their claims. Default: `dispatcher`.
     pub fn worker_id(mut self, prefix: impl Into<String>) -> Self {
         self.worker_id = prefix.into();
         self
@@ -202,345 +225,35 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Starts the workers, the reaper and the janitor; `send` is called for
-    /// each claimed entry, from the worker threads (never twice at once for
-    /// one entry while its claim is live).
-    pub fn start(
-        self,
-        send: impl Fn(&OutboxEntry) -> Delivery + Send + Sync + 'static,
-    ) -> Result<DispatcherHandle> {
+    /// Checks the settings and sets up what every runtime shares.
+    fn into_parts(self) -> Result<Parts> {
         if self.worker_id.is_empty() || self.worker_id.len() > 200 {
             return Err(Error::invalid("worker_id", "must be 1 to 200 bytes"));
         }
-        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
-        let ctx = Arc::new(Ctx {
+        let ctx = Ctx {
             outbox: self.outbox,
-            send: Box::new(send),
             clock: self.clock,
             retry: self.retry,
             batch_size: self.batch_size,
             lease: self.lease,
             stopping: AtomicBool::new(false),
             counters: Counters::new(self.janitor.is_some()),
-        });
-        // From here on, an early return drops the handle, which stops and
-        // joins the threads already started.
-        let mut handle = DispatcherHandle {
+        };
+        Ok(Parts {
             ctx,
-            stop: Some(stop_tx),
-            threads: Vec::new(),
-        };
-        // The reaper first, so a restart releases a crashed run's claims
-        // before the workers look for work.
-        handle.start_thread("idemstore-reaper".into(), REAPER_THREAD, &stop_rx, reaper)?;
-        for i in 0..self.workers {
-            let id = format!("{}-{i}", self.worker_id);
-            let name = format!("idemstore-{id}");
-            handle.start_thread(name, WORKER_THREAD, &stop_rx, move |c, stop| {
-                worker(c, &id, stop);
-            })?;
-        }
-        if let Some(janitor) = self.janitor {
-            let name = "idemstore-janitor".into();
-            handle.start_thread(name, JANITOR_THREAD, &stop_rx, move |c, stop| {
-                janitor.run(&*c.clock, stop, &|at, outcome| {
-                    c.counters.janitor_run(at, outcome);
-                });
-            })?;
-        }
-        Ok(handle)
+            workers: self.workers,
+            worker_id: self.worker_id,
+            janitor: self.janitor,
+        })
     }
 }
 
-/// What a worker thread was when it panicked ([`Error::Panicked`]'s `during`).
-const WORKER_THREAD: &str = "a dispatcher worker thread";
-/// What the reaper thread was when it panicked.
-const REAPER_THREAD: &str = "the dispatcher's reaper thread";
-/// What the janitor thread was when it panicked.
-const JANITOR_THREAD: &str = "the dispatcher's janitor thread";
-
-/// A running dispatcher. Dropping it shuts it down too (and waits), but
-/// [`DispatcherHandle::shutdown`] reports how that went.
-pub struct DispatcherHandle {
-    ctx: Arc<Ctx>,
-    stop: Option<Sender<()>>,
-    /// Each thread, with what it is ([`Error::Panicked`]'s `during`).
-    threads: Vec<(&'static str, JoinHandle<()>)>,
-}
-
-impl std::fmt::Debug for DispatcherHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DispatcherHandle")
-            .field("threads", &self.threads.len())
-            .field("stats", &self.stats())
-            .finish_non_exhaustive()
-    }
-}
-
-impl DispatcherHandle {
-    /// Starts one of the dispatcher's threads, `name`, running `body` with
-    /// the dispatcher's context and the stop signal. A panic in it is kept
-    /// as the last error, then goes on to end the thread (its join reports
-    /// it, as `during`).
-    fn start_thread(
-        &mut self,
-        name: String,
-        during: &'static str,
-        stop: &Receiver<()>,
-        body: impl FnOnce(&Ctx, &Receiver<()>) + Send + 'static,
-    ) -> Result<()> {
-        let (ctx, stop) = (self.ctx.clone(), stop.clone());
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || {
-                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| body(&ctx, &stop))) {
-                    // The clock may be what panicked: then the system's time.
-                    let at = catch_unwind(AssertUnwindSafe(|| ctx.clock.now()))
-                        .unwrap_or_else(|_| Utc::now());
-                    let error = Error::panicked(during, &*payload);
-                    ctx.counters.last_error(LastError::new(at, during, &error));
-                    resume_unwind(payload);
-                }
-            })
-            .map_err(Error::Io)?;
-        self.threads.push((during, thread));
-        Ok(())
-    }
-
-    /// What the dispatcher did so far, its last error and its janitor's
-    /// runs.
-    pub fn stats(&self) -> DispatchStats {
-        self.ctx.counters.snapshot()
-    }
-
-    /// Stops claiming, lets the sends in progress finish and settles them,
-    /// gives the rest of each claimed batch back (`Pending`, due now), and
-    /// returns once every thread has stopped. A clean shutdown leaves no
-    /// entry `Dispatching`. If a thread had panicked, [`Error::Panicked`]
-    /// (for the first one joined; the others were still joined).
-    pub fn shutdown(mut self) -> Result<()> {
-        self.stop_and_join()
-    }
-
-    fn stop_and_join(&mut self) -> Result<()> {
-        self.ctx.stopping.store(true, Ordering::SeqCst);
-        drop(self.stop.take());
-        let mut first_panic = None;
-        for (during, thread) in self.threads.drain(..) {
-            if let Err(payload) = thread.join() {
-                first_panic.get_or_insert_with(|| Error::panicked(during, &*payload));
-            }
-        }
-        first_panic.map_or(Ok(()), Err)
-    }
-}
-
-impl Drop for DispatcherHandle {
-    fn drop(&mut self) {
-        let _ = self.stop_and_join();
-    }
-}
-
-type SendFn = Box<dyn Fn(&OutboxEntry) -> Delivery + Send + Sync>;
-
-struct Ctx {
-    outbox: Outbox,
-    send: SendFn,
-    clock: Arc<dyn Clock>,
-    retry: RetryPolicy,
-    batch_size: usize,
-    lease: Duration,
-    stopping: AtomicBool,
-    counters: Counters,
-}
-
-impl Ctx {
-    fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::SeqCst)
-    }
-
-    /// Waits until `deadline` (by the clock), a wake-up, a clock change or
-    /// the stop signal; returns `false` on stop.
-    fn wait(
-        &self,
-        deadline: Option<DateTime<Utc>>,
-        cap: Duration,
-        wake: &Receiver<()>,
-        changes: &Receiver<()>,
-        stop: &Receiver<()>,
-    ) -> bool {
-        let timeout = deadline
-            .map_or(cap, |d| {
-                (d - self.clock.now()).to_std().unwrap_or(Duration::ZERO)
-            })
-            .min(cap);
-        if timeout.is_zero() {
-            return !self.stopping();
-        }
-        select! {
-            recv(stop) -> _ => false,
-            recv(wake) -> _ => !self.stopping(),
-            recv(changes) -> _ => !self.stopping(),
-            default(timeout) => !self.stopping(),
-        }
-    }
-
-    /// Counts and keeps a failed store call.
-    fn store_error(&self, during: &'static str, error: &Error) {
-        self.counters.store_error(self.clock.now(), during, error);
-    }
-
-    /// Backs off after a failed store call (counted and kept).
-    fn back_off(&self, during: &'static str, error: &Error, stop: &Receiver<()>) -> bool {
-        self.store_error(during, error);
-        select! {
-            recv(stop) -> _ => false,
-            default(Duration::from_millis(100)) => !self.stopping(),
-        }
-    }
-}
-
-/// The longest an idle worker sleeps before looking again (a safety net:
-/// wake-ups normally come first).
-const IDLE_CAP: Duration = Duration::from_secs(60);
-
-fn worker(ctx: &Ctx, worker_id: &str, stop: &Receiver<()>) {
-    let wake = ctx.outbox.subscribe();
-    let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
-    let mut rng = Rng::seeded(worker_id);
-    // The settlements of the last batch, committed together with the next
-    // claim: one durable commit per batch instead of two.
-    let mut settlements: Vec<(Fence, Settlement)> = Vec::new();
-    while !ctx.stopping() {
-        let limit = ctx.batch_size;
-        let outcome = ctx.outbox.settle_and_claim(
-            settlements.iter().cloned(),
-            ctx.clock.now(),
-            limit,
-            worker_id,
-        );
-        let claimed = match outcome {
-            Ok((settled, claimed)) => {
-                settlements.clear();
-                count_fenced(ctx, &settled);
-                Ok(claimed)
-            }
-            // The call wrote nothing. The settlements are made one by one,
-            // so that one damaged record holds back neither the others nor
-            // this worker; those that fail for a storage error are kept and
-            // offered again (settling the same attempt the same way twice is
-            // accepted).
-            Err(e) => {
-                settle_apart(ctx, &mut settlements);
-                Err(e)
-            }
-        };
-        let entries = match claimed {
-            Ok(entries) => entries,
-            Err(e) => {
-                if !ctx.back_off("claim", &e, stop) {
-                    break;
-                }
-                continue;
-            }
-        };
-        if entries.is_empty() {
-            let next = match ctx.outbox.next_due() {
-                Ok(next) => next,
-                Err(e) => {
-                    if !ctx.back_off("next_due", &e, stop) {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            if !ctx.wait(next, IDLE_CAP, &wake, &changes, stop) {
-                break;
-            }
-            continue;
-        }
-        settlements = deliver_batch(ctx, &entries, &mut rng);
-    }
-    // Settle what was sent before stopping.
-    if !settlements.is_empty() {
-        match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
-            Ok(settled) => count_fenced(ctx, &settled),
-            Err(e) => ctx.store_error("settle", &e),
-        }
-    }
-}
-
-/// Settles each of `settlements` on its own, after a call that made them
-/// together failed; keeps those that failed for a storage error, to offer
-/// them again.
-fn settle_apart(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
-    let now = ctx.clock.now();
-    let mut kept = Vec::new();
-    for (fence, settlement) in settlements.drain(..) {
-        let answer = ctx.outbox.settle(fence, settlement.clone(), now);
-        if count_answer(ctx, &answer) {
-            kept.push((fence, settlement));
-        }
-    }
-    *settlements = kept;
-}
-
-/// Counts the store's answers to a batch of settlements (see
-/// [`count_answer`]).
-fn count_fenced(ctx: &Ctx, settled: &[Result<()>]) {
-    for answer in settled {
-        count_answer(ctx, answer);
-    }
-}
-
-/// Counts the store's answer to one settlement: refused by its fence (the
-/// entry moved on, or was purged since), or failed otherwise (a store
-/// error). Returns whether it failed for a storage error, so that offering
-/// it again may succeed.
-fn count_answer(ctx: &Ctx, answer: &Result<()>) -> bool {
-    match answer {
-        Ok(()) => false,
-        Err(Error::Conflict { .. } | Error::NotFound) => {
-            bump(&ctx.counters.fenced, 1);
-            false
-        }
-        Err(e) => {
-            ctx.store_error("settle", e);
-            e.is_storage()
-        }
-    }
-}
-
-/// Sends each entry of a claimed batch; returns how to settle each.
-fn deliver_batch(ctx: &Ctx, entries: &[OutboxEntry], rng: &mut Rng) -> Vec<(Fence, Settlement)> {
-    let mut settlements = Vec::with_capacity(entries.len());
-    let mut settle = |entry: &OutboxEntry, settlement: Settlement| {
-        ctx.counters.settled(&settlement);
-        settlements.push((entry.fence(), settlement));
-    };
-    for (i, entry) in entries.iter().enumerate() {
-        if ctx.stopping() {
-            // Give the unsent rest back, due now.
-            let now = ctx.clock.now();
-            for rest in entries.iter().skip(i) {
-                settle(
-                    rest,
-                    Settlement::Rescheduled {
-                        next_attempt_at: now,
-                    },
-                );
-            }
-            break;
-        }
-        let started = ctx.clock.now();
-        let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
-        if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
-            ctx.counters.latency.lock().record(latency);
-        }
-        let outcome = catch_unwind(AssertUnwindSafe(|| (ctx.send)(entry)));
-        settle(entry, settle_for(ctx, entry, outcome, rng));
-    }
-    settlements
+/// A checked [`DispatcherBuilder`], ready for a runtime to start.
+struct Parts {
+    ctx: Ctx,
+    workers: usize,
+    worker_id: String,
+    janitor: Option<Janitor>,
 }
 
 /// How to settle `entry` after its `send` returned `outcome` (or panicked).
@@ -627,53 +340,4 @@ fn cut_to_field_len(mut s: String) -> String {
         s.truncate(end);
     }
     s
-}
-
-/// Releases claims older than the lease, every half lease (and at once on
-/// start).
-fn reaper(ctx: &Ctx, stop: &Receiver<()>) {
-    let never = crossbeam_channel::never();
-    let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
-    let lease = chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::MAX);
-    while !ctx.stopping() {
-        let now = ctx.clock.now();
-        let cutoff = now
-            .checked_sub_signed(lease)
-            .unwrap_or(DateTime::<Utc>::MIN_UTC);
-        match ctx.outbox.release_expired_claims(cutoff) {
-            Ok(ids) => bump(&ctx.counters.released, ids.len() as u64),
-            Err(e) => ctx.counters.store_error(now, "reaper", &e),
-        }
-        if !ctx.wait(
-            None,
-            (ctx.lease / 2).max(Duration::from_millis(1)),
-            &never,
-            &changes,
-            stop,
-        ) {
-            break;
-        }
-    }
-}
-
-/// A small xorshift generator for jitter: no dependency, seeded per worker.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(worker_id: &str) -> Rng {
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ u64::from(std::process::id());
-        for b in worker_id.bytes() {
-            seed = (seed ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-        seed ^= u64::try_from(Utc::now().timestamp_micros()).unwrap_or(1);
-        Rng(seed | 1)
-    }
-
-    /// A number in `[0, 1)`.
-    fn unit(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
 }

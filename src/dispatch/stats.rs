@@ -65,7 +65,9 @@ pub struct LastError {
     /// reaper's `"reaper"`; the janitor's `"janitor"`. A thread that
     /// panicked: `"a dispatcher worker thread"`, `"the dispatcher's reaper
     /// thread"`, `"the dispatcher's janitor thread"` (the same words as the
-    /// [`Error::Panicked`] its join returns).
+    /// [`Error::Panicked`] its join returns); with `start_async`, a task:
+    /// `"the async dispatcher's claimer task"`, `"the async dispatcher's
+    /// reaper task"`, `"the async dispatcher's janitor task"`.
     pub during: &'static str,
     /// The error, as its `Display` reads.
     pub message: String,
@@ -333,13 +335,6 @@ impl Counters {
     /// it is settled as `settlement`. Counts nothing ([`Counters::settled`]
     /// does): a dispatcher calls both for an entry it sent, `settled` alone
     /// for one it gives back unsent.
-    #[cfg_attr(
-        not(all(test, feature = "tracing", feature = "metrics")),
-        expect(
-            dead_code,
-            reason = "the send loop in dispatch/mod.rs is to call it after each send"
-        )
-    )]
     #[expect(
         clippy::unused_self,
         reason = "one of the dispatcher's calls on its counters, though it counts nothing"

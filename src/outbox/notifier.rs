@@ -1,5 +1,10 @@
 //! [`Notifier`]: coalescing wake-up signals, for the outbox's subscribers
 //! and for the dispatcher's manual clock.
+//!
+//! Blocking waiters get a channel each ([`Notifier::subscribe`]); with
+//! feature `tokio`, async waiters get a receiver of one watch channel
+//! ([`Notifier::subscribe_async`]), so that a task awaits a signal without
+//! a thread parked for it. [`Notifier::notify`] signals both kinds.
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
@@ -9,6 +14,11 @@ use parking_lot::Mutex;
 #[derive(Debug, Default)]
 pub(crate) struct Notifier {
     subscribers: Mutex<Vec<Sender<()>>>,
+    /// Async waiters: each signal marks the channel changed for every
+    /// receiver (signals coalesce the same way: a receiver sees "changed"
+    /// once, however many signals came since it last looked).
+    #[cfg(feature = "tokio")]
+    waiters: tokio::sync::watch::Sender<()>,
 }
 
 impl Notifier {
@@ -19,12 +29,34 @@ impl Notifier {
         rx
     }
 
+    /// A new async subscriber: `changed().await` returns once a signal came
+    /// after this call (or after its last `changed`). It never returns `Err`
+    /// while the notifier lives.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
+        self.waiters.subscribe()
+    }
+
     /// Signals every subscriber.
     pub(crate) fn notify(&self) {
         // A full channel already holds a signal; a closed one is dropped.
         self.subscribers
             .lock()
             .retain(|s| !matches!(s.try_send(()), Err(TrySendError::Disconnected(()))));
+        // Marks the value changed even when no receiver is alive.
+        #[cfg(feature = "tokio")]
+        self.waiters.send_replace(());
+    }
+}
+
+// The outbox's async subscription lives here, beside the notifier it
+// reads (a child module sees the outbox's private fields).
+#[cfg(feature = "tokio")]
+impl super::Outbox {
+    /// [`Outbox::subscribe`](super::Outbox::subscribe) for async waiters:
+    /// signalled after the same commits.
+    pub(crate) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
+        self.notifier.subscribe_async()
     }
 }
 
@@ -45,5 +77,26 @@ mod tests {
         n.notify();
         assert_eq!(n.subscribers.lock().len(), 1);
         assert!(a.try_recv().is_ok());
+    }
+
+    #[cfg(feature = "tokio")]
+    #[test]
+    fn async_subscribers_see_each_later_signal_once() {
+        let n = Notifier::default();
+        n.notify();
+        let mut a = n.subscribe_async();
+        assert!(!a.has_changed().unwrap(), "a signal before subscribing");
+        n.notify();
+        n.notify();
+        assert!(a.has_changed().unwrap());
+        a.mark_unchanged();
+        assert!(!a.has_changed().unwrap(), "two signals coalesce into one");
+        let blocking = n.subscribe();
+        n.notify();
+        assert!(a.has_changed().unwrap());
+        assert!(
+            blocking.try_recv().is_ok(),
+            "blocking subscribers still hear"
+        );
     }
 }

@@ -1,0 +1,659 @@
+//! The dispatcher on tokio tasks (feature `tokio`):
+//! [`DispatcherBuilder::start_async`] and its [`AsyncDispatcherHandle`].
+//!
+//! # Shape
+//!
+//! One *claimer* task claims and settles; each send is a task of its own,
+//! and at most `workers` of them run at once. The claimer keeps up to
+//! `batch_size` claimed entries waiting for a free slot, so that a send
+//! that ends is followed at once by the next one, without waiting for a
+//! commit. It commits (one `settle_and_claim`: the finished sends'
+//! settlements and the next claim together) whenever it has something to
+//! settle or room to claim into while work may be due, and never two
+//! commits at once: the settlements of every send that ended during one
+//! commit go into the next, so commits batch themselves under load, as
+//! the group commit of the store does.
+//!
+//! One claimer rather than `workers` claiming tasks: a wake-up makes one
+//! claim (not `workers` claims racing for the same entry), the number of
+//! sends in flight is `workers` whatever the batch size and the backlog,
+//! and an idle dispatcher has one task waiting, not `workers`.
+//!
+//! Every store call runs on tokio's blocking pool (they fsync). Waiting —
+//! for a wake-up of the outbox, a jump of a [`ManualClock`](super::ManualClock),
+//! the next due time, a back-off, the stop signal — is async: no thread is
+//! parked for it. The reaper and the janitor are a task each. The steps
+//! themselves are `worker.rs`'s, shared with the worker threads.
+
+use std::collections::VecDeque;
+use std::future::{Future, pending, poll_fn};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+use super::janitor::Janitor;
+use super::stats::{DispatchStats, LastError};
+use super::worker::{self, BACK_OFF, BackOff, Ctx, IDLE_CAP, Rng};
+use super::{Delivery, DispatcherBuilder, Parts};
+use crate::error::{Error, Result};
+use crate::outbox::{Fence, OutboxEntry, Settlement};
+
+type SendFuture = Pin<Box<dyn Future<Output = Delivery> + Send>>;
+type SendFn = dyn Fn(OutboxEntry) -> SendFuture + Send + Sync;
+
+/// What the claimer task was when it panicked ([`Error::Panicked`]'s
+/// `during`).
+const CLAIMER_TASK: &str = "the async dispatcher's claimer task";
+/// What the reaper task was when it panicked.
+const REAPER_TASK: &str = "the async dispatcher's reaper task";
+/// What the janitor task was when it panicked.
+const JANITOR_TASK: &str = "the async dispatcher's janitor task";
+
+impl DispatcherBuilder {
+    /// Starts the dispatcher as tasks on the current tokio runtime: `send`
+    /// is called for each claimed entry (by value: its future owns it) and
+    /// its future is run as a task of its own; at most
+    /// [`workers`](DispatcherBuilder::workers) of them run at once. Never
+    /// twice at once for one entry while its claim is live.
+    ///
+    /// Retries, back-off, `max_attempts`, fencing, the reaper, the janitor
+    /// and the stats are those of [`start`](DispatcherBuilder::start); a
+    /// `send` that panics (or whose future panics) is caught and counted
+    /// as a retryable failure, as there. Store calls run on the runtime's
+    /// blocking pool; waiting for work never holds a thread.
+    ///
+    /// Works on `current_thread` and multi-thread runtimes. It must be
+    /// called from within a runtime (a task, `Runtime::block_on`,
+    /// `#[tokio::main]`, or under `Runtime::enter`) with timers enabled,
+    /// else [`Error::InvalidInput`] (field `runtime`) and nothing starts.
+    /// If that runtime shuts down before the dispatcher, its tasks end
+    /// where they stand: claims they held are released by the next reaper
+    /// once their lease has run out.
+    ///
+    /// ```
+    /// use chrono::Utc;
+    /// use idemstore::{Delivery, Dispatcher, NewEntry, OutboxEntry, Store};
+    ///
+    /// #[tokio::main(flavor = "current_thread")]
+    /// async fn main() -> idemstore::Result<()> {
+    ///     let store = Store::in_memory()?;
+    ///     let outbox = store.outbox();
+    ///     outbox.enqueue(NewEntry::new("order-1", "mailer", "order-1/receipt", b"Thanks!".to_vec()), Utc::now())?;
+    ///
+    ///     let dispatcher = Dispatcher::builder(outbox.clone())
+    ///         .workers(64) // sends in flight at once
+    ///         .start_async(|entry: OutboxEntry| async move {
+    ///             // e.g. POST entry.payload to entry.destination with an async
+    ///             // client, passing entry.idempotency_key along.
+    ///             let _ = entry;
+    ///             Delivery::Delivered
+    ///         })?;
+    ///     while dispatcher.stats().delivered < 1 {
+    ///         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    ///     }
+    ///     dispatcher.shutdown().await?; // lets sends in flight finish; leaves nothing claimed
+    ///     assert_eq!(outbox.counts()?.completed, 1);
+    ///     Ok(())
+    /// }
+    /// ```
+    #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+    pub fn start_async<F, Fut>(self, send: F) -> Result<AsyncDispatcherHandle>
+    where
+        F: Fn(OutboxEntry) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Delivery> + Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::invalid(
+                "runtime",
+                "start_async must be called from within a tokio runtime \
+                 (a task, `Runtime::block_on`, `#[tokio::main]` or `Runtime::enter`)",
+            )
+        })?;
+        // tokio has no way to ask whether timers are enabled but to try
+        // one: it panics without them.
+        if catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO))).is_err() {
+            return Err(Error::invalid(
+                "runtime",
+                "the tokio runtime has no timers: build it with `enable_time` (or `enable_all`)",
+            ));
+        }
+        let Parts {
+            ctx,
+            workers,
+            worker_id,
+            janitor,
+        } = self.into_parts()?;
+        let ctx = Arc::new(ctx);
+        let send: Arc<SendFn> = Arc::new(move |entry| -> SendFuture { Box::pin(send(entry)) });
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = Vec::new();
+        // The reaper first, so a restart releases a crashed run's claims
+        // before the claimer looks for work.
+        let reaper = reaper(ctx.clone(), stopped.clone());
+        tasks.push(spawn(&runtime, &ctx, REAPER_TASK, reaper));
+        let claimer = Claimer::new(ctx.clone(), send, &worker_id, workers, stopped.clone());
+        tasks.push(spawn(&runtime, &ctx, CLAIMER_TASK, claimer.run()));
+        if let Some(janitor) = janitor {
+            let janitor = run_janitor(ctx.clone(), Arc::new(janitor), stopped);
+            tasks.push(spawn(&runtime, &ctx, JANITOR_TASK, janitor));
+        }
+        Ok(AsyncDispatcherHandle {
+            ctx,
+            stop: Some(stop),
+            tasks,
+        })
+    }
+}
+
+/// Spawns one of the dispatcher's tasks, `body`, on `runtime`. A panic in
+/// it is kept as the last error and ends the task, whose result is then
+/// [`Error::Panicked`] (as `during`).
+fn spawn(
+    runtime: &tokio::runtime::Handle,
+    ctx: &Arc<Ctx>,
+    during: &'static str,
+    body: impl Future<Output = ()> + Send + 'static,
+) -> (&'static str, JoinHandle<Result<()>>) {
+    let ctx = ctx.clone();
+    let task = runtime.spawn(async move {
+        match CatchUnwind(Box::pin(body)).await {
+            Ok(()) => Ok(()),
+            Err(payload) => {
+                // The clock may be what panicked: then the system's time.
+                let at = catch_unwind(AssertUnwindSafe(|| ctx.clock.now()))
+                    .unwrap_or_else(|_| Utc::now());
+                let error = Error::panicked(during, &*payload);
+                ctx.counters.last_error(LastError::new(at, during, &error));
+                Err(error)
+            }
+        }
+    });
+    (during, task)
+}
+
+/// A running async dispatcher (see [`DispatcherBuilder::start_async`]).
+///
+/// [`shutdown`](AsyncDispatcherHandle::shutdown) stops it and waits for
+/// it. Dropping the handle never blocks: it tells the tasks to stop, and
+/// they finish on their own — the sends in flight run to their end and
+/// are settled, claimed entries not sent yet are given back — as long as
+/// the runtime runs.
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+pub struct AsyncDispatcherHandle {
+    ctx: Arc<Ctx>,
+    stop: Option<watch::Sender<bool>>,
+    /// Each task, with what it is ([`Error::Panicked`]'s `during`).
+    tasks: Vec<(&'static str, JoinHandle<Result<()>>)>,
+}
+
+impl std::fmt::Debug for AsyncDispatcherHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncDispatcherHandle")
+            .field("tasks", &self.tasks.len())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsyncDispatcherHandle {
+    /// What the dispatcher did so far, its last error and its janitor's
+    /// runs.
+    pub fn stats(&self) -> DispatchStats {
+        self.ctx.counters.snapshot()
+    }
+
+    /// Stops claiming, lets the sends in flight finish and settles them,
+    /// gives the entries claimed but not sent yet back (`Pending`, due now,
+    /// counted in [`DispatchStats::returned`]), and returns once every task
+    /// has ended. A clean shutdown leaves no entry `Dispatching`. If a task
+    /// had panicked, [`Error::Panicked`] (for the first one; the others
+    /// were still waited for).
+    ///
+    /// Dropping the returned future before it finishes leaves the
+    /// dispatcher stopping on its own, as dropping the handle does.
+    pub async fn shutdown(mut self) -> Result<()> {
+        self.signal_stop();
+        let mut first_error = None;
+        for (during, task) in std::mem::take(&mut self.tasks) {
+            let outcome = match task.await {
+                Ok(outcome) => outcome,
+                // The task's own panics are caught; this is the runtime
+                // cancelling it as it shuts down: it ended where it stood.
+                Err(e) if e.is_cancelled() => Ok(()),
+                Err(e) => Err(Error::panicked(during, &*e.into_panic())),
+            };
+            if let Err(e) = outcome {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn signal_stop(&mut self) {
+        self.ctx.stop();
+        if let Some(stop) = self.stop.take() {
+            stop.send_replace(true);
+        }
+    }
+}
+
+impl Drop for AsyncDispatcherHandle {
+    fn drop(&mut self) {
+        // Never waits: the tasks see the stop and end on their own.
+        self.signal_stop();
+    }
+}
+
+/// Resolves once the dispatcher is told to stop (or its handle is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    // `Err`: the handle was dropped, which stops the dispatcher too.
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Resolves on the next signal of `signal` (`true`), or with `false` once
+/// its sender is gone (it will not signal again); never when there is no
+/// `signal`.
+async fn signalled(signal: &mut Option<watch::Receiver<()>>) -> bool {
+    match signal {
+        Some(rx) => rx.changed().await.is_ok(),
+        None => pending().await,
+    }
+}
+
+/// Sleeps until `deadline`; never when there is none.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => pending().await,
+    }
+}
+
+/// Waits `timeout`, ended early by a jump of the clock; returns `false` on
+/// stop.
+async fn pause(
+    timeout: Duration,
+    changes: &mut Option<watch::Receiver<()>>,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    let woke = {
+        let mut stop = pin!(stopped(stop));
+        let mut change = pin!(signalled(changes));
+        let mut timer = pin!(tokio::time::sleep(timeout));
+        poll_fn(|cx| {
+            if stop.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+            if let Poll::Ready(alive) = change.as_mut().poll(cx) {
+                return Poll::Ready(Some(alive));
+            }
+            timer.as_mut().poll(cx).map(|()| Some(true))
+        })
+        .await
+    };
+    match woke {
+        None => false,
+        Some(alive) => {
+            if !alive {
+                *changes = None;
+            }
+            true
+        }
+    }
+}
+
+/// Runs `step` on the blocking pool. A panic in it goes on in the caller,
+/// which ends its task with it.
+async fn blocking<T: Send + 'static>(step: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(step).await {
+        Ok(value) => value,
+        Err(e) => unwind(e).await,
+    }
+}
+
+/// What a blocking step's failed join means: its panic goes on here; a
+/// step cancelled by the runtime shutting down leaves this task to be
+/// dropped with it.
+async fn unwind<T>(error: JoinError) -> T {
+    match error.try_into_panic() {
+        Ok(payload) => resume_unwind(payload),
+        Err(_) => pending().await,
+    }
+}
+
+/// Releases claims older than the lease, every half lease (and at once on
+/// start).
+async fn reaper(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    let mut changes = ctx.clock.changes_async();
+    while !ctx.stopping() {
+        let shared = ctx.clone();
+        blocking(move || worker::reap(&shared)).await;
+        if !pause(worker::reaper_period(&ctx), &mut changes, &mut stop).await {
+            break;
+        }
+    }
+}
+
+/// Runs `janitor` on its schedule (a run at start, then one per interval).
+async fn run_janitor(ctx: Arc<Ctx>, janitor: Arc<Janitor>, mut stop: watch::Receiver<bool>) {
+    let mut changes = ctx.clock.changes_async();
+    let mut next = ctx.clock.now();
+    while !ctx.stopping() {
+        let (shared, janitor) = (ctx.clone(), janitor.clone());
+        let wait;
+        (wait, next) = blocking(move || {
+            let wait = janitor.turn(&*shared.clock, &mut next, &|at, outcome| {
+                shared.counters.janitor_run(at, outcome);
+            });
+            (wait, next)
+        })
+        .await;
+        if !pause(wait, &mut changes, &mut stop).await {
+            break;
+        }
+    }
+}
+
+/// A send's task's result: the entry, when its send started, and what its
+/// send did (or its panic's payload).
+type Sent = (OutboxEntry, DateTime<Utc>, std::thread::Result<Delivery>);
+
+/// What a commit of the claimer gives back.
+struct Commit {
+    /// Settlements to offer again (a storage error refused them).
+    settlements: Vec<(Fence, Settlement)>,
+    /// What it claimed.
+    claimed: Result<Vec<OutboxEntry>, BackOff>,
+    /// How many it asked for.
+    limit: usize,
+    /// When it claimed fewer than it asked for: when the next entry is due.
+    next_due: Option<Result<Option<chrono::DateTime<Utc>>, BackOff>>,
+}
+
+/// What the claimer waits for.
+enum Event {
+    Stop,
+    Committed(std::result::Result<Commit, JoinError>),
+    Sent(std::result::Result<Sent, JoinError>),
+    /// The outbox signalled (`false`: it never will again).
+    Wake(bool),
+    /// The clock jumped (`false`: it never will again).
+    ClockChanged(bool),
+    Timer,
+}
+
+/// The one task that claims and settles for the async dispatcher (see the
+/// module's docs).
+struct Claimer {
+    ctx: Arc<Ctx>,
+    send: Arc<SendFn>,
+    worker_id: Arc<str>,
+    /// The most sends in flight.
+    slots: usize,
+    rng: Rng,
+    /// Claimed, not sent yet (at most `batch_size` beyond the free slots).
+    waiting: VecDeque<OutboxEntry>,
+    sends: JoinSet<Sent>,
+    /// Sent, not settled yet: committed with the next claim.
+    settlements: Vec<(Fence, Settlement)>,
+    /// The commit in progress on the blocking pool.
+    commit: Option<JoinHandle<Commit>>,
+    /// Whether work may be due that a claim would find: set by a wake-up,
+    /// a clock jump, the due time, a claim that came back full; consumed
+    /// by starting a claim.
+    look: bool,
+    /// When the next entry is due, as last looked up.
+    due: Option<chrono::DateTime<Utc>>,
+    /// No commit before then: a store call failed.
+    backing_off: Option<Instant>,
+    wake: Option<watch::Receiver<()>>,
+    changes: Option<watch::Receiver<()>>,
+    stop: watch::Receiver<bool>,
+}
+
+impl Claimer {
+    fn new(
+        ctx: Arc<Ctx>,
+        send: Arc<SendFn>,
+        prefix: &str,
+        slots: usize,
+        stop: watch::Receiver<bool>,
+    ) -> Claimer {
+        let worker_id = format!("{prefix}-async");
+        Claimer {
+            rng: Rng::seeded(&worker_id),
+            worker_id: worker_id.into(),
+            wake: Some(ctx.outbox.subscribe_async()),
+            changes: ctx.clock.changes_async(),
+            ctx,
+            send,
+            slots,
+            waiting: VecDeque::new(),
+            sends: JoinSet::new(),
+            settlements: Vec::new(),
+            commit: None,
+            look: true,
+            due: None,
+            backing_off: None,
+            stop,
+        }
+    }
+
+    async fn run(mut self) {
+        loop {
+            if self.ctx.stopping() {
+                // Give the unsent back, due now; let the sends in flight
+                // and the commit in progress finish.
+                if !self.waiting.is_empty() {
+                    let now = self.ctx.clock.now();
+                    for entry in std::mem::take(&mut self.waiting) {
+                        let give_back = worker::give_back(&self.ctx, &entry, now);
+                        self.settlements.push(give_back);
+                    }
+                }
+                if self.sends.is_empty() && self.commit.is_none() {
+                    break;
+                }
+            } else {
+                self.start_sends();
+                self.start_commit();
+            }
+            let event = self.next_event().await;
+            self.handle(event).await;
+        }
+        // Settle what was sent (and give back what was not) before ending.
+        let (ctx, settlements) = (self.ctx.clone(), std::mem::take(&mut self.settlements));
+        blocking(move || worker::settle_last(&ctx, settlements)).await;
+    }
+
+    /// Starts sends from the waiting entries while slots are free.
+    fn start_sends(&mut self) {
+        while self.sends.len() < self.slots {
+            let Some(entry) = self.waiting.pop_front() else {
+                break;
+            };
+            let started = worker::sending(&self.ctx, &entry);
+            let send = self.send.clone();
+            let copy = entry.clone();
+            // `send` itself runs inside the catch too: it may panic before
+            // it returns its future.
+            let delivery = CatchUnwind(Box::pin(async move { send(copy).await }));
+            self.sends
+                .spawn(async move { (entry, started, delivery.await) });
+        }
+    }
+
+    /// Starts a commit unless one runs or the claimer backs off: when sends
+    /// finished (their settlements are due), or when there is room to claim
+    /// into and work may be due.
+    fn start_commit(&mut self) {
+        if self.commit.is_some() || self.backing_off.is_some() {
+            return;
+        }
+        let claimed = self.waiting.len() + self.sends.len();
+        let room = (self.slots + self.ctx.batch_size).saturating_sub(claimed);
+        if self.settlements.is_empty() && !(self.look && room > 0) {
+            return;
+        }
+        self.look = false;
+        let (ctx, worker_id) = (self.ctx.clone(), self.worker_id.clone());
+        let mut settlements = std::mem::take(&mut self.settlements);
+        let limit = room;
+        self.commit = Some(tokio::task::spawn_blocking(move || {
+            let claimed = worker::claim_cycle(&ctx, &mut settlements, limit, &worker_id);
+            // Fewer than asked for: nothing else is due now; when will it be?
+            let next_due = match &claimed {
+                Ok(entries) if entries.len() < limit => Some(worker::next_due(&ctx)),
+                _ => None,
+            };
+            Commit {
+                settlements,
+                claimed,
+                limit,
+                next_due,
+            }
+        }));
+    }
+
+    /// Waits for what comes first: the stop signal, the commit's end, a
+    /// send's end, a wake-up of the outbox, a jump of the clock, or the
+    /// timer (the end of a back-off, or — with room to claim into and
+    /// nothing known to be due — the next due time, at most
+    /// [`IDLE_CAP`] away).
+    async fn next_event(&mut self) -> Event {
+        let stopping = self.ctx.stopping();
+        let deadline = self.backing_off.or_else(|| {
+            let claimed = self.waiting.len() + self.sends.len();
+            let room = claimed < self.slots + self.ctx.batch_size;
+            (!stopping && !self.look && room)
+                .then(|| Instant::now() + self.ctx.timeout(self.due, IDLE_CAP))
+        });
+        let Claimer {
+            commit,
+            sends,
+            wake,
+            changes,
+            stop,
+            ..
+        } = self;
+        let mut stop = pin!(async {
+            if stopping {
+                pending::<()>().await;
+            }
+            stopped(stop).await;
+        });
+        let mut wake = pin!(signalled(wake));
+        let mut change = pin!(signalled(changes));
+        let mut timer = pin!(sleep_until(deadline));
+        poll_fn(|cx| {
+            if stop.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Event::Stop);
+            }
+            if let Some(commit) = commit.as_mut()
+                && let Poll::Ready(done) = Pin::new(commit).poll(cx)
+            {
+                return Poll::Ready(Event::Committed(done));
+            }
+            if let Poll::Ready(Some(sent)) = sends.poll_join_next(cx) {
+                return Poll::Ready(Event::Sent(sent));
+            }
+            if let Poll::Ready(alive) = wake.as_mut().poll(cx) {
+                return Poll::Ready(Event::Wake(alive));
+            }
+            if let Poll::Ready(alive) = change.as_mut().poll(cx) {
+                return Poll::Ready(Event::ClockChanged(alive));
+            }
+            timer.as_mut().poll(cx).map(|()| Event::Timer)
+        })
+        .await
+    }
+
+    async fn handle(&mut self, event: Event) {
+        match event {
+            // `run` sees `ctx.stopping()`, which the handle set first.
+            Event::Stop => self.ctx.stop(),
+            Event::Committed(done) => {
+                self.commit = None;
+                let commit = match done {
+                    Ok(commit) => commit,
+                    Err(e) => unwind(e).await,
+                };
+                self.committed(commit);
+            }
+            Event::Sent(Ok((entry, started, outcome))) => {
+                let settlement = worker::sent(&self.ctx, &entry, started, outcome, &mut self.rng);
+                self.settlements.push(settlement);
+            }
+            // The send's own panics are caught; this is the runtime
+            // cancelling it as it shuts down: its claim stays for the
+            // reaper.
+            Event::Sent(Err(_)) => {}
+            Event::Wake(alive) => {
+                self.look = true;
+                if !alive {
+                    self.wake = None;
+                }
+            }
+            Event::ClockChanged(alive) => {
+                self.look = true;
+                if !alive {
+                    self.changes = None;
+                }
+            }
+            Event::Timer => {
+                self.backing_off = None;
+                self.look = true;
+            }
+        }
+    }
+
+    fn committed(&mut self, commit: Commit) {
+        // Those to offer again go first, before the sends that ended since.
+        let mut settlements = commit.settlements;
+        settlements.append(&mut self.settlements);
+        self.settlements = settlements;
+        match commit.claimed {
+            Ok(entries) => {
+                // A full claim: more may be due.
+                self.look |= commit.limit > 0 && entries.len() == commit.limit;
+                self.waiting.extend(entries);
+            }
+            Err(BackOff) => self.back_off(),
+        }
+        match commit.next_due {
+            Some(Ok(due)) => self.due = due,
+            Some(Err(BackOff)) => self.back_off(),
+            None => {}
+        }
+    }
+
+    /// After a failed store call (counted and kept by its step): no commit
+    /// for a while, then look again.
+    fn back_off(&mut self) {
+        self.backing_off = Some(Instant::now() + BACK_OFF);
+        self.look = true;
+    }
+}
+
+/// A future whose panics are caught: its output, or the panic's payload.
+/// (The future is boxed, so polling it needs no pin projection.)
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let future = self.0.as_mut();
+        match catch_unwind(AssertUnwindSafe(|| future.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+            Err(payload) => Poll::Ready(Err(payload)),
+        }
+    }
+}

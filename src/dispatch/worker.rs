@@ -1,0 +1,250 @@
+//! The dispatcher's steps, shared by its two runtimes: worker threads
+//! (`threads.rs`) and, with feature `tokio`, tasks (`tasks.rs`). A runtime
+//! decides when to take a step and how to wait between steps; what a step
+//! does — which store call, how its answer and its errors are counted, how
+//! a send's outcome becomes a settlement — is here, once.
+//!
+//! Every step is synchronous and may call the store (which may fsync): the
+//! async runtime runs those on tokio's blocking pool.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::clock::Clock;
+use super::retry::RetryPolicy;
+use super::settle_for;
+use super::stats::{Counters, bump};
+use crate::error::{Error, Result};
+use crate::outbox::{Fence, Outbox, OutboxEntry, Settlement};
+
+/// The longest an idle worker sleeps before looking again (a safety net:
+/// wake-ups normally come first).
+pub(super) const IDLE_CAP: Duration = Duration::from_secs(60);
+
+/// How long a worker waits after a failed store call before trying again.
+pub(super) const BACK_OFF: Duration = Duration::from_millis(100);
+
+/// What a dispatcher's runtime shares with its workers, reaper and janitor.
+pub(super) struct Ctx {
+    pub(super) outbox: Outbox,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) retry: RetryPolicy,
+    pub(super) batch_size: usize,
+    pub(super) lease: Duration,
+    pub(super) stopping: AtomicBool,
+    pub(super) counters: Counters,
+}
+
+impl Ctx {
+    pub(super) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Tells every worker to stop claiming.
+    pub(super) fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// Counts and keeps a failed store call.
+    pub(super) fn store_error(&self, during: &'static str, error: &Error) {
+        self.counters.store_error(self.clock.now(), during, error);
+    }
+
+    /// How long to wait for `deadline` (by the clock; none: the cap), at
+    /// most `cap`. Zero when it has passed.
+    pub(super) fn timeout(&self, deadline: Option<DateTime<Utc>>, cap: Duration) -> Duration {
+        deadline
+            .map_or(cap, |d| {
+                (d - self.clock.now()).to_std().unwrap_or(Duration::ZERO)
+            })
+            .min(cap)
+    }
+}
+
+/// A store call failed; it was counted and kept as the last error. The
+/// worker waits [`BACK_OFF`] (or until stopped), then tries again.
+#[derive(Debug)]
+pub(super) struct BackOff;
+
+/// A worker's store call between two batches: settles the last batch's
+/// `settlements` and claims up to `limit` entries for `worker_id`, in one
+/// commit (one fsync instead of two).
+///
+/// On success `settlements` is emptied (a settlement refused by its fence is
+/// counted in `fenced`). If the call fails it wrote nothing: the
+/// settlements are then made one by one, so that one damaged record holds
+/// back neither the others nor the worker, and those that fail for a
+/// storage error stay in `settlements`, to be offered again (settling the
+/// same attempt the same way twice is accepted); the failure is counted as
+/// `"claim"`.
+pub(super) fn claim_cycle(
+    ctx: &Ctx,
+    settlements: &mut Vec<(Fence, Settlement)>,
+    limit: usize,
+    worker_id: &str,
+) -> Result<Vec<OutboxEntry>, BackOff> {
+    let outcome = ctx.outbox.settle_and_claim(
+        settlements.iter().cloned(),
+        ctx.clock.now(),
+        limit,
+        worker_id,
+    );
+    match outcome {
+        Ok((settled, claimed)) => {
+            settlements.clear();
+            count_fenced(ctx, &settled);
+            Ok(claimed)
+        }
+        Err(e) => {
+            settle_apart(ctx, settlements);
+            ctx.store_error("claim", &e);
+            Err(BackOff)
+        }
+    }
+}
+
+/// When the next entry is due ([`Outbox::next_due`]), for an idle worker's
+/// sleep; a failure is counted as `"next_due"`.
+pub(super) fn next_due(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
+    ctx.outbox.next_due().map_err(|e| {
+        ctx.store_error("next_due", &e);
+        BackOff
+    })
+}
+
+/// Settles what a stopping worker sent and had not settled yet, in one
+/// commit; a failure is counted as `"settle"` (the claims left behind are
+/// released by the next reaper once their lease runs out).
+pub(super) fn settle_last(ctx: &Ctx, settlements: Vec<(Fence, Settlement)>) {
+    if settlements.is_empty() {
+        return;
+    }
+    match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
+        Ok(settled) => count_fenced(ctx, &settled),
+        Err(e) => ctx.store_error("settle", &e),
+    }
+}
+
+/// Settles each of `settlements` on its own, after a call that made them
+/// together failed; keeps those that failed for a storage error, to offer
+/// them again.
+fn settle_apart(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
+    let now = ctx.clock.now();
+    let mut kept = Vec::new();
+    for (fence, settlement) in settlements.drain(..) {
+        let answer = ctx.outbox.settle(fence, settlement.clone(), now);
+        if count_answer(ctx, &answer) {
+            kept.push((fence, settlement));
+        }
+    }
+    *settlements = kept;
+}
+
+/// Counts the store's answers to a batch of settlements (see
+/// [`count_answer`]).
+fn count_fenced(ctx: &Ctx, settled: &[Result<()>]) {
+    for answer in settled {
+        count_answer(ctx, answer);
+    }
+}
+
+/// Counts the store's answer to one settlement: refused by its fence (the
+/// entry moved on, or was purged since), or failed otherwise (a store
+/// error). Returns whether it failed for a storage error, so that offering
+/// it again may succeed.
+fn count_answer(ctx: &Ctx, answer: &Result<()>) -> bool {
+    match answer {
+        Ok(()) => false,
+        Err(Error::Conflict { .. } | Error::NotFound) => {
+            bump(&ctx.counters.fenced, 1);
+            false
+        }
+        Err(e) => {
+            ctx.store_error("settle", e);
+            e.is_storage()
+        }
+    }
+}
+
+/// Notes that `entry`'s send starts now: on its first attempt, when it was
+/// due at once, its enqueue → send latency. Returns the start, by the
+/// dispatcher's clock, for [`sent`].
+pub(super) fn sending(ctx: &Ctx, entry: &OutboxEntry) -> DateTime<Utc> {
+    let started = ctx.clock.now();
+    let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
+    if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
+        ctx.counters.latency.lock().record(latency);
+    }
+    started
+}
+
+/// How to settle `entry` after its send, begun at `started`, returned
+/// `outcome` (or panicked: the panic's payload), counted and reported.
+pub(super) fn sent(
+    ctx: &Ctx,
+    entry: &OutboxEntry,
+    started: DateTime<Utc>,
+    outcome: std::thread::Result<super::Delivery>,
+    rng: &mut Rng,
+) -> (Fence, Settlement) {
+    let settlement = settle_for(ctx, entry, outcome, rng);
+    ctx.counters.settled(&settlement);
+    let took = (ctx.clock.now() - started).to_std().unwrap_or_default();
+    ctx.counters.attempted(entry, &settlement, took);
+    (entry.fence(), settlement)
+}
+
+/// Gives `entry`, claimed but not sent, back: `Pending`, due `now`, without
+/// a failure; counted in `returned`.
+pub(super) fn give_back(ctx: &Ctx, entry: &OutboxEntry, now: DateTime<Utc>) -> (Fence, Settlement) {
+    let settlement = Settlement::Rescheduled {
+        next_attempt_at: now,
+    };
+    ctx.counters.settled(&settlement);
+    (entry.fence(), settlement)
+}
+
+/// The reaper's step: releases the claims older than the lease (their
+/// entries are due at once); a failure is counted as `"reaper"`.
+pub(super) fn reap(ctx: &Ctx) {
+    let lease = chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::MAX);
+    let now = ctx.clock.now();
+    let cutoff = now
+        .checked_sub_signed(lease)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    match ctx.outbox.release_expired_claims(cutoff) {
+        Ok(ids) => bump(&ctx.counters.released, ids.len() as u64),
+        Err(e) => ctx.counters.store_error(now, "reaper", &e),
+    }
+}
+
+/// Time between two reaper steps: half the lease (a clock change ends the
+/// wait early).
+pub(super) fn reaper_period(ctx: &Ctx) -> Duration {
+    (ctx.lease / 2).max(Duration::from_millis(1))
+}
+
+/// A small xorshift generator for jitter: no dependency, seeded per worker.
+pub(super) struct Rng(u64);
+
+impl Rng {
+    pub(super) fn seeded(worker_id: &str) -> Rng {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ u64::from(std::process::id());
+        for b in worker_id.bytes() {
+            seed = (seed ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        seed ^= u64::try_from(Utc::now().timestamp_micros()).unwrap_or(1);
+        Rng(seed | 1)
+    }
+
+    /// A number in `[0, 1)`.
+    pub(super) fn unit(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
