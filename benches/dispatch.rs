@@ -445,7 +445,9 @@ fn idemstore_timer_drain(dir: &std::path::Path, workers: usize) -> f64 {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let timer = runtime.handle().clone();
     idemstore_thread_drain(dir, workers, "timer", move || {
-        timer.block_on(tokio::time::sleep(SEND_TIME));
+        // The timer is made inside `block_on`: made outside a runtime's
+        // context, tokio's `sleep` panics.
+        timer.block_on(async { tokio::time::sleep(SEND_TIME).await });
     })
 }
 
