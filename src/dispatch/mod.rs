@@ -8,6 +8,13 @@
 //! `tokio`, tasks on the caller's runtime
 //! (`DispatcherBuilder::start_async`, an async `send`).
 //!
+//! An async client (hyper, reqwest) belongs in `start_async`. Driven from a
+//! `start` thread with `Handle::block_on`, its futures must be built inside
+//! the `block_on` (`handle.block_on(async { client.get(..).await })`): one
+//! built outside a runtime's context panics ("no reactor running"), and a
+//! panicking `send` is retried as a failure with reason `panic` until its
+//! attempts run out.
+//!
 //! # Guarantees
 //!
 //! Delivery is **at least once**. An entry is claimed (durably), sent, then
