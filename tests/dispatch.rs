@@ -6,9 +6,9 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::t;
+use common::{eventually, t};
 use idemstore::{
     Clock as _, Delivery, Dispatcher, ManualClock, NewEntry, OutboxId, OutboxStatus,
     REASON_MAX_ATTEMPTS, Result, RetryPolicy, Store,
@@ -17,14 +17,6 @@ use parking_lot::Mutex;
 
 /// Waits (yielding) until `cond` holds; the dispatcher runs on its own
 /// threads, so its effects are observed, not awaited.
-fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(
         format!("cmd-{i}"),

@@ -7,10 +7,10 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use common::t;
+use common::{eventually_some, t};
 use crossbeam_channel::Receiver;
 use idemstore::redb::{TableDefinition, TableHandle as _};
 use idemstore::{
@@ -19,17 +19,6 @@ use idemstore::{
 
 /// Polls `probe` until it gives a value; the dispatcher runs on its own
 /// threads, so its effects are observed, not awaited.
-fn eventually<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(value) = probe() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 /// The outbox's index tables, as a caller can reach them to damage them.
 type Index = TableDefinition<'static, (i64, u64), ()>;
 const DUE: Index = TableDefinition::new("idemstore.v1.outbox.due");
@@ -70,7 +59,7 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
         .clock(clock)
         .workers(1)
         .start(|_| Delivery::Delivered)?;
-    let last = eventually("the worker's claim fails", || handle.stats().last_error);
+    let last = eventually_some("the worker's claim fails", || handle.stats().last_error);
     assert_eq!(last.during, "claim");
     assert_eq!(last.at, t(10));
     assert!(
@@ -85,7 +74,7 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     // the last error stays (the clock has not moved, so it reads the same).
     repair(&store, DUE, t(0))?;
     let id = outbox.enqueue(entry(1), t(10))?.id();
-    eventually("the entry is delivered", || {
+    eventually_some("the entry is delivered", || {
         outbox
             .get(id)
             .ok()
@@ -105,7 +94,7 @@ fn the_reapers_failed_release_is_kept_with_its_time() -> Result<()> {
         .clock(clock)
         .lease(Duration::from_secs(60))
         .start(|_| Delivery::Delivered)?;
-    let last = eventually("the reaper's release fails", || handle.stats().last_error);
+    let last = eventually_some("the reaper's release fails", || handle.stats().last_error);
     assert_eq!(last.during, "reaper");
     assert_eq!(last.at, t(100));
     assert!(last.message.contains(CLAIMED.name()), "{}", last.message);
@@ -132,7 +121,7 @@ fn the_janitors_reports_and_errors_are_in_the_stats() -> Result<()> {
         .clock(clock.clone())
         .janitor(janitor)
         .start(|_| Delivery::Delivered)?;
-    let failed = eventually("the janitor's first run fails", || {
+    let failed = eventually_some("the janitor's first run fails", || {
         handle.stats().janitor.filter(|j| j.failures >= 1)
     });
     assert_eq!((failed.runs, failed.failures), (0, 1));
@@ -148,7 +137,7 @@ fn the_janitors_reports_and_errors_are_in_the_stats() -> Result<()> {
     repair(&store, FINISHED, t(0))?;
     let later = start + chrono::Duration::hours(1);
     clock.set(later);
-    let ran = eventually("the janitor's next run", || {
+    let ran = eventually_some("the janitor's next run", || {
         handle.stats().janitor.filter(|j| j.runs >= 1)
     });
     assert_eq!((ran.runs, ran.failures), (1, 1));
@@ -195,7 +184,7 @@ fn a_panicked_worker_thread_is_error_panicked_at_shutdown() -> Result<()> {
         .workers(1)
         .start(|_| Delivery::Delivered)?;
     // Kept while the dispatcher runs on without that worker.
-    let last = eventually("the worker thread panics", || handle.stats().last_error);
+    let last = eventually_some("the worker thread panics", || handle.stats().last_error);
     assert!(!armed.load(Ordering::SeqCst));
     assert_eq!(last.during, "a dispatcher worker thread");
     assert_eq!(last.at, t(5));
@@ -246,14 +235,14 @@ fn a_damaged_record_among_a_batchs_settlements_holds_back_neither_the_others_nor
             Delivery::Delivered
         })?;
     for id in [ids[0], ids[2]] {
-        eventually("the undamaged entries are settled", || {
+        eventually_some("the undamaged entries are settled", || {
             outbox
                 .get(id)
                 .ok()
                 .filter(|r| r.entry.status == OutboxStatus::Completed)
         });
     }
-    let last = eventually("the damaged record is reported", || {
+    let last = eventually_some("the damaged record is reported", || {
         handle.stats().last_error
     });
     assert!(
@@ -263,7 +252,7 @@ fn a_damaged_record_among_a_batchs_settlements_holds_back_neither_the_others_nor
     );
     // The worker goes on delivering.
     let later = outbox.enqueue(entry(4), t(10))?.id();
-    eventually("a later entry is delivered", || {
+    eventually_some("a later entry is delivered", || {
         outbox
             .get(later)
             .ok()

@@ -12,10 +12,10 @@ mod capture;
 mod common;
 
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use capture::{Captured, Events, Metrics};
-use common::{FaultyDisk, t};
+use common::{FaultyDisk, eventually_some, t};
 use idemstore::redb::TableDefinition;
 use idemstore::{
     Begin, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxStatus, Result,
@@ -57,17 +57,6 @@ fn observe() -> Observed {
 
 /// Polls `probe` until it gives a value: the dispatcher runs on its own
 /// threads, so its effects are observed, not awaited.
-fn eventually<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(value) = probe() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 /// The only event of `target` with `message`.
 fn the_event(events: &Events, target: &str, message: &str) -> Captured {
     let found = events.named(target, message);
@@ -219,7 +208,7 @@ fn an_enqueue_and_its_delivery_are_reported() -> Result<()> {
         .clock(ManualClock::new(t(2)))
         .workers(1)
         .start(|_| Delivery::Delivered)?;
-    eventually("the entry is delivered", || {
+    eventually_some("the entry is delivered", || {
         (handle.stats().delivered == 1).then_some(())
     });
     handle.shutdown()?;
@@ -268,7 +257,7 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
         .clock(ManualClock::new(t(10)))
         .workers(1)
         .start(|_| Delivery::Delivered)?;
-    let warning = eventually("the worker's claim fails", || {
+    let warning = eventually_some("the worker's claim fails", || {
         seen.events
             .named("idemstore::dispatch", "store call failed; backing off")
             .into_iter()
@@ -419,7 +408,7 @@ fn released_claims_and_janitor_runs_are_reported() -> Result<()> {
         .lease(Duration::from_secs(60))
         .workers(1)
         .start(|_| Delivery::Delivered)?;
-    eventually("the entry is delivered", || {
+    eventually_some("the entry is delivered", || {
         (handle.stats().delivered == 1).then_some(())
     });
     handle.shutdown()?;

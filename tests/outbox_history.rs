@@ -5,9 +5,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::t;
+use common::{eventually, t};
 use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{
     AttemptRecord, Delivery, Dispatcher, Error, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN,
@@ -22,14 +22,6 @@ const ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
 
 /// Waits (yielding) until `cond` holds; the dispatcher runs on its own
 /// threads, so its effects are observed, not awaited.
-fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 fn attempt(attempt: u32, at: i64, reason: &str) -> AttemptRecord {
     AttemptRecord {
         attempt,

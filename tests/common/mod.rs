@@ -25,6 +25,27 @@ pub fn report(line: &str) {
     }
 }
 
+/// Waits (up to 30 s, then fails the test) until `probe` returns a value,
+/// and returns it: for what another thread does in its own time.
+pub fn eventually_some<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some(value) = probe() {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Waits (up to 30 s, then fails the test) until `cond` holds.
+pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    eventually_some(what, || cond().then_some(()));
+}
+
 /// The keys of the caller table `app.effects` (`&str → u64`) that the
 /// reliability workloads write beside their claims; empty if it was never
 /// created.
