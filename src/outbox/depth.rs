@@ -25,14 +25,13 @@ pub(super) fn report_after_commit(counts: &impl ReadableTable<u8, u64>) {
 }
 
 fn read(counts: &impl ReadableTable<u8, u64>) -> Result<OutboxDepth> {
-    let count = |status: OutboxStatus| -> Result<u64> {
-        Ok(counts.get(status.code())?.map_or(0, |v| v.value()))
-    };
+    let counts = super::index::counts_in(counts)?;
+    let count = |status: OutboxStatus| counts.get(&status.code()).copied().unwrap_or(0);
     Ok(OutboxDepth::new(
-        count(OutboxStatus::Pending)?,
-        count(OutboxStatus::Dispatching)?,
-        count(OutboxStatus::Completed)?,
-        count(OutboxStatus::Failed)?,
-        count(OutboxStatus::OutcomeUnknown)?,
+        count(OutboxStatus::Pending),
+        count(OutboxStatus::Dispatching),
+        count(OutboxStatus::Completed),
+        count(OutboxStatus::Failed),
+        count(OutboxStatus::OutcomeUnknown),
     ))
 }

@@ -334,12 +334,20 @@ pub(super) fn index_mismatch(index: &'static str, id: u64) -> Error {
 
 /// The status counters as stored: `status code → n`.
 pub(super) fn read_counts(tx: &ReadTransaction) -> Result<BTreeMap<u8, u64>> {
+    match open_read(tx, OUTBOX_COUNT)? {
+        Some(t) => counts_in(&t),
+        None => Ok(BTreeMap::new()),
+    }
+}
+
+/// The status counts a count table holds, by status code: the one reader
+/// of that table, in a read transaction or in the write that just moved
+/// them.
+pub(super) fn counts_in(table: &impl ReadableTable<u8, u64>) -> Result<BTreeMap<u8, u64>> {
     let mut counts = BTreeMap::new();
-    if let Some(t) = open_read(tx, OUTBOX_COUNT)? {
-        for row in t.iter()? {
-            let (k, v) = row?;
-            counts.insert(k.value(), v.value());
-        }
+    for row in table.iter()? {
+        let (k, v) = row?;
+        counts.insert(k.value(), v.value());
     }
     Ok(counts)
 }
