@@ -79,11 +79,18 @@ pub enum Error {
         /// What the engine said about it.
         reason: String,
     },
-    /// The file is already open, in this process or another one. A store file
-    /// has one owner at a time: share a [`Store`](crate::Store) by cloning it.
+    /// The file is already open, in this process or another one, in a way
+    /// that excludes this open: a store opened exclusively (the default)
+    /// has one owner at a time — share a [`Store`](crate::Store) by cloning
+    /// it — and a file shared between processes
+    /// ([`StoreBuilder::shared`](crate::StoreBuilder::shared)) must be
+    /// opened shared by every one of them.
     AlreadyOpen {
         /// The file that was opened.
         path: PathBuf,
+        /// Whether this open asked to share the file: then the holder has it
+        /// exclusively; else the holder has it, shared or not.
+        shared: bool,
     },
     /// A store write method was called from inside a [`Store::write`]
     /// closure (or an effect) on the same thread, which would deadlock: use
@@ -155,10 +162,21 @@ impl fmt::Display for Error {
                  store at another file",
                 path.display()
             ),
-            Error::AlreadyOpen { path } => write!(
+            Error::AlreadyOpen { path, shared: true } => write!(
                 f,
-                "{} is already open by another Store, in this process or another one; \
-                 share one Store by cloning it, or stop the other process",
+                "{} is held exclusively by another Store, in this process or another one; \
+                 to share it between processes, open it with StoreBuilder::shared(true) there \
+                 too, or stop that process",
+                path.display()
+            ),
+            Error::AlreadyOpen {
+                path,
+                shared: false,
+            } => write!(
+                f,
+                "{} is already open by another Store, in this process or another one; share \
+                 one Store by cloning it, stop the other process, or open the file with \
+                 StoreBuilder::shared(true) in every process that uses it",
                 path.display()
             ),
             Error::Reentrant => f.write_str(
@@ -250,7 +268,10 @@ impl Error {
                 path: path.clone(),
                 reason: reason.clone(),
             },
-            Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
+            Error::AlreadyOpen { path, shared } => Error::AlreadyOpen {
+                path: path.clone(),
+                shared: *shared,
+            },
             Error::Reentrant => Error::Reentrant,
             Error::Closed => Error::Closed,
             Error::Panicked { during, message } => Error::Panicked {

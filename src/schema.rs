@@ -52,6 +52,10 @@ pub(crate) const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
 /// into [`INBOX`] (see `src/inbox/journal.rs`).
 pub(crate) const INBOX_JOURNAL: TableDefinition<(&str, u64), (&str, i64)> =
     TableDefinition::new("idemstore.v1.inbox.journal");
+/// Key in [`META`] of the largest journal id ever merged into the ledger:
+/// new journal ids are above it, even once the journal is empty, so an id
+/// never names two claims (processes sharing the file rely on it).
+pub(crate) const META_JOURNAL_MERGED_THROUGH: &str = "inbox.journal.merged_through";
 /// `inbox → number of keys in the ledger`; with the inbox's journal rows
 /// (at most `journal_size`), `len` without a scan of the ledger.
 pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redb::StorageBackend;
+use redb::{ReadableTable, StorageBackend};
 
 use crate::engine::{Durability, Engine, EngineConfig};
 use crate::error::{Error, Result, panic_message};
@@ -60,6 +60,7 @@ pub struct StoreBuilder {
     journal_size: u64,
     flush_interval: Duration,
     max_body: usize,
+    shared: bool,
 }
 
 impl Default for StoreBuilder {
@@ -72,6 +73,7 @@ impl Default for StoreBuilder {
             journal_size: DEFAULT_JOURNAL_SIZE,
             flush_interval: DEFAULT_FLUSH_INTERVAL,
             max_body: DEFAULT_MAX_BODY,
+            shared: false,
         }
     }
 }
@@ -144,9 +146,31 @@ impl StoreBuilder {
         self
     }
 
+    /// Whether other processes may open the file at the same time
+    /// (`true`), or this one holds it alone (`false`, the default and the
+    /// fastest). Every process that opens a shared file must open it
+    /// shared; one that opens it otherwise gets [`Error::AlreadyOpen`].
+    ///
+    /// In a shared store any number of processes read and write the file;
+    /// one write transaction runs at a time across all of them, and a
+    /// process sees another's commit once it is on disk. Every commit is
+    /// durable (a shared file cannot take [`Durability::None`]: asking for
+    /// both is [`Error::InvalidInput`]) and costs about twice an exclusive
+    /// one, so group commit matters even more: a [`Store::write`] closure
+    /// runs in the batch it leads, with the operations queued behind it,
+    /// under one fsync. An outbox wakes its dispatchers when another
+    /// process enqueues (see [`shared_poll_interval`](Self::shared_poll_interval)).
+    /// Needs the operating system's byte-range file locks (Linux, macOS,
+    /// Windows); not for in-memory or custom backends.
+    pub fn shared(mut self, shared: bool) -> Self {
+        self.shared = shared;
+        self
+    }
+
     /// Opens the store file at `path`, creating it if it does not exist.
     pub fn open(self, path: impl AsRef<Path>) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
+        self.check_settings()?;
         let db = self.create_db(&path, |b| b.create(&path))?;
         self.finish(db, Some(path))
     }
@@ -160,8 +184,31 @@ impl StoreBuilder {
     /// Opens a store on a custom redb storage backend (for example one that
     /// injects I/O faults in tests).
     pub fn open_with_backend(self, backend: impl StorageBackend) -> Result<Store> {
+        self.check_settings()?;
+        if self.shared {
+            return Err(Error::InvalidInput {
+                field: "shared",
+                reason: "only a store file can be shared between processes, not an in-memory \
+                         store or a custom backend"
+                    .into(),
+            });
+        }
         let db = self.create_db(Path::new("<backend>"), |b| b.create_with_backend(backend))?;
         self.finish(db, None)
+    }
+
+    /// Refuses settings that cannot work together, before the file is
+    /// touched.
+    fn check_settings(&self) -> Result<()> {
+        if self.shared && self.durability == Durability::None {
+            return Err(Error::InvalidInput {
+                field: "durability",
+                reason: "a shared store commits every write durably: Durability::None needs \
+                         the file to itself (shared(false))"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// Opens the redb database with `create`, given redb's builder with
@@ -174,8 +221,11 @@ impl StoreBuilder {
     ) -> Result<redb::Database> {
         let mut builder = redb::Database::builder();
         builder.set_cache_size(self.cache_size);
+        if self.shared {
+            builder.set_concurrency_mode(redb::ConcurrencyMode::MultiWriter);
+        }
         let opened = catch_unwind(AssertUnwindSafe(|| create(&builder)));
-        open_result(opened, path)
+        open_result(opened, path, self.shared)
     }
 
     fn finish(self, db: redb::Database, path: Option<PathBuf>) -> Result<Store> {
@@ -186,13 +236,18 @@ impl StoreBuilder {
                 quick_repair: self.quick_repair,
                 max_batch: self.max_batch,
                 flush_interval: self.flush_interval,
+                shared: self.shared,
             },
             path,
         )?;
         Store::check_format(&engine)?;
         // Durable stores journal their claims; `None` ones write the ledger.
         let merge_at = (self.durability == Durability::Immediate).then_some(self.journal_size);
-        let journal = Arc::new(engine.read(|tx| Journal::load(tx, merge_at))?);
+        let journal = Arc::new(engine.read(|tx| Journal::load(tx, merge_at, self.shared))?);
+        if self.shared {
+            let journal = journal.clone();
+            engine.on_write_begin(move |tx| journal.catch_up_all(tx));
+        }
         let engine = Arc::new(engine);
         Ok(Store {
             outbox: Outbox::new(engine.clone(), self.max_body),
@@ -209,6 +264,7 @@ impl StoreBuilder {
 fn open_result(
     opened: std::thread::Result<std::result::Result<redb::Database, redb::DatabaseError>>,
     path: &Path,
+    shared: bool,
 ) -> Result<redb::Database> {
     let not_a_store = |reason: String| Error::NotAStore {
         path: path.to_path_buf(),
@@ -218,6 +274,7 @@ fn open_result(
         Ok(Ok(db)) => Ok(db),
         Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) => Err(Error::AlreadyOpen {
             path: path.to_path_buf(),
+            shared,
         }),
         Ok(Err(redb::DatabaseError::UpgradeRequired(v))) => Err(Error::IncompatibleFormat {
             found: format!("redb file format {v}"),
@@ -456,10 +513,27 @@ impl Store {
                 supported: FORMAT_VERSION,
             }),
             Recorded::Nothing => engine.write(|tx| {
-                let foreign = tx
+                let names: Vec<String> = tx
                     .list_tables()?
-                    .any(|t| redb::TableHandle::name(&t).starts_with("idemstore."));
-                if foreign {
+                    .map(|t| redb::TableHandle::name(&t).to_owned())
+                    .collect();
+                if names.iter().any(|n| n == redb::TableHandle::name(&META)) {
+                    // Another process sharing the file wrote it since the
+                    // read above.
+                    let meta = open_write(tx, META)?;
+                    return match meta.get(META_FORMAT_VERSION)?.map(|v| v.value()) {
+                        Some(FORMAT_VERSION) => Ok(()),
+                        Some(v) => Err(Error::IncompatibleFormat {
+                            found: format!("store format {v}"),
+                            supported: FORMAT_VERSION,
+                        }),
+                        None => Err(Error::IncompatibleFormat {
+                            found: "a meta table without a format version".into(),
+                            supported: FORMAT_VERSION,
+                        }),
+                    };
+                }
+                if names.iter().any(|n| n.starts_with("idemstore.")) {
                     return Err(Error::IncompatibleFormat {
                         found: "idemstore tables without a format version".into(),
                         supported: FORMAT_VERSION,

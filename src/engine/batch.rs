@@ -92,6 +92,11 @@ pub(super) trait Job: Send {
     fn promote(&self);
     /// What its batch must do before the job's caller is answered.
     fn needs(&self) -> Needs;
+    /// Whether this is a caller closure's seat (in a store shared between
+    /// processes): a batch never takes one in, it starts the next batch.
+    fn is_seat(&self) -> bool {
+        false
+    }
 }
 
 /// What a batch must do before its callers are answered, beyond running
@@ -248,14 +253,14 @@ impl Shared {
     /// Takes up to a batch of queued operations.
     fn drain_queue(&self) -> Vec<Box<dyn Job>> {
         let mut q = self.queue.lock();
-        let n = q.jobs.len().min(self.config.max_batch);
+        let n = batch_end(&q.jobs, self.config.max_batch);
         q.jobs.drain(..n).collect()
     }
 
     /// Promotes the first waiting caller to lead the next batch, or notes
     /// that nobody leads. Done before answering the last batch's callers,
     /// so that the next batch starts while they are woken.
-    fn hand_on_lead(&self) {
+    pub(super) fn hand_on_lead(&self) {
         let mut q = self.queue.lock();
         match q.jobs.first() {
             Some(next) => next.promote(),
@@ -264,24 +269,31 @@ impl Shared {
     }
 }
 
+/// How many of the queued `jobs` a batch with room for `room` more takes:
+/// never a seat, which starts a batch of its own.
+fn batch_end(jobs: &[Box<dyn Job>], room: usize) -> usize {
+    let seat = jobs.iter().position(|j| j.is_seat()).unwrap_or(jobs.len());
+    seat.min(room)
+}
+
 /// Jobs with the outcome of their batch, to answer once the lead is handed
 /// on.
 pub(super) type Answers = Vec<(Box<dyn Job>, Result<(), Error>)>;
 
 /// The operations of the batch being led.
-struct Batch {
+pub(super) struct Batch {
     /// Operations run (or to run) in the batch's transaction, not yet
     /// given an outcome.
-    jobs: Vec<Box<dyn Job>>,
+    pub(super) jobs: Vec<Box<dyn Job>>,
     /// Operations with their outcome, to answer once the lead is handed on.
-    answers: Answers,
+    pub(super) answers: Answers,
     /// The first panic of an after-commit hook, resumed on the leader's
     /// thread once every caller is answered.
-    hook_panic: Option<Box<dyn Any + Send>>,
+    pub(super) hook_panic: Option<Box<dyn Any + Send>>,
 }
 
 impl Batch {
-    fn new(jobs: Vec<Box<dyn Job>>) -> Batch {
+    pub(super) fn new(jobs: Vec<Box<dyn Job>>) -> Batch {
         Batch {
             answers: Vec::with_capacity(jobs.len()),
             jobs,
@@ -290,7 +302,7 @@ impl Batch {
     }
 
     /// Gives every operation still without an outcome the outcome `e`.
-    fn fail_rest(&mut self, e: &Error) {
+    pub(super) fn fail_rest(&mut self, e: &Error) {
         let jobs = std::mem::take(&mut self.jobs);
         self.answers
             .extend(jobs.into_iter().map(|job| (job, Err(e.lossy_clone()))));
@@ -352,7 +364,10 @@ fn run_batch(shared: &Shared, batch: &mut Batch) {
     };
     match decide(shared, &work, batch) {
         Fate::KeepOpen => *open = Some(answer_and_keep(work, batch, &frame)),
-        Fate::Commit { durable } => commit_and_answer(shared, work, frame, batch, durable),
+        Fate::Commit { durable } => {
+            // The outcome is in the batch's answers.
+            let _ = commit_and_answer(shared, work, frame, batch, durable);
+        }
     }
 }
 
@@ -369,12 +384,9 @@ fn begin_or_resume(
     if let Some(open) = open {
         return Some(open);
     }
-    match db.begin_write() {
+    match shared.begin_batch_write(db) {
         Ok(tx) => Some(OpenTx::new(tx)),
         Err(e) => {
-            shared.mark_broken();
-            let e = Error::from(e);
-            observe::engine_broken("beginning a batch", &e);
             batch.fail_rest(&e);
             None
         }
@@ -385,7 +397,7 @@ fn begin_or_resume(
 /// back and running the others again whenever one fails, and taking in the
 /// operations queued meanwhile until none are left to take. `None` if the
 /// batch failed as a whole (its transaction lost).
-fn run_jobs(
+pub(super) fn run_jobs(
     shared: &Shared,
     db: &Database,
     mut work: OpenTx,
@@ -426,12 +438,10 @@ fn roll_back_without(
     frame.discard();
     let job = batch.jobs.remove(failed);
     batch.answers.push((job, Ok(())));
-    let tx = match db.begin_write() {
+    let tx = match shared.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
             shared.lose_open();
-            let e = Error::from(e);
-            observe::engine_broken("a batch rollback", &e);
             batch.fail_rest(&e);
             return None;
         }
@@ -463,10 +473,7 @@ fn take_in_late_arrivals(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool 
 /// `false` if there were none.
 fn absorb(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
     let mut q = shared.queue.lock();
-    let n = q
-        .jobs
-        .len()
-        .min(shared.config.max_batch.saturating_sub(jobs.len()));
+    let n = batch_end(&q.jobs, shared.config.max_batch.saturating_sub(jobs.len()));
     jobs.extend(q.jobs.drain(..n));
     n > 0
 }
@@ -530,14 +537,15 @@ fn answer_and_keep(mut work: OpenTx, batch: &mut Batch, frame: &HookFrame) -> Op
 }
 
 /// Phase 5, committing: commits the transaction, runs its hooks if it
-/// committed, and gives every operation left the outcome.
-fn commit_and_answer(
+/// committed, and gives every operation left the outcome, which it
+/// returns.
+pub(super) fn commit_and_answer(
     shared: &Shared,
     work: OpenTx,
     frame: HookFrame,
     batch: &mut Batch,
     durable: bool,
-) {
+) -> Result<()> {
     let OpenTx { tx, log, mut hooks } = work;
     hooks.extend(frame.take());
     drop(frame);
@@ -552,7 +560,11 @@ fn commit_and_answer(
             observe::batch_committed(ops, durable, commit);
             batch.hook_panic = run_hooks(hooks);
             batch.commit_rest();
+            Ok(())
         }
-        Err(e) => batch.fail_rest(&e),
+        Err(e) => {
+            batch.fail_rest(&e);
+            Err(e)
+        }
     }
 }

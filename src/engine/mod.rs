@@ -109,6 +109,7 @@ use crate::error::{Error, Result};
 mod batch;
 mod durability;
 mod open_tx;
+mod processes;
 mod scope;
 mod shared;
 #[cfg(test)]
@@ -148,6 +149,9 @@ pub(crate) struct EngineConfig {
     pub(crate) quick_repair: bool,
     pub(crate) max_batch: usize,
     pub(crate) flush_interval: Duration,
+    /// Other processes may open the file at the same time (redb's
+    /// `ConcurrencyMode::MultiWriter`). See `processes`.
+    pub(crate) shared: bool,
 }
 
 /// The store's database, its batch queue and, under [`Durability::None`],
@@ -232,6 +236,9 @@ impl Engine {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
+        if self.shared.config.shared {
+            return self.shared.write_leading(scope, f);
+        }
         let db = self.shared.db.read_recursive();
         let mut tx = self.shared.begin_own_write()?;
         tx.set_durability(redb::Durability::None)
@@ -318,8 +325,13 @@ impl Engine {
     /// Inside a caller closure it does not wait (it could not: the closure
     /// holds the writer): what the closure returns is released only after
     /// its own durable commit, which covers every commit before it.
+    /// In a store shared between processes it does not wait either: every
+    /// commit there is durable before anyone can see it.
     pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
-        if self.shared.config.durability == Durability::Immediate && !in_write() {
+        if self.shared.config.durability == Durability::Immediate
+            && !self.shared.config.shared
+            && !in_write()
+        {
             self.shared.wait_durable(seq)?;
         }
         Ok(())
@@ -356,6 +368,22 @@ impl Engine {
         tx.abort()?;
         drop(scope);
         out
+    }
+
+    /// Registers `refresh`, to run at the start of every write transaction
+    /// of a store shared between processes (before anything is written in
+    /// it): how what a primitive keeps in memory about the file catches up
+    /// with other processes' commits. Not run in a store held alone.
+    pub(crate) fn on_write_begin(
+        &self,
+        refresh: impl Fn(&WriteTransaction) -> Result<()> + Send + Sync + 'static,
+    ) {
+        self.shared.refreshes.write().push(Box::new(refresh));
+    }
+
+    /// Whether other processes may share the file.
+    pub(crate) fn is_shared(&self) -> bool {
+        self.shared.config.shared
     }
 
     /// Commit counters: `(all commits, durable commits)`.

@@ -20,6 +20,7 @@ use super::EngineConfig;
 use super::batch::Queue;
 use super::durability::SyncState;
 use super::open_tx::OpenTx;
+use super::processes::Refresh;
 
 /// The state of one engine, shared by its handle, the callers' threads and
 /// the flusher. Fields drop in the order declared: `db` before a
@@ -52,6 +53,9 @@ pub(super) struct Shared {
     /// Callers about to begin a write transaction of their own, which a
     /// leader must not keep one open against.
     pub(super) writers_waiting: AtomicUsize,
+    /// In a store shared between processes, run at the start of each
+    /// batch's write transaction. See `processes`.
+    pub(super) refreshes: RwLock<Vec<Refresh>>,
 }
 
 impl Shared {
@@ -68,6 +72,7 @@ impl Shared {
             open: Mutex::new(None),
             pending: AtomicBool::new(false),
             writers_waiting: AtomicUsize::new(0),
+            refreshes: RwLock::new(Vec::new()),
         }
     }
 }

@@ -24,6 +24,7 @@ fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
         quick_repair: false,
         max_batch,
         flush_interval: Duration::from_secs(3600),
+        shared: false,
     };
     Arc::new(Engine::start(db, config, None).unwrap())
 }

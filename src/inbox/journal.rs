@@ -37,6 +37,27 @@
 //!   no reader stands between opening its snapshot and its lookup
 //!   ([`Journal::hold_removals`]), so that a reader whose snapshot predates
 //!   the merge still finds the key.
+//!
+//! # Several processes
+//!
+//! When other processes share the file, they journal claims too, and the
+//! index must learn of them before this process claims or looks up a key:
+//! - ids come from committed state: at the start of every write
+//!   transaction ([`Journal::catch_up_all`]) the next id is raised above
+//!   every journal row and above the largest id ever merged (kept in
+//!   [`META`] under [`META_JOURNAL_MERGED_THROUGH`]), and only one process
+//!   writes at a time; so within an inbox, ids grow in commit order across
+//!   all processes, and an id never names two claims;
+//! - per inbox, `seen` is the largest id whose rows, and every row before
+//!   it, are in the index. A catch-up reads the rows above it from a
+//!   snapshot of committed state only: at the start of a write transaction
+//!   (before the transaction writes anything), or in a reader's snapshot.
+//!   Rows this process writes are noted at once but raise `seen` only once
+//!   a catch-up reads them back committed: a rolled-back row must not hide
+//!   another process's row that later takes its id.
+//! - merges by other processes leave entries whose rows are gone: they
+//!   count for nothing (lookups read the row back) and go at this process's
+//!   next merge.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,7 +69,9 @@ use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, WriteTransacti
 use super::ops;
 use crate::engine::after_commit;
 use crate::error::Result;
-use crate::schema::{INBOX, INBOX_JOURNAL, INBOX_SEEN, open_read, open_write};
+use crate::schema::{
+    INBOX, INBOX_JOURNAL, INBOX_SEEN, META, META_JOURNAL_MERGED_THROUGH, open_read, open_write,
+};
 
 /// A journal table, as a write or a read transaction opened it.
 pub(crate) trait JournalTable:
@@ -72,23 +95,42 @@ pub(crate) struct Journal {
     /// For a store whose claims go to the journal, how many entries it
     /// holds before a merge; `None` when claims go straight to the ledger.
     merge_at: Option<u64>,
+    /// Whether other processes may write the journal too.
+    shared: bool,
+    /// In a shared store: per inbox, the largest id up to which every
+    /// committed row is in the index (see the module docs).
+    seen: Mutex<HashMap<String, u64>>,
 }
 
 impl Journal {
     /// Builds the index from the journal table. New claims are appended to
     /// the journal, merged when it holds `merge_at` entries, or written
     /// straight to the ledger for `None`.
-    pub(crate) fn load(tx: &ReadTransaction, merge_at: Option<u64>) -> Result<Journal> {
+    /// With `shared`, other processes may write the journal too.
+    pub(crate) fn load(
+        tx: &ReadTransaction,
+        merge_at: Option<u64>,
+        shared: bool,
+    ) -> Result<Journal> {
         let journal = Journal {
             merge_at,
+            shared,
             ..Journal::default()
         };
+        let merged = match open_read(tx, META)? {
+            Some(meta) => meta
+                .get(META_JOURNAL_MERGED_THROUGH)?
+                .map_or(0, |v| v.value()),
+            None => 0,
+        };
         let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
+            journal.next_id.store(merged + 1, Ordering::Relaxed);
             return Ok(journal);
         };
-        let mut next = 0;
+        let mut next = merged + 1;
         {
             let mut index = journal.index.lock();
+            let mut seen = journal.seen.lock();
             for row in log.iter()? {
                 let (k, v) = row?;
                 let ((name, id), (key, _)) = (k.value(), v.value());
@@ -96,11 +138,71 @@ impl Journal {
                     .entry(name.to_owned())
                     .or_default()
                     .insert(key.to_owned(), id);
+                let last = seen.entry(name.to_owned()).or_default();
+                *last = (*last).max(id);
                 next = next.max(id + 1);
             }
         }
         journal.next_id.store(next, Ordering::Relaxed);
         Ok(journal)
+    }
+
+    /// In a shared store, at the start of a write transaction (before it
+    /// writes anything): notes every journal row other processes committed
+    /// since the last catch-up, in every inbox, and raises the next id above
+    /// every committed one. One range seek per inbox in the journal when
+    /// nothing changed.
+    pub(crate) fn catch_up_all(&self, tx: &WriteTransaction) -> Result<()> {
+        let merged = open_write(tx, META)?
+            .get(META_JOURNAL_MERGED_THROUGH)?
+            .map_or(0, |v| v.value());
+        let log = open_write(tx, INBOX_JOURNAL)?;
+        let mut next = merged + 1;
+        let mut inbox = log.first()?.map(|(k, _)| k.value().0.to_owned());
+        while let Some(name) = inbox {
+            if let Some(last) = self.catch_up(&log, &name)? {
+                next = next.max(last + 1);
+            }
+            // The first row of the next inbox: keys sort by inbox first.
+            inbox = None;
+            for row in log.range((name.as_str(), u64::MAX)..)? {
+                let (k, _) = row?;
+                let other = k.value().0;
+                if other != name {
+                    inbox = Some(other.to_owned());
+                    break;
+                }
+            }
+        }
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// In a shared store, notes the journal rows of inbox `name` that `log`
+    /// holds above the last catch-up. `log` must show committed rows only: a
+    /// reader's snapshot, or a write transaction that has written nothing.
+    /// Returns the largest id of the inbox's rows, if it has any.
+    pub(crate) fn catch_up(&self, log: &impl JournalTable, name: &str) -> Result<Option<u64>> {
+        if !self.shared {
+            return Ok(None);
+        }
+        let from = self.seen.lock().get(name).map_or(0, |&last| last + 1);
+        let mut last = None;
+        for row in log.range((name, from)..=(name, u64::MAX))? {
+            let (k, v) = row?;
+            let (id, key) = (k.value().1, v.value().0);
+            self.note(name, key, id);
+            last = Some(id);
+        }
+        match last {
+            Some(id) => {
+                let mut seen = self.seen.lock();
+                let entry = seen.entry(name.to_owned()).or_default();
+                *entry = (*entry).max(id);
+                Ok(Some(*entry))
+            }
+            None => Ok(self.seen.lock().get(name).copied()),
+        }
     }
 
     /// Holds off removals from the index while the guard lives: take it
@@ -246,6 +348,11 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
     }
     log.retain(|_, _| false)?;
     let last = rows.iter().map(|&(_, _, _, id)| id).max().unwrap_or(0);
+    let mut meta = open_write(tx, META)?;
+    let before = meta
+        .get(META_JOURNAL_MERGED_THROUGH)?
+        .map_or(0, |v| v.value());
+    meta.insert(META_JOURNAL_MERGED_THROUGH, before.max(last))?;
     let journal = journal.clone();
     after_commit(move || journal.forget_through(last));
     Ok(())

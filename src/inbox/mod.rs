@@ -240,11 +240,13 @@ impl Inbox {
             {
                 return Ok(Some(at.value()));
             }
-            let Some(id) = self.journal.hint(name, event_key) else {
+            let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
                 return Ok(None);
             };
-            match open_read(tx, INBOX_JOURNAL)? {
-                Some(log) => journal::journaled_at(&log, name, id, event_key),
+            // Other processes sharing the file may have journaled it.
+            self.journal.catch_up(&log, name)?;
+            match self.journal.hint(name, event_key) {
+                Some(id) => journal::journaled_at(&log, name, id, event_key),
                 None => Ok(None),
             }
         })

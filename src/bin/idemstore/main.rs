@@ -229,7 +229,7 @@ pub(crate) struct Failure(pub(crate) String);
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         match e {
-            Error::AlreadyOpen { path } => Failure(format!(
+            Error::AlreadyOpen { path, .. } => Failure(format!(
                 "{} is in use by another process (the store is already open); \
                  stop that process or run this command from it",
                 path.display()

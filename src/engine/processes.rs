@@ -1,0 +1,318 @@
+//! What the engine does differently when other processes share the file
+//! (`StoreBuilder::shared`, redb's `ConcurrencyMode::MultiWriter`).
+//!
+//! redb then commits every transaction durably (it refuses
+//! `Durability::None`), takes its writer lock across processes for each
+//! write transaction, and shows a reader only commits that are on disk.
+//! Three things follow:
+//!
+//! - **A caller closure leads its own batch.** It cannot commit without
+//!   fsync and wait for the next durable commit, as it does in a store it
+//!   holds alone. Instead its caller queues a *seat* ([`Seat`]); once the
+//!   seat is first in the queue, the caller leads a batch on its own thread
+//!   ([`Shared::write_leading`]): it begins a write transaction, runs the
+//!   operations queued behind its seat, then its closure, and commits all
+//!   of them durably, once. Operations run first because they can be run
+//!   again: should one fail, the transaction is rolled back and the others
+//!   re-run without it (the closure has not run yet); should the closure
+//!   fail or panic, the transaction is rolled back and the operations run
+//!   again and commit on their own. The closure never runs twice.
+//!   (redb refuses the ephemeral savepoints that would let the closure run
+//!   first in this mode.)
+//! - **Caches are brought up to date at the start of every write
+//!   transaction.** Another process may have committed since this one's
+//!   last transaction. What the store keeps in memory about the file
+//!   registers a refresh ([`Engine::on_write_begin`](super::Engine::on_write_begin));
+//!   each batch runs them right after it begins its transaction, before any
+//!   operation, so each sees every commit of every process and none of the
+//!   batch's own writes.
+//! - **Reads do not wait.** Every commit is durable before any process can
+//!   see it, so a read answers at once (D2 holds by redb's own rule).
+//!
+//! No lock of redb's is held between batches: each releases the writer at
+//! its commit, so other processes take turns.
+//!
+//! # Invariants
+//!
+//! - A seat is never drained into another caller's batch: a batch takes
+//!   queued jobs only up to the first seat (`batch_end`), so a seat reaches
+//!   the front of the queue and its caller is promoted like any other.
+//! - A seat's caller leads with its seat first in the queue, and removes it
+//!   before it runs the jobs behind it; `!leading` still implies an empty
+//!   queue, as the caller hands the lead on before it returns.
+//! - The closure's answer is released only after its batch's durable
+//!   commit (D1), and the other jobs of the batch are answered as in any
+//!   batch.
+//!
+//! # Locks
+//!
+//! As a leader's (`db` → `open` → `sync`/`queue`), with redb's writer lock
+//! taken under them. A seat's caller waits for the lead with no lock held.
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Arc;
+
+use redb::{Database, WriteTransaction};
+
+use super::batch::{Batch, Job, Needs, commit_and_answer, run_jobs};
+use super::durability::previous_commit_failed;
+use super::open_tx::OpenTx;
+use super::scope::{HookFrame, WriteScope};
+use super::shared::Shared;
+use super::wake::{Notify, Slot, Wake, WakeTree, wake};
+use crate::error::{Error, Result};
+use crate::observe;
+
+/// A refresh of something kept in memory about the file, run at the start
+/// of each write transaction of a shared store.
+pub(super) type Refresh = Box<dyn Fn(&WriteTransaction) -> Result<()> + Send + Sync>;
+
+/// A caller closure's place in the queue, in a store shared between
+/// processes: the caller leads the batch its seat starts.
+struct Seat {
+    reply: Arc<Slot<()>>,
+}
+
+impl Job for Seat {
+    // A seat is taken out of the queue by its own caller before a batch
+    // runs: a batch never runs it.
+    fn run(&mut self, _: &WriteTransaction) -> bool {
+        true
+    }
+
+    fn replay(&self, _: &WriteTransaction) -> bool {
+        true
+    }
+
+    fn finish(&mut self, committed: Result<(), Error>) {
+        self.reply.put(Wake::Done(Ok(committed), None));
+    }
+
+    fn finish_quietly(&mut self, committed: Result<(), Error>, tree: Arc<WakeTree>, index: usize) {
+        self.reply
+            .put_quietly(Wake::Done(Ok(committed), Some((tree, index))));
+    }
+
+    fn caller(&self) -> Arc<dyn Notify> {
+        self.reply.clone()
+    }
+
+    fn promote(&self) {
+        self.reply.put(Wake::Lead);
+    }
+
+    fn needs(&self) -> Needs {
+        Needs::Durable
+    }
+
+    fn is_seat(&self) -> bool {
+        true
+    }
+}
+
+impl Shared {
+    /// Begins a batch's write transaction and, in a shared store, brings
+    /// what the store keeps in memory up to date with the file. If redb
+    /// refuses to begin one (after a failed commit) the engine is marked
+    /// broken; a refresh that fails only fails this batch.
+    pub(super) fn begin_batch_write(&self, db: &Database) -> Result<WriteTransaction> {
+        let tx = match db.begin_write() {
+            Ok(tx) => tx,
+            Err(e) => {
+                self.mark_broken();
+                let e = Error::from(e);
+                observe::engine_broken("beginning a batch", &e);
+                return Err(e);
+            }
+        };
+        if self.config.shared {
+            for refresh in self.refreshes.read().iter() {
+                if let Err(e) = refresh(&tx) {
+                    let _ = tx.abort();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(tx)
+    }
+
+    /// Runs caller closure `f` in a batch its caller leads (a shared
+    /// store): waits for its seat to reach the front of the queue, then
+    /// runs the operations queued behind it and `f` in one transaction and
+    /// commits them durably. `scope` marks this thread as writing; the
+    /// closure's after-commit hooks run after the commit, before it
+    /// returns.
+    pub(super) fn write_leading<T, E>(
+        &self,
+        scope: WriteScope,
+        f: impl FnOnce(&WriteTransaction) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        self.wait_for_seat()?;
+        let mut batch = Batch::new(self.take_seat_and_batch());
+        let mut outcome = None;
+        let led = catch_unwind(AssertUnwindSafe(|| {
+            run_closure_batch(self, &mut batch, f, &mut outcome);
+        }));
+        if let Err(panic) = led {
+            // A panic outside the closure and the operations (redb's
+            // commit, the storage backend): the batch's fate is unknown.
+            self.mark_broken();
+            let e = Error::panicked("a batch commit", &*panic);
+            observe::engine_broken("a batch commit", &e);
+            batch.fail_rest(&e);
+            outcome = Some(Outcome::Failed(e));
+        }
+        self.hand_on_lead();
+        wake(batch.answers);
+        drop(scope);
+        match outcome {
+            Some(Outcome::Committed(value)) => {
+                if let Some(panic) = batch.hook_panic {
+                    resume_unwind(panic)
+                }
+                Ok(value)
+            }
+            Some(Outcome::Refused(e)) => Err(e),
+            Some(Outcome::Panicked(panic)) => resume_unwind(panic),
+            Some(Outcome::Failed(e)) => Err(E::from(e)),
+            None => Err(E::from(Error::Panicked {
+                during: "a batch",
+                message: "a caller's closure was answered before it ran".to_owned(),
+            })),
+        }
+    }
+
+    /// Queues a seat and waits until this caller leads.
+    fn wait_for_seat(&self) -> Result<()> {
+        let slot = Slot::new();
+        let lead_now = {
+            let mut q = self.queue.lock();
+            q.jobs.push(Box::new(Seat {
+                reply: slot.clone(),
+            }));
+            !std::mem::replace(&mut q.leading, true)
+        };
+        if lead_now {
+            return Ok(());
+        }
+        match slot.take() {
+            Wake::Lead => Ok(()),
+            // Seats are never drained into a batch; should one be answered
+            // anyway, its caller does not lead.
+            Wake::Done(reply, tree) => {
+                if let Some((tree, index)) = tree {
+                    tree.wake_children(Some(index));
+                }
+                match reply {
+                    Ok(Ok(())) => Err(Error::Panicked {
+                        during: "a batch",
+                        message: "a caller's seat was taken into another batch".to_owned(),
+                    }),
+                    Ok(Err(e)) => Err(e),
+                    Err(panic) => resume_unwind(panic),
+                }
+            }
+        }
+    }
+
+    /// Removes this leader's seat from the front of the queue and takes
+    /// the operations queued behind it, up to a batch.
+    fn take_seat_and_batch(&self) -> Vec<Box<dyn Job>> {
+        let mut q = self.queue.lock();
+        if q.jobs.first().is_some_and(|j| j.is_seat()) {
+            q.jobs.remove(0);
+        }
+        let seat = q
+            .jobs
+            .iter()
+            .position(|j| j.is_seat())
+            .unwrap_or(q.jobs.len());
+        let n = seat.min(self.config.max_batch.saturating_sub(1));
+        q.jobs.drain(..n).collect()
+    }
+}
+
+/// What became of a caller closure led in a batch.
+enum Outcome<T, E> {
+    /// It returned `Ok` and its batch committed durably.
+    Committed(T),
+    /// It returned `Err`: rolled back.
+    Refused(E),
+    /// It panicked: rolled back; resumed on the caller's thread.
+    Panicked(Box<dyn std::any::Any + Send>),
+    /// The batch could not run or commit.
+    Failed(Error),
+}
+
+/// Runs the operations of `batch`, then `f`, in one write transaction and
+/// commits it durably; if `f` fails, rolls back and commits the operations
+/// alone. Leaves what became of `f` in `outcome`.
+fn run_closure_batch<T, E>(
+    shared: &Shared,
+    batch: &mut Batch,
+    f: impl FnOnce(&WriteTransaction) -> Result<T, E>,
+    outcome: &mut Option<Outcome<T, E>>,
+) {
+    let db = shared.db.read_recursive();
+    let _open = shared.open.lock();
+    if shared.sync.lock().broken {
+        let e = previous_commit_failed();
+        batch.fail_rest(&e);
+        *outcome = Some(Outcome::Failed(e));
+        return;
+    }
+    let tx = match shared.begin_batch_write(&db) {
+        Ok(tx) => tx,
+        Err(e) => {
+            batch.fail_rest(&e);
+            *outcome = Some(Outcome::Failed(e));
+            return;
+        }
+    };
+    let frame = HookFrame::push();
+    let Some(work) = run_jobs(shared, &db, OpenTx::new(tx), batch, &frame) else {
+        *outcome = Some(Outcome::Failed(previous_commit_failed()));
+        return;
+    };
+    // The closure's hooks land in the batch's frame: they run after the
+    // commit, with the operations' hooks.
+    let failed = match catch_unwind(AssertUnwindSafe(|| f(&work.tx))) {
+        Ok(Ok(value)) => {
+            *outcome = Some(match commit_and_answer(shared, work, frame, batch, true) {
+                Ok(()) => Outcome::Committed(value),
+                Err(e) => Outcome::Failed(e),
+            });
+            return;
+        }
+        Ok(Err(e)) => Outcome::Refused(e),
+        Err(panic) => Outcome::Panicked(panic),
+    };
+    *outcome = Some(failed);
+    // Abort explicitly: dropping a write transaction while a panic unwinds
+    // would flag the file for a full repair.
+    let _ = work.tx.abort();
+    frame.discard();
+    commit_without_closure(shared, &db, batch, frame);
+}
+
+/// After a caller closure failed: runs the batch's operations again in a
+/// new transaction and commits them durably.
+fn commit_without_closure(shared: &Shared, db: &Database, batch: &mut Batch, frame: HookFrame) {
+    if batch.jobs.is_empty() {
+        return;
+    }
+    let tx = match shared.begin_batch_write(db) {
+        Ok(tx) => tx,
+        Err(e) => {
+            batch.fail_rest(&e);
+            return;
+        }
+    };
+    if let Some(work) = run_jobs(shared, db, OpenTx::new(tx), batch, &frame) {
+        // The outcome is in the batch's answers.
+        let _ = commit_and_answer(shared, work, frame, batch, true);
+    }
+}
