@@ -161,7 +161,7 @@ impl StoreBuilder {
     /// under one fsync. An outbox wakes its dispatchers when another
     /// process enqueues (see [`shared_poll_interval`](Self::shared_poll_interval)).
     /// Needs the operating system's byte-range file locks (Linux, macOS,
-    /// Windows); not for in-memory or custom backends.
+    /// Windows); an in-memory store cannot be shared.
     pub fn shared(mut self, shared: bool) -> Self {
         self.shared = shared;
         self
@@ -178,21 +178,22 @@ impl StoreBuilder {
     /// Opens a store in memory (redb's in-memory backend): nothing reaches a
     /// disk, everything is gone when the store is dropped.
     pub fn in_memory(self) -> Result<Store> {
+        if self.shared {
+            return Err(Error::InvalidInput {
+                field: "shared",
+                reason: "an in-memory store belongs to its process: only a store file can be \
+                         shared"
+                    .into(),
+            });
+        }
         self.open_with_backend(redb::backends::InMemoryBackend::new())
     }
 
     /// Opens a store on a custom redb storage backend (for example one that
-    /// injects I/O faults in tests).
+    /// injects I/O faults in tests). A [`shared`](Self::shared) store needs
+    /// a backend that implements redb's byte-range locks.
     pub fn open_with_backend(self, backend: impl StorageBackend) -> Result<Store> {
         self.check_settings()?;
-        if self.shared {
-            return Err(Error::InvalidInput {
-                field: "shared",
-                reason: "only a store file can be shared between processes, not an in-memory \
-                         store or a custom backend"
-                    .into(),
-            });
-        }
         let db = self.create_db(Path::new("<backend>"), |b| b.create_with_backend(backend))?;
         self.finish(db, None)
     }

@@ -108,9 +108,15 @@ fn check(out: &Outcome, image: Vec<u8>, strict: bool, what: &str) -> Result<()> 
 }
 
 fn fresh_store(disk: &FaultyDisk) -> Store {
+    open_store(disk, false)
+}
+
+/// A store on `disk`, shared between processes or not.
+fn open_store(disk: &FaultyDisk, shared: bool) -> Store {
     // A small journal, so that faults also hit merges.
     Store::builder()
         .journal_size(3)
+        .shared(shared)
         .open_with_backend(disk.backend())
         .expect("a fresh disk opens")
 }
@@ -151,8 +157,12 @@ fn a_failed_write_at_any_point_loses_no_acknowledged_call() -> Result<()> {
 /// The fsyncs of a clean run of the workload: the first one's number minus
 /// one, and the last one's.
 fn sync_points() -> (u64, u64) {
+    sync_points_of(false)
+}
+
+fn sync_points_of(shared: bool) -> (u64, u64) {
     let clean = FaultyDisk::new();
-    let store = fresh_store(&clean);
+    let store = open_store(&clean, shared);
     let before = clean.syncs();
     workload(&store);
     (before, clean.syncs())
@@ -189,12 +199,23 @@ fn a_failed_fsync_at_any_point_fails_its_call_and_loses_nothing_acknowledged() -
 
 #[test]
 fn a_power_loss_at_any_fsync_loses_no_acknowledged_call_and_keeps_no_failed_one() -> Result<()> {
-    let (first, last) = sync_points();
+    power_loss_sweep(false)
+}
+
+#[test]
+fn in_a_shared_store_a_power_loss_at_any_fsync_loses_no_acknowledged_call() -> Result<()> {
+    // Shared: every commit is durable and caller closures lead their own
+    // batch, a different path to the disk.
+    power_loss_sweep(true)
+}
+
+fn power_loss_sweep(shared: bool) -> Result<()> {
+    let (first, last) = sync_points_of(shared);
     let mut points = 0;
     for n in first + 1..=last {
         // Power lost at the Nth fsync.
         let disk = FaultyDisk::new();
-        let store = fresh_store(&disk);
+        let store = open_store(&disk, shared);
         disk.lose_power_at_sync(n);
         let out = workload(&store);
         drop(store);
@@ -202,11 +223,13 @@ fn a_power_loss_at_any_fsync_loses_no_acknowledged_call_and_keeps_no_failed_one(
             &out,
             disk.durable_image(),
             true,
-            &format!("power lost at sync {n}"),
+            &format!("power lost at sync {n} (shared: {shared})"),
         )?;
         points += 1;
     }
-    common::report(&format!("io faults: swept {points} power-loss points"));
+    common::report(&format!(
+        "io faults: swept {points} power-loss points (shared: {shared})"
+    ));
     assert!(points >= 20);
     Ok(())
 }

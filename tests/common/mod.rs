@@ -3,10 +3,11 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::io;
+use std::ops::Bound;
 use std::sync::Arc;
 
 use chrono::{DateTime, TimeZone, Utc};
-use idemstore::redb::StorageBackend;
+use idemstore::redb::{BackendError, StorageBackend};
 use parking_lot::Mutex;
 
 /// Prints a figure of a reliability suite and adds it to
@@ -289,5 +290,32 @@ impl StorageBackend for FaultyBackend {
         }
         d.live[start..end].copy_from_slice(data);
         Ok(())
+    }
+
+    // The byte-range locks of a store shared between processes: the disk
+    // has one user, whose own locks never conflict (as one open file's
+    // locks do not), so each is granted at once.
+    fn try_lock_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<bool, BackendError> {
+        Ok(true)
+    }
+
+    fn try_lock_shared_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<bool, BackendError> {
+        Ok(true)
+    }
+
+    fn lock_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn lock_shared_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn unlock_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn query_lock_range(&self, _: Bound<u64>, _: Bound<u64>) -> Result<bool, BackendError> {
+        Ok(false)
     }
 }
