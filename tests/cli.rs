@@ -798,9 +798,11 @@ const LIVE_SHARED_ENV: &str = "IDEMSTORE_CLI_LIVE_SHARED";
 /// The child: a program using a store while the CLI runs beside it. It opens
 /// the file shared or alone, as told, then until its stdin closes, round
 /// after round: claims the inbox key `evt-N`, enqueues the entry `cmd-N`,
-/// and claims what is due. A first attempt fails for good (`bank_down`); an
-/// entry claimed again (an operator retried it) is delivered. It prints
-/// `wrote N` once round N is durable, and `delivered ID on attempt A`.
+/// and claims what is due. A first attempt fails for good (`bank_down`),
+/// but `cmd-2`'s is left claimed (as by a worker that died) and `cmd-3`'s
+/// ends in doubt; an entry claimed again (an operator retried or released
+/// it) is delivered. It prints `wrote N` once round N is durable, and
+/// `delivered ID on attempt A`.
 #[test]
 #[ignore = "run by the tests of a store a running program holds, as a child process"]
 fn live_program() -> TestResult {
@@ -831,13 +833,16 @@ fn live_program() -> TestResult {
         );
         outbox.enqueue(entry, now)?;
         for e in outbox.claim_due(now, 16, "live-program")? {
-            let settlement = if e.attempt_count == 1 {
-                Settlement::Failed {
+            let settlement = match (e.attempt_count, e.command_id.as_str()) {
+                (1, "cmd-2") => continue,
+                (1, "cmd-3") => Settlement::OutcomeUnknown {
+                    remote_ref: Some("ref-3".into()),
+                },
+                (1, _) => Settlement::Failed {
                     reason: "bank_down".into(),
                     next_attempt_at: None,
-                }
-            } else {
-                Settlement::Completed
+                },
+                _ => Settlement::Completed,
             };
             outbox.settle(e.fence(), settlement, now)?;
             if e.attempt_count > 1 {
@@ -972,6 +977,40 @@ fn the_cli_reads_and_repairs_a_store_a_running_program_shares() -> TestResult {
     assert_eq!(v["status"], "completed");
     assert_eq!(v["attempt_count"], 2);
     assert_eq!(v["attempts"][0]["reason"], "bank_down");
+
+    // Release the claim the program left behind (only it: the cutoff is
+    // just after it, before any later claim); the program delivers the entry.
+    let v = json(&["outbox", "list", s(&file), "--status", "dispatching"])?;
+    let stuck = v
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["command_id"] == "cmd-2"));
+    let stuck = stuck.ok_or("cmd-2 left claimed")?;
+    let claimed_at: DateTime<Utc> = stuck["claim"]["claimed_at"]
+        .as_str()
+        .ok_or("claimed_at")?
+        .parse()?;
+    let cutoff = (claimed_at + TimeDelta::microseconds(1)).to_rfc3339();
+    let v = json(&["outbox", "release", s(&file), "--claimed-before", &cutoff])?;
+    let released = stuck["id"].as_u64().ok_or("id")?;
+    assert_eq!(v["released"], serde_json::json!([released]));
+    common::eventually("the program delivers the released entry", || {
+        live.printed(&format!("delivered {released} on attempt 2"))
+    });
+
+    // Settle the entry in doubt by hand.
+    let v = json(&["outbox", "list", s(&file), "--status", "outcome-unknown"])?;
+    let doubt = v[0]["id"].as_u64().ok_or("cmd-3 in doubt")?;
+    assert_eq!(v[0]["command_id"], "cmd-3");
+    ok(&[
+        "outbox",
+        "resolve",
+        s(&file),
+        &doubt.to_string(),
+        "--completed",
+    ])?;
+    let v = json(&["outbox", "show", s(&file), &doubt.to_string()])?;
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["remote_ref"], "ref-3");
 
     // The other reading commands.
     let v = json(&["inbox", "list", s(&file), "live", "--limit", "2"])?;
