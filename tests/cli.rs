@@ -938,6 +938,99 @@ fn live_counts(file: &Path) -> Result<(u64, u64), Box<dyn std::error::Error>> {
     Ok((keys, v["outbox"]["total"].as_u64().ok_or("total")?))
 }
 
+/// `outbox retry`, `release` and `resolve` beside [`live_program`]: it
+/// takes the retried and the released entry again and delivers them.
+/// Returns the retried entry's id.
+fn repairs_reach_the_program(live: &Live, file: &Path) -> Result<u64, Box<dyn std::error::Error>> {
+    // Retry an entry whose attempt failed for good: the program's next
+    // claim takes it again, and delivers it.
+    let failed = json(&[
+        "outbox",
+        "list",
+        s(file),
+        "--status",
+        "failed",
+        "--limit",
+        "1",
+    ])?;
+    let id = failed[0]["id"].as_u64().ok_or("a failed entry")?;
+    let text = ok(&["outbox", "retry", s(file), &id.to_string()])?;
+    assert!(text.contains(&format!("{id}: failed -> pending")), "{text}");
+    common::eventually("the program delivers the retried entry", || {
+        live.printed(&format!("delivered {id} on attempt 2"))
+    });
+    let v = json(&["outbox", "show", s(file), &id.to_string()])?;
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["attempt_count"], 2);
+    assert_eq!(v["attempts"][0]["reason"], "bank_down");
+
+    // Release the claim the program left behind (only it: the cutoff is
+    // just after it, before any later claim); the program delivers the entry.
+    let v = json(&["outbox", "list", s(file), "--status", "dispatching"])?;
+    let stuck = v
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["command_id"] == "cmd-2"));
+    let stuck = stuck.ok_or("cmd-2 left claimed")?;
+    let claimed_at: DateTime<Utc> = stuck["claim"]["claimed_at"]
+        .as_str()
+        .ok_or("claimed_at")?
+        .parse()?;
+    let cutoff = (claimed_at + TimeDelta::microseconds(1)).to_rfc3339();
+    let v = json(&["outbox", "release", s(file), "--claimed-before", &cutoff])?;
+    let released = stuck["id"].as_u64().ok_or("id")?;
+    assert_eq!(v["released"], serde_json::json!([released]));
+    common::eventually("the program delivers the released entry", || {
+        live.printed(&format!("delivered {released} on attempt 2"))
+    });
+
+    // Settle the entry in doubt by hand.
+    let v = json(&["outbox", "list", s(file), "--status", "outcome-unknown"])?;
+    let doubt = v[0]["id"].as_u64().ok_or("cmd-3 in doubt")?;
+    assert_eq!(v[0]["command_id"], "cmd-3");
+    ok(&[
+        "outbox",
+        "resolve",
+        s(file),
+        &doubt.to_string(),
+        "--completed",
+    ])?;
+    let v = json(&["outbox", "show", s(file), &doubt.to_string()])?;
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["remote_ref"], "ref-3");
+    Ok(id)
+}
+
+/// The reading commands beside [`live_program`], which has enqueued more
+/// than `total` entries by now.
+fn reads_see_the_program(live: &Live, file: &Path, total: u64) -> TestResult {
+    let v = json(&["inbox", "list", s(file), "live", "--limit", "2"])?;
+    let first: Vec<&str> = v
+        .as_array()
+        .ok_or("list")?
+        .iter()
+        .filter_map(|r| r["key"].as_str())
+        .collect();
+    assert_eq!(first, ["evt-1", "evt-2"]);
+    let v = json(&["outbox", "list", s(file), "--limit", "0"])?;
+    assert!(v.as_array().is_some_and(|a| a.len() as u64 > total));
+    let acknowledged = live.rounds();
+    let exported = ok(&["export", s(file), "--jsonl"])?;
+    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for line in exported.lines() {
+        let v: Value = serde_json::from_str(line)?;
+        *kinds
+            .entry(v["kind"].as_str().ok_or("kind")?.to_owned())
+            .or_default() += 1;
+    }
+    assert!(
+        kinds["inbox"] >= acknowledged && kinds["outbox"] >= acknowledged,
+        "{kinds:?}"
+    );
+    assert!(ok(&["keys", "list", s(file)])?.contains("0 keys"));
+    assert!(ok(&["check", s(file)])?.starts_with("ok:"));
+    Ok(())
+}
+
 #[test]
 fn the_cli_reads_and_repairs_a_store_a_running_program_shares() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -956,88 +1049,8 @@ fn the_cli_reads_and_repairs_a_store_a_running_program_shares() -> TestResult {
         live_counts(&file).is_ok_and(|(k, t)| k > keys && t > total)
     });
 
-    // Retry an entry whose attempt failed for good: the program's next
-    // claim takes it again, and delivers it.
-    let failed = json(&[
-        "outbox",
-        "list",
-        s(&file),
-        "--status",
-        "failed",
-        "--limit",
-        "1",
-    ])?;
-    let id = failed[0]["id"].as_u64().ok_or("a failed entry")?;
-    let text = ok(&["outbox", "retry", s(&file), &id.to_string()])?;
-    assert!(text.contains(&format!("{id}: failed -> pending")), "{text}");
-    common::eventually("the program delivers the retried entry", || {
-        live.printed(&format!("delivered {id} on attempt 2"))
-    });
-    let v = json(&["outbox", "show", s(&file), &id.to_string()])?;
-    assert_eq!(v["status"], "completed");
-    assert_eq!(v["attempt_count"], 2);
-    assert_eq!(v["attempts"][0]["reason"], "bank_down");
-
-    // Release the claim the program left behind (only it: the cutoff is
-    // just after it, before any later claim); the program delivers the entry.
-    let v = json(&["outbox", "list", s(&file), "--status", "dispatching"])?;
-    let stuck = v
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["command_id"] == "cmd-2"));
-    let stuck = stuck.ok_or("cmd-2 left claimed")?;
-    let claimed_at: DateTime<Utc> = stuck["claim"]["claimed_at"]
-        .as_str()
-        .ok_or("claimed_at")?
-        .parse()?;
-    let cutoff = (claimed_at + TimeDelta::microseconds(1)).to_rfc3339();
-    let v = json(&["outbox", "release", s(&file), "--claimed-before", &cutoff])?;
-    let released = stuck["id"].as_u64().ok_or("id")?;
-    assert_eq!(v["released"], serde_json::json!([released]));
-    common::eventually("the program delivers the released entry", || {
-        live.printed(&format!("delivered {released} on attempt 2"))
-    });
-
-    // Settle the entry in doubt by hand.
-    let v = json(&["outbox", "list", s(&file), "--status", "outcome-unknown"])?;
-    let doubt = v[0]["id"].as_u64().ok_or("cmd-3 in doubt")?;
-    assert_eq!(v[0]["command_id"], "cmd-3");
-    ok(&[
-        "outbox",
-        "resolve",
-        s(&file),
-        &doubt.to_string(),
-        "--completed",
-    ])?;
-    let v = json(&["outbox", "show", s(&file), &doubt.to_string()])?;
-    assert_eq!(v["status"], "completed");
-    assert_eq!(v["remote_ref"], "ref-3");
-
-    // The other reading commands.
-    let v = json(&["inbox", "list", s(&file), "live", "--limit", "2"])?;
-    let first: Vec<&str> = v
-        .as_array()
-        .ok_or("list")?
-        .iter()
-        .filter_map(|r| r["key"].as_str())
-        .collect();
-    assert_eq!(first, ["evt-1", "evt-2"]);
-    let v = json(&["outbox", "list", s(&file), "--limit", "0"])?;
-    assert!(v.as_array().is_some_and(|a| a.len() as u64 > total));
-    let acknowledged = live.rounds();
-    let exported = ok(&["export", s(&file), "--jsonl"])?;
-    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
-    for line in exported.lines() {
-        let v: Value = serde_json::from_str(line)?;
-        *kinds
-            .entry(v["kind"].as_str().ok_or("kind")?.to_owned())
-            .or_default() += 1;
-    }
-    assert!(
-        kinds["inbox"] >= acknowledged && kinds["outbox"] >= acknowledged,
-        "{kinds:?}"
-    );
-    assert!(ok(&["keys", "list", s(&file)])?.contains("0 keys"));
-    assert!(ok(&["check", s(&file)])?.starts_with("ok:"));
+    let retried = repairs_reach_the_program(&live, &file)?;
+    reads_see_the_program(&live, &file, total)?;
 
     // The other writing commands: the program keeps going over what they
     // changed.
@@ -1045,7 +1058,7 @@ fn the_cli_reads_and_repairs_a_store_a_running_program_shares() -> TestResult {
     assert!(v["purged"].as_u64().is_some_and(|n| n > 0), "{v}");
     let v = json(&["inbox", "prune", s(&file), "live", "--before", "0s"])?;
     assert!(v["pruned"].as_u64().is_some_and(|n| n > 0), "{v}");
-    let gone = run(&["outbox", "show", s(&file), &id.to_string()])?;
+    let gone = run(&["outbox", "show", s(&file), &retried.to_string()])?;
     assert_eq!(gone.status.code(), Some(1));
     let rounds = live.rounds();
     common::eventually("the program goes on after them", || {
