@@ -856,7 +856,7 @@ fn live_program() -> TestResult {
 
 /// [`live_program`] running in a child process, and what it printed.
 struct Live {
-    child: Child,
+    child: Mutex<Child>,
     stdin: Option<ChildStdin>,
     lines: Arc<Mutex<Vec<String>>>,
 }
@@ -881,7 +881,7 @@ impl Live {
             }
         });
         let live = Live {
-            child,
+            child: Mutex::new(child),
             stdin,
             lines,
         };
@@ -889,8 +889,21 @@ impl Live {
         Ok(live)
     }
 
+    /// The last lines the program printed, newest first.
+    fn tail(&self) -> Vec<String> {
+        self.lines.lock().iter().rev().take(20).cloned().collect()
+    }
+
+    /// Fails the test if the program stopped (only [`Live::stop`] stops it).
+    fn running(&self) {
+        if let Ok(Some(status)) = self.child.lock().try_wait() {
+            panic!("the program stopped ({status}): {:?}", self.tail());
+        }
+    }
+
     /// How many rounds the program has made durable.
     fn rounds(&self) -> u64 {
+        self.running();
         // The test harness prints its own words first on the first line.
         self.lines
             .lock()
@@ -902,15 +915,15 @@ impl Live {
 
     /// Whether the program printed `line`.
     fn printed(&self, line: &str) -> bool {
+        self.running();
         self.lines.lock().iter().any(|l| l.ends_with(line))
     }
 
     /// Closes the program's stdin and waits for it: its test must pass.
     fn stop(mut self) -> TestResult {
         drop(self.stdin.take());
-        let status = self.child.wait()?;
-        let tail: Vec<String> = self.lines.lock().iter().rev().take(20).cloned().collect();
-        assert!(status.success(), "the program failed: {tail:?}");
+        let status = self.child.get_mut().wait()?;
+        assert!(status.success(), "the program failed: {:?}", self.tail());
         Ok(())
     }
 }
@@ -919,8 +932,9 @@ impl Drop for Live {
     fn drop(&mut self) {
         // A test that failed half way: do not leave the program running.
         if self.stdin.take().is_some() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            let child = self.child.get_mut();
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }
