@@ -1,15 +1,22 @@
-//! The `idemstore` operator binary against real store files.
+//! The `idemstore` operator binary against real store files, idle or held
+//! by a running program (a child process).
 #![cfg(feature = "cli")]
 
+mod common;
+
 use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, TimeDelta, Utc};
 use idemstore::redb::{self, ReadableTable as _, TableDefinition};
-use idemstore::{Begin, NewEntry, OutboxId, OutboxStatus, ResponseRecord, Store};
+use idemstore::{Begin, NewEntry, OutboxId, OutboxStatus, ResponseRecord, Settlement, Store};
+use parking_lot::Mutex;
 use serde_json::Value;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -750,32 +757,6 @@ fn compact_reports_sizes() -> TestResult {
 }
 
 #[test]
-fn a_store_held_by_another_process_is_reported_cleanly() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let file = fixture(dir.path())?;
-    let _held = Store::open(&file)?;
-    for args in [
-        &["stats", s(&file)][..],
-        &["outbox", "retry", s(&file), "3"],
-        &["check", s(&file)],
-    ] {
-        let o = run(args)?;
-        assert_eq!(o.status.code(), Some(1), "{args:?}");
-        let err = stderr(&o);
-        assert!(
-            err.contains("in use") && err.contains("already open"),
-            "{err}"
-        );
-        assert!(
-            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
-            "{err}"
-        );
-        assert!(stdout(&o).is_empty());
-    }
-    Ok(())
-}
-
-#[test]
 fn bad_usage_exits_2() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;
@@ -808,5 +789,347 @@ fn a_missing_file_is_reported_and_not_created() -> TestResult {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
     assert!(!missing.exists());
+    Ok(())
+}
+
+const LIVE_FILE_ENV: &str = "IDEMSTORE_CLI_LIVE_FILE";
+const LIVE_SHARED_ENV: &str = "IDEMSTORE_CLI_LIVE_SHARED";
+
+/// The child: a program using a store while the CLI runs beside it. It opens
+/// the file shared or alone, as told, then until its stdin closes, round
+/// after round: claims the inbox key `evt-N`, enqueues the entry `cmd-N`,
+/// and claims what is due. A first attempt fails for good (`bank_down`),
+/// but `cmd-2`'s is left claimed (as by a worker that died) and `cmd-3`'s
+/// ends in doubt; an entry claimed again (an operator retried or released
+/// it) is delivered. It prints `wrote N` once round N is durable, and
+/// `delivered ID on attempt A`.
+#[test]
+#[ignore = "run by the tests of a store a running program holds, as a child process"]
+fn live_program() -> TestResult {
+    let Ok(path) = std::env::var(LIVE_FILE_ENV) else {
+        return Ok(());
+    };
+    let shared = std::env::var(LIVE_SHARED_ENV).is_ok_and(|v| v == "1");
+    let store = Store::builder().shared(shared).open(path)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopper = stop.clone();
+    std::thread::spawn(move || {
+        // Its parent closes the pipe, or dies.
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        stopper.store(true, Ordering::SeqCst);
+    });
+    let inbox = store.inbox("live")?;
+    let outbox = store.outbox();
+    let mut round = 0_u64;
+    while !stop.load(Ordering::SeqCst) {
+        round += 1;
+        let now = Utc::now();
+        assert!(inbox.claim(&format!("evt-{round}"), now)?);
+        let entry = NewEntry::new(
+            format!("cmd-{round}"),
+            "bank",
+            format!("k{round}"),
+            round.to_be_bytes().to_vec(),
+        );
+        outbox.enqueue(entry, now)?;
+        for e in outbox.claim_due(now, 16, "live-program")? {
+            let settlement = match (e.attempt_count, e.command_id.as_str()) {
+                (1, "cmd-2") => continue,
+                (1, "cmd-3") => Settlement::OutcomeUnknown {
+                    remote_ref: Some("ref-3".into()),
+                },
+                (1, _) => Settlement::Failed {
+                    reason: "bank_down".into(),
+                    next_attempt_at: None,
+                },
+                _ => Settlement::Completed,
+            };
+            outbox.settle(e.fence(), settlement, now)?;
+            if e.attempt_count > 1 {
+                println!("delivered {} on attempt {}", e.id.0, e.attempt_count);
+            }
+        }
+        println!("wrote {round}");
+    }
+    Ok(())
+}
+
+/// [`live_program`] running in a child process, and what it printed.
+struct Live {
+    child: Mutex<Child>,
+    stdin: Option<ChildStdin>,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Live {
+    /// Starts the program on `file`, opened shared or alone, and waits
+    /// until its first round is durable.
+    fn start(file: &Path, shared: bool) -> Result<Live, Box<dyn std::error::Error>> {
+        let mut child = common::child_test("live_program")
+            .env(LIVE_FILE_ENV, file)
+            .env(LIVE_SHARED_ENV, if shared { "1" } else { "0" })
+            .stdin(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().ok_or("piped stdout")?;
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().push(line);
+            }
+        });
+        let live = Live {
+            child: Mutex::new(child),
+            stdin,
+            lines,
+        };
+        common::eventually("the program's first round", || live.rounds() >= 1);
+        Ok(live)
+    }
+
+    /// The last lines the program printed, newest first.
+    fn tail(&self) -> Vec<String> {
+        self.lines.lock().iter().rev().take(20).cloned().collect()
+    }
+
+    /// Fails the test if the program stopped (only [`Live::stop`] stops it).
+    fn running(&self) {
+        if let Ok(Some(status)) = self.child.lock().try_wait() {
+            panic!("the program stopped ({status}): {:?}", self.tail());
+        }
+    }
+
+    /// How many rounds the program has made durable.
+    fn rounds(&self) -> u64 {
+        self.running();
+        // The test harness prints its own words first on the first line.
+        self.lines
+            .lock()
+            .iter()
+            .rev()
+            .find_map(|l| l.split("wrote ").nth(1).and_then(|n| n.parse().ok()))
+            .unwrap_or(0)
+    }
+
+    /// Whether the program printed `line`.
+    fn printed(&self, line: &str) -> bool {
+        self.running();
+        self.lines.lock().iter().any(|l| l.ends_with(line))
+    }
+
+    /// Closes the program's stdin and waits for it: its test must pass.
+    fn stop(mut self) -> TestResult {
+        drop(self.stdin.take());
+        let status = self.child.get_mut().wait()?;
+        assert!(status.success(), "the program failed: {:?}", self.tail());
+        Ok(())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // A test that failed half way: do not leave the program running.
+        if self.stdin.take().is_some() {
+            let child = self.child.get_mut();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `stats --json`: the keys of inbox `live` and the outbox's total.
+fn live_counts(file: &Path) -> Result<(u64, u64), Box<dyn std::error::Error>> {
+    let v = json(&["stats", s(file)])?;
+    let keys = v["inboxes"]
+        .as_array()
+        .ok_or("inboxes")?
+        .iter()
+        .find(|i| i["name"] == "live")
+        .and_then(|i| i["keys"].as_u64())
+        .ok_or("inbox live")?;
+    Ok((keys, v["outbox"]["total"].as_u64().ok_or("total")?))
+}
+
+/// `outbox retry`, `release` and `resolve` beside [`live_program`]: it
+/// takes the retried and the released entry again and delivers them.
+/// Returns the retried entry's id.
+fn repairs_reach_the_program(live: &Live, file: &Path) -> Result<u64, Box<dyn std::error::Error>> {
+    // Retry an entry whose attempt failed for good: the program's next
+    // claim takes it again, and delivers it.
+    let failed = json(&[
+        "outbox",
+        "list",
+        s(file),
+        "--status",
+        "failed",
+        "--limit",
+        "1",
+    ])?;
+    let id = failed[0]["id"].as_u64().ok_or("a failed entry")?;
+    let text = ok(&["outbox", "retry", s(file), &id.to_string()])?;
+    assert!(text.contains(&format!("{id}: failed -> pending")), "{text}");
+    common::eventually("the program delivers the retried entry", || {
+        live.printed(&format!("delivered {id} on attempt 2"))
+    });
+    let v = json(&["outbox", "show", s(file), &id.to_string()])?;
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["attempt_count"], 2);
+    assert_eq!(v["attempts"][0]["reason"], "bank_down");
+
+    // Release the claim the program left behind (only it: the cutoff is
+    // just after it, before any later claim); the program delivers the entry.
+    let v = json(&["outbox", "list", s(file), "--status", "dispatching"])?;
+    let stuck = v
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["command_id"] == "cmd-2"));
+    let stuck = stuck.ok_or("cmd-2 left claimed")?;
+    let claimed_at: DateTime<Utc> = stuck["claim"]["claimed_at"]
+        .as_str()
+        .ok_or("claimed_at")?
+        .parse()?;
+    let cutoff = (claimed_at + TimeDelta::microseconds(1)).to_rfc3339();
+    let v = json(&["outbox", "release", s(file), "--claimed-before", &cutoff])?;
+    let released = stuck["id"].as_u64().ok_or("id")?;
+    assert_eq!(v["released"], serde_json::json!([released]));
+    common::eventually("the program delivers the released entry", || {
+        live.printed(&format!("delivered {released} on attempt 2"))
+    });
+
+    // Settle the entry in doubt by hand.
+    let v = json(&["outbox", "list", s(file), "--status", "outcome-unknown"])?;
+    let doubt = v[0]["id"].as_u64().ok_or("cmd-3 in doubt")?;
+    assert_eq!(v[0]["command_id"], "cmd-3");
+    ok(&[
+        "outbox",
+        "resolve",
+        s(file),
+        &doubt.to_string(),
+        "--completed",
+    ])?;
+    let v = json(&["outbox", "show", s(file), &doubt.to_string()])?;
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["remote_ref"], "ref-3");
+    Ok(id)
+}
+
+/// The reading commands beside [`live_program`], which has enqueued more
+/// than `total` entries by now.
+fn reads_see_the_program(live: &Live, file: &Path, total: u64) -> TestResult {
+    let v = json(&["inbox", "list", s(file), "live", "--limit", "2"])?;
+    let first: Vec<&str> = v
+        .as_array()
+        .ok_or("list")?
+        .iter()
+        .filter_map(|r| r["key"].as_str())
+        .collect();
+    assert_eq!(first, ["evt-1", "evt-2"]);
+    let v = json(&["outbox", "list", s(file), "--limit", "0"])?;
+    assert!(v.as_array().is_some_and(|a| a.len() as u64 > total));
+    let acknowledged = live.rounds();
+    let exported = ok(&["export", s(file), "--jsonl"])?;
+    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for line in exported.lines() {
+        let v: Value = serde_json::from_str(line)?;
+        *kinds
+            .entry(v["kind"].as_str().ok_or("kind")?.to_owned())
+            .or_default() += 1;
+    }
+    assert!(
+        kinds["inbox"] >= acknowledged && kinds["outbox"] >= acknowledged,
+        "{kinds:?}"
+    );
+    assert!(ok(&["keys", "list", s(file)])?.contains("0 keys"));
+    assert!(ok(&["check", s(file)])?.starts_with("ok:"));
+    Ok(())
+}
+
+#[test]
+fn the_cli_reads_and_repairs_a_store_a_running_program_shares() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("live.idem");
+    let live = Live::start(&file, true)?;
+
+    // `stats` shows every round the program made durable before it ran, and
+    // later ones as they come.
+    let acknowledged = live.rounds();
+    let (keys, total) = live_counts(&file)?;
+    assert!(
+        keys >= acknowledged && total >= acknowledged,
+        "{keys} {total}"
+    );
+    common::eventually("stats shows the program's later rounds", || {
+        live_counts(&file).is_ok_and(|(k, t)| k > keys && t > total)
+    });
+
+    let retried = repairs_reach_the_program(&live, &file)?;
+    reads_see_the_program(&live, &file, total)?;
+
+    // The other writing commands: the program keeps going over what they
+    // changed.
+    let v = json(&["outbox", "purge", s(&file), "--finished-before", "0s"])?;
+    assert!(v["purged"].as_u64().is_some_and(|n| n > 0), "{v}");
+    let v = json(&["inbox", "prune", s(&file), "live", "--before", "0s"])?;
+    assert!(v["pruned"].as_u64().is_some_and(|n| n > 0), "{v}");
+    let gone = run(&["outbox", "show", s(&file), &retried.to_string()])?;
+    assert_eq!(gone.status.code(), Some(1));
+    let rounds = live.rounds();
+    common::eventually("the program goes on after them", || {
+        live.rounds() > rounds + 2
+    });
+
+    // Compaction needs the file to itself.
+    let o = run(&["compact", s(&file)])?;
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("needs the file to itself"), "{err}");
+    assert!(stdout(&o).is_empty());
+
+    live.stop()?;
+    let store = Store::open(&file)?;
+    assert!(store.outbox().check_indexes()?.is_empty());
+    assert!(store.check_inbox_indexes()?.is_empty());
+    assert!(!store.inbox("live")?.seen("evt-1")?);
+    drop(store);
+    ok(&["compact", s(&file)])?;
+    Ok(())
+}
+
+#[test]
+fn the_cli_names_shared_true_when_a_running_program_holds_the_store_alone() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("alone.idem");
+    let live = Live::start(&file, false)?;
+    for args in [
+        &["stats", s(&file)][..],
+        &["outbox", "list", s(&file)],
+        &["outbox", "retry", s(&file), "1"],
+        &["inbox", "list", s(&file), "live"],
+        &["check", s(&file)],
+        &["export", s(&file), "--jsonl"],
+    ] {
+        let o = run(args)?;
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(err.contains("held exclusively by another process"), "{err}");
+        assert!(err.contains("StoreBuilder::shared(true)"), "{err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+            "{err}"
+        );
+        assert!(stdout(&o).is_empty(), "{args:?}");
+    }
+    let o = run(&["compact", s(&file)])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("needs the file to itself"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Once the program is gone, the same commands work.
+    live.stop()?;
+    assert!(ok(&["stats", s(&file)])?.contains("live: "));
     Ok(())
 }

@@ -11,7 +11,9 @@ use crate::output::{
     bar, bytes, key_json, last_reason, outbox_json, preview, print_json, put, spinner, status_name,
     ts, ts_opt, when, when_opt,
 };
-use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open};
+use crate::{
+    Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
+};
 
 /// Rows read per read transaction when walking a whole table.
 const PAGE: usize = 1000;
@@ -542,9 +544,13 @@ fn keys_list(
     Ok(Outcome::Ok)
 }
 
+/// Compacts the file with no other process beside it: redb refuses to
+/// compact while another process reads (a running program reads all the
+/// time), and a compaction beside others would hold the writer of every
+/// process until it ended.
 fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
     let before = std::fs::metadata(file)?.len();
-    let store = open(file)?;
+    let store = open_alone(file)?;
     let pb = spinner("compacting");
     let compacted = store.compact()?;
     pb.finish_and_clear();

@@ -6,6 +6,15 @@
 //! back it up (`export --jsonl`). Output is for people by default and JSON
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
 //! usage.
+//!
+//! Every command but `compact` opens the file shared between processes
+//! (`StoreBuilder::shared(true)`): it works on a file nobody has open, and
+//! beside a running program that opened the file shared too, whose commits it
+//! sees and which sees its own. A program that opened the file alone (the
+//! default) holds it exclusively, and the message says how to share it.
+//! `compact` rewrites the whole file, which redb refuses while another process
+//! reads it and which would stall every other process's writes meanwhile: it
+//! opens the file alone, and says so when another process has it open.
 
 // An operator tool reports bad files and bad arguments; it does not panic.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
@@ -25,6 +34,12 @@ use idemstore::{Error, OutboxStatus, Store};
 ///
 /// TIME is RFC 3339 (2025-01-31T12:00:00Z) or an age meaning now minus that:
 /// 7d, 24h, 30m, 45s (or combined, 1d12h).
+///
+/// A running program's store: every command but compact works beside a
+/// program that opened the file with `StoreBuilder::shared(true)`, reading what
+/// it committed and writing what it will see. A program that opened the file
+/// alone (the default) holds it exclusively: open it shared there, or stop
+/// the program first. compact needs the file to itself.
 ///
 /// Exit codes: 0 ok, 1 findings (check) or a failed operation, 2 bad usage.
 #[derive(Debug, Parser)]
@@ -55,6 +70,8 @@ pub(crate) enum Command {
     #[command(subcommand)]
     Keys(KeysCommand),
     /// Rewrite the file to return free space to the file system.
+    ///
+    /// Needs the file to itself: stop every program that has it open first.
     Compact {
         /// The store file.
         file: PathBuf,
@@ -67,6 +84,10 @@ pub(crate) enum Command {
     },
     /// Write every record as JSON lines on stdout (payloads and bodies in
     /// base64), for backups and debugging.
+    ///
+    /// Records are read a thousand at a time: beside a running program, what
+    /// it writes meanwhile may or may not be in the export. For a backup
+    /// that is one moment of the store, stop the program first.
     Export {
         /// The store file.
         file: PathBuf,
@@ -229,9 +250,20 @@ pub(crate) struct Failure(pub(crate) String);
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         match e {
-            Error::AlreadyOpen { path, .. } => Failure(format!(
-                "{} is in use by another process (the store is already open); \
-                 stop that process or run this command from it",
+            // The commands open the file shared: its holder has it alone.
+            Error::AlreadyOpen { path, shared: true } => Failure(format!(
+                "{} is held exclusively by another process: a program opened it alone \
+                 (the default). To run this command beside it, open the store in that \
+                 program with StoreBuilder::shared(true) (every process that uses the file \
+                 must then open it shared); or stop the program and run this command again",
+                path.display()
+            )),
+            Error::AlreadyOpen {
+                path,
+                shared: false,
+            } => Failure(format!(
+                "{} is open in another process; this command needs the file to itself: stop \
+                 every program that has it open and run this command again",
                 path.display()
             )),
             other => Failure(other.to_string()),
@@ -254,15 +286,28 @@ pub(crate) enum Outcome {
     Findings,
 }
 
-/// Opens an existing store file; never creates one.
+/// Opens an existing store file, shared with any other process that opened
+/// it shared (a running program); never creates one.
 pub(crate) fn open(file: &Path) -> Result<Store, Failure> {
-    if !file.exists() {
-        return Err(Failure(format!(
-            "{}: no such file (idemstore opens existing store files only)",
-            file.display()
-        )));
-    }
+    must_exist(file)?;
+    Ok(Store::builder().shared(true).open(file)?)
+}
+
+/// Opens an existing store file for this process alone, for a command that
+/// needs the file to itself (`compact`); never creates one.
+pub(crate) fn open_alone(file: &Path) -> Result<Store, Failure> {
+    must_exist(file)?;
     Ok(Store::open(file)?)
+}
+
+fn must_exist(file: &Path) -> Result<(), Failure> {
+    if file.exists() {
+        return Ok(());
+    }
+    Err(Failure(format!(
+        "{}: no such file (idemstore opens existing store files only)",
+        file.display()
+    )))
 }
 
 fn main() -> ExitCode {
