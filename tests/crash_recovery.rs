@@ -20,6 +20,8 @@ use idemstore::{Begin, Error, Result, Store};
 const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
 const CHILD_ENV: &str = "IDEMSTORE_CRASH_CHILD_FILE";
 const ROUND_ENV: &str = "IDEMSTORE_CRASH_ROUND";
+/// Set for a child that opens the store shared between processes.
+const SHARED_ENV: &str = "IDEMSTORE_CRASH_SHARED";
 const THREADS: usize = 4;
 
 /// The child: claims `r{round}-w{thread}-{n}` with an effect, forever, printing
@@ -32,7 +34,8 @@ fn crash_child() -> Result<()> {
     };
     let round: u32 = std::env::var(ROUND_ENV).unwrap().parse().unwrap();
     // A small journal: the kills also land in and around merges.
-    let store = Store::builder().journal_size(7).open(path)?;
+    let shared = std::env::var_os(SHARED_ENV).is_some();
+    let store = Store::builder().journal_size(7).shared(shared).open(path)?;
     let inbox = store.inbox("crash")?;
     let keys = store.idempotency_keys();
     let handles: Vec<_> = (0..THREADS)
@@ -84,12 +87,13 @@ struct Round {
 }
 
 /// Runs the child until it has printed `acks` lines, or `deadline`, then kills it.
-fn run_and_kill(path: &Path, round: u32, acks: usize, deadline: Duration) -> Round {
-    let mut child = common::child_test("crash_child")
-        .env(CHILD_ENV, path)
-        .env(ROUND_ENV, round.to_string())
-        .spawn()
-        .expect("spawn child");
+fn run_and_kill(path: &Path, shared: bool, round: u32, acks: usize, deadline: Duration) -> Round {
+    let mut child = common::child_test("crash_child");
+    child.env(CHILD_ENV, path).env(ROUND_ENV, round.to_string());
+    if shared {
+        child.env(SHARED_ENV, "1");
+    }
+    let mut child = child.spawn().expect("spawn child");
     let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
     let started = Instant::now();
     let mut round = Round {
@@ -128,6 +132,17 @@ fn run_and_kill(path: &Path, round: u32, acks: usize, deadline: Duration) -> Rou
 
 #[test]
 fn every_acknowledged_call_and_its_effect_survive_a_kill_at_any_moment() -> Result<()> {
+    kill_rounds(false)
+}
+
+#[test]
+fn in_a_shared_store_every_acknowledged_call_survives_a_kill_at_any_moment() -> Result<()> {
+    // Shared: durable commits of their own kind, and caller closures that
+    // lead their batch.
+    kill_rounds(true)
+}
+
+fn kill_rounds(shared: bool) -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.idem");
     let mut seed: u64 = 0x005e_ed0f_c4a5;
@@ -140,13 +155,13 @@ fn every_acknowledged_call_and_its_effect_survive_a_kill_at_any_moment() -> Resu
         seed ^= seed >> 7;
         seed ^= seed << 17;
         let acks = 5 + usize::try_from(seed % 400).unwrap();
-        let r = run_and_kill(&path, round, acks, Duration::from_secs(20));
+        let r = run_and_kill(&path, shared, round, acks, Duration::from_secs(20));
         acked_total += r.claims.len() + r.http.len();
         all_claims.extend(r.claims);
         all_http.extend(r.http);
 
         // Reopen (a repair, after a kill) and check everything acknowledged so far.
-        let store = Store::open(&path)?;
+        let store = Store::builder().shared(shared).open(&path)?;
         let inbox = store.inbox("crash")?;
         let keys = store.idempotency_keys();
         let effects: BTreeSet<String> = common::effect_keys(&store)?;
@@ -186,7 +201,7 @@ fn every_acknowledged_call_and_its_effect_survive_a_kill_at_any_moment() -> Resu
         assert_eq!(keys.check_indexes()?, Vec::<String>::new(), "round {round}");
     }
     common::report(&format!(
-        "crash recovery: {rounds} kill rounds, {acked_total} acknowledged calls checked after reopen"
+        "crash recovery (shared: {shared}): {rounds} kill rounds, {acked_total} acknowledged calls checked after reopen"
     ));
     Ok(())
 }
