@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p idemstore-benches --bin throughput            # the full table (~1 min)
 //! cargo run --release -p idemstore-benches --bin throughput -- --quick # shorter runs
+//! cargo run --release -p idemstore-benches --bin throughput -- --shared # only the table of shared stores
 //! ```
 //!
 //! Every figure is measured in this run, on this machine, so the ratios are
@@ -29,12 +30,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.get(1).map(String::as_str) == Some("--crash-child") {
         return crash_child(Path::new(&args[2]), args[3] == "quick", args[4].parse()?);
     }
+    if args.get(1).map(String::as_str) == Some("--claiming-child") {
+        return claiming_child(Path::new(&args[2]), args[3].parse()?, args[4].parse()?);
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let cfg = Config {
         run_for: Duration::from_millis(if quick { 400 } else { 1500 }),
         crash_mib: if quick { 32 } else { 128 },
     };
     let dir = tempfile::tempdir()?;
+    if args.iter().any(|a| a == "--shared") {
+        return shared_table(dir.path(), &cfg);
+    }
     println!(
         "durable claims per second ({} s per cell, median of 3 where noted)\n",
         cfg.run_for.as_secs_f64()
@@ -95,7 +102,140 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          {many_durable:.0} durable"
     );
 
-    quick_repair_table(dir.path(), &cfg)
+    quick_repair_table(dir.path(), &cfg)?;
+    shared_table(dir.path(), &cfg)
+}
+
+/// Several processes, one file: a store held alone against a shared one,
+/// several processes sharing one, and raw redb in its multi-process mode
+/// with one commit per claim.
+fn shared_table(dir: &Path, cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
+    println!("\nseveral processes, one file: durable claims per second (median of 3)");
+    println!(
+        "{:>30} | {:>12} | {:>18}",
+        "", "claims/s", "vs raw MultiWriter"
+    );
+    println!("{}", "-".repeat(66));
+    let raw = median3(|| raw_redb_multi_writer(dir, cfg.run_for))?;
+    let row = |what: &str, rate: f64| {
+        println!("{what:>30} | {rate:>12.0} | {:>17.1}x", rate / raw);
+    };
+    row("raw redb MultiWriter, 1 thread", raw);
+    for threads in [1usize, 64] {
+        let alone = median3(|| {
+            idemstore_claims(dir, threads, cfg.run_for, Durability::Immediate, false)
+        })?;
+        let shared = median3(|| shared_claims(dir, 1, threads, cfg.run_for))?;
+        row(&format!("exclusive, {threads} threads"), alone);
+        row(&format!("shared, 1 process x {threads}"), shared);
+    }
+    for processes in [1usize, 2, 4] {
+        let rate = median3(|| shared_claims(dir, processes, 16, cfg.run_for))?;
+        row(&format!("shared, {processes} processes x 16"), rate);
+    }
+    Ok(())
+}
+
+/// Raw redb opened for several processes (`MultiWriter`), one thread, one
+/// durable commit per claim.
+fn raw_redb_multi_writer(dir: &Path, run_for: Duration) -> Result<f64, Box<dyn std::error::Error>> {
+    let db = Arc::new(
+        Database::builder()
+            .set_concurrency_mode(idemstore::redb::ConcurrencyMode::MultiWriter)
+            .create(fresh(dir, "raw-multi.redb"))?,
+    );
+    let now = Utc::now().timestamp_micros();
+    Ok(drive(1, run_for, move |t, n| {
+        let key = format!("evt-{t}-{n}");
+        let tx = db.begin_write().expect("begin");
+        {
+            let mut table = tx.open_table(RAW).expect("table");
+            if table.get(("bench", key.as_str())).expect("get").is_none() {
+                table.insert(("bench", key.as_str()), now).expect("insert");
+            }
+        }
+        tx.commit().expect("commit");
+    }))
+}
+
+/// `processes` child processes of `threads` threads each claim fresh keys
+/// in one shared store for `run_for`; returns their claims per second
+/// together. The children open the store first and start together.
+fn shared_claims(
+    dir: &Path,
+    processes: usize,
+    threads: usize,
+    run_for: Duration,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    let path = fresh(dir, "shared.idem");
+    drop(Store::builder().shared(true).open(&path)?);
+    let mut children = Vec::new();
+    for p in 0..processes {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("--claiming-child")
+            .arg(&path)
+            .arg(threads.to_string())
+            .arg(p.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut out = BufReader::new(child.stdout.take().expect("piped"));
+        let mut ready = String::new();
+        out.read_line(&mut ready)?;
+        assert_eq!(ready.trim(), "ready");
+        children.push((child, out));
+    }
+    for (child, _) in &mut children {
+        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+    }
+    std::thread::sleep(run_for);
+    let mut claims = 0u64;
+    for (mut child, mut out) in children {
+        drop(child.stdin.take());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        claims += line.trim().parse::<u64>()?;
+        assert!(child.wait()?.success());
+    }
+    Ok(claims as f64 / run_for.as_secs_f64())
+}
+
+/// A child of [`shared_claims`]: opens the store, says `ready`, claims from
+/// `threads` threads from `go` until its stdin closes, then prints how many.
+fn claiming_child(path: &Path, threads: usize, me: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let store = Store::builder().shared(true).open(path)?;
+    let inbox = store.inbox("bench")?;
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (inbox, stop, done) = (inbox.clone(), stop.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let first = inbox
+                        .claim(&format!("evt-{me}-{t}-{n}"), Utc::now())
+                        .expect("claim");
+                    assert!(first);
+                    n += 1;
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    // Until the parent closes stdin.
+    let _ = std::io::stdin().read_line(&mut line);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().expect("worker panicked");
+    }
+    println!("{}", done.load(Ordering::Relaxed));
+    Ok(())
 }
 
 /// Commit cost against reopen time after a crash, with quick repair off and on.
