@@ -174,14 +174,22 @@ fn lock_key(schema: &str) -> i64 {
 /// The version recorded in `schema`, `None` if it has no version table
 /// (a new schema).
 fn recorded(client: &mut impl ::postgres::GenericClient, schema: &str) -> Result<Option<u64>> {
-    let table = format!("{schema}.schema_version");
+    // A query of the catalog's tables, not `to_regclass`: that reads the
+    // session's catalog cache, which taking an advisory lock does not
+    // refresh, so a process that waited for another's migration would not
+    // see its tables.
     let exists = client
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])?
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = 'schema_version')",
+            &[&schema],
+        )?
         .try_get::<_, bool>(0)?;
     if !exists {
         return Ok(None);
     }
-    let row = client.query_opt(&format!("SELECT version FROM {table}"), &[])?;
+    let row = client.query_opt(&format!("SELECT version FROM {schema}.schema_version"), &[])?;
     let version = match row {
         Some(r) => r.try_get::<_, i64>(0)?,
         None => 0,
