@@ -21,6 +21,10 @@ mod fixture {
     }
 
     impl Fixture {
+        #[expect(
+            clippy::unnecessary_wraps,
+            reason = "the suite's fixture interface: other backends may be absent"
+        )]
         pub(crate) fn open() -> Option<Fixture> {
             Some(Fixture {
                 store: Db::in_memory().expect("an in-memory store"),
@@ -33,6 +37,10 @@ mod fixture {
         }
 
         /// Writes the application row `key` in `tx`.
+        #[expect(
+            clippy::unused_self,
+            reason = "the suite's fixture interface: other backends need the fixture"
+        )]
         pub(crate) fn mark(&self, tx: &WriteTransaction, key: &str) -> Result<()> {
             tx.open_table(MARKS)
                 .map_err(Error::from)?

@@ -142,8 +142,8 @@ mod server {
     use super::*;
 
     #[test]
-    fn connecting_checks_the_schema_name_and_the_connection_string() -> TestResult {
-        let Some(url) = url() else { return Ok(()) };
+    fn connecting_checks_the_schema_name_and_the_connection_string() {
+        let Some(url) = url() else { return };
         for bad in ["Idem", "a-b", "pg_x", ""] {
             let out = PgStore::builder().schema(bad).connect(&url);
             assert!(
@@ -152,7 +152,7 @@ mod server {
                     Err(Error::InvalidInput {
                         field: "schema",
                         ..
-                    }) | Err(Error::TooLarge { .. })
+                    } | Error::TooLarge { .. })
                 ),
                 "{bad:?}: {out:?}"
             );
@@ -168,13 +168,12 @@ mod server {
             ),
             "{out:?}"
         );
-        Ok(())
     }
 
     #[test]
-    fn an_unreachable_server_is_an_error_not_a_hang() -> TestResult {
+    fn an_unreachable_server_is_an_error_not_a_hang() {
         if url().is_none() {
-            return Ok(());
+            return;
         }
         let started = std::time::Instant::now();
         let out = PgStore::builder()
@@ -186,7 +185,6 @@ mod server {
         assert!(e.is_storage());
         assert!(e.to_string().contains("PostgreSQL error"), "{e}");
         assert!(started.elapsed() < Duration::from_secs(10));
-        Ok(())
     }
 
     #[test]

@@ -106,9 +106,9 @@ macro_rules! inbox_contract {
 
             #[test]
             fn concurrent_claims_of_a_key_have_one_winner() -> TestResult {
-                let f = fixture!();
                 const THREADS: usize = 8;
                 const KEYS: usize = 25;
+                let f = fixture!();
                 let wins = std::thread::scope(|s| {
                     let handles: Vec<_> = (0..THREADS)
                         .map(|w| {

@@ -86,10 +86,6 @@ macro_rules! outbox_contract {
             }
 
             /// The status table, with `requeue` and `cancel`.
-            #[expect(
-                clippy::match_same_arms,
-                reason = "one arm per group of cells reads like the table"
-            )]
             fn expected(from: OutboxStatus, op: Op) -> Expect {
                 use Expect::{Conflict, To, Unchanged};
                 use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
@@ -527,8 +523,8 @@ macro_rules! outbox_contract {
 
             #[test]
             fn concurrent_claimers_never_share_an_entry() -> TestResult {
-                let f = fixture!();
                 const ENTRIES: usize = 120;
+                let f = fixture!();
                 let outbox = f.store.outbox();
                 let all: BTreeSet<OutboxId> = outbox
                     .enqueue_many(
