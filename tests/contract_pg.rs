@@ -274,6 +274,34 @@ mod server {
     }
 
     #[test]
+    fn a_row_edited_into_nonsense_is_corrupted_and_a_claim_takes_nothing() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        let good = outbox.enqueue(entry("c", "d", "good"), t(0))?.id();
+        let bad = outbox.enqueue(entry("c", "d", "bad"), t(0))?.id();
+        let id = i64::try_from(bad.0)?;
+        f.client().execute(
+            &format!(
+                "UPDATE {}.outbox SET command_id = '\\xff'::bytea WHERE id = $1",
+                f.schema
+            ),
+            &[&id],
+        )?;
+        let out = outbox.claim_due(t(1), 10, "w");
+        assert!(matches!(out, Err(Error::Corrupted { .. })), "{out:?}");
+        assert_eq!(outbox.counts()?.pending, 2, "nothing was claimed");
+        assert!(matches!(outbox.get(bad), Err(Error::Corrupted { .. })));
+        assert_eq!(
+            outbox.get(good)?.entry.status,
+            idemstore::OutboxStatus::Pending
+        );
+        let findings = outbox.check_indexes()?;
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert!(findings[0].contains("not UTF-8"), "{findings:?}");
+        Ok(())
+    }
+
+    #[test]
     fn an_enqueue_in_another_process_wakes_this_ones_subscribers_at_commit() -> TestResult {
         let f = fixture!();
         let wake = f.store.outbox().subscribe();

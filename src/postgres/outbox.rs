@@ -365,7 +365,8 @@ impl PgOutbox {
     /// [`PgOutbox::get`] returns for them afterwards. Concurrent claimers, in
     /// any process, never get the same entry: each skips the rows another
     /// is claiming (`FOR UPDATE SKIP LOCKED`). One statement on the partial
-    /// due index: its cost follows `limit`, not the backlog.
+    /// due index: its cost follows `limit`, not the backlog. A call that
+    /// returns `Err` claimed nothing.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
@@ -378,7 +379,12 @@ impl PgOutbox {
         }
         refuse_reentrant()?;
         let mut conn = self.shared.conn()?;
-        self.claim_on(&mut *conn, micros(now), limit, worker_id)
+        // In a transaction of its own, so that a row that does not decode
+        // (edited by something else) fails the call before it commits:
+        // a call that returns `Err` claimed nothing.
+        in_transaction(&mut conn, |tx| {
+            self.claim_on(tx, micros(now), limit, worker_id)
+        })
     }
 
     /// Completes entry `id` at `now` in one statement if the status table

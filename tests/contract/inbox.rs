@@ -290,6 +290,26 @@ macro_rules! inbox_contract {
             }
 
             #[test]
+            fn the_store_names_the_inboxes_holding_keys() -> TestResult {
+                let f = fixture!();
+                assert_eq!(f.store.inbox_names()?, Vec::<String>::new());
+                for name in ["z", "a", "b.c", "a-b"] {
+                    let inbox = f.store.inbox(name)?;
+                    assert!(inbox.claim("k1", t(0))?);
+                    assert!(inbox.claim("k2", t(1))?);
+                }
+                let _unused = f.store.inbox("never")?;
+                assert_eq!(f.store.inbox_names()?, ["a", "a-b", "b.c", "z"]);
+                assert_eq!(f.store.inbox("z")?.prune(t(2))?, 2);
+                assert_eq!(
+                    f.store.inbox_names()?,
+                    ["a", "a-b", "b.c"],
+                    "all pruned: not listed"
+                );
+                Ok(())
+            }
+
+            #[test]
             fn list_pages_through_keys_in_claim_order() -> TestResult {
                 let f = fixture!();
                 let inbox = f.store.inbox("listed")?;
