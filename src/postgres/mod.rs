@@ -319,8 +319,9 @@ impl PgStore {
     /// pooled connection. Inside `f`, use only the `*_in` calls with the
     /// transaction given: the store's own write methods there return
     /// [`Error::Reentrant`] (they would take a second connection, and could
-    /// wait forever on rows `f`'s transaction holds). A statement that fails
-    /// aborts the transaction on the server: return its error.
+    /// wait forever on rows `f`'s transaction holds); the store's reads
+    /// there work, each on a second pooled connection. A statement that
+    /// fails aborts the transaction on the server: return its error.
     pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
     where
         E: From<Error>,

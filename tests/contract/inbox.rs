@@ -253,6 +253,27 @@ macro_rules! inbox_contract {
             }
 
             #[test]
+            fn a_panicking_write_rolls_back_and_the_store_goes_on() -> TestResult {
+                let f = fixture!();
+                let inbox = f.store.inbox("composed")?;
+                let panicked = catch_unwind(AssertUnwindSafe(|| {
+                    f.store.write(|tx| -> Result<(), Error> {
+                        assert!(inbox.claim_in(tx, "evt-1", t(0))?);
+                        f.mark(tx, "row")?;
+                        panic!("the closure panics");
+                    })
+                }));
+                assert!(panicked.is_err(), "the panic reaches the caller");
+                assert!(!inbox.seen("evt-1")?);
+                assert_eq!(f.marks()?, Vec::<String>::new());
+                f.store.write(|tx| f.mark(tx, "row"))?;
+                assert_eq!(f.marks()?, vec!["row".to_owned()]);
+                let nested = f.store.write(|_tx| f.store.write(|tx| f.mark(tx, "inner")));
+                assert!(matches!(nested, Err(Error::Reentrant)), "{nested:?}");
+                Ok(())
+            }
+
+            #[test]
             fn a_store_write_inside_a_write_closure_is_refused() -> TestResult {
                 let f = fixture!();
                 let inbox = f.store.inbox("nested")?;
