@@ -19,8 +19,6 @@
 //! checks. `tests/contract.rs` runs it on the embedded store (in every
 //! `cargo test`), `tests/contract_pg.rs` on PostgreSQL (feature
 //! `postgres`, server from `IDEMSTORE_TEST_POSTGRES`).
-// Each backend's binary uses the whole module; the helpers are shared.
-#![allow(dead_code, unreachable_pub)]
 
 /// Opens the fixture, or returns from the test when the backend is not
 /// available here.
@@ -44,22 +42,22 @@ use chrono::{DateTime, Utc};
 use idemstore::NewEntry;
 
 /// What a contract test returns.
-pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+pub(crate) type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// A fixed instant, `secs` seconds after the suite's origin.
-pub fn t(secs: i64) -> DateTime<Utc> {
+pub(crate) fn t(secs: i64) -> DateTime<Utc> {
     DateTime::from_timestamp(1_700_000_000 + secs, 0).expect("in range")
 }
 
 /// An entry of command `cmd` to `dest`, with idempotency key `key`.
-pub fn entry(cmd: &str, dest: &str, key: &str) -> NewEntry {
+pub(crate) fn entry(cmd: &str, dest: &str, key: &str) -> NewEntry {
     NewEntry::new(cmd, dest, key, format!("payload of {key}").into_bytes())
 }
 
 /// An application's error, beside the store's: what an effect that refuses
 /// to go on returns.
 #[derive(Debug)]
-pub enum AppError {
+pub(crate) enum AppError {
     Store(idemstore::Error),
     Refused,
 }
@@ -72,7 +70,10 @@ impl From<idemstore::Error> for AppError {
 
 impl std::fmt::Display for AppError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{self:?}")
+        match self {
+            AppError::Store(e) => write!(f, "the store failed: {e}"),
+            AppError::Refused => f.write_str("the application refused"),
+        }
     }
 }
 
