@@ -114,6 +114,27 @@ pub enum Error {
         /// The panic's message, when it had one.
         message: String,
     },
+    /// The PostgreSQL server failed the call, or could not be reached: a
+    /// lost connection, a server restart, a serialization failure, a
+    /// statement it refused, no pooled connection free before the timeout.
+    /// The transaction the call ran in was rolled back, so nothing from the
+    /// call was acknowledged; only a connection lost while its commit was
+    /// on the wire leaves the outcome open, and every call of the store can
+    /// be retried after that (a claim or an enqueue that did commit answers
+    /// as a duplicate). Retrying may work once the server is back.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    Postgres {
+        /// The SQLSTATE the server answered with (`40001`: a
+        /// serialization failure, `57P01`: the server is shutting down, …);
+        /// `None` when it did not answer (a lost connection, a timeout).
+        code: Option<String>,
+        /// What went wrong, in the server's words when it answered (its
+        /// severity, message, detail and hint), else the client's.
+        message: String,
+        /// The client's error, for [`source`](std::error::Error::source).
+        source: std::sync::Arc<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -189,6 +210,14 @@ impl fmt::Display for Error {
                 f,
                 "a panic during {during}: {message}; nothing from this call was acknowledged"
             ),
+            #[cfg(feature = "postgres")]
+            Error::Postgres { code, message, .. } => {
+                write!(f, "PostgreSQL error: {message}")?;
+                if let Some(code) = code {
+                    write!(f, " (SQLSTATE {code})")?;
+                }
+                f.write_str("; the call's transaction was rolled back")
+            }
         }
     }
 }
@@ -198,6 +227,8 @@ impl std::error::Error for Error {
         match self {
             Error::Storage(e) => Some(e),
             Error::Io(e) => Some(e),
+            #[cfg(feature = "postgres")]
+            Error::Postgres { source, .. } => Some(&**source),
             _ => None,
         }
     }
@@ -225,10 +256,16 @@ impl Error {
         }
     }
 
-    /// Whether this error came from the storage engine or the disk rather than
-    /// from the arguments or the records' states.
+    /// Whether this error came from the storage engine or the disk (or, with
+    /// feature `postgres`, the database server) rather than from the
+    /// arguments or the records' states.
     pub fn is_storage(&self) -> bool {
-        matches!(self, Error::Storage(_))
+        match self {
+            Error::Storage(_) => true,
+            #[cfg(feature = "postgres")]
+            Error::Postgres { .. } => true,
+            _ => false,
+        }
     }
 
     /// A copy of this error, for each caller of a batch that failed as a
@@ -277,6 +314,16 @@ impl Error {
             Error::Panicked { during, message } => Error::Panicked {
                 during,
                 message: message.clone(),
+            },
+            #[cfg(feature = "postgres")]
+            Error::Postgres {
+                code,
+                message,
+                source,
+            } => Error::Postgres {
+                code: code.clone(),
+                message: message.clone(),
+                source: source.clone(),
             },
         }
     }

@@ -130,6 +130,8 @@
 //! - `tokio`: the async dispatcher, on the caller's tokio runtime.
 //! - `tracing`, `metrics`: spans and events, counters and histograms, through
 //!   the facade crates; the application picks the subscriber or recorder.
+//! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
+//!   keys on a PostgreSQL server, for programs that outgrow one process.
 //! - `cli`: the `idemstore` operator binary.
 
 // Storage code answers bad bytes and bad input with an `Error`, never a
@@ -156,6 +158,9 @@ mod inbox;
 pub mod middleware;
 mod observe;
 mod outbox;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 mod schema;
 mod store;
 
@@ -241,6 +246,17 @@ const _: () = {
 const _: () = {
     const fn send_sync<T: Send + Sync + 'static>() {}
     send_sync::<AsyncDispatcherHandle>();
+};
+
+// The PostgreSQL store and its handles cross threads like the embedded ones.
+#[cfg(feature = "postgres")]
+const _: () = {
+    const fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<postgres::PgStore>();
+    send_sync::<postgres::PgStoreBuilder>();
+    send_sync::<postgres::PgInbox>();
+    send_sync::<postgres::PgOutbox>();
+    send_sync::<postgres::PgIdempotencyKeys>();
 };
 
 // The layer and its service cross threads with the server that runs them; the

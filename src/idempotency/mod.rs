@@ -50,7 +50,6 @@ mod record;
 mod types;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -63,26 +62,35 @@ use crate::observe::{self, Idempotency as Outcome};
 use crate::schema::{IDEM, open_read};
 
 pub use inspect::KeySummary;
-use ops::{Began, Look};
+use ops::Began;
+pub(crate) use ops::Look;
+// The PostgreSQL backend takes the same decisions on its rows.
+#[cfg(feature = "postgres")]
+pub(crate) use ops::decide;
+#[cfg(feature = "postgres")]
+pub(crate) use record::check_tenant;
+use record::read_row;
 pub use record::{
     MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
     MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, fingerprint,
 };
-use record::{
-    Row, check_fingerprint, check_response, check_tenant_key, key_name, read_row, row_time,
+pub(crate) use record::{
+    Row, check_fingerprint, check_response, check_tenant_key, key_name, row_time,
 };
 pub(crate) use types::Counters;
+#[cfg(feature = "postgres")]
+pub(crate) use types::key_entry;
 pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
-use types::{bump, to_response};
+pub(crate) use types::{bump, to_response};
 
 /// Default time a completed response is kept and replayed: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default time a reservation holds a key: 60 seconds.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// Longest TTL or lease accepted (longer ones are cut to it): 100 years.
-const MAX_SPAN_MICROS: i64 = 100 * 366 * 24 * 60 * 60 * 1_000_000;
+pub(crate) const MAX_SPAN_MICROS: i64 = 100 * 366 * 24 * 60 * 60 * 1_000_000;
 /// Rows removed per commit by [`IdempotencyKeys::purge_expired`].
-const PURGE_CHUNK: usize = 1024;
+pub(crate) const PURGE_CHUNK: usize = 1024;
 
 /// The store's HTTP idempotency-key records. Cheap to clone; clones share the
 /// store and its [`IdempotencyStats`].
@@ -127,11 +135,11 @@ pub struct IdempotencyKeys {
     counters: Arc<Counters>,
 }
 
-fn span_micros(d: Duration) -> i64 {
+pub(crate) fn span_micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).map_or(MAX_SPAN_MICROS, |us| us.min(MAX_SPAN_MICROS))
 }
 
-fn time(field: &'static str, at: i64) -> Result<DateTime<Utc>> {
+pub(crate) fn time(field: &'static str, at: i64) -> Result<DateTime<Utc>> {
     DateTime::from_timestamp_micros(at)
         .ok_or_else(|| Error::invalid(field, "is too close to the end of representable time"))
 }
@@ -186,21 +194,7 @@ impl IdempotencyKeys {
 
     /// The counters of every handle of this store since it was opened.
     pub fn stats(&self) -> IdempotencyStats {
-        let c = &*self.counters;
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IdempotencyStats {
-            replays: l(&c.replays),
-            mismatches: l(&c.mismatches),
-            in_flight: l(&c.in_flight),
-            reserved: l(&c.reserved),
-            takeovers: l(&c.takeovers),
-            completed: l(&c.completed),
-            fenced_out: l(&c.fenced_out),
-            released: l(&c.released),
-            stored: l(&c.stored),
-            expired_deleted: l(&c.expired_deleted),
-            purged: l(&c.purged),
-        }
+        self.counters.stats()
     }
 
     /// The completed response stored at `(tenant, key)`, if any.
@@ -330,14 +324,7 @@ impl IdempotencyKeys {
                 takeover,
                 expired,
             } => {
-                bump(&self.counters.reserved, 1);
-                bump(&self.counters.takeovers, u64::from(takeover));
-                bump(&self.counters.expired_deleted, u64::from(expired));
-                observe::idempotency(if takeover {
-                    Outcome::Takeover
-                } else {
-                    Outcome::Proceed
-                });
+                count_reserved(&self.counters, takeover, expired);
                 Ok(Begin::Proceed(Reservation {
                     tenant: tenant.to_owned(),
                     key: key.to_owned(),
@@ -351,27 +338,7 @@ impl IdempotencyKeys {
     }
 
     fn answer(&self, tenant: &str, key: &str, look: Look) -> Result<Begin> {
-        match look {
-            Look::Replay(row) => {
-                let r = to_response(tenant, key, row)?;
-                bump(&self.counters.replays, 1);
-                observe::idempotency(Outcome::Replay);
-                Ok(Begin::Replay(r))
-            }
-            Look::Mismatch(stored_fingerprint) => {
-                bump(&self.counters.mismatches, 1);
-                observe::idempotency(Outcome::Mismatch);
-                Ok(Begin::Mismatch { stored_fingerprint })
-            }
-            Look::InFlight(until) => {
-                bump(&self.counters.in_flight, 1);
-                observe::idempotency(Outcome::InFlight);
-                Ok(Begin::InFlight {
-                    lease_until: row_time(tenant, key, until)?,
-                })
-            }
-            Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
-        }
+        answer(&self.counters, tenant, key, look)
     }
 
     /// Stores `response` for the reservation `r` and ends it; `true` if
@@ -429,11 +396,7 @@ impl IdempotencyKeys {
     }
 
     fn count_completion(&self, done: bool) {
-        if done {
-            bump(&self.counters.completed, 1);
-        } else {
-            bump(&self.counters.fenced_out, 1);
-        }
+        count_completion(&self.counters, done);
     }
 
     /// Gives up the reservation `r` (its handler failed and wrote nothing):
@@ -468,39 +431,104 @@ impl IdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<Row> {
-        if response.tenant != r.tenant
-            || response.idempotency_key != r.key
-            || response.request_fingerprint != r.fingerprint
-        {
-            return Err(Error::invalid(
-                "response",
-                format!(
-                    "it names {} with fingerprint {:?}, but the reservation is for {} with fingerprint {:?}",
-                    key_name(&response.tenant, &response.idempotency_key),
-                    response.request_fingerprint,
-                    key_name(&r.tenant, &r.key),
-                    r.fingerprint,
-                ),
-            ));
-        }
-        self.check_record(&response)?;
-        Ok(into_row(response, r.fence, now))
+        reservation_row(r, response, now, self.max_body)
     }
 
     /// Checks a response's status, headers and body against the limits.
     fn check_record(&self, record: &ResponseRecord) -> Result<()> {
-        check_response(
-            record.response_status,
-            record.content_type.as_deref(),
-            &record.headers,
-            &record.response_body,
-            self.max_body,
-        )
+        check_record(record, self.max_body)
+    }
+}
+
+/// The row `complete` stores for `r`, after checking `response` fits it and
+/// the limits (a body up to `max_body`).
+pub(crate) fn reservation_row(
+    r: &Reservation,
+    response: ResponseRecord,
+    now: DateTime<Utc>,
+    max_body: usize,
+) -> Result<Row> {
+    if response.tenant != r.tenant
+        || response.idempotency_key != r.key
+        || response.request_fingerprint != r.fingerprint
+    {
+        return Err(Error::invalid(
+            "response",
+            format!(
+                "it names {} with fingerprint {:?}, but the reservation is for {} with fingerprint {:?}",
+                key_name(&response.tenant, &response.idempotency_key),
+                response.request_fingerprint,
+                key_name(&r.tenant, &r.key),
+                r.fingerprint,
+            ),
+        ));
+    }
+    check_record(&response, max_body)?;
+    Ok(into_row(response, r.fence, now))
+}
+
+/// Checks a response's status, headers and body against the limits (a body
+/// up to `max_body`).
+pub(crate) fn check_record(record: &ResponseRecord, max_body: usize) -> Result<()> {
+    check_response(
+        record.response_status,
+        record.content_type.as_deref(),
+        &record.headers,
+        &record.response_body,
+        max_body,
+    )
+}
+
+/// `begin`'s answer `look` about `(tenant, key)`, counted in `counters` and
+/// reported: a replay, a mismatch or a key in flight.
+pub(crate) fn answer(counters: &Counters, tenant: &str, key: &str, look: Look) -> Result<Begin> {
+    match look {
+        Look::Replay(row) => {
+            let r = to_response(tenant, key, row)?;
+            bump(&counters.replays, 1);
+            observe::idempotency(Outcome::Replay);
+            Ok(Begin::Replay(r))
+        }
+        Look::Mismatch(stored_fingerprint) => {
+            bump(&counters.mismatches, 1);
+            observe::idempotency(Outcome::Mismatch);
+            Ok(Begin::Mismatch { stored_fingerprint })
+        }
+        Look::InFlight(until) => {
+            bump(&counters.in_flight, 1);
+            observe::idempotency(Outcome::InFlight);
+            Ok(Begin::InFlight {
+                lease_until: row_time(tenant, key, until)?,
+            })
+        }
+        Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
+    }
+}
+
+/// Counts and reports a reservation `begin` made: a takeover of an ended
+/// lease, or one replacing an expired response, or a new key.
+pub(crate) fn count_reserved(counters: &Counters, takeover: bool, expired: bool) {
+    bump(&counters.reserved, 1);
+    bump(&counters.takeovers, u64::from(takeover));
+    bump(&counters.expired_deleted, u64::from(expired));
+    observe::idempotency(if takeover {
+        Outcome::Takeover
+    } else {
+        Outcome::Proceed
+    });
+}
+
+/// Counts a `complete` that stored (`done`) or was fenced out.
+pub(crate) fn count_completion(counters: &Counters, done: bool) {
+    if done {
+        bump(&counters.completed, 1);
+    } else {
+        bump(&counters.fenced_out, 1);
     }
 }
 
 /// How a `complete` that stored (`done`) or was fenced out is reported.
-fn completion(done: bool) -> Outcome {
+pub(crate) fn completion(done: bool) -> Outcome {
     if done {
         Outcome::Stored
     } else {
@@ -509,7 +537,7 @@ fn completion(done: bool) -> Outcome {
 }
 
 /// The completed row for `record` (already checked); `created_at` is `at`.
-fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) -> Row {
+pub(crate) fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) -> Row {
     Row::Completed {
         fingerprint: record.request_fingerprint,
         fence,

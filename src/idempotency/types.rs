@@ -75,6 +75,28 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// A reservation of `(tenant, key)` for a request with `fingerprint`,
+    /// fenced by `fence`, made at `reserved_at` until `lease_until` (for a
+    /// backend that stores reservations elsewhere).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn new(
+        tenant: String,
+        key: String,
+        fingerprint: String,
+        fence: u64,
+        reserved_at: DateTime<Utc>,
+        lease_until: DateTime<Utc>,
+    ) -> Reservation {
+        Reservation {
+            tenant,
+            key,
+            fingerprint,
+            fence,
+            reserved_at,
+            lease_until,
+        }
+    }
+
     /// The tenant holding the key.
     pub fn tenant(&self) -> &str {
         &self.tenant
@@ -162,20 +184,40 @@ pub struct IdempotencyStats {
 /// The atomics behind [`IdempotencyStats`]: one set per store.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(super) replays: AtomicU64,
-    pub(super) mismatches: AtomicU64,
-    pub(super) in_flight: AtomicU64,
-    pub(super) reserved: AtomicU64,
-    pub(super) takeovers: AtomicU64,
-    pub(super) completed: AtomicU64,
-    pub(super) fenced_out: AtomicU64,
-    pub(super) released: AtomicU64,
-    pub(super) stored: AtomicU64,
-    pub(super) expired_deleted: AtomicU64,
-    pub(super) purged: AtomicU64,
+    pub(crate) replays: AtomicU64,
+    pub(crate) mismatches: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
+    pub(crate) reserved: AtomicU64,
+    pub(crate) takeovers: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) fenced_out: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) stored: AtomicU64,
+    pub(crate) expired_deleted: AtomicU64,
+    pub(crate) purged: AtomicU64,
 }
 
-pub(super) fn bump(c: &AtomicU64, n: u64) {
+impl Counters {
+    /// What the counters say now.
+    pub(crate) fn stats(&self) -> IdempotencyStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IdempotencyStats {
+            replays: l(&self.replays),
+            mismatches: l(&self.mismatches),
+            in_flight: l(&self.in_flight),
+            reserved: l(&self.reserved),
+            takeovers: l(&self.takeovers),
+            completed: l(&self.completed),
+            fenced_out: l(&self.fenced_out),
+            released: l(&self.released),
+            stored: l(&self.stored),
+            expired_deleted: l(&self.expired_deleted),
+            purged: l(&self.purged),
+        }
+    }
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
@@ -216,7 +258,7 @@ pub enum KeyState {
     },
 }
 
-pub(super) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseRecord> {
+pub(crate) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseRecord> {
     match row {
         Row::Completed {
             fingerprint,
@@ -242,7 +284,7 @@ pub(super) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseR
     }
 }
 
-pub(super) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
+pub(crate) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
     let at = |us| row_time(tenant, key, us);
     let fence = row.fence();
     let (fingerprint, state) = match row {

@@ -293,11 +293,11 @@ impl Inbox {
     }
 }
 
-fn check_event_key(key: &str) -> Result<()> {
+pub(crate) fn check_event_key(key: &str) -> Result<()> {
     check_len("event key", key, MAX_EVENT_KEY_LEN)
 }
 
-fn check_inbox_name(name: &str) -> Result<()> {
+pub(crate) fn check_inbox_name(name: &str) -> Result<()> {
     check_len("inbox name", name, MAX_INBOX_NAME_LEN)?;
     if let Some(c) = name
         .chars()

@@ -99,8 +99,11 @@ use crate::schema::{
 };
 use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
-use record::{Change, Row};
-use types::check_field;
+pub(crate) use record::{Change, Row};
+// The PostgreSQL backend applies the same status machine to its rows.
+#[cfg(feature = "postgres")]
+pub(crate) use record::plan;
+pub(crate) use types::check_field;
 pub use types::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,
     OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
@@ -716,16 +719,21 @@ impl Outbox {
     }
 
     fn check_entry(&self, e: &NewEntry) -> Result<()> {
-        check_field("command_id", &e.command_id)?;
-        check_field("destination", &e.destination)?;
-        check_field("idempotency_key", &e.idempotency_key)?;
-        if e.payload.len() > self.max_body {
-            return Err(Error::TooLarge {
-                field: "payload",
-                len: e.payload.len(),
-                max: self.max_body,
-            });
-        }
-        Ok(())
+        check_entry(e, self.max_body)
     }
+}
+
+/// Checks an entry to enqueue: its fields, and its payload up to `max_body`.
+pub(crate) fn check_entry(e: &NewEntry, max_body: usize) -> Result<()> {
+    check_field("command_id", &e.command_id)?;
+    check_field("destination", &e.destination)?;
+    check_field("idempotency_key", &e.idempotency_key)?;
+    if e.payload.len() > max_body {
+        return Err(Error::TooLarge {
+            field: "payload",
+            len: e.payload.len(),
+            max: max_body,
+        });
+    }
+    Ok(())
 }

@@ -26,31 +26,31 @@ use crate::schema::{OUTBOX, OUTBOX_ATTEMPTS};
 
 /// An outbox record as stored. Field order is the wire format: append only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct Row {
-    pub(super) command_id: String,
-    pub(super) destination: String,
-    pub(super) idempotency_key: String,
-    pub(super) payload: Vec<u8>,
+pub(crate) struct Row {
+    pub(crate) command_id: String,
+    pub(crate) destination: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) payload: Vec<u8>,
     /// [`OutboxStatus::code`].
-    pub(super) status: u8,
-    pub(super) attempt_count: u32,
-    pub(super) next_attempt_at: Option<i64>,
-    pub(super) created_at: i64,
-    pub(super) completed_at: Option<i64>,
+    pub(crate) status: u8,
+    pub(crate) attempt_count: u32,
+    pub(crate) next_attempt_at: Option<i64>,
+    pub(crate) created_at: i64,
+    pub(crate) completed_at: Option<i64>,
     /// `(worker id, claimed_at µs)` of the latest attempt while it is in
     /// progress (`Dispatching`: the entry's claim, [`OutboxRecord::claim`])
     /// or in doubt (`OutcomeUnknown`: no longer a claim, shown as
     /// [`OutboxRecord::attempt_in_doubt`]); `None` in every other status.
     /// Its wire form is the one earlier builds wrote as "the claim" of both
     /// statuses, so their files read unchanged.
-    pub(super) attempt: Option<(String, i64)>,
-    pub(super) last_failure: Option<String>,
-    pub(super) remote_ref: Option<String>,
+    pub(crate) attempt: Option<(String, i64)>,
+    pub(crate) last_failure: Option<String>,
+    pub(crate) remote_ref: Option<String>,
 }
 
 impl OutboxStatus {
     /// The status's code in the record and in the counter table.
-    pub(super) fn code(self) -> u8 {
+    pub(crate) fn code(self) -> u8 {
         match self {
             OutboxStatus::Pending => 0,
             OutboxStatus::Dispatching => 1,
@@ -61,7 +61,7 @@ impl OutboxStatus {
     }
 
     /// The status with code `code`, if any.
-    pub(super) fn from_code(code: u8) -> Option<OutboxStatus> {
+    pub(crate) fn from_code(code: u8) -> Option<OutboxStatus> {
         Some(match code {
             0 => OutboxStatus::Pending,
             1 => OutboxStatus::Dispatching,
@@ -75,7 +75,7 @@ impl OutboxStatus {
 
 impl Row {
     /// The record's status; an unknown code is [`Error::Corrupted`].
-    pub(super) fn status(&self, id: u64) -> Result<OutboxStatus> {
+    pub(crate) fn status(&self, id: u64) -> Result<OutboxStatus> {
         OutboxStatus::from_code(self.status).ok_or_else(|| Error::Corrupted {
             table: OUTBOX.name(),
             key: id.to_string(),
@@ -84,17 +84,17 @@ impl Row {
     }
 
     /// When a `Pending` record is due: `next_attempt_at`, else `created_at`.
-    pub(super) fn due_at(&self) -> i64 {
+    pub(crate) fn due_at(&self) -> i64 {
         self.next_attempt_at.unwrap_or(self.created_at)
     }
 
     /// When the latest attempt was claimed (`created_at` if none is stored).
-    pub(super) fn claimed_at(&self) -> i64 {
+    pub(crate) fn claimed_at(&self) -> i64 {
         self.attempt.as_ref().map_or(self.created_at, |a| a.1)
     }
 
     /// Decodes and checks a stored row (status code, timestamps in range).
-    pub(super) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
+    pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
         let row: Row = crate::codec::decode(OUTBOX.name(), &id, bytes)?;
         row.status(id)?;
         let times = [row.created_at]
@@ -110,7 +110,7 @@ impl Row {
 
     /// The public view of this record, without its attempt history (which
     /// is stored apart: the caller adds it).
-    pub(super) fn to_record(&self, id: u64) -> Result<OutboxRecord> {
+    pub(crate) fn to_record(&self, id: u64) -> Result<OutboxRecord> {
         let table = OUTBOX.name();
         let at = |us: i64| from_micros(table, &id, us);
         let opt = |us: Option<i64>| us.map(at).transpose();
@@ -168,7 +168,7 @@ impl Row {
 /// A status change asked of one record, named by what it does to the
 /// record (the tense of [`Settlement`](super::Settlement)). Times are µs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Change {
+pub(crate) enum Change {
     /// `claim_due` took it (the caller has checked it is due).
     Claimed { worker_id: String, now: i64 },
     /// The effect happened.
@@ -206,7 +206,7 @@ impl Change {
     /// worth sending: the changes that can leave the entry `Pending` (a
     /// retry, a reschedule, a released claim, a requeue). The one rule for
     /// every path that changes an entry; an enqueue wakes on its own.
-    pub(super) fn makes_work_due(&self) -> bool {
+    pub(crate) fn makes_work_due(&self) -> bool {
         match self {
             Change::Failed {
                 next_attempt_at, ..
@@ -260,7 +260,7 @@ impl Change {
     /// moves from status `from` (see [`AttemptRecord`](super::AttemptRecord)
     /// for the rules); `None` for a change that adds none. Only asked of a
     /// change that [`plan`] accepted and that changes the record.
-    pub(super) fn attempt_row(&self, old: &Row, from: OutboxStatus) -> Option<AttemptRow> {
+    pub(crate) fn attempt_row(&self, old: &Row, from: OutboxStatus) -> Option<AttemptRow> {
         let (at, reason, remote_ref) = match self {
             Change::Failed { reason, now, .. } => (*now, reason.clone(), None),
             Change::OutcomeUnknown {
@@ -288,17 +288,17 @@ impl Change {
 /// [`OUTBOX_ATTEMPTS`] under `(id, seq)`, encoded by [`crate::codec`].
 /// Field order is the wire format: append only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct AttemptRow {
-    pub(super) attempt: u32,
+pub(crate) struct AttemptRow {
+    pub(crate) attempt: u32,
     /// µs.
-    pub(super) at: i64,
-    pub(super) reason: String,
-    pub(super) remote_ref: Option<String>,
+    pub(crate) at: i64,
+    pub(crate) reason: String,
+    pub(crate) remote_ref: Option<String>,
 }
 
 impl AttemptRow {
     /// Decodes and checks a stored attempt record of entry `id`.
-    pub(super) fn decode(id: u64, seq: u64, bytes: &[u8]) -> Result<AttemptRow> {
+    pub(crate) fn decode(id: u64, seq: u64, bytes: &[u8]) -> Result<AttemptRow> {
         let key = format!("{id}/{seq}");
         let row: AttemptRow = crate::codec::decode(OUTBOX_ATTEMPTS.name(), &key, bytes)?;
         from_micros(OUTBOX_ATTEMPTS.name(), &key, row.at)?;
@@ -306,7 +306,7 @@ impl AttemptRow {
     }
 
     /// The public view of this attempt record.
-    pub(super) fn to_record(&self, id: u64, seq: u64) -> Result<AttemptRecord> {
+    pub(crate) fn to_record(&self, id: u64, seq: u64) -> Result<AttemptRecord> {
         let key = format!("{id}/{seq}");
         Ok(AttemptRecord {
             attempt: self.attempt,
@@ -356,7 +356,7 @@ fn check_fence(
 /// that attempt: the record's `attempt_count` must equal it and the record
 /// must still be `Dispatching` or `OutcomeUnknown` (or already settled the
 /// same way, for the table's "accepted, no change" cells).
-pub(super) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> Result<Option<Row>> {
+pub(crate) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> Result<Option<Row>> {
     use OutboxStatus::{Completed, Dispatching, Failed, OutcomeUnknown, Pending};
     let from = old.status(id)?;
     let refuse = || {

@@ -19,7 +19,7 @@ pub const MAX_OUTBOX_FIELD_LEN: usize = 1024;
 
 /// Checks one of the outbox's string fields: 1 to [`MAX_OUTBOX_FIELD_LEN`]
 /// bytes.
-pub(super) fn check_field(field: &'static str, value: &str) -> Result<()> {
+pub(crate) fn check_field(field: &'static str, value: &str) -> Result<()> {
     check_len(field, value, MAX_OUTBOX_FIELD_LEN)
 }
 
@@ -382,7 +382,7 @@ pub enum Settlement {
 
 impl Settlement {
     /// Checks its fields, then turns it into the change it makes at `now`.
-    pub(super) fn into_change(self, now: DateTime<Utc>) -> Result<Change> {
+    pub(crate) fn into_change(self, now: DateTime<Utc>) -> Result<Change> {
         Ok(match self {
             Settlement::Completed => Change::Completed { now: micros(now) },
             Settlement::Failed {
@@ -449,7 +449,7 @@ impl OutboxFilter {
     }
 
     /// Checks the filter's fields.
-    pub(super) fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         match &self.destination {
             Some(d) => check_field("destination", d),
             None => Ok(()),
@@ -458,8 +458,20 @@ impl OutboxFilter {
 
     /// The first id the listing may return; `None` when no id can follow
     /// [`OutboxFilter::after`].
-    pub(super) fn first_id(&self) -> Option<u64> {
+    pub(crate) fn first_id(&self) -> Option<u64> {
         self.after.map_or(Some(0), |id| id.0.checked_add(1))
+    }
+
+    /// The status listed, if the filter names one.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn status_filter(&self) -> Option<OutboxStatus> {
+        self.status
+    }
+
+    /// The destination listed, if the filter names one.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn destination_filter(&self) -> Option<&str> {
+        self.destination.as_deref()
     }
 
     /// Whether `row` is listed.
@@ -505,7 +517,7 @@ impl OutboxCounts {
     }
 
     /// The counts `count` gives for each status.
-    pub(super) fn from_fn(count: impl Fn(OutboxStatus) -> u64) -> Self {
+    pub(crate) fn from_fn(count: impl Fn(OutboxStatus) -> u64) -> Self {
         OutboxCounts {
             pending: count(OutboxStatus::Pending),
             dispatching: count(OutboxStatus::Dispatching),

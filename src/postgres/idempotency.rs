@@ -1,0 +1,639 @@
+//! [`PgIdempotencyKeys`]: the HTTP idempotency keys in `S.idempotency`.
+//!
+//! A row is the embedded store's row in columns: a reservation
+//! (`lease_until` set; `created_at` is its reservation time) or a
+//! completed response (`status`, `content_type`, the headers as two
+//! arrays, `body`). `begin`, `put` and `get` read the row, take the
+//! embedded store's own decision on it, and only when it says to write
+//! they read it again `FOR UPDATE` in a transaction and decide again on
+//! what they find there. Fence tokens come from the store-wide sequence
+//! `S.idempotency_fence`, so they are never handed out twice.
+//!
+//! The statements (`S` is the store's schema, times µs):
+//!
+//! | call | SQL |
+//! |------|-----|
+//! | `begin` (replay, mismatch, in flight) | `SELECT … FROM S.idempotency WHERE tenant = $1 AND idem_key = $2` |
+//! | `begin` (reserve), `put` | `BEGIN`, the `SELECT … FOR UPDATE`, then `INSERT … VALUES (…, nextval('S.idempotency_fence'), …) ON CONFLICT DO NOTHING RETURNING fence` (no row) or `UPDATE … SET …, fence = nextval(…) … RETURNING fence` (an expired or ended one), `COMMIT` |
+//! | `complete`, `complete_in` | `UPDATE S.idempotency SET <the response>, lease_until = NULL WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
+//! | `release` | `DELETE FROM S.idempotency WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
+//! | `get` (expired row) | `BEGIN`, `SELECT … FOR UPDATE`, `DELETE …` if still expired, `COMMIT` |
+//! | `purge_expired` | `DELETE … WHERE (tenant, idem_key) IN (SELECT … WHERE created_at < $1 AND (lease_until IS NULL OR lease_until <= $1) ORDER BY created_at LIMIT 1024 FOR UPDATE SKIP LOCKED)`, repeated while a chunk is full (the `created_at` index) |
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::postgres::types::ToSql;
+use ::postgres::{GenericClient, Transaction};
+use chrono::{DateTime, Utc};
+
+use super::errors::{corrupted, unsigned, utf8};
+use super::{Shared, in_transaction, refuse_reentrant};
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::idempotency::{
+    Begin, Counters, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyStats, KeyEntry, KeySummary, Look,
+    PURGE_CHUNK, Reservation, ResponseRecord, Row, answer, bump, check_fingerprint, check_record,
+    check_tenant, check_tenant_key, completion, count_completion, count_reserved, decide, into_row,
+    key_entry, key_name, reservation_row, row_time, span_micros, time, to_response,
+};
+use crate::observe;
+
+const TABLE: &str = "idempotency";
+
+/// The columns of a row, in the order [`read_row`] reads them (after the
+/// tenant and the key, where a query selects them).
+const COLS: &str = "fingerprint, fence, created_at, lease_until, status, content_type, \
+                    header_names, header_values, body";
+
+/// The row in `r`, its columns [`COLS`] from `at` on, stored at
+/// `(tenant, key)`.
+fn read_row(tenant: &str, key: &str, r: &::postgres::Row, at: usize) -> Result<Row> {
+    let name = key_name(tenant, key);
+    let fingerprint = utf8(TABLE, &name, r.try_get(at)?)?;
+    let fence: u64 = unsigned(TABLE, &name, "fence", r.try_get(at + 1)?)?;
+    let created_at: i64 = r.try_get(at + 2)?;
+    if let Some(lease_until) = r.try_get::<_, Option<i64>>(at + 3)? {
+        return Ok(Row::Reserved {
+            fingerprint,
+            fence,
+            reserved_at: created_at,
+            lease_until,
+        });
+    }
+    let status: Option<i32> = r.try_get(at + 4)?;
+    let status = status
+        .and_then(|s| u16::try_from(s).ok())
+        .ok_or_else(|| corrupted(TABLE, &name, format!("bad response status {status:?}")))?;
+    let names: Vec<String> = r.try_get(at + 6)?;
+    let values: Vec<String> = r.try_get(at + 7)?;
+    if names.len() != values.len() {
+        return Err(corrupted(TABLE, &name, "header names and values disagree"));
+    }
+    Ok(Row::Completed {
+        fingerprint,
+        fence,
+        created_at,
+        status,
+        content_type: r.try_get(at + 5)?,
+        headers: names.into_iter().zip(values).collect(),
+        body: r.try_get(at + 8)?,
+    })
+}
+
+/// What a reserving transaction did.
+enum Began {
+    Answered(Look),
+    Reserved {
+        fence: u64,
+        takeover: bool,
+        expired: bool,
+    },
+}
+
+/// The store's HTTP idempotency-key records on the server: the calls of
+/// [`IdempotencyKeys`](crate::IdempotencyKeys), with the same decisions,
+/// fencing, limits and errors. Cheap to clone; clones share the store and
+/// its [`IdempotencyStats`]. Carries a TTL (default 24 h) and a lease
+/// (default 60 s), as the embedded handle.
+#[derive(Clone, Debug)]
+pub struct PgIdempotencyKeys {
+    shared: Arc<Shared>,
+    ttl: Duration,
+    lease: Duration,
+    counters: Arc<Counters>,
+}
+
+impl PgIdempotencyKeys {
+    pub(super) fn new(shared: Arc<Shared>, counters: Arc<Counters>) -> PgIdempotencyKeys {
+        PgIdempotencyKeys {
+            shared,
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            counters,
+        }
+    }
+
+    fn s(&self) -> &str {
+        &self.shared.schema
+    }
+
+    /// How long `begin` replays a completed response, counted from its
+    /// `created_at`. Default: 24 h. Values over 100 years are cut to 100
+    /// years.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a reservation holds its key. Default: 60 s. There is no
+    /// renewal: set it above your slowest handler. Values over 100 years
+    /// are cut to 100 years.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The TTL `begin` applies.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The lease `begin` grants.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The counters of every handle of this store (in this process) since
+    /// it was connected.
+    pub fn stats(&self) -> IdempotencyStats {
+        self.counters.stats()
+    }
+
+    /// The row at `(tenant, key)`, locked if `lock`.
+    fn read(
+        &self,
+        client: &mut impl GenericClient,
+        tenant: &str,
+        key: &str,
+        lock: bool,
+    ) -> Result<Option<Row>> {
+        let s = self.s();
+        let lock = if lock { " FOR UPDATE" } else { "" };
+        let row = client.query_opt(
+            &format!(
+                "SELECT {COLS} FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2{lock}"
+            ),
+            &[&tenant.as_bytes(), &key.as_bytes()],
+        )?;
+        row.map(|r| read_row(tenant, key, &r, 0)).transpose()
+    }
+
+    /// Writes `row` at `(tenant, key)` under a fresh fence from the
+    /// sequence (a reservation's own, or a response's `put` stores):
+    /// replacing the row there (`replace`, locked by the caller) or
+    /// inserting one. Returns the fence, or `None` if a row appeared
+    /// meanwhile (the insert found one committed since the caller looked).
+    fn write_fresh(
+        &self,
+        tx: &mut Transaction<'_>,
+        tenant: &str,
+        key: &str,
+        row: &Row,
+        replace: bool,
+    ) -> Result<Option<u64>> {
+        let s = self.s();
+        let fresh = format!("nextval('{s}.idempotency_fence')");
+        let (lease_until, status, content_type, names, values, body) = match row {
+            Row::Reserved { lease_until, .. } => (Some(*lease_until), None, None, None, None, None),
+            Row::Completed {
+                status,
+                content_type,
+                headers,
+                body,
+                ..
+            } => (
+                None,
+                Some(i32::from(*status)),
+                content_type.as_deref(),
+                Some(headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()),
+                Some(headers.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>()),
+                Some(body.as_slice()),
+            ),
+        };
+        let params: [&(dyn ToSql + Sync); 10] = [
+            &tenant.as_bytes(),
+            &key.as_bytes(),
+            &row.fingerprint().as_bytes(),
+            &row.created_at(),
+            &lease_until,
+            &status,
+            &content_type,
+            &names,
+            &values,
+            &body,
+        ];
+        let sql = if replace {
+            format!(
+                "UPDATE {s}.idempotency SET fingerprint = $3, fence = {fresh}, created_at = $4, \
+                 lease_until = $5, status = $6, content_type = $7, header_names = $8, \
+                 header_values = $9, body = $10 \
+                 WHERE tenant = $1 AND idem_key = $2 RETURNING fence"
+            )
+        } else {
+            format!(
+                "INSERT INTO {s}.idempotency (tenant, idem_key, fingerprint, fence, created_at, \
+                 lease_until, status, content_type, header_names, header_values, body) \
+                 VALUES ($1, $2, $3, {fresh}, $4, $5, $6, $7, $8, $9, $10) \
+                 ON CONFLICT DO NOTHING RETURNING fence"
+            )
+        };
+        let name = key_name(tenant, key);
+        tx.query_opt(&sql, &params)?
+            .map(|r| unsigned(TABLE, &name, "fence", r.try_get(0)?))
+            .transpose()
+    }
+
+    /// The completed response stored at `(tenant, key)`, if any.
+    ///
+    /// A record created strictly before `expired_before` counts as absent
+    /// and is deleted (one write, only then). A reservation reads as `None`;
+    /// one made before `expired_before` whose lease ended by then is
+    /// deleted too.
+    pub fn get(
+        &self,
+        tenant: &str,
+        key: &str,
+        expired_before: DateTime<Utc>,
+    ) -> Result<Option<ResponseRecord>> {
+        check_tenant_key(tenant, key)?;
+        let cutoff = micros(expired_before);
+        let mut conn = self.shared.conn()?;
+        let row = match self.read(&mut *conn, tenant, key, false)? {
+            Some(r) if r.expired(cutoff) => {
+                refuse_reentrant()?;
+                let s = self.s();
+                let (deleted, now) = in_transaction(&mut conn, |tx| {
+                    let Some(old) = self.read(tx, tenant, key, true)? else {
+                        return Ok((false, None));
+                    };
+                    if !old.expired(cutoff) {
+                        return Ok((false, Some(old)));
+                    }
+                    tx.execute(
+                        &format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2"),
+                        &[&tenant.as_bytes(), &key.as_bytes()],
+                    )?;
+                    Ok((true, None))
+                })?;
+                if deleted {
+                    bump(&self.counters.expired_deleted, 1);
+                }
+                now
+            }
+            other => other,
+        };
+        match row {
+            Some(r @ Row::Completed { .. }) => to_response(tenant, key, r).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Stores `record` if its key is free; `true` if stored, `false` if a
+    /// record was already there (first write wins). "Free" means no row, or
+    /// a row expired as of `record.created_at`: a response older than the
+    /// handle's TTL, or a reservation whose lease ended.
+    pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
+        check_tenant_key(&record.tenant, &record.idempotency_key)?;
+        check_fingerprint(&record.request_fingerprint)?;
+        check_record(record, self.shared.max_body)?;
+        refuse_reentrant()?;
+        let row = into_row(record.clone(), 0, record.created_at);
+        let now = row.created_at();
+        let expired_before = now.saturating_sub(span_micros(self.ttl));
+        let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
+        let mut conn = self.shared.conn()?;
+        let stored = in_transaction(&mut conn, |tx| {
+            for _ in 0..3 {
+                let old = self.read(tx, tenant, key, true)?;
+                let live = match &old {
+                    None => false,
+                    Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
+                    Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
+                };
+                if live {
+                    return Ok(false);
+                }
+                if self
+                    .write_fresh(tx, tenant, key, &row, old.is_some())?
+                    .is_some()
+                {
+                    return Ok(true);
+                }
+            }
+            Err(Error::conflict("the key kept changing while it was stored"))
+        })?;
+        if stored {
+            bump(&self.counters.stored, 1);
+        }
+        Ok(stored)
+    }
+
+    /// Removes every record created strictly before `expired_before` (a
+    /// reservation only once its lease has also ended by then); returns how
+    /// many. Walks the `created_at` index in chunks of 1024 rows, so it
+    /// costs what it removes; a row being written at that moment is left
+    /// for the next purge.
+    pub fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
+        refuse_reentrant()?;
+        let s = self.s();
+        let cutoff = micros(expired_before);
+        let chunk = i64::try_from(PURGE_CHUNK).unwrap_or(i64::MAX);
+        let sql = format!(
+            "DELETE FROM {s}.idempotency WHERE (tenant, idem_key) IN ( \
+                 SELECT tenant, idem_key FROM {s}.idempotency \
+                 WHERE created_at < $1 AND (lease_until IS NULL OR lease_until <= $1) \
+                 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
+        let mut conn = self.shared.conn()?;
+        let mut total = 0;
+        loop {
+            let n = conn.execute(&sql, &[&cutoff, &chunk])?;
+            total += n;
+            bump(&self.counters.purged, n);
+            if n < PURGE_CHUNK as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// The request path: what to do with a request carrying `key` whose
+    /// [`fingerprint`](crate::fingerprint) is `fingerprint`, at `now` — the
+    /// same decisions as [`IdempotencyKeys::begin`](crate::IdempotencyKeys::begin):
+    /// [`Begin::Proceed`] (a new key, an expired response, or a takeover of
+    /// an ended lease, fencing out the old holder), [`Begin::Replay`],
+    /// [`Begin::Mismatch`] or [`Begin::InFlight`]. Answers that write
+    /// nothing come from one read. Concurrent `begin`s on a free key, in any
+    /// processes, get exactly one `Proceed`.
+    pub fn begin(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Begin> {
+        check_tenant_key(tenant, key)?;
+        check_fingerprint(fingerprint)?;
+        let now_us = micros(now);
+        let expired_before = now_us.saturating_sub(span_micros(self.ttl));
+        let lease_until_us = now_us.saturating_add(span_micros(self.lease));
+        let lease_until = time("now", lease_until_us)?;
+        let mut conn = self.shared.conn()?;
+        let row = self.read(&mut *conn, tenant, key, false)?;
+        match decide(row, fingerprint, now_us, expired_before) {
+            Look::Reserve { .. } => {}
+            look => return answer(&self.counters, tenant, key, look),
+        }
+        refuse_reentrant()?;
+        let reservation = Row::Reserved {
+            fingerprint: fingerprint.to_owned(),
+            fence: 0,
+            reserved_at: now_us,
+            lease_until: lease_until_us,
+        };
+        let began = in_transaction(&mut conn, |tx| {
+            // Decided again on the locked row; an insert that meets a row
+            // committed since is decided again on that one.
+            for _ in 0..3 {
+                let old = self.read(tx, tenant, key, true)?;
+                let exists = old.is_some();
+                let (takeover, expired) = match decide(old, fingerprint, now_us, expired_before) {
+                    Look::Reserve { takeover, expired } => (takeover, expired),
+                    look => return Ok(Began::Answered(look)),
+                };
+                if let Some(fence) = self.write_fresh(tx, tenant, key, &reservation, exists)? {
+                    return Ok(Began::Reserved {
+                        fence,
+                        takeover,
+                        expired,
+                    });
+                }
+            }
+            Err(Error::conflict(
+                "the key kept changing while it was reserved",
+            ))
+        })?;
+        match began {
+            Began::Answered(look) => answer(&self.counters, tenant, key, look),
+            Began::Reserved {
+                fence,
+                takeover,
+                expired,
+            } => {
+                count_reserved(&self.counters, takeover, expired);
+                Ok(Begin::Proceed(Reservation::new(
+                    tenant.to_owned(),
+                    key.to_owned(),
+                    fingerprint.to_owned(),
+                    fence,
+                    now,
+                    lease_until,
+                )))
+            }
+        }
+    }
+
+    /// The statement of `complete`: the response replaces the reservation
+    /// with its fence, and nothing else. `true` if it did.
+    fn complete_on(
+        &self,
+        client: &mut impl GenericClient,
+        r: &Reservation,
+        row: &Row,
+    ) -> Result<bool> {
+        let Ok(fence) = i64::try_from(r.fence()) else {
+            // No reservation holds a fence out of the sequence's range.
+            return Ok(false);
+        };
+        let Row::Completed {
+            status,
+            content_type,
+            headers,
+            body,
+            created_at,
+            ..
+        } = row
+        else {
+            return Err(Error::conflict("a reservation is not a response"));
+        };
+        let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
+        let values: Vec<&str> = headers.iter().map(|(_, v)| v.as_str()).collect();
+        let s = self.s();
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &r.tenant().as_bytes(),
+            &r.key().as_bytes(),
+            &fence,
+            created_at,
+            &i32::from(*status),
+            &content_type.as_deref(),
+            &names,
+            &values,
+            body,
+        ];
+        let n = client.execute(
+            &format!(
+                "UPDATE {s}.idempotency SET created_at = $4, lease_until = NULL, status = $5, \
+                 content_type = $6, header_names = $7, header_values = $8, body = $9 \
+                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
+            ),
+            &params,
+        )?;
+        Ok(n == 1)
+    }
+
+    /// Stores `response` for the reservation `r` and ends it; `true` if
+    /// stored. `false` if `r` no longer holds the key (taken over, released
+    /// or completed already); then nothing is written. `response` must name
+    /// `r`'s tenant, key and fingerprint, else [`Error::InvalidInput`]; its
+    /// status, headers and body are checked as for [`put`](Self::put). The
+    /// stored `created_at` is `now`.
+    pub fn complete(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let row = reservation_row(r, response, now, self.shared.max_body)?;
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        let done = self.complete_on(&mut *conn, r, &row)?;
+        count_completion(&self.counters, done);
+        observe::idempotency(completion(done));
+        Ok(done)
+    }
+
+    /// [`complete`](Self::complete) inside the caller's own transaction
+    /// (from [`PgStore::write`](super::PgStore::write)), so the response
+    /// commits with the handler's own writes, or not at all. If the
+    /// caller's transaction rolls back, the key stays reserved by `r`: call
+    /// [`release`](Self::release) to let a retry run at once, or let the
+    /// lease run out.
+    pub fn complete_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let row = reservation_row(r, response, now, self.shared.max_body)?;
+        let done = self.complete_on(tx, r, &row)?;
+        count_completion(&self.counters, done);
+        Ok(done)
+    }
+
+    /// Gives up the reservation `r` (its handler failed and wrote nothing):
+    /// the key is free and a retry gets [`Begin::Proceed`]. If `r` no longer
+    /// holds the key (taken over, completed, released) nothing changes.
+    pub fn release(&self, r: &Reservation) -> Result<()> {
+        refuse_reentrant()?;
+        let Ok(fence) = i64::try_from(r.fence()) else {
+            return Ok(());
+        };
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let n = conn.execute(
+            &format!(
+                "DELETE FROM {s}.idempotency \
+                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
+            ),
+            &[&r.tenant().as_bytes(), &r.key().as_bytes(), &fence],
+        )?;
+        if n == 1 {
+            bump(&self.counters.released, 1);
+        }
+        Ok(())
+    }
+
+    /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
+    /// of one tenant only if `tenant` is given. For inspection tools.
+    pub fn list(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
+        if let Some(t) = tenant {
+            check_tenant(t)?;
+        }
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!(
+                "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
+                 WHERE $1::bytea IS NULL OR tenant = $1 ORDER BY tenant, idem_key LIMIT $2"
+            ),
+            &[&tenant.map(str::as_bytes), &limit],
+        )?;
+        rows.iter()
+            .map(|r| {
+                let t = utf8(TABLE, &"?", r.try_get(0)?)?;
+                let k = utf8(TABLE, &key_name(&t, "?"), r.try_get(1)?)?;
+                let row = read_row(&t, &k, r, 2)?;
+                key_entry(&t, &k, row)
+            })
+            .collect()
+    }
+
+    /// The completed response stored at `(tenant, key)`, whatever its age:
+    /// a plain read that never deletes. `None` for no row or a reservation.
+    pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
+        check_tenant_key(tenant, key)?;
+        let mut conn = self.shared.conn()?;
+        match self.read(&mut *conn, tenant, key, false)? {
+            Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// How many rows are completed responses and how many reservations, and
+    /// the oldest row's `created_at`. Counts the rows: for inspection tools.
+    pub fn summary(&self) -> Result<KeySummary> {
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let r = conn.query_one(
+            &format!(
+                "SELECT count(*) FILTER (WHERE lease_until IS NULL), \
+                        count(*) FILTER (WHERE lease_until IS NOT NULL), \
+                        min(created_at) \
+                 FROM {s}.idempotency"
+            ),
+            &[],
+        )?;
+        let (completed, reserved): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
+        let oldest: Option<i64> = r.try_get(2)?;
+        Ok(KeySummary {
+            completed: u64::try_from(completed).unwrap_or(0),
+            reserved: u64::try_from(reserved).unwrap_or(0),
+            oldest: oldest.map(|at| row_time("", "(oldest)", at)).transpose()?,
+        })
+    }
+
+    /// Checks what the server does not enforce itself: every row decodes as
+    /// the store wrote it, and its fence was handed out by the sequence.
+    /// Returns one human-readable line per problem; empty when consistent.
+    /// Reads every row: for tests and offline checks.
+    pub fn check_indexes(&self) -> Result<Vec<String>> {
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let last: i64 = conn
+            .query_one(
+                &format!(
+                    "SELECT CASE WHEN is_called THEN last_value ELSE 0 END \
+                     FROM {s}.idempotency_fence"
+                ),
+                &[],
+            )?
+            .try_get(0)?;
+        let mut findings = Vec::new();
+        for r in conn.query(
+            &format!("SELECT tenant, idem_key, {COLS} FROM {s}.idempotency"),
+            &[],
+        )? {
+            let (t, k): (Vec<u8>, Vec<u8>) = (r.try_get(0)?, r.try_get(1)?);
+            let (t, k) = (String::from_utf8_lossy(&t), String::from_utf8_lossy(&k));
+            let name = key_name(&t, &k);
+            match read_row(&t, &k, &r, 2) {
+                Err(e) => findings.push(format!("row {name} does not decode: {e}")),
+                Ok(row) if i64::try_from(row.fence()).map_or(true, |f| f > last) => {
+                    findings.push(format!(
+                        "row {name} has fence {} but the last fence handed out is {last}",
+                        row.fence()
+                    ));
+                }
+                Ok(_) => {}
+            }
+        }
+        Ok(findings)
+    }
+}

@@ -1,0 +1,344 @@
+//! [`PgInbox`]: the dedup ledger in `S.inbox`.
+//!
+//! The statements (`S` is the store's schema, times µs):
+//!
+//! | call | SQL |
+//! |------|-----|
+//! | `claim`, `claim_in` | `INSERT INTO S.inbox (inbox, event_key, seen_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING` — one row inserted: first delivery |
+//! | `claim_many` | the same, from `unnest($2::bytea[])`, `RETURNING event_key` |
+//! | `claim_with` | `BEGIN`, the claim's `INSERT`, the effect's statements, `COMMIT` (or `ROLLBACK`) |
+//! | `seen`, `seen_at` | `SELECT seen_at FROM S.inbox WHERE inbox = $1 AND event_key = $2` |
+//! | `prune`, `prune_in` | `DELETE FROM S.inbox WHERE inbox = $1 AND seen_at < $2` (the `(inbox, seen_at, event_key)` index) |
+//! | `len` | `SELECT count(*) FROM S.inbox WHERE inbox = $1` |
+//! | `list` | `SELECT event_key, seen_at … WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) ORDER BY seen_at, event_key LIMIT $4` |
+//!
+//! A concurrent claim of the same key waits for the first one's
+//! transaction: if it commits, the second is a duplicate; if it rolls back
+//! (its effect failed), the second claims the key and runs its own effect.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use ::postgres::Transaction;
+use ::postgres::types::ToSql;
+use chrono::{DateTime, Utc};
+
+use super::errors::{corrupted, utf8};
+use super::{Shared, WriteScope, refuse_reentrant};
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::inbox::{Claim, check_event_key, check_inbox_name};
+use crate::observe;
+
+const TABLE: &str = "inbox";
+
+/// One dedup ledger on the server, named by the module that owns it. Cheap
+/// to clone. The calls of [`Inbox`](crate::Inbox), with effects in a
+/// PostgreSQL transaction.
+#[derive(Clone, Debug)]
+pub struct PgInbox {
+    shared: Arc<Shared>,
+    name: Arc<str>,
+}
+
+/// The time stored for a key, back as a `DateTime`.
+fn time(key: &[u8], us: i64) -> Result<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(us).ok_or_else(|| {
+        corrupted(
+            TABLE,
+            &String::from_utf8_lossy(key),
+            format!("timestamp {us} µs is out of range"),
+        )
+    })
+}
+
+impl PgInbox {
+    pub(super) fn new(shared: Arc<Shared>, name: &str) -> Result<PgInbox> {
+        check_inbox_name(name)?;
+        Ok(PgInbox {
+            shared,
+            name: name.into(),
+        })
+    }
+
+    /// The inbox's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn insert_sql(&self) -> String {
+        format!(
+            "INSERT INTO {}.inbox (inbox, event_key, seen_at) VALUES ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
+            self.shared.schema
+        )
+    }
+
+    /// Records `event_key`; `true` the first time, `false` for every later
+    /// delivery of the same key, including concurrent ones. Returns once the
+    /// claim is committed.
+    pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        check_event_key(event_key)?;
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        let n = conn.execute(
+            &self.insert_sql(),
+            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+        )?;
+        observe::claim(&self.name, n == 1);
+        Ok(n == 1)
+    }
+
+    /// Records many event keys in one statement. Returns, for each key in
+    /// order, whether this was its first delivery (a key repeated within
+    /// `event_keys` is `true` once). All keys are checked before anything is
+    /// written: one bad key fails the call and claims nothing.
+    pub fn claim_many<I, K>(&self, event_keys: I, seen_at: DateTime<Utc>) -> Result<Vec<bool>>
+    where
+        I: IntoIterator<Item = K>,
+        K: AsRef<str>,
+    {
+        let keys: Vec<String> = event_keys
+            .into_iter()
+            .map(|k| {
+                let k = k.as_ref();
+                check_event_key(k).map(|()| k.to_owned())
+            })
+            .collect::<Result<_>>()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let bytes: Vec<&[u8]> = keys.iter().map(String::as_bytes).collect();
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!(
+                "INSERT INTO {}.inbox (inbox, event_key, seen_at) \
+                 SELECT $1, k, $3 FROM unnest($2::bytea[]) AS k \
+                 ON CONFLICT DO NOTHING RETURNING event_key",
+                self.shared.schema
+            ),
+            &[&&*self.name, &bytes, &micros(seen_at)],
+        )?;
+        let mut inserted: HashSet<Vec<u8>> = HashSet::with_capacity(rows.len());
+        for row in rows {
+            inserted.insert(row.try_get(0)?);
+        }
+        // The first occurrence of an inserted key is its claim.
+        let claimed: Vec<bool> = keys.iter().map(|k| inserted.remove(k.as_bytes())).collect();
+        observe::claims(&self.name, &claimed);
+        Ok(claimed)
+    }
+
+    /// Claims `event_key` and, on its first delivery, runs `effect` in the
+    /// same transaction: both commit or neither does.
+    ///
+    /// - First delivery: `effect` runs once; if it returns `Ok(v)` the claim
+    ///   and everything it wrote commit together and this returns
+    ///   `Ok(Claim::Applied(v))` once committed.
+    /// - `effect` returns `Err(e)`: nothing commits, the key stays
+    ///   unclaimed (a later delivery runs the effect again), and `Err(e)` is
+    ///   returned.
+    /// - `effect` panics: the transaction rolls back, the key stays
+    ///   unclaimed, and the panic reaches the caller.
+    /// - Duplicate: `effect` does not run; `Ok(Claim::Duplicate)`.
+    ///
+    /// `effect` runs on the calling thread, at most once. Inside it, write
+    /// through the transaction it is given (your own statements,
+    /// [`PgOutbox::enqueue_in`](super::PgOutbox::enqueue_in), …); the
+    /// store's own non-`_in` write calls there return [`Error::Reentrant`].
+    /// While it runs, a concurrent delivery of the same key waits for its
+    /// outcome.
+    pub fn claim_with<T, E, F>(
+        &self,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+        effect: F,
+    ) -> Result<Claim<T>, E>
+    where
+        F: FnOnce(&mut Transaction<'_>) -> Result<T, E>,
+        E: From<Error>,
+    {
+        check_event_key(event_key)?;
+        let scope = WriteScope::enter()?;
+        let mut conn = self.shared.conn()?;
+        let mut tx = conn.transaction().map_err(Error::from)?;
+        let n = tx
+            .execute(
+                &self.insert_sql(),
+                &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+            )
+            .map_err(Error::from)?;
+        if n == 0 {
+            drop(scope);
+            // Nothing was written: the transaction rolls back as it drops.
+            observe::claim(&self.name, false);
+            return Ok(Claim::Duplicate);
+        }
+        let out = effect(&mut tx);
+        drop(scope);
+        let v = out?;
+        tx.commit().map_err(Error::from)?;
+        observe::claim(&self.name, true);
+        Ok(Claim::Applied(v))
+    }
+
+    /// Claims `event_key` inside the caller's own transaction (from
+    /// [`PgStore::write`](super::PgStore::write)); `true` the first time.
+    /// The claim commits or rolls back with the caller's transaction.
+    pub fn claim_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+    ) -> Result<bool> {
+        check_event_key(event_key)?;
+        let n = tx.execute(
+            &self.insert_sql(),
+            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+        )?;
+        Ok(n == 1)
+    }
+
+    /// Whether `event_key` has been claimed (and not pruned).
+    pub fn seen(&self, event_key: &str) -> Result<bool> {
+        Ok(self.seen_at(event_key)?.is_some())
+    }
+
+    /// When `event_key` was claimed, if it was.
+    pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
+        check_event_key(event_key)?;
+        let mut conn = self.shared.conn()?;
+        let row = conn.query_opt(
+            &format!(
+                "SELECT seen_at FROM {}.inbox WHERE inbox = $1 AND event_key = $2",
+                self.shared.schema
+            ),
+            &[&&*self.name, &event_key.as_bytes()],
+        )?;
+        match row {
+            Some(r) => time(event_key.as_bytes(), r.try_get(0)?).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn prune_sql(&self) -> String {
+        format!(
+            "DELETE FROM {}.inbox WHERE inbox = $1 AND seen_at < $2",
+            self.shared.schema
+        )
+    }
+
+    /// Removes the keys claimed strictly before `seen_before`; returns how
+    /// many. Walks the `(inbox, seen_at, event_key)` index, so it costs what
+    /// it removes. A pruned key can be claimed again: prune only past the
+    /// window in which duplicates can still arrive.
+    pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
+        Ok(conn.execute(&self.prune_sql(), &params)?)
+    }
+
+    /// [`PgInbox::prune`] inside the caller's own transaction.
+    pub fn prune_in(&self, tx: &mut Transaction<'_>, seen_before: DateTime<Utc>) -> Result<u64> {
+        let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
+        Ok(tx.execute(&self.prune_sql(), &params)?)
+    }
+
+    /// Number of keys recorded in this inbox. Counts them (an index-only
+    /// scan): for inspection and monitoring, not for every request.
+    pub fn len(&self) -> Result<u64> {
+        let mut conn = self.shared.conn()?;
+        let n: i64 = conn
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {}.inbox WHERE inbox = $1",
+                    self.shared.schema
+                ),
+                &[&&*self.name],
+            )?
+            .try_get(0)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// Whether this inbox holds no keys.
+    pub fn is_empty(&self) -> Result<bool> {
+        let mut conn = self.shared.conn()?;
+        let any: bool = conn
+            .query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {}.inbox WHERE inbox = $1)",
+                    self.shared.schema
+                ),
+                &[&&*self.name],
+            )?
+            .try_get(0)?;
+        Ok(!any)
+    }
+
+    /// Up to `limit` keys in claim order (oldest first) with their
+    /// `seen_at`, starting strictly after `after` (a `(seen_at, key)` from a
+    /// previous page). For inspection tools.
+    pub fn list(
+        &self,
+        after: Option<(DateTime<Utc>, &str)>,
+        limit: usize,
+    ) -> Result<Vec<(String, DateTime<Utc>)>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.shared.conn()?;
+        let schema = &self.shared.schema;
+        let rows = match after {
+            Some((at, key)) => conn.query(
+                &format!(
+                    "SELECT event_key, seen_at FROM {schema}.inbox \
+                     WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
+                     ORDER BY seen_at, event_key LIMIT $4"
+                ),
+                &[&&*self.name, &micros(at), &key.as_bytes(), &limit],
+            )?,
+            None => conn.query(
+                &format!(
+                    "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
+                     ORDER BY seen_at, event_key LIMIT $2"
+                ),
+                &[&&*self.name, &limit],
+            )?,
+        };
+        rows.into_iter()
+            .map(|r| {
+                let key: Vec<u8> = r.try_get(0)?;
+                let at = time(&key, r.try_get(1)?)?;
+                Ok((
+                    utf8(TABLE, &String::from_utf8_lossy(&key), key.clone())?,
+                    at,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// The names of the inboxes holding at least one key, in name order.
+pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
+    let mut conn = shared.conn()?;
+    // A walk of the primary key from name to name, not a scan of every key.
+    let rows = conn.query(
+        &format!(
+            "WITH RECURSIVE names AS ( \
+                 (SELECT inbox FROM {s}.inbox ORDER BY inbox LIMIT 1) \
+                 UNION ALL \
+                 SELECT (SELECT i.inbox FROM {s}.inbox i WHERE i.inbox > n.inbox \
+                         ORDER BY i.inbox LIMIT 1) \
+                 FROM names n WHERE n.inbox IS NOT NULL \
+             ) SELECT inbox FROM names WHERE inbox IS NOT NULL",
+            s = shared.schema
+        ),
+        &[],
+    )?;
+    rows.into_iter()
+        .map(|r| r.try_get::<_, String>(0).map_err(Error::from))
+        .collect()
+}

@@ -1,0 +1,365 @@
+//! The same inbox, outbox and idempotency keys on a PostgreSQL server, for
+//! programs that outgrow one process (feature `postgres`).
+//!
+//! [`PgStore`] mirrors [`Store`](crate::Store): the same calls with the same
+//! names, arguments and value types ([`Claim`](crate::Claim),
+//! [`NewEntry`](crate::NewEntry), [`OutboxEntry`](crate::OutboxEntry),
+//! [`Settlement`](crate::Settlement), [`Fence`](crate::Fence),
+//! [`Begin`](crate::Begin), [`ResponseRecord`](crate::ResponseRecord),
+//! [`Error`], …) and the same semantics: the outbox's status table and
+//! fencing, due order, duplicate enqueues as
+//! [`Enqueued::Duplicate`](crate::Enqueued::Duplicate), lazy expiry, tenant
+//! isolation, the same input limits and the same errors for bad input. Only
+//! the transaction of effects changes: a `&mut postgres::Transaction<'_>`
+//! where the embedded store hands a `&redb::WriteTransaction`. Moving a
+//! program is a change of constructor.
+//!
+//! ```no_run
+//! use idemstore::chrono::Utc;
+//! use idemstore::postgres::PgStore;
+//! use idemstore::{Claim, NewEntry};
+//!
+//! let store = PgStore::connect("host=/run/postgresql user=app dbname=app")?;
+//! let webhooks = store.inbox("webhooks")?;
+//! let outbox = store.outbox();
+//!
+//! // The claim, the application's own row and the email about it commit
+//! // together, or not at all; a second delivery runs nothing.
+//! let outcome = webhooks.claim_with("evt_123", Utc::now(), |tx| {
+//!     tx.execute("UPDATE accounts SET balance = balance + 10 WHERE id = $1", &[&7_i64])?;
+//!     let email = NewEntry::new("evt_123", "mailer", "evt_123/receipt", b"Thanks!".to_vec());
+//!     outbox.enqueue_in(tx, email, Utc::now())?;
+//!     Ok::<_, idemstore::Error>(())
+//! })?;
+//! assert!(matches!(outcome, Claim::Applied(())));
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! # What differs from the embedded store
+//!
+//! - **Durability is the server's.** A call returns once PostgreSQL has
+//!   committed; with the server's default `synchronous_commit = on` that
+//!   commit is flushed to its WAL (PostgreSQL group-commits concurrent
+//!   transactions itself: there is no batching of ours in front of it).
+//! - **Many processes.** Any number of processes on any number of machines
+//!   share one database. Claims are `INSERT … ON CONFLICT DO NOTHING`;
+//!   `claim_due` takes rows with `FOR UPDATE SKIP LOCKED`; an enqueue wakes
+//!   the subscribers of every process ([`PgOutbox::subscribe`]).
+//! - **Errors of the server** (a lost connection, a restart, a
+//!   serialization failure) are [`Error::Postgres`], with the server's
+//!   message and SQLSTATE. After such an error inside a
+//!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
+//!   return the error.
+//! - **Calls that counted rows in the embedded store count them here**
+//!   ([`PgInbox::len`], [`PgOutbox::counts`]): they read an index, in time
+//!   proportional to the rows, for inspection and monitoring at a modest
+//!   rate.
+//!
+//! # Layout
+//!
+//! Everything lives in one schema (default [`DEFAULT_SCHEMA`]), created and
+//! migrated on connect; see [`PgStoreBuilder::schema`]. The tables, their
+//! indexes and the statements each call runs are described in the module
+//! sources (`src/postgres/schema.rs` for the tables).
+
+mod errors;
+mod idempotency;
+mod inbox;
+mod listen;
+mod outbox;
+mod schema;
+
+use std::cell::Cell;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::postgres::{Config, NoTls, Transaction};
+use r2d2::{Pool, PooledConnection};
+use r2d2_postgres::PostgresConnectionManager;
+
+use crate::error::{Error, Result};
+use crate::idempotency::Counters;
+use crate::store::DEFAULT_MAX_BODY;
+
+/// The synchronous PostgreSQL client this backend is built with, for the
+/// statements of your own effects (`idemstore::postgres::postgres::Transaction`,
+/// its `ToSql` types, …) at the version the store uses.
+pub use ::postgres;
+pub use idempotency::PgIdempotencyKeys;
+pub use inbox::PgInbox;
+pub use outbox::PgOutbox;
+pub use schema::SCHEMA_VERSION;
+
+/// The schema a store lives in unless told otherwise: `idemstore`.
+pub const DEFAULT_SCHEMA: &str = "idemstore";
+/// Default number of pooled connections per [`PgStore`]: 16.
+pub const DEFAULT_POOL_SIZE: u32 = 16;
+/// Default longest wait for a pooled connection (and for a new connection
+/// to the server): 10 s.
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+type Manager = PostgresConnectionManager<NoTls>;
+type Conn = PooledConnection<Manager>;
+
+/// What every handle of one [`PgStore`] shares: the pool, the schema and
+/// the limits.
+pub(crate) struct Shared {
+    pool: Pool<Manager>,
+    /// The server's address, for the outbox's listening connection.
+    config: Config,
+    schema: String,
+    max_body: usize,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("schema", &self.schema)
+            .field("pool", &self.pool.state())
+            .field("max_body", &self.max_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    /// A pooled connection; [`Error::Postgres`] if none came free (or could
+    /// be opened) before the pool's timeout.
+    fn conn(&self) -> Result<Conn> {
+        self.pool.get().map_err(errors::pool)
+    }
+}
+
+thread_local! {
+    /// Whether this thread runs a [`PgStore::write`] closure or a
+    /// `claim_with` effect.
+    static IN_WRITE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the thread as inside a write closure for its lifetime (also when
+/// the closure panics).
+struct WriteScope;
+
+impl WriteScope {
+    fn enter() -> Result<WriteScope> {
+        refuse_reentrant()?;
+        IN_WRITE.with(|c| c.set(true));
+        Ok(WriteScope)
+    }
+}
+
+impl Drop for WriteScope {
+    fn drop(&mut self) {
+        IN_WRITE.with(|c| c.set(false));
+    }
+}
+
+/// [`Error::Reentrant`] inside a write closure: a store write there would
+/// take a second connection and could wait forever on the rows the
+/// closure's own transaction holds. The `*_in` calls are the way there.
+fn refuse_reentrant() -> Result<()> {
+    if IN_WRITE.with(Cell::get) {
+        return Err(Error::Reentrant);
+    }
+    Ok(())
+}
+
+/// Runs `f` in a transaction on `conn`: commits if it returns `Ok`, rolls
+/// back if it returns `Err` or panics (the dropped transaction rolls back).
+fn in_transaction<T>(
+    conn: &mut Conn,
+    f: impl FnOnce(&mut Transaction<'_>) -> Result<T>,
+) -> Result<T> {
+    let mut tx = conn.transaction()?;
+    let out = f(&mut tx)?;
+    tx.commit()?;
+    Ok(out)
+}
+
+/// How to connect a [`PgStore`]. Every setter states its default.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PgStoreBuilder {
+    schema: String,
+    pool_size: u32,
+    connection_timeout: Duration,
+    max_body: usize,
+}
+
+impl Default for PgStoreBuilder {
+    fn default() -> Self {
+        PgStoreBuilder {
+            schema: DEFAULT_SCHEMA.to_owned(),
+            pool_size: DEFAULT_POOL_SIZE,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            max_body: DEFAULT_MAX_BODY,
+        }
+    }
+}
+
+impl PgStoreBuilder {
+    /// The schema holding the store's tables, created on connect if it does
+    /// not exist. Default: [`DEFAULT_SCHEMA`] (`idemstore`). Stores in
+    /// different schemas of one database are independent (tests, tenants).
+    /// 1–48 bytes of lowercase ASCII letters, digits and `_`, starting with
+    /// a letter or `_`, not `pg_…`; anything else is [`Error::InvalidInput`]
+    /// at [`connect`](Self::connect).
+    pub fn schema(mut self, schema: &str) -> Self {
+        schema.clone_into(&mut self.schema);
+        self
+    }
+
+    /// Most connections the store holds open (its pool's size); a call
+    /// takes one for its duration. Default: [`DEFAULT_POOL_SIZE`] (16).
+    /// Connections are opened as calls need them, not up front.
+    pub fn pool_size(mut self, connections: u32) -> Self {
+        self.pool_size = connections.max(1);
+        self
+    }
+
+    /// Longest wait for a pooled connection, and for a new connection to
+    /// the server when the connection string sets no `connect_timeout`; a
+    /// call that waited longer fails with [`Error::Postgres`] instead of
+    /// hanging while the server is away. Default:
+    /// [`DEFAULT_CONNECTION_TIMEOUT`] (10 s).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Largest response body or outbox payload accepted, in bytes. Default:
+    /// 1 MiB, as in the embedded store. Larger ones are refused with
+    /// [`Error::TooLarge`], never truncated.
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
+    /// Connects to the server named by `url`, a libpq connection string
+    /// (`host=/run/postgresql user=app dbname=app`) or URL
+    /// (`postgresql://app@db.example/app`), and creates or migrates the
+    /// store's schema (see [`SCHEMA_VERSION`]). Processes connecting at
+    /// once migrate one after the other. A schema migrated by a newer
+    /// version of this crate is [`Error::IncompatibleFormat`]; an
+    /// unreachable server is [`Error::Postgres`].
+    ///
+    /// Connections are plain (no TLS): use a unix socket or a trusted
+    /// network.
+    pub fn connect(self, url: &str) -> Result<PgStore> {
+        schema::check_schema_name(&self.schema)?;
+        let mut config: Config = url
+            .parse()
+            .map_err(|e: ::postgres::Error| Error::invalid("connection string", e.to_string()))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(self.connection_timeout);
+        }
+        // Migrations run on a connection of their own, so that an
+        // unreachable server answers with its own error at once.
+        let mut client = config.connect(NoTls)?;
+        schema::migrate(&mut client, &self.schema)?;
+        drop(client);
+        let pool = Pool::builder()
+            .max_size(self.pool_size)
+            .min_idle(Some(0))
+            .connection_timeout(self.connection_timeout)
+            .build(PostgresConnectionManager::new(config.clone(), NoTls))
+            .map_err(errors::pool)?;
+        let shared = Arc::new(Shared {
+            pool,
+            config,
+            schema: self.schema,
+            max_body: self.max_body,
+        });
+        Ok(PgStore {
+            outbox: PgOutbox::new(shared.clone()),
+            idempotency_counters: Arc::default(),
+            shared,
+        })
+    }
+}
+
+/// A store on a PostgreSQL server: the embedded [`Store`](crate::Store)'s
+/// calls, for many processes. Cheap to clone (an `Arc` inside); clones share
+/// one connection pool.
+///
+/// All calls block the calling thread (network I/O): from async code, call
+/// them from a blocking-friendly context such as `spawn_blocking`.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    shared: Arc<Shared>,
+    /// One outbox per store, so its wake-up subscribers are shared.
+    outbox: PgOutbox,
+    /// Counters shared by every `PgIdempotencyKeys` handle of this store.
+    idempotency_counters: Arc<Counters>,
+}
+
+impl PgStore {
+    /// Connects with the default settings (schema `idemstore`, 16 pooled
+    /// connections); see [`PgStoreBuilder::connect`].
+    pub fn connect(url: &str) -> Result<PgStore> {
+        PgStore::builder().connect(url)
+    }
+
+    /// Settings for connecting a store.
+    pub fn builder() -> PgStoreBuilder {
+        PgStoreBuilder::default()
+    }
+
+    /// The schema holding the store's tables.
+    pub fn schema(&self) -> &str {
+        &self.shared.schema
+    }
+
+    /// Runs `f` in one transaction: commits if it returns `Ok`, rolls back
+    /// if it returns `Err` or panics (the panic then reaches the caller).
+    /// Returns once the server has committed.
+    ///
+    /// Use it to compose the `*_in` calls with your own statements in one
+    /// atomic commit. `f` runs exactly once, on the calling thread, on a
+    /// pooled connection. Inside `f`, use only the `*_in` calls with the
+    /// transaction given: the store's own write methods there return
+    /// [`Error::Reentrant`] (they would take a second connection, and could
+    /// wait forever on rows `f`'s transaction holds); the store's reads
+    /// there work, each on a second pooled connection. A statement that
+    /// fails aborts the transaction on the server: return its error.
+    pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        let scope = WriteScope::enter()?;
+        let mut conn = self.shared.conn()?;
+        let mut tx = conn.transaction().map_err(Error::from)?;
+        let out = f(&mut tx);
+        drop(scope);
+        match out {
+            Ok(v) => {
+                tx.commit().map_err(Error::from)?;
+                Ok(v)
+            }
+            // Dropping the transaction rolls it back.
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The inbox called `name`: its own namespace of event keys. Names are
+    /// 1–64 bytes of ASCII letters, digits, `_`, `-` and `.`.
+    pub fn inbox(&self, name: &str) -> Result<PgInbox> {
+        PgInbox::new(self.shared.clone(), name)
+    }
+
+    /// The store's outbox. Every call returns a handle to the same outbox
+    /// (sharing its wake-up subscribers).
+    pub fn outbox(&self) -> PgOutbox {
+        self.outbox.clone()
+    }
+
+    /// The store's HTTP idempotency-key records.
+    pub fn idempotency_keys(&self) -> PgIdempotencyKeys {
+        PgIdempotencyKeys::new(self.shared.clone(), self.idempotency_counters.clone())
+    }
+
+    /// The names of the inboxes that hold at least one key, in name order.
+    pub fn inbox_names(&self) -> Result<Vec<String>> {
+        inbox::names(&self.shared)
+    }
+}

@@ -1,0 +1,985 @@
+//! [`PgOutbox`]: the outbox in `S.outbox` and `S.outbox_attempts`.
+//!
+//! Every status change but two goes through the embedded store's own status
+//! machine: the row is read `FOR UPDATE`, the same pure function decides
+//! (the new row, an accepted no-op, or a `Conflict`), and the new row and
+//! the attempt record it calls for are written back in the same
+//! transaction. The two that run as one statement are the ones every
+//! dispatcher makes all the time, and their SQL is that function's cell:
+//! a claim (`Pending → Dispatching`) and a completion (`Dispatching` or
+//! `OutcomeUnknown → Completed`; a completion the statement does not apply
+//! — a stale fence, a repeat, an unknown id — takes the general path for
+//! its answer).
+//!
+//! The statements (`S` is the store's schema, times µs):
+//!
+//! | call | SQL |
+//! |------|-----|
+//! | `enqueue`, `enqueue_in`, `enqueue_many` | `INSERT INTO S.outbox (…) VALUES (…) ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id`; on a conflict `SELECT id FROM S.outbox WHERE destination = $1 AND idempotency_key = $2` (a duplicate); the insert's trigger `NOTIFY`s |
+//! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
+//! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
+//! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
+//! | `settle_many`, `settle_and_claim` | `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order: no deadlock between two bulk settles), then as above, then `claim_due`'s statement, in one transaction |
+//! | `release_expired_claims` | `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
+//! | `purge_finished` | `DELETE FROM S.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
+//! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
+//! | `counts` | `SELECT status, count(*) FROM S.outbox GROUP BY status` |
+//! | `next_due`, `oldest_claim` | the first row of the due or the claims index |
+//!
+//! # Wake-ups
+//!
+//! A trigger on `S.outbox` sends `NOTIFY S_outbox` in every transaction
+//! that makes a row `pending` (an enqueue, a retry, a reschedule, a requeue,
+//! a released claim), so it reaches listeners when that transaction
+//! commits, in whichever process it ran, the `*_in` calls and statements of
+//! your own included. [`PgOutbox::subscribe`] starts one listening
+//! connection per store (see `listen.rs`) feeding the same coalescing
+//! channels as the embedded outbox; the calls of this process also signal
+//! their own subscribers directly.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ::postgres::types::ToSql;
+use ::postgres::{GenericClient, Transaction};
+use chrono::{DateTime, Utc};
+use crossbeam_channel::Receiver;
+use parking_lot::Mutex;
+
+use super::errors::{corrupted, unsigned, utf8};
+use super::{Shared, in_transaction, listen, refuse_reentrant, schema};
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::outbox::{
+    AttemptRecord, Change, Enqueued, Fence, NewEntry, Notifier, OutboxCounts, OutboxEntry,
+    OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed, Settlement,
+    check_entry, check_field, plan,
+};
+
+const TABLE: &str = "outbox";
+const ATTEMPTS: &str = "outbox_attempts";
+
+/// The columns of an entry, in the order [`read_row`] reads them.
+const COLS: &str = "id, command_id, destination, idempotency_key, payload, status, \
+                    attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
+                    claimed_at, last_failure, remote_ref";
+
+/// How many attempt records an entry keeps, as the embedded store.
+fn history() -> i64 {
+    i64::try_from(crate::outbox::MAX_ATTEMPT_HISTORY).unwrap_or(i64::MAX)
+}
+
+/// A status as stored in the `status` column.
+fn status_name(s: OutboxStatus) -> &'static str {
+    match s {
+        OutboxStatus::Pending => "pending",
+        OutboxStatus::Dispatching => "dispatching",
+        OutboxStatus::Completed => "completed",
+        OutboxStatus::Failed => "failed",
+        OutboxStatus::OutcomeUnknown => "outcome_unknown",
+    }
+}
+
+fn parse_status(id: u64, name: &str) -> Result<OutboxStatus> {
+    OutboxStatus::ALL
+        .into_iter()
+        .find(|s| status_name(*s) == name)
+        .ok_or_else(|| corrupted(TABLE, &id, format!("unknown status {name:?}")))
+}
+
+/// An id as the caller gives it, as stored; `None` for one no row can have.
+fn db_id(id: OutboxId) -> Option<i64> {
+    i64::try_from(id.0).ok()
+}
+
+/// The entry in `r` (its first 14 columns, [`COLS`]) as the embedded
+/// store's row, with its id.
+fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
+    let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+    let text = |i: usize| -> Result<String> { utf8(TABLE, &id, r.try_get(i)?) };
+    let opt_text = |i: usize| -> Result<Option<String>> {
+        r.try_get::<_, Option<Vec<u8>>>(i)?
+            .map(|b| utf8(TABLE, &id, b))
+            .transpose()
+    };
+    let status = parse_status(id, r.try_get(5)?)?;
+    let worker: Option<String> = opt_text(10)?;
+    let claimed_at: Option<i64> = r.try_get(11)?;
+    let row = Row {
+        command_id: text(1)?,
+        destination: text(2)?,
+        idempotency_key: text(3)?,
+        payload: r.try_get(4)?,
+        status: status.code(),
+        attempt_count: unsigned(TABLE, &id, "attempt_count", r.try_get(6)?)?,
+        next_attempt_at: r.try_get(7)?,
+        created_at: r.try_get(8)?,
+        completed_at: r.try_get(9)?,
+        attempt: worker.zip(claimed_at),
+        last_failure: opt_text(12)?,
+        remote_ref: opt_text(13)?,
+    };
+    Ok((id, row))
+}
+
+/// The entry in `r`, as a claim returns it.
+fn read_entry(r: &::postgres::Row) -> Result<OutboxEntry> {
+    let (id, row) = read_row(r)?;
+    Ok(row.to_record(id)?.entry)
+}
+
+/// The record in `r`: [`COLS`] followed by the four arrays of its attempt
+/// history ([`History::select`]).
+fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
+    let (id, row) = read_row(r)?;
+    let mut record = row.to_record(id)?;
+    let attempts: Vec<i64> = r.try_get(14)?;
+    let ats: Vec<i64> = r.try_get(15)?;
+    let reasons: Vec<Vec<u8>> = r.try_get(16)?;
+    let refs: Vec<Option<Vec<u8>>> = r.try_get(17)?;
+    if [ats.len(), reasons.len(), refs.len()] != [attempts.len(); 3] {
+        return Err(corrupted(ATTEMPTS, &id, "attempt history columns disagree"));
+    }
+    let history = attempts
+        .into_iter()
+        .zip(ats)
+        .zip(reasons.into_iter().zip(refs));
+    for ((attempt, at), (reason, remote_ref)) in history {
+        record.attempts.push(AttemptRecord {
+            attempt: unsigned(ATTEMPTS, &id, "attempt", attempt)?,
+            at: DateTime::from_timestamp_micros(at).ok_or_else(|| {
+                corrupted(ATTEMPTS, &id, format!("timestamp {at} µs is out of range"))
+            })?,
+            reason: utf8(ATTEMPTS, &id, reason)?,
+            remote_ref: remote_ref.map(|b| utf8(ATTEMPTS, &id, b)).transpose()?,
+        });
+    }
+    Ok(record)
+}
+
+/// The wake-up side of one store's outbox: the subscribers and whether this
+/// process listens for the server's notifications yet.
+#[derive(Debug, Default)]
+struct Wake {
+    notifier: Arc<Notifier>,
+    listening: Mutex<bool>,
+}
+
+/// The store's outbox on the server: the calls of [`Outbox`](crate::Outbox)
+/// with the same status table, fencing and due order, for dispatchers in
+/// any number of processes. Cheap to clone; every clone (and every
+/// [`PgStore::outbox`](super::PgStore::outbox) of the same store) shares
+/// one set of wake-up subscribers.
+#[derive(Clone, Debug)]
+pub struct PgOutbox {
+    shared: Arc<Shared>,
+    wake: Arc<Wake>,
+}
+
+/// A change to entry `id`, fenced by its attempt number.
+type FencedChange = (OutboxId, u32, Change);
+
+impl PgOutbox {
+    pub(super) fn new(shared: Arc<Shared>) -> PgOutbox {
+        PgOutbox {
+            shared,
+            wake: Arc::default(),
+        }
+    }
+
+    fn s(&self) -> &str {
+        &self.shared.schema
+    }
+
+    /// `SELECT` of [`COLS`] and the attempt history of each row of
+    /// `S.outbox o`.
+    fn select_records(&self) -> String {
+        let s = self.s();
+        let history = |col: &str| {
+            format!(
+                "ARRAY(SELECT a.{col} FROM {s}.outbox_attempts a WHERE a.id = o.id ORDER BY a.seq)"
+            )
+        };
+        format!(
+            "SELECT {COLS}, {}, {}, {}, {} FROM {s}.outbox o",
+            history("attempt"),
+            history("at"),
+            history("reason"),
+            history("remote_ref"),
+        )
+    }
+
+    /// Enqueues `entry`, created at `now`: `Enqueued::New(id)`, or
+    /// `Enqueued::Duplicate(existing)` (nothing changed) if its
+    /// `(destination, idempotency_key)` is already in the outbox. Returns
+    /// once committed, and wakes subscribers (in every process) if new.
+    #[expect(
+        clippy::needless_pass_by_value,
+        reason = "the embedded outbox's signature, which both backends share"
+    )]
+    pub fn enqueue(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
+        check_entry(&entry, self.shared.max_body)?;
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        let out = self.insert(&mut *conn, &entry, micros(now))?;
+        if out.is_new() {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// [`PgOutbox::enqueue`] inside the caller's own transaction (from
+    /// [`PgStore::write`](super::PgStore::write)): the entry commits or rolls
+    /// back with the caller's writes. A new entry wakes the dispatchers of
+    /// every process once the caller's transaction has committed (the
+    /// server's notification; a rolled-back transaction signals nothing).
+    #[expect(
+        clippy::needless_pass_by_value,
+        reason = "the embedded outbox's signature, which both backends share"
+    )]
+    pub fn enqueue_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        entry: NewEntry,
+        now: DateTime<Utc>,
+    ) -> Result<Enqueued> {
+        check_entry(&entry, self.shared.max_body)?;
+        self.insert(tx, &entry, micros(now))
+    }
+
+    /// Enqueues many entries in one transaction, in order. Every entry is
+    /// checked first: one bad entry fails the call and enqueues nothing. An
+    /// entry repeating an earlier one's `(destination, idempotency_key)` is
+    /// a `Duplicate` of it. A call that returns `Err` wrote nothing.
+    pub fn enqueue_many(
+        &self,
+        entries: impl IntoIterator<Item = NewEntry>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Enqueued>> {
+        let entries: Vec<NewEntry> = entries.into_iter().collect();
+        for e in &entries {
+            check_entry(e, self.shared.max_body)?;
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let now = micros(now);
+        let mut conn = self.shared.conn()?;
+        let out = in_transaction(&mut conn, |tx| {
+            entries
+                .iter()
+                .map(|e| self.insert(tx, e, now))
+                .collect::<Result<Vec<_>>>()
+        })?;
+        if out.iter().any(Enqueued::is_new) {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// Inserts `e` unless its `(destination, idempotency_key)` is taken.
+    fn insert(&self, client: &mut impl GenericClient, e: &NewEntry, now: i64) -> Result<Enqueued> {
+        let s = self.s();
+        let insert = format!(
+            "INSERT INTO {s}.outbox (command_id, destination, idempotency_key, payload, status, \
+             attempt_count, next_attempt_at, created_at) \
+             VALUES ($1, $2, $3, $4, 'pending', 0, $5, $6) \
+             ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id"
+        );
+        let existing =
+            format!("SELECT id FROM {s}.outbox WHERE destination = $1 AND idempotency_key = $2");
+        let (dest, key) = (e.destination.as_bytes(), e.idempotency_key.as_bytes());
+        // A conflicting row may be purged between the two statements: then
+        // the insert is tried again.
+        for _ in 0..3 {
+            let inserted = client.query_opt(
+                &insert,
+                &[
+                    &e.command_id.as_bytes(),
+                    &dest,
+                    &key,
+                    &e.payload,
+                    &e.not_before.map(micros),
+                    &now,
+                ],
+            )?;
+            if let Some(r) = inserted {
+                return Ok(Enqueued::New(OutboxId(unsigned(
+                    TABLE,
+                    &"new",
+                    "id",
+                    r.try_get(0)?,
+                )?)));
+            }
+            if let Some(r) = client.query_opt(&existing, &[&dest, &key])? {
+                let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+                return Ok(Enqueued::Duplicate(OutboxId(id)));
+            }
+        }
+        Err(Error::conflict(format!(
+            "({:?}, {:?}) was enqueued and purged concurrently, three times over",
+            e.destination, e.idempotency_key
+        )))
+    }
+
+    /// The claim statement of [`PgOutbox::claim_due`].
+    fn claim_sql(&self) -> String {
+        let s = self.s();
+        format!(
+            "UPDATE {s}.outbox SET status = 'dispatching', \
+             attempt_count = LEAST(attempt_count + 1, 4294967295), \
+             worker_id = $3, claimed_at = $1 \
+             WHERE id IN (SELECT id FROM {s}.outbox \
+                 WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 \
+                 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 \
+                 FOR UPDATE SKIP LOCKED) \
+             RETURNING {COLS}"
+        )
+    }
+
+    /// Runs the claim statement on `client`; the entries earliest due
+    /// first, then by id.
+    fn claim_on(
+        &self,
+        client: &mut impl GenericClient,
+        now: i64,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client.query(&self.claim_sql(), &[&now, &limit, &worker_id.as_bytes()])?;
+        let mut entries = rows.iter().map(read_entry).collect::<Result<Vec<_>>>()?;
+        entries.sort_by_key(|e| (e.due_at(), e.id));
+        Ok(entries)
+    }
+
+    /// Claims up to `limit` due `Pending` entries for `worker_id`: those
+    /// with `next_attempt_at` absent or `<= now`, earliest due first
+    /// (`next_attempt_at`, else `created_at`), then by id. Each becomes
+    /// `Dispatching` with `attempt_count + 1` and the claim
+    /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
+    /// [`PgOutbox::get`] returns for them afterwards. Concurrent claimers, in
+    /// any process, never get the same entry: each skips the rows another
+    /// is claiming (`FOR UPDATE SKIP LOCKED`). One statement on the partial
+    /// due index: its cost follows `limit`, not the backlog. A call that
+    /// returns `Err` claimed nothing.
+    pub fn claim_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        check_field("worker_id", worker_id)?;
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        // In a transaction of its own, so that a row that does not decode
+        // (edited by something else) fails the call before it commits:
+        // a call that returns `Err` claimed nothing.
+        in_transaction(&mut conn, |tx| {
+            self.claim_on(tx, micros(now), limit, worker_id)
+        })
+    }
+
+    /// Completes entry `id` at `now` in one statement if the status table
+    /// allows it as it stands (`Dispatching` or `OutcomeUnknown`, at
+    /// attempt `fence` if given); `false` if the statement changed nothing.
+    fn complete_fast(
+        &self,
+        client: &mut impl GenericClient,
+        id: i64,
+        fence: Option<u32>,
+        now: i64,
+    ) -> Result<bool> {
+        let s = self.s();
+        let sql = format!(
+            "UPDATE {s}.outbox SET status = 'completed', completed_at = $3, \
+             next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+             WHERE id = $1 AND ($2::bigint IS NULL OR attempt_count = $2) \
+             AND status IN ('dispatching', 'outcome_unknown')"
+        );
+        let fence = fence.map(i64::from);
+        Ok(client.execute(&sql, &[&id, &fence, &now])? == 1)
+    }
+
+    /// Applies `change` to entry `id` (fenced by `fence` if given) in
+    /// `tx`: a completion in one statement when it applies as it stands,
+    /// anything else through the status machine on the locked row.
+    fn change_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        id: OutboxId,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<()> {
+        let Some(db) = db_id(id) else {
+            return Err(Error::NotFound);
+        };
+        if let Change::Completed { now } = change
+            && self.complete_fast(tx, db, fence, *now)?
+        {
+            return Ok(());
+        }
+        self.change_locked(tx, db, change, fence)
+    }
+
+    /// Applies `change` to entry `db` through the status machine on the
+    /// locked row.
+    fn change_locked(
+        &self,
+        tx: &mut Transaction<'_>,
+        db: i64,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<()> {
+        let rows = self.lock(tx, &[db])?;
+        let (id, old) = rows.iter().next().ok_or(Error::NotFound)?;
+        self.apply(tx, *id, old, change, fence)?;
+        Ok(())
+    }
+
+    /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
+    fn lock(&self, tx: &mut Transaction<'_>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
+        let s = self.s();
+        let rows = tx.query(
+            &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
+            &[&ids],
+        )?;
+        rows.iter().map(read_row).collect()
+    }
+
+    /// Plans `change` on `old` (entry `id`, locked) with the status
+    /// machine and writes the plan: the new row and the attempt record it
+    /// adds. Returns the row as it stands afterwards.
+    fn apply(
+        &self,
+        tx: &mut Transaction<'_>,
+        id: u64,
+        old: &Row,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<Row> {
+        let Some(new) = plan(id, old, change, fence)? else {
+            return Ok(old.clone());
+        };
+        let attempt = change.attempt_row(old, old.status(id)?);
+        let s = self.s();
+        let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
+        let status = status_name(new.status(id)?);
+        let (worker, claimed_at) = match &new.attempt {
+            Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
+            None => (None, None),
+        };
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &db,
+            &status,
+            &i64::from(new.attempt_count),
+            &new.next_attempt_at,
+            &new.completed_at,
+            &worker,
+            &claimed_at,
+            &new.last_failure.as_deref().map(str::as_bytes),
+            &new.remote_ref.as_deref().map(str::as_bytes),
+        ];
+        tx.execute(
+            &format!(
+                "UPDATE {s}.outbox SET status = $2, attempt_count = $3, next_attempt_at = $4, \
+                 completed_at = $5, worker_id = $6, claimed_at = $7, last_failure = $8, \
+                 remote_ref = $9 WHERE id = $1"
+            ),
+            &params,
+        )?;
+        if let Some(a) = attempt {
+            // The next record after the entry's last, and the oldest ones
+            // beyond the last 20 dropped: one statement, under the row lock.
+            let params: [&(dyn ToSql + Sync); 6] = [
+                &db,
+                &i64::from(a.attempt),
+                &a.at,
+                &a.reason.as_bytes(),
+                &a.remote_ref.as_deref().map(str::as_bytes),
+                &history(),
+            ];
+            tx.execute(
+                &format!(
+                    "WITH next AS ( \
+                         SELECT coalesce(max(seq) + 1, 0) AS seq \
+                         FROM {s}.outbox_attempts WHERE id = $1 \
+                     ), added AS ( \
+                         INSERT INTO {s}.outbox_attempts (id, seq, attempt, at, reason, remote_ref) \
+                         SELECT $1, seq, $2, $3, $4, $5 FROM next RETURNING seq \
+                     ) \
+                     DELETE FROM {s}.outbox_attempts \
+                     WHERE id = $1 AND seq <= (SELECT seq FROM added) - $6"
+                ),
+                &params,
+            )?;
+        }
+        Ok(new)
+    }
+
+    /// Applies `change` to `id` in its own transaction, waking this
+    /// process's subscribers if it may have made work due.
+    fn change(&self, id: OutboxId, change: &Change, fence: Option<u32>) -> Result<()> {
+        refuse_reentrant()?;
+        let db = db_id(id).ok_or(Error::NotFound)?;
+        let mut conn = self.shared.conn()?;
+        if let Change::Completed { now } = change
+            && self.complete_fast(&mut *conn, db, fence, *now)?
+        {
+            return Ok(());
+        }
+        in_transaction(&mut conn, |tx| self.change_locked(tx, db, change, fence))?;
+        if change.makes_work_due() {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
+    /// `settlement`, at `now`.
+    ///
+    /// [`Error::Conflict`], changing nothing, if the fence is stale (the
+    /// entry moved on to another attempt, or was released, rescheduled or
+    /// settled otherwise) or the settlement is not allowed from the entry's
+    /// status. Settling the same attempt again the same final way
+    /// (completed twice, failed without retry twice) is accepted and changes
+    /// nothing. [`Error::NotFound`] if the entry is gone.
+    pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
+        let change = settlement.into_change(now)?;
+        self.change(fence.id, &change, Some(fence.attempt))
+    }
+
+    /// [`PgOutbox::settle`] inside the caller's own transaction (for a
+    /// dispatcher that records the effect's result in its own tables in the
+    /// same commit). A retry or a reschedule wakes the dispatchers once the
+    /// caller's transaction has committed.
+    pub fn settle_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        fence: Fence,
+        settlement: &Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let change = settlement.clone().into_change(now)?;
+        self.change_in(tx, fence.id, &change, Some(fence.attempt))
+    }
+
+    /// Checks settlements and turns them into fenced changes.
+    fn plan_settlements(
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<FencedChange>> {
+        settlements
+            .into_iter()
+            .map(|(fence, s)| Ok((fence.id, fence.attempt, s.into_change(now)?)))
+            .collect()
+    }
+
+    /// Applies `changes` in order in `tx`, each accepted or refused on its
+    /// own; the rows are locked first, in id order.
+    fn settle_many_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        changes: &[FencedChange],
+    ) -> Result<Vec<Result<()>>> {
+        let ids: Vec<i64> = changes.iter().filter_map(|(id, ..)| db_id(*id)).collect();
+        let mut rows = self.lock(tx, &ids)?;
+        let mut out = Vec::with_capacity(changes.len());
+        for (id, attempt, change) in changes {
+            let Some(old) = rows.get(&id.0) else {
+                out.push(Err(Error::NotFound));
+                continue;
+            };
+            match self.apply(tx, id.0, old, change, Some(*attempt)) {
+                Ok(new) => {
+                    rows.insert(id.0, new);
+                    out.push(Ok(()));
+                }
+                Err(e @ Error::Conflict { .. }) => out.push(Err(e)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Settles many attempts in one transaction (a dispatcher finishing a
+    /// batch), in order; a later settlement sees the earlier ones.
+    ///
+    /// Each settlement is accepted or refused on its own, exactly as
+    /// [`PgOutbox::settle`] would: the answer holds one result per input, in
+    /// order, an `Err` there being [`Error::Conflict`] or
+    /// [`Error::NotFound`]. The call itself fails on bad input and on the
+    /// server's errors; a call that returns `Err` wrote nothing.
+    pub fn settle_many(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
+        let changes = Self::plan_settlements(settlements, now)?;
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let mut conn = self.shared.conn()?;
+        let out = in_transaction(&mut conn, |tx| self.settle_many_in(tx, &changes))?;
+        self.notify_if_settled(&changes, &out);
+        Ok(out)
+    }
+
+    /// Settles a finished batch and claims the next one in one transaction:
+    /// a dispatcher's step between two batches. The settlements behave
+    /// exactly as in [`PgOutbox::settle_many`], the claim exactly as
+    /// [`PgOutbox::claim_due`] and sees the settlements. All or nothing: a
+    /// call that returns `Err` wrote nothing, settlements included.
+    pub fn settle_and_claim(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        check_field("worker_id", worker_id)?;
+        let changes = Self::plan_settlements(settlements, now)?;
+        refuse_reentrant()?;
+        let now = micros(now);
+        let mut conn = self.shared.conn()?;
+        let (settled, claimed) = in_transaction(&mut conn, |tx| {
+            let settled = if changes.is_empty() {
+                Vec::new()
+            } else {
+                self.settle_many_in(tx, &changes)?
+            };
+            let claimed = self.claim_on(tx, now, limit, worker_id)?;
+            Ok((settled, claimed))
+        })?;
+        self.notify_if_settled(&changes, &settled);
+        Ok((settled, claimed))
+    }
+
+    /// Wakes this process's subscribers after a bulk settle that may have
+    /// made work due.
+    fn notify_if_settled(&self, changes: &[FencedChange], settled: &[Result<()>]) {
+        let wake = changes
+            .iter()
+            .zip(settled)
+            .any(|((_, _, c), r)| r.is_ok() && c.makes_work_due());
+        if wake {
+            self.notify();
+        }
+    }
+
+    /// Operator call: marks `id` `Completed` at `now`, unfenced. Allowed from
+    /// `Dispatching` and `OutcomeUnknown`; accepted without change on
+    /// `Completed`; otherwise [`Error::Conflict`].
+    pub fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, &Change::Completed { now: micros(now) }, None)
+    }
+
+    /// Operator call, unfenced: records `reason` as `last_failure`, then with
+    /// `retry_at` moves the entry to `Pending` due then (from `Pending`,
+    /// `Dispatching`, `OutcomeUnknown`), without it to `Failed` stamped
+    /// `completed_at = now` (from `Dispatching`, `OutcomeUnknown`; accepted
+    /// without change on `Failed`). Otherwise [`Error::Conflict`].
+    pub fn mark_failed(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        retry_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        check_field("reason", reason)?;
+        let change = Change::Failed {
+            reason: reason.to_owned(),
+            next_attempt_at: retry_at.map(micros),
+            now: micros(now),
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
+    /// `remote_ref` if given. On `OutcomeUnknown` it is accepted and fills
+    /// the remote reference only if none is stored yet. Otherwise
+    /// [`Error::Conflict`].
+    pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
+        if let Some(r) = remote_ref {
+            check_field("remote_ref", r)?;
+        }
+        let change = Change::OutcomeUnknown {
+            remote_ref: remote_ref.map(str::to_owned),
+            now: None,
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
+    /// `OutcomeUnknown` entry to `Pending` due at `next_attempt_at`.
+    /// Otherwise [`Error::Conflict`].
+    pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        let change = Change::Rescheduled {
+            next_attempt_at: micros(next_attempt_at),
+            now: None,
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Operator call: moves a `Failed` or `OutcomeUnknown` entry back to
+    /// `Pending`, due at `next_attempt_at`. Anything else is
+    /// [`Error::Conflict`].
+    pub fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        let change = Change::Requeued {
+            next_attempt_at: micros(next_attempt_at),
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Cancels `id` at `now`: a `Pending` or `OutcomeUnknown` entry becomes
+    /// `Failed` with `last_failure` [`REASON_CANCELLED`](crate::REASON_CANCELLED).
+    /// Repeating it is accepted; a `Dispatching`, `Completed` or otherwise
+    /// `Failed` entry is [`Error::Conflict`].
+    pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, &Change::Cancelled { now: micros(now) }, None)
+    }
+
+    /// Moves every `Dispatching` entry claimed strictly before
+    /// `claimed_before` back to `Pending`, due at its claim time (the reaper
+    /// for crashed dispatchers, in any process), and returns their ids,
+    /// oldest claim first. An entry being settled at that moment (its row
+    /// locked) is left to its settlement. Walks the partial claims index:
+    /// costs what it releases.
+    pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        refuse_reentrant()?;
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!(
+                "UPDATE {s}.outbox SET status = 'pending', next_attempt_at = claimed_at, \
+                 worker_id = NULL, claimed_at = NULL \
+                 WHERE id IN (SELECT id FROM {s}.outbox \
+                     WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) \
+                 RETURNING id, next_attempt_at"
+            ),
+            &[&micros(claimed_before)],
+        )?;
+        let mut released = rows
+            .iter()
+            .map(|r| {
+                let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+                let at: Option<i64> = r.try_get(1)?;
+                Ok((at, OutboxId(id)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        released.sort_unstable();
+        if !released.is_empty() {
+            self.notify();
+        }
+        Ok(released.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// Deletes `Completed` and `Failed` entries whose `completed_at` is
+    /// strictly before `before`, with their attempt history; returns how
+    /// many. Walks the partial finished index: costs what it removes. A
+    /// purged entry's `(destination, idempotency_key)` can be enqueued
+    /// again.
+    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+        refuse_reentrant()?;
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        Ok(conn.execute(
+            &format!(
+                "DELETE FROM {s}.outbox \
+                 WHERE status IN ('completed', 'failed') AND completed_at < $1"
+            ),
+            &[&micros(before)],
+        )?)
+    }
+
+    /// The entry `id` with its claim, settlement details and attempt
+    /// history; [`Error::NotFound`] if there is none.
+    pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
+        let db = db_id(id).ok_or(Error::NotFound)?;
+        let mut conn = self.shared.conn()?;
+        let row = conn.query_opt(
+            &format!("{} WHERE o.id = $1", self.select_records()),
+            &[&db],
+        )?;
+        read_record(&row.ok_or(Error::NotFound)?)
+    }
+
+    /// The entry enqueued as `(destination, idempotency_key)`, if any.
+    pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
+        check_field("destination", destination)?;
+        check_field("idempotency_key", idempotency_key)?;
+        let mut conn = self.shared.conn()?;
+        let row = conn.query_opt(
+            &format!(
+                "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
+                self.select_records()
+            ),
+            &[&destination.as_bytes(), &idempotency_key.as_bytes()],
+        )?;
+        row.as_ref().map(read_record).transpose()
+    }
+
+    /// Every entry of `command_id`, by `created_at`, then id.
+    pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
+        check_field("command_id", command_id)?;
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!(
+                "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
+                self.select_records()
+            ),
+            &[&command_id.as_bytes()],
+        )?;
+        rows.iter().map(read_record).collect()
+    }
+
+    /// How many entries are in each status. Counts the rows: for
+    /// monitoring at a modest rate.
+    pub fn counts(&self) -> Result<OutboxCounts> {
+        let s = self.s();
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status"),
+            &[],
+        )?;
+        let mut counts: HashMap<OutboxStatus, u64> = HashMap::new();
+        for r in &rows {
+            let name: &str = r.try_get(0)?;
+            let n: i64 = r.try_get(1)?;
+            counts.insert(parse_status(0, name)?, u64::try_from(n).unwrap_or(0));
+        }
+        Ok(OutboxCounts::from_fn(|st| {
+            counts.get(&st).copied().unwrap_or(0)
+        }))
+    }
+
+    /// The earliest due time of any `Pending` entry (possibly in the past:
+    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
+    /// until then, or until a [`subscribe`](PgOutbox::subscribe) signal.
+    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        let s = self.s();
+        self.first_time(&format!(
+            "SELECT coalesce(next_attempt_at, created_at), id FROM {s}.outbox \
+             WHERE status = 'pending' ORDER BY coalesce(next_attempt_at, created_at), id LIMIT 1"
+        ))
+    }
+
+    /// The claim time of the longest-held `Dispatching` entry, or `None` if
+    /// nothing is being dispatched.
+    pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        let s = self.s();
+        self.first_time(&format!(
+            "SELECT claimed_at, id FROM {s}.outbox WHERE status = 'dispatching' \
+             ORDER BY claimed_at, id LIMIT 1"
+        ))
+    }
+
+    /// The `(time, id)` of the one row `sql` returns, if any.
+    fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
+        let mut conn = self.shared.conn()?;
+        let Some(r) = conn.query_opt(sql, &[])? else {
+            return Ok(None);
+        };
+        let (at, id): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
+        DateTime::from_timestamp_micros(at)
+            .map(Some)
+            .ok_or_else(|| corrupted(TABLE, &id, format!("timestamp {at} µs is out of range")))
+    }
+
+    /// Up to `limit` entries matching `filter`, by id (enqueue order). For
+    /// inspection tools, not for a dispatcher. Page with
+    /// [`OutboxFilter::after`] and the last id returned.
+    pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
+        filter.check()?;
+        let Some(start) = filter.first_id() else {
+            return Ok(Vec::new());
+        };
+        let Ok(start) = i64::try_from(start) else {
+            return Ok(Vec::new());
+        };
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let status = filter.status_filter().map(status_name);
+        let destination = filter.destination_filter().map(str::as_bytes);
+        let mut conn = self.shared.conn()?;
+        let rows = conn.query(
+            &format!(
+                "{} WHERE o.id >= $1 AND ($2::text IS NULL OR o.status = $2) \
+                 AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
+                self.select_records()
+            ),
+            &[&start, &status, &destination, &limit],
+        )?;
+        rows.iter().map(read_record).collect()
+    }
+
+    /// Checks what the server does not enforce itself (its constraints hold
+    /// the status invariants): every row and attempt record decodes as the
+    /// store wrote it, and no entry keeps more than 20 attempt records.
+    /// Returns one human-readable finding per violation, none if the outbox
+    /// is consistent. Reads every row: for tests and offline checks.
+    pub fn check_indexes(&self) -> Result<Vec<String>> {
+        let mut findings = Vec::new();
+        let mut conn = self.shared.conn()?;
+        for r in conn.query(&self.select_records(), &[])? {
+            if let Err(e) = read_record(&r) {
+                findings.push(e.to_string());
+            }
+        }
+        let s = self.s();
+        for r in conn.query(
+            &format!(
+                "SELECT id, count(*) FROM {s}.outbox_attempts GROUP BY id HAVING count(*) > $1"
+            ),
+            &[&history()],
+        )? {
+            let (id, n): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
+            findings.push(format!(
+                "{ATTEMPTS}: record {id} keeps {n} attempt records, more than {}",
+                history()
+            ));
+        }
+        Ok(findings)
+    }
+
+    /// A channel that receives `()` after a commit, in any process, that
+    /// may have made work due (enqueue, retry, reschedule, requeue, released
+    /// claims), and after [`PgOutbox::notify`]. Signals coalesce: at most one
+    /// waits in the channel. Dropping the receiver unsubscribes.
+    ///
+    /// The first subscription starts the store's listening connection (its
+    /// own, outside the pool) on a thread of its own; each time it has
+    /// (re)connected it sends one signal, since notifications sent while it
+    /// was away are lost. On a server that refuses `LISTEN` it signals every
+    /// second instead (polling).
+    pub fn subscribe(&self) -> Receiver<()> {
+        let rx = self.wake.notifier.subscribe();
+        let mut listening = self.wake.listening.lock();
+        if !*listening {
+            *listening = listen::start(
+                self.shared.config.clone(),
+                schema::channel(&self.shared.schema),
+                Arc::downgrade(&self.wake.notifier),
+            )
+            .is_ok();
+        }
+        rx
+    }
+
+    /// Wakes this process's subscribers. The store calls it itself after
+    /// the calls of this process that made work due; notifications from the
+    /// server wake them for every other commit.
+    pub fn notify(&self) {
+        self.wake.notifier.notify();
+    }
+}

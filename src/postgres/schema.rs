@@ -1,0 +1,302 @@
+//! The store's tables in its schema, and the versioned migrations that
+//! create them.
+//!
+//! All tables live in one schema (`S`, default `idemstore`). Times are
+//! `bigint` microseconds since the Unix epoch, as in the embedded store's
+//! records, and always the caller's `now`: no statement reads the server's
+//! clock. Strings the caller chooses (event keys, tenants, idempotency keys,
+//! outbox fields, fingerprints) are stored as their UTF-8 bytes in `bytea`
+//! columns, because PostgreSQL's `text` cannot hold a NUL and the embedded
+//! store accepts any string; `bytea` compares bytewise, as the embedded
+//! store's keys do, so listings come in the same order.
+//!
+//! | table                 | row                                                             | indexes |
+//! |-----------------------|-----------------------------------------------------------------|---------|
+//! | `S.schema_version`    | the one row: the version of the last migration applied         | — |
+//! | `S.inbox`             | `(inbox, event_key) → seen_at`                                   | `(inbox, seen_at, event_key)` (prune, list) |
+//! | `S.outbox`            | `id → entry, status, attempt, settlement details`                | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)` |
+//! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
+//! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
+//! | `S.idempotency_fence` | the sequence of fence tokens, store-wide, never reused          | — |
+//!
+//! The outbox's row invariants are `CHECK` constraints: the attempt
+//! (`worker_id`, `claimed_at`) is set iff the entry is `dispatching` or
+//! `outcome_unknown`, `completed_at` iff it is `completed` or `failed`. A
+//! trigger sends `NOTIFY S_outbox` whenever a row becomes (or stays)
+//! `pending` — an enqueue, a retry, a reschedule, a requeue, a released
+//! claim — in the writing transaction, so it reaches the listeners at
+//! commit, whoever wrote it.
+//!
+//! # Migrations
+//!
+//! [`migrate`] runs on connect. When the recorded version is the latest it
+//! only reads it; otherwise, in one transaction holding a transaction-level
+//! advisory lock named after the schema (so processes connecting at once
+//! migrate one after the other, and the later ones find the work done), it
+//! creates the schema if needed and applies every migration above the
+//! recorded version. A version above [`SCHEMA_VERSION`] (a newer build
+//! migrated the schema) is [`Error::IncompatibleFormat`] and changes
+//! nothing. Migrations are append-only: a released one never changes.
+
+use ::postgres::Client;
+
+use crate::error::{Error, Result};
+
+/// The schema version this build creates and reads.
+pub const SCHEMA_VERSION: u64 = 1;
+
+/// Longest schema name accepted: the notification channel `<schema>_outbox`
+/// must fit PostgreSQL's 63-byte identifiers.
+const MAX_SCHEMA_LEN: usize = 48;
+
+/// The migrations, in order: migration `i + 1` is `MIGRATIONS[i]`, with
+/// `{s}` standing for the schema.
+const MIGRATIONS: &[&str] = &[V1];
+
+const V1: &str = r"
+CREATE TABLE {s}.inbox (
+    inbox     text   NOT NULL,
+    event_key bytea  NOT NULL,
+    seen_at   bigint NOT NULL,
+    PRIMARY KEY (inbox, event_key)
+);
+CREATE INDEX inbox_seen_at ON {s}.inbox (inbox, seen_at, event_key);
+
+CREATE TABLE {s}.outbox (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    command_id      bytea  NOT NULL,
+    destination     bytea  NOT NULL,
+    idempotency_key bytea  NOT NULL,
+    payload         bytea  NOT NULL,
+    status          text   NOT NULL CHECK (status IN
+                        ('pending', 'dispatching', 'completed', 'failed', 'outcome_unknown')),
+    attempt_count   bigint NOT NULL CHECK (attempt_count BETWEEN 0 AND 4294967295),
+    next_attempt_at bigint,
+    created_at      bigint NOT NULL,
+    completed_at    bigint,
+    worker_id       bytea,
+    claimed_at      bigint,
+    last_failure    bytea,
+    remote_ref      bytea,
+    UNIQUE (destination, idempotency_key),
+    CHECK ((worker_id IS NULL) = (claimed_at IS NULL)),
+    CHECK ((claimed_at IS NOT NULL) = (status IN ('dispatching', 'outcome_unknown'))),
+    CHECK ((completed_at IS NOT NULL) = (status IN ('completed', 'failed')))
+);
+CREATE INDEX outbox_due ON {s}.outbox ((coalesce(next_attempt_at, created_at)), id)
+    WHERE status = 'pending';
+CREATE INDEX outbox_claimed ON {s}.outbox (claimed_at, id) WHERE status = 'dispatching';
+CREATE INDEX outbox_finished ON {s}.outbox (completed_at, id)
+    WHERE status IN ('completed', 'failed');
+CREATE INDEX outbox_by_command ON {s}.outbox (command_id, created_at, id);
+
+CREATE TABLE {s}.outbox_attempts (
+    id         bigint NOT NULL REFERENCES {s}.outbox (id) ON DELETE CASCADE,
+    seq        bigint NOT NULL,
+    attempt    bigint NOT NULL,
+    at         bigint NOT NULL,
+    reason     bytea  NOT NULL,
+    remote_ref bytea,
+    PRIMARY KEY (id, seq)
+);
+
+CREATE FUNCTION {s}.outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{s}_outbox', '');
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER outbox_notify AFTER INSERT OR UPDATE ON {s}.outbox
+    FOR EACH ROW WHEN (NEW.status = 'pending') EXECUTE FUNCTION {s}.outbox_notify();
+
+CREATE TABLE {s}.idempotency (
+    tenant        bytea  NOT NULL,
+    idem_key      bytea  NOT NULL,
+    fingerprint   bytea  NOT NULL,
+    fence         bigint NOT NULL,
+    created_at    bigint NOT NULL,
+    lease_until   bigint,
+    status        integer,
+    content_type  text,
+    header_names  text[],
+    header_values text[],
+    body          bytea,
+    PRIMARY KEY (tenant, idem_key),
+    CHECK ((lease_until IS NULL) = (status IS NOT NULL)),
+    CHECK ((status IS NULL) = (body IS NULL)),
+    CHECK ((status IS NULL) = (header_names IS NULL)),
+    CHECK ((status IS NULL) = (header_values IS NULL))
+);
+CREATE INDEX idempotency_created_at ON {s}.idempotency (created_at, tenant, idem_key);
+CREATE SEQUENCE {s}.idempotency_fence AS bigint MINVALUE 1;
+";
+
+/// The channel the outbox's trigger notifies: `<schema>_outbox`.
+pub(super) fn channel(schema: &str) -> String {
+    format!("{schema}_outbox")
+}
+
+/// Checks a schema name: 1–48 bytes of lowercase ASCII letters, digits and
+/// `_`, starting with a letter or `_`, not `pg_…` (PostgreSQL's own). Such a
+/// name needs no quoting, so it goes into statements as it is.
+pub(super) fn check_schema_name(name: &str) -> Result<()> {
+    crate::error::check_len("schema", name, MAX_SCHEMA_LEN)?;
+    let bad = |why: String| Err(Error::invalid("schema", why));
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_'))
+    {
+        return bad(format!(
+            "{c:?} is not allowed; use lowercase ASCII letters, digits and '_'"
+        ));
+    }
+    if name.starts_with(|c: char| c.is_ascii_digit()) {
+        return bad("must start with a letter or '_'".into());
+    }
+    if name.starts_with("pg_") {
+        return bad("names starting with \"pg_\" are reserved by PostgreSQL".into());
+    }
+    Ok(())
+}
+
+/// The advisory lock key of `schema`'s migrations: a stable 64-bit hash
+/// (FNV-1a) of `idemstore:<schema>`, so that other schemas migrate
+/// concurrently.
+fn lock_key(schema: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"idemstore:".iter().chain(schema.as_bytes()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// The version recorded in `schema`, `None` if it has no version table
+/// (a new schema).
+fn recorded(client: &mut impl ::postgres::GenericClient, schema: &str) -> Result<Option<u64>> {
+    // A query of the catalog's tables, not `to_regclass`: that reads the
+    // session's catalog cache, which taking an advisory lock does not
+    // refresh, so a process that waited for another's migration would not
+    // see its tables.
+    let exists = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = 'schema_version')",
+            &[&schema],
+        )?
+        .try_get::<_, bool>(0)?;
+    if !exists {
+        return Ok(None);
+    }
+    let row = client.query_opt(&format!("SELECT version FROM {schema}.schema_version"), &[])?;
+    let version = match row {
+        Some(r) => r.try_get::<_, i64>(0)?,
+        None => 0,
+    };
+    Ok(Some(u64::try_from(version).map_err(|_| {
+        Error::IncompatibleFormat {
+            found: format!("PostgreSQL schema {schema} at version {version}"),
+            supported: SCHEMA_VERSION,
+        }
+    })?))
+}
+
+fn too_new(schema: &str, version: u64) -> Error {
+    Error::IncompatibleFormat {
+        found: format!("PostgreSQL schema {schema} at version {version}"),
+        supported: SCHEMA_VERSION,
+    }
+}
+
+/// Creates or migrates `schema` to [`SCHEMA_VERSION`] (see the module
+/// docs).
+pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
+    match recorded(client, schema)? {
+        Some(v) if v == SCHEMA_VERSION => return Ok(()),
+        Some(v) if v > SCHEMA_VERSION => return Err(too_new(schema, v)),
+        _ => {}
+    }
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])?;
+    // Another process may have migrated while this one waited.
+    let found = recorded(&mut tx, schema)?;
+    let from = match found {
+        Some(v) if v > SCHEMA_VERSION => return Err(too_new(schema, v)),
+        Some(v) => v,
+        None => {
+            let exists = tx
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+                    &[&schema],
+                )?
+                .try_get::<_, bool>(0)?;
+            if !exists {
+                tx.batch_execute(&format!("CREATE SCHEMA {schema}"))?;
+            }
+            tx.batch_execute(&format!(
+                "CREATE TABLE {schema}.schema_version (
+                     one     boolean PRIMARY KEY DEFAULT true CHECK (one),
+                     version bigint  NOT NULL
+                 );
+                 INSERT INTO {schema}.schema_version (version) VALUES (0);"
+            ))?;
+            0
+        }
+    };
+    let mut version = from;
+    for sql in MIGRATIONS
+        .iter()
+        .skip(usize::try_from(from).unwrap_or(usize::MAX))
+    {
+        tx.batch_execute(&sql.replace("{s}", schema))?;
+        version += 1;
+    }
+    let v = i64::try_from(version).unwrap_or(i64::MAX);
+    tx.execute(
+        &format!("UPDATE {schema}.schema_version SET version = $1"),
+        &[&v],
+    )?;
+    tx.commit()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_checked() {
+        for bad in [
+            "",
+            "Idem",
+            "has space",
+            "a-b",
+            "a.b",
+            "1abc",
+            "pg_x",
+            "ü",
+            "a\"b",
+        ] {
+            assert!(
+                matches!(check_schema_name(bad), Err(Error::InvalidInput { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            check_schema_name(&"a".repeat(49)),
+            Err(Error::TooLarge { .. })
+        ));
+        for good in ["idemstore", "_t1", "tenant_42", &"a".repeat(48)] {
+            assert!(check_schema_name(good).is_ok(), "{good:?}");
+        }
+        assert!(channel(&"a".repeat(48)).len() <= 63);
+    }
+
+    #[test]
+    fn every_version_has_its_migration() {
+        assert_eq!(MIGRATIONS.len() as u64, SCHEMA_VERSION);
+        assert_ne!(lock_key("a"), lock_key("b"));
+        assert_eq!(lock_key("idemstore"), lock_key("idemstore"));
+    }
+}

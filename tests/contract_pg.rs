@@ -1,0 +1,350 @@
+//! The contract suite (`tests/contract/`) on PostgreSQL, and what only the
+//! server backend has: migrations, connection errors, wake-ups across
+//! processes, the server's errors inside effects.
+//!
+//! The server is named by `IDEMSTORE_TEST_POSTGRES` (a libpq connection
+//! string; `.ci/postgres run -- cargo test --features postgres --test
+//! contract_pg` starts a throwaway one). Without it every test says so and
+//! passes, except under `CI=true`, where its absence fails them. Each test
+//! works in a schema of its own, dropped at its end, so tests run in
+//! parallel on one database.
+
+#[macro_use]
+#[path = "contract/mod.rs"]
+mod contract;
+
+mod fixture {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use idemstore::Result;
+    use idemstore::postgres::postgres::{Client, NoTls, Transaction};
+    use idemstore::postgres::{PgOutbox, PgStore};
+
+    pub(crate) type Db = PgStore;
+    pub(crate) type Ob = PgOutbox;
+
+    /// The server's connection string, or `None` (after saying so) when
+    /// the tests are to skip; a panic under `CI=true`, where the server
+    /// must be there.
+    pub(crate) fn url() -> Option<String> {
+        match std::env::var("IDEMSTORE_TEST_POSTGRES") {
+            Ok(url) if !url.trim().is_empty() => Some(url),
+            _ => {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "CI=true but IDEMSTORE_TEST_POSTGRES is not set: run the PostgreSQL \
+                     tests under .ci/postgres"
+                );
+                eprintln!(
+                    "skipped: IDEMSTORE_TEST_POSTGRES is not set (a libpq connection string; \
+                     .ci/postgres run -- cargo test --features postgres --test contract_pg)"
+                );
+                None
+            }
+        }
+    }
+
+    /// A schema name no other test (of this run or an earlier one) uses.
+    pub(crate) fn unique_schema() -> String {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!(
+            "t{}_{}_{nanos}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// A store in a fresh schema, dropped with everything in it at the end.
+    pub(crate) struct Fixture {
+        pub(crate) store: Db,
+        pub(crate) url: String,
+        pub(crate) schema: String,
+    }
+
+    impl Fixture {
+        pub(crate) fn open() -> Option<Fixture> {
+            let url = url()?;
+            let schema = unique_schema();
+            let store = PgStore::builder()
+                .schema(&schema)
+                .pool_size(4)
+                .connect(&url)
+                .expect("connect to the test server");
+            let mut client = Client::connect(&url, NoTls).expect("a plain connection");
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE {schema}.app_marks (key text PRIMARY KEY)"
+                ))
+                .expect("the application's table");
+            Some(Fixture { store, url, schema })
+        }
+
+        /// A second store on the same schema, with its own pool: what
+        /// another process would open.
+        pub(crate) fn another(&self) -> Db {
+            PgStore::builder()
+                .schema(&self.schema)
+                .pool_size(4)
+                .connect(&self.url)
+                .expect("connect again")
+        }
+
+        /// A plain connection to the server.
+        pub(crate) fn client(&self) -> Client {
+            Client::connect(&self.url, NoTls).expect("a plain connection")
+        }
+
+        /// Writes the application row `key` in `tx`.
+        pub(crate) fn mark(&self, tx: &mut Transaction<'_>, key: &str) -> Result<()> {
+            tx.execute(
+                &format!("INSERT INTO {}.app_marks (key) VALUES ($1)", self.schema),
+                &[&key],
+            )?;
+            Ok(())
+        }
+
+        /// The application rows committed, in key order.
+        pub(crate) fn marks(&self) -> Result<Vec<String>> {
+            let rows = self.client().query(
+                &format!("SELECT key FROM {}.app_marks ORDER BY key", self.schema),
+                &[],
+            )?;
+            rows.iter()
+                .map(|r| r.try_get(0).map_err(idemstore::Error::from))
+                .collect()
+        }
+    }
+
+    impl Drop for Fixture {
+        fn drop(&mut self) {
+            if let Ok(mut client) = Client::connect(&self.url, NoTls) {
+                let _ = client.batch_execute(&format!("DROP SCHEMA {} CASCADE", self.schema));
+            }
+        }
+    }
+}
+
+use contract::*;
+use fixture::*;
+
+contract_suite!();
+
+/// What only the server backend has.
+mod server {
+    use std::time::Duration;
+
+    use idemstore::postgres::{PgStore, SCHEMA_VERSION};
+    use idemstore::{Claim, Error};
+
+    use super::*;
+
+    #[test]
+    fn connecting_checks_the_schema_name_and_the_connection_string() {
+        let Some(url) = url() else { return };
+        for bad in ["Idem", "a-b", "pg_x", ""] {
+            let out = PgStore::builder().schema(bad).connect(&url);
+            assert!(
+                matches!(
+                    out,
+                    Err(Error::InvalidInput {
+                        field: "schema",
+                        ..
+                    } | Error::TooLarge { .. })
+                ),
+                "{bad:?}: {out:?}"
+            );
+        }
+        let out = PgStore::connect("host=/tmp port=notaport");
+        assert!(
+            matches!(
+                out,
+                Err(Error::InvalidInput {
+                    field: "connection string",
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn an_unreachable_server_is_an_error_not_a_hang() {
+        if url().is_none() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let out = PgStore::builder()
+            .connection_timeout(Duration::from_secs(2))
+            .connect("host=/nonexistent/idemstore user=nobody dbname=nothing");
+        let Err(e @ Error::Postgres { .. }) = out else {
+            panic!("{out:?}");
+        };
+        assert!(e.is_storage());
+        assert!(e.to_string().contains("PostgreSQL error"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn processes_connecting_at_once_migrate_once() -> TestResult {
+        let Some(url) = url() else { return Ok(()) };
+        let schema = unique_schema();
+        let stores = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|_| {
+                    s.spawn(|| {
+                        PgStore::builder()
+                            .schema(&schema)
+                            .pool_size(1)
+                            .connect(&url)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("no panic"))
+                .collect::<Result<Vec<_>, _>>()
+        });
+        let result = (|| -> TestResult {
+            let stores = stores?;
+            let mut client = idemstore::postgres::postgres::Client::connect(
+                &url,
+                idemstore::postgres::postgres::NoTls,
+            )?;
+            let version: i64 = client
+                .query_one(&format!("SELECT version FROM {schema}.schema_version"), &[])?
+                .get(0);
+            assert_eq!(u64::try_from(version)?, SCHEMA_VERSION);
+            // Every store works on the one schema.
+            for (i, store) in stores.iter().enumerate() {
+                assert!(store.inbox("i")?.claim(&format!("k{i}"), t(0))?);
+            }
+            assert_eq!(stores[0].inbox("i")?.len()?, 6);
+            assert_eq!(stores[0].schema(), schema);
+            Ok(())
+        })();
+        if let Ok(mut client) = idemstore::postgres::postgres::Client::connect(
+            &url,
+            idemstore::postgres::postgres::NoTls,
+        ) {
+            client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))?;
+        }
+        result
+    }
+
+    #[test]
+    fn a_schema_from_a_newer_version_is_refused() -> TestResult {
+        let f = fixture!();
+        f.client().batch_execute(&format!(
+            "UPDATE {}.schema_version SET version = 99",
+            f.schema
+        ))?;
+        let out = PgStore::builder().schema(&f.schema).connect(&f.url);
+        let Err(Error::IncompatibleFormat { found, supported }) = out else {
+            panic!("{out:?}");
+        };
+        assert_eq!(supported, SCHEMA_VERSION);
+        assert!(found.contains("99"), "{found}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_server_error_in_an_effect_rolls_back_and_keeps_the_servers_words() -> TestResult {
+        let f = fixture!();
+        let inbox = f.store.inbox("i")?;
+        let out = inbox.claim_with("evt-1", t(0), |tx| {
+            f.mark(tx, "before")?;
+            tx.execute("SELECT 1 / 0", &[])?;
+            Ok::<_, Error>(())
+        });
+        let Err(Error::Postgres { code, message, .. }) = out else {
+            panic!("{out:?}");
+        };
+        assert_eq!(code.as_deref(), Some("22012"), "division_by_zero");
+        assert!(message.contains("division by zero"), "{message}");
+        assert!(!inbox.seen("evt-1")?);
+        assert_eq!(f.marks()?, Vec::<String>::new());
+        assert_eq!(
+            inbox.claim_with("evt-1", t(1), |tx| f.mark(tx, "after"))?,
+            Claim::Applied(())
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_row_edited_into_nonsense_is_corrupted_and_a_claim_takes_nothing() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        let good = outbox.enqueue(entry("c", "d", "good"), t(0))?.id();
+        let bad = outbox.enqueue(entry("c", "d", "bad"), t(0))?.id();
+        let id = i64::try_from(bad.0)?;
+        f.client().execute(
+            &format!(
+                "UPDATE {}.outbox SET command_id = '\\xff'::bytea WHERE id = $1",
+                f.schema
+            ),
+            &[&id],
+        )?;
+        let out = outbox.claim_due(t(1), 10, "w");
+        assert!(matches!(out, Err(Error::Corrupted { .. })), "{out:?}");
+        assert_eq!(outbox.counts()?.pending, 2, "nothing was claimed");
+        assert!(matches!(outbox.get(bad), Err(Error::Corrupted { .. })));
+        assert_eq!(
+            outbox.get(good)?.entry.status,
+            idemstore::OutboxStatus::Pending
+        );
+        let findings = outbox.check_indexes()?;
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert!(findings[0].contains("not UTF-8"), "{findings:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn an_enqueue_in_another_process_wakes_this_ones_subscribers_at_commit() -> TestResult {
+        let f = fixture!();
+        let wake = f.store.outbox().subscribe();
+        // The listener signals once it listens.
+        assert!(
+            wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "listening"
+        );
+        while wake.try_recv().is_ok() {}
+        let other = f.another();
+        let outbox = other.outbox();
+        // A rolled-back enqueue notifies nobody.
+        let out = other.write(|tx| {
+            outbox.enqueue_in(tx, entry("c", "d", "k"), t(0))?;
+            Err::<(), _>(AppError::Refused)
+        });
+        assert!(matches!(out, Err(AppError::Refused)));
+        assert!(
+            wake.recv_timeout(Duration::from_millis(500)).is_err(),
+            "no signal"
+        );
+        // A committed one does, whatever process made it.
+        other.write(|tx| outbox.enqueue_in(tx, entry("c", "d", "k"), t(0)))?;
+        assert!(
+            wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "woken by the commit"
+        );
+        // So does a retry that makes an entry due again.
+        let claimed = outbox.claim_due(t(1), 1, "w")?;
+        while wake.try_recv().is_ok() {}
+        outbox.settle(
+            claimed[0].fence(),
+            idemstore::Settlement::Failed {
+                reason: "http_503".into(),
+                next_attempt_at: Some(t(2)),
+            },
+            t(1),
+        )?;
+        drop(other);
+        assert!(
+            wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "woken by the retry"
+        );
+        Ok(())
+    }
+}
