@@ -80,8 +80,10 @@ mod notifier;
 mod ops;
 mod record;
 mod types;
+mod watch;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
@@ -197,6 +199,10 @@ pub struct Outbox {
     engine: Arc<Engine>,
     max_body: usize,
     notifier: Arc<Notifier>,
+    /// In a store shared between processes: the thread that signals the
+    /// notifier after other processes' commits. It stops when the last
+    /// handle is dropped.
+    watch: Option<Arc<watch::Watch>>,
 }
 
 impl Outbox {
@@ -205,7 +211,22 @@ impl Outbox {
             engine,
             max_body,
             notifier: Arc::default(),
+            watch: None,
         }
+    }
+
+    /// In a store file shared between processes, starts the thread that
+    /// wakes this outbox's subscribers after other processes' commits,
+    /// looking every `interval` (see `watch.rs`). Does nothing for a store
+    /// held alone or one without a file.
+    pub(crate) fn watch_other_processes(&mut self, interval: Duration) -> Result<()> {
+        let Some(path) = self.engine.path().filter(|_| self.engine.is_shared()) else {
+            return Ok(());
+        };
+        let watch =
+            watch::Watch::start(self.engine.clone(), self.notifier.clone(), path, interval)?;
+        self.watch = Some(Arc::new(watch));
+        Ok(())
     }
 
     /// Enqueues `entry`, created at `now`: `Enqueued::New(id)`, or
