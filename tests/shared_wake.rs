@@ -199,3 +199,52 @@ fn the_watching_thread_ends_with_the_last_handle() -> Result<()> {
     drop(exclusive);
     Ok(())
 }
+
+/// How many times the threads named `idemstore-watch` have woken
+/// (voluntary context switches: each timed wait is one).
+#[cfg(target_os = "linux")]
+fn watch_wake_ups() -> u64 {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|task| {
+            let dir = task.ok()?.path();
+            let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+            if name.trim_end() != "idemstore-watch" {
+                return None;
+            }
+            let status = std::fs::read_to_string(dir.join("status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_store_nobody_subscribes_to_does_not_look_at_the_file() -> Result<()> {
+    let _serial = SERIAL.lock();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::builder()
+        .shared(true)
+        .shared_poll_interval(Duration::from_millis(2))
+        .open(dir.path().join("shared.redb"))?;
+    watch_threads_become(1, "the store's thread runs");
+    let wake_ups_over = |window| {
+        let before = watch_wake_ups();
+        std::thread::sleep(window);
+        watch_wake_ups() - before
+    };
+    // A process that only enqueues: nobody to wake, no looking.
+    let idle = wake_ups_over(Duration::from_millis(200));
+    assert!(idle <= 2, "{idle} wake-ups with nobody subscribed");
+    // A dispatcher subscribes: every 2 ms now.
+    let subscription = store.outbox().subscribe();
+    let polling = wake_ups_over(Duration::from_millis(200));
+    assert!(polling >= 20, "{polling} wake-ups with a subscriber");
+    drop(subscription);
+    Ok(())
+}

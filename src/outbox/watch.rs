@@ -28,6 +28,12 @@
 //! rescheduled later between two looks) still wakes at the due time it
 //! read, as it would without this thread.
 //!
+//! While nobody subscribes (a process that enqueues but runs no
+//! dispatcher), the thread parks instead: such a process pays nothing. The
+//! first subscription unparks it; its first look then compares with the
+//! values it last saw, so a change made meanwhile signals the new
+//! subscriber at most once more than needed.
+//!
 //! # What the header is trusted for
 //!
 //! Only as a hint of "something changed": correctness never depends on
@@ -59,10 +65,10 @@ use std::fs::File;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use redb::{ReadTransaction, ReadableTable};
 
 use super::Notifier;
@@ -92,7 +98,7 @@ const THREAD_NAME: &str = "idemstore-watch";
 /// thread and waits for it (at most one look at the file).
 #[derive(Debug)]
 pub(super) struct Watch {
-    stop: Option<Sender<()>>,
+    stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -120,13 +126,14 @@ impl Watch {
         if !unflushed(&header) {
             poller.header = header;
         }
-        let (stop, stopped) = crossbeam_channel::bounded(0);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
         let thread = std::thread::Builder::new()
             .name(THREAD_NAME.into())
             .spawn(move || poller.run(&stopped, interval))
             .map_err(Error::Io)?;
         Ok(Watch {
-            stop: Some(stop),
+            stop,
             thread: Some(thread),
         })
     }
@@ -134,9 +141,10 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        // Disconnecting the channel ends the thread's wait at once.
-        drop(self.stop.take());
+        self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
+            // Ends the thread's wait at once.
+            thread.thread().unpark();
             // The thread holds no handle that could drop this one, but never
             // join oneself.
             if thread.thread().id() != std::thread::current().id() {
@@ -184,6 +192,37 @@ impl Seen {
     }
 }
 
+/// Waits `wait`, unless `stop` is set first (the thread is then unparked);
+/// returns whether to go on. (Parking costs the least of the timed waits:
+/// this wait is most of what an idle store spends.)
+fn pause(stop: &AtomicBool, wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return true;
+        }
+        std::thread::park_timeout(deadline - now);
+    }
+}
+
+/// Parks until someone subscribes to `notifier` (`true`) or `stop` is set
+/// (`false`). The notifier unparks this thread at each subscription.
+fn await_subscriber(stop: &AtomicBool, notifier: &Notifier) -> bool {
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return false;
+        }
+        if notifier.has_subscribers() {
+            return true;
+        }
+        std::thread::park();
+    }
+}
+
 /// Whether `header` shows a commit still on its way to disk.
 fn unflushed(header: &[u8; HEADER_LEN]) -> bool {
     header[FLAGS_BYTE] & PRIMARY_UNFLUSHED != 0
@@ -201,14 +240,14 @@ struct Poller {
 }
 
 impl Poller {
-    /// Looks every `interval` until `stop` is disconnected.
-    fn run(mut self, stop: &Receiver<()>, interval: Duration) {
+    /// Looks every `interval` until `stop` is set.
+    fn run(mut self, stop: &AtomicBool, interval: Duration) {
+        self.notifier.unpark_on_subscribe();
         let mut wait = interval;
         let mut failing = false;
-        loop {
-            match stop.recv_timeout(wait) {
-                Err(RecvTimeoutError::Timeout) => {}
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        while pause(stop, wait) {
+            if !self.notifier.has_subscribers() && !await_subscriber(stop, &self.notifier) {
+                return;
             }
             let looked = catch_unwind(AssertUnwindSafe(|| self.tick()))
                 .unwrap_or_else(|panic| Err(Error::panicked("watching the store file", &*panic)));
@@ -264,12 +303,15 @@ fn read_at_start(file: &File, buf: &mut [u8]) -> std::io::Result<()> {
 
 #[cfg(windows)]
 fn read_at_start(file: &File, buf: &mut [u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let offset = done as u64;
-        match std::os::windows::fs::FileExt::seek_read(file, &mut buf[done..], offset)? {
+    let mut rest = buf;
+    let mut offset = 0;
+    while !rest.is_empty() {
+        match std::os::windows::fs::FileExt::seek_read(file, rest, offset)? {
             0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n => done += n,
+            n => {
+                rest = std::mem::take(&mut rest).get_mut(n..).unwrap_or_default();
+                offset += n as u64;
+            }
         }
     }
     Ok(())
