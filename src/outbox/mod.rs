@@ -68,6 +68,34 @@
 //! caller's [`Store::write`](crate::Store::write) has committed (durably);
 //! a rolled-back write signals nothing.
 //!
+//! In a store file shared between processes
+//! ([`StoreBuilder::shared`](crate::StoreBuilder::shared)) another
+//! process's commits signal too. A thread of the store, `idemstore-watch`,
+//! reads the file's 320-byte header every
+//! [`shared_poll_interval`](crate::StoreBuilder::shared_poll_interval)
+//! (default 5 ms); after a commit by anyone it reads the outbox's next id
+//! and earliest due time, and signals if an entry was enqueued or work
+//! became due sooner. A dispatcher then sends an entry another process
+//! enqueued about half the interval plus one commit later than one
+//! enqueued in its own process (measured: p50 ≈ 12 ms against ≈ 7 ms on a
+//! busy 2-core VM), not at its one-minute safety timer. What a process
+//! can expect:
+//!
+//! - **Idle cost**: one timed wake-up and one header read per interval,
+//!   only while someone subscribes (a process that runs no dispatcher does
+//!   not look at all); ≈ 1 % of a core at 5 ms on that VM.
+//! - **No ping-pong**: commits that make nothing due sooner (claims,
+//!   completions, final failures) signal nobody, so idle dispatchers in
+//!   several processes never keep each other committing.
+//! - **Own enqueues twice**: a process's own enqueue is signalled at once
+//!   and again by the thread, so its workers may make one extra, empty
+//!   claim per interval in which it enqueued.
+//! - **A change the thread missed** (the earliest entry claimed and put
+//!   back later than before, between two looks) is noticed at the due time
+//!   a dispatcher last read, as without the thread.
+//! - The thread ends when the store and every handle of its outbox are
+//!   dropped; a dispatcher's handle keeps it.
+//!
 //! # Layout
 //!
 //! One row per entry (`id → record`), five index tables and the attempt

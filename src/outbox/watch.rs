@@ -23,10 +23,12 @@
 //! signal, each process's empty claims would wake the others' workers,
 //! whose empty claims would wake the first ones' … at fsync rate, forever.
 //! A claim, a completion or a final failure never moves the next id or the
-//! earliest due time earlier, so it wakes nobody. A dispatcher that slept
-//! through a change the gate let pass (the earliest entry claimed and
-//! rescheduled later between two looks) still wakes at the due time it
-//! read, as it would without this thread.
+//! earliest due time earlier, so it wakes nobody. The gate compares with
+//! the last look only: a change it holds back although a dispatcher would
+//! want it (between two looks, the earliest entry claimed and put back due
+//! later than before, yet sooner than the due time that dispatcher read
+//! since) is picked up at that due time, as it would be without this
+//! thread, or by the other process's own dispatcher.
 //!
 //! While nobody subscribes (a process that enqueues but runs no
 //! dispatcher), the thread parks instead: such a process pays nothing. The
