@@ -358,6 +358,67 @@ mod tests {
         assert!(!seen(5, None).wakes(seen(5, None)));
     }
 
+    /// A poller on a shared store whose own file handle cannot be read (a
+    /// directory's), signalling a notifier of its own.
+    fn failing_poller(dir: &Path) -> (Poller, crate::Store) {
+        let store = crate::Store::builder()
+            .shared(true)
+            .open(dir.join("shared.redb"))
+            .unwrap();
+        let poller = Poller {
+            engine: store.outbox().engine.clone(),
+            notifier: Arc::default(),
+            file: File::open(dir).unwrap(),
+            header: [0; HEADER_LEN],
+            seen: Seen::default(),
+        };
+        (poller, store)
+    }
+
+    #[test]
+    fn a_look_that_cannot_read_the_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut poller, _store) = failing_poller(dir.path());
+        assert!(matches!(poller.tick(), Err(Error::Io(_))));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failing_thread_backs_off_and_stops_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (poller, _store) = failing_poller(dir.path());
+        let _subscriber = poller.notifier.subscribe();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("idemstore-wtest".into())
+            .spawn(move || poller.run(&stopped, Duration::from_millis(1)))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        // Waits of 100, 200, 400 ms … instead of one every millisecond.
+        let wake_ups = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|task| {
+                let dir = task.ok()?.path();
+                let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+                let status = std::fs::read_to_string(dir.join("status")).ok()?;
+                (name.trim_end() == "idemstore-wtest").then_some(status)
+            })
+            .find_map(|status| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap();
+        assert!(wake_ups <= 10, "{wake_ups} wake-ups in 0.4 s while failing");
+        stop.store(true, Ordering::Release);
+        thread.thread().unpark();
+        thread.join().unwrap();
+    }
+
     #[test]
     fn a_commit_on_its_way_to_disk_is_left_for_the_next_look() {
         let mut header = [0; HEADER_LEN];
