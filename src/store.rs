@@ -188,9 +188,9 @@ impl StoreBuilder {
     /// The cost is one timed wake-up and a 320-byte read per interval, and
     /// only while something subscribes to the outbox (a dispatcher): a
     /// process that just enqueues does not look at all. Each wake-up is
-    /// tens of µs of CPU on that VM, ≈ 1 % of a core at 5 ms and ≈ 0.5 % at
-    /// 10 ms (much less on bare metal); choose a longer interval where
-    /// wake-ups matter more than latency (a battery). After a commit of any
+    /// tens of µs of CPU on that VM: ≈ 1 % of a core at 5 ms, ≈ 0.5 % at
+    /// 10 ms. Choose a longer interval where wake-ups matter more than
+    /// latency (on a battery). After a commit of any
     /// process the thread reads two values of the outbox, and wakes the
     /// dispatchers only if that commit enqueued something or made work due
     /// sooner, so idle dispatchers in several processes never keep each
