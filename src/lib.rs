@@ -194,7 +194,8 @@ pub use outbox::{
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,
-    DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY, Store, StoreBuilder, StoreStats,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY, DEFAULT_SHARED_POLL_INTERVAL, Store, StoreBuilder,
+    StoreStats,
 };
 
 // The handles, the errors and the values a caller hands to another thread are

@@ -483,7 +483,8 @@ pub(crate) fn janitor_run(outbox_purged: u64, inbox_pruned: u64, keys_purged: u6
 // --------------------------------------------------------------- errors
 
 /// A store call failed in a runtime thread (a dispatcher's worker, its
-/// reaper, a janitor), which backs off and carries on.
+/// reaper, a janitor, a shared store's watch of other processes), which
+/// backs off and carries on.
 #[inline]
 pub(crate) fn store_error(during: &'static str, error: &Error) {
     #[cfg(feature = "tracing")]

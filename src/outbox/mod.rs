@@ -68,6 +68,34 @@
 //! caller's [`Store::write`](crate::Store::write) has committed (durably);
 //! a rolled-back write signals nothing.
 //!
+//! In a store file shared between processes
+//! ([`StoreBuilder::shared`](crate::StoreBuilder::shared)) another
+//! process's commits signal too. A thread of the store, `idemstore-watch`,
+//! reads the file's 320-byte header every
+//! [`shared_poll_interval`](crate::StoreBuilder::shared_poll_interval)
+//! (default 5 ms); after a commit by anyone it reads the outbox's next id
+//! and earliest due time, and signals if an entry was enqueued or work
+//! became due sooner. A dispatcher then sends an entry another process
+//! enqueued about half the interval plus one commit later than one
+//! enqueued in its own process (measured: p50 ≈ 12 ms against ≈ 7 ms on a
+//! busy 2-core VM), not at its one-minute safety timer. What a process
+//! can expect:
+//!
+//! - **Idle cost**: one timed wake-up and one header read per interval,
+//!   only while someone subscribes (a process that runs no dispatcher does
+//!   not look at all); ≈ 1 % of a core at 5 ms on that VM.
+//! - **No ping-pong**: commits that make nothing due sooner (claims,
+//!   completions, final failures) signal nobody, so idle dispatchers in
+//!   several processes never keep each other committing.
+//! - **Own enqueues twice**: a process's own enqueue is signalled at once
+//!   and again by the thread, so its workers may make one extra, empty
+//!   claim per interval in which it enqueued.
+//! - **A change the thread missed** (the earliest entry claimed and put
+//!   back later than before, between two looks) is noticed at the due time
+//!   a dispatcher last read, as without the thread.
+//! - The thread ends when the store and every handle of its outbox are
+//!   dropped; a dispatcher's handle keeps it.
+//!
 //! # Layout
 //!
 //! One row per entry (`id → record`), five index tables and the attempt
@@ -80,8 +108,10 @@ mod notifier;
 mod ops;
 mod record;
 mod types;
+mod watch;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
@@ -200,6 +230,10 @@ pub struct Outbox {
     engine: Arc<Engine>,
     max_body: usize,
     notifier: Arc<Notifier>,
+    /// In a store shared between processes: the thread that signals the
+    /// notifier after other processes' commits. It stops when the last
+    /// handle is dropped.
+    watch: Option<Arc<watch::Watch>>,
 }
 
 impl Outbox {
@@ -208,7 +242,22 @@ impl Outbox {
             engine,
             max_body,
             notifier: Arc::default(),
+            watch: None,
         }
+    }
+
+    /// In a store file shared between processes, starts the thread that
+    /// wakes this outbox's subscribers after other processes' commits,
+    /// looking every `interval` (see `watch.rs`). Does nothing for a store
+    /// held alone or one without a file.
+    pub(crate) fn watch_other_processes(&mut self, interval: Duration) -> Result<()> {
+        let Some(path) = self.engine.path().filter(|_| self.engine.is_shared()) else {
+            return Ok(());
+        };
+        let watch =
+            watch::Watch::start(self.engine.clone(), self.notifier.clone(), path, interval)?;
+        self.watch = Some(Arc::new(watch));
+        Ok(())
     }
 
     /// Enqueues `entry`, created at `now`: `Enqueued::New(id)`, or

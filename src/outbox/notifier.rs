@@ -5,6 +5,11 @@
 //! feature `tokio`, async waiters get a receiver of one watch channel
 //! ([`Notifier::subscribe_async`]), so that a task awaits a signal without
 //! a thread parked for it. [`Notifier::notify`] signals both kinds.
+//!
+//! A thread that feeds the notifier only while someone listens (the
+//! outbox's watch of other processes) registers with
+//! [`Notifier::unpark_on_subscribe`] and asks
+//! [`Notifier::has_subscribers`].
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
@@ -19,6 +24,8 @@ pub(crate) struct Notifier {
     /// once, however many signals came since it last looked).
     #[cfg(feature = "tokio")]
     waiters: tokio::sync::watch::Sender<()>,
+    /// A thread to unpark whenever someone subscribes.
+    feeder: Mutex<Option<std::thread::Thread>>,
 }
 
 impl Notifier {
@@ -26,6 +33,7 @@ impl Notifier {
     pub(crate) fn subscribe(&self) -> Receiver<()> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.subscribers.lock().push(tx);
+        self.unpark_feeder();
         rx
     }
 
@@ -34,7 +42,33 @@ impl Notifier {
     /// while the notifier lives.
     #[cfg(feature = "tokio")]
     pub(crate) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
-        self.waiters.subscribe()
+        let rx = self.waiters.subscribe();
+        self.unpark_feeder();
+        rx
+    }
+
+    /// Whether anyone may be listening: an async subscriber alive, or a
+    /// blocking one not yet known to be gone (a dropped receiver is noticed
+    /// at the next signal), so never `false` while one listens.
+    pub(crate) fn has_subscribers(&self) -> bool {
+        #[cfg(feature = "tokio")]
+        if self.waiters.receiver_count() > 0 {
+            return true;
+        }
+        !self.subscribers.lock().is_empty()
+    }
+
+    /// Unparks the calling thread after every later subscription: a thread
+    /// that parks while [`Notifier::has_subscribers`] is `false` then never
+    /// misses the first one (an unpark before the park ends it at once).
+    pub(crate) fn unpark_on_subscribe(&self) {
+        *self.feeder.lock() = Some(std::thread::current());
+    }
+
+    fn unpark_feeder(&self) {
+        if let Some(feeder) = &*self.feeder.lock() {
+            feeder.unpark();
+        }
     }
 
     /// Signals every subscriber.
