@@ -40,6 +40,16 @@
 //! durable. Concurrent calls share fsyncs: see the `engine` notes in the
 //! README for how group commit keeps those promises.
 //!
+//! # Several processes, one file
+//!
+//! By default a store file belongs to one process. Opened with
+//! [`StoreBuilder::shared(true)`](StoreBuilder::shared) in every process
+//! that uses it, one file serves several: a webhook receiver and a
+//! dispatcher as two services, an app and its sync daemon, the `idemstore`
+//! CLI beside a running program. Claims, reservations and outbox claims are
+//! exactly-once across all of them; each commit is durable and costs about
+//! twice an exclusive one; dispatchers wake when another process enqueues.
+//!
 //! # Calls block; from async code, use the blocking pool
 //!
 //! Every store call is blocking: a call that writes returns only once a

@@ -35,6 +35,11 @@
 //! A durable redb commit persists every non-durable commit before it, so
 //! either way one fsync makes a whole group durable.
 //!
+//! In a store shared between processes redb refuses non-durable commits:
+//! there a caller closure instead leads a batch of its own, running the
+//! operations queued behind it and then itself in one transaction, under
+//! one durable commit (see `processes`).
+//!
 //! Under [`Durability::None`] a batch does not even commit: the leader keeps
 //! its write transaction open, answers its callers, and the next batch runs
 //! in the same transaction. It is committed (without fsync) when a reader or
@@ -57,6 +62,8 @@
 //!   transaction (every commit it can see has a number no larger) and waits
 //!   for `durable` to reach it before it answers. Operations are answered only
 //!   after their batch's durable commit, which covers everything they saw.
+//!   (In a shared store no read waits: redb shows a reader only commits that
+//!   are on disk, and every commit there is durable.)
 //!
 //! # Where each mechanism lives
 //!
@@ -68,6 +75,9 @@
 //! - `open_tx`: the transaction kept open under [`Durability::None`], its
 //!   replay log, and the flusher thread.
 //! - `wake`: how waiting callers are told their answer, or to lead.
+//! - `processes`: what changes when other processes share the file: caller
+//!   closures lead their batch, caches catch up at each write transaction,
+//!   reads need not wait.
 //! - `scope`: the thread-local scopes: inside a caller closure, and the
 //!   after-commit hooks of the transactions a thread runs.
 //! - `shared`: the state all of them share.
