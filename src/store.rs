@@ -167,6 +167,14 @@ impl StoreBuilder {
     /// process enqueues (see [`shared_poll_interval`](Self::shared_poll_interval)).
     /// Needs the operating system's byte-range file locks (Linux, macOS,
     /// Windows); an in-memory store cannot be shared.
+    ///
+    /// Every guarantee holds across processes: a key is claimed once, an
+    /// entry is claimed by one dispatcher at a time, a reservation holds
+    /// its key against every process. What is counted, though, is counted
+    /// per process: [`Store::commit_stats`], a dispatcher's stats, the
+    /// idempotency-key stats and the metrics describe this process's calls.
+    /// [`Store::compact`] fails while another process has the file open
+    /// for reading; run it when the others are stopped.
     pub fn shared(mut self, shared: bool) -> Self {
         self.shared = shared;
         self
