@@ -17,8 +17,10 @@
 //! The tests call the backends' methods by name: the two backends have
 //! the same calls, and the suite compiling against both is part of what it
 //! checks. `tests/contract.rs` runs it on the embedded store (in every
-//! `cargo test`), `tests/contract_pg.rs` on PostgreSQL (feature
-//! `postgres`, server from `IDEMSTORE_TEST_POSTGRES`).
+//! `cargo test`), `tests/contract_shared.rs` on an embedded store shared
+//! between processes (its second handle another store on the same file),
+//! `tests/contract_pg.rs` on PostgreSQL (feature `postgres`, server from
+//! `IDEMSTORE_TEST_POSTGRES`).
 
 /// Opens the fixture, or returns from the test when the backend is not
 /// available here.

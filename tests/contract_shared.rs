@@ -1,0 +1,81 @@
+//! The contract suite (`tests/contract/`) on an embedded store shared
+//! between processes (`StoreBuilder::shared(true)`): each test's second
+//! handle is a second store opened shared on the same file, which behaves as
+//! another process does (its own caches, redb's file locks). The same
+//! source runs on a store held alone in `tests/contract.rs` and on
+//! PostgreSQL in `tests/contract_pg.rs`.
+
+#[macro_use]
+#[path = "contract/mod.rs"]
+mod contract;
+
+mod fixture {
+    use idemstore::redb::{ReadableTable as _, TableDefinition, WriteTransaction};
+    use idemstore::{Error, Result};
+
+    pub(crate) type Db = idemstore::Store;
+    pub(crate) type Ob = idemstore::Outbox;
+
+    fn shared() -> idemstore::StoreBuilder {
+        // A small journal: claims also land in merges, by either store.
+        Db::builder().shared(true).journal_size(8)
+    }
+
+    /// The application's own table, written beside the store's rows.
+    const MARKS: TableDefinition<&str, ()> = TableDefinition::new("app.marks");
+
+    /// A fresh store file, opened shared.
+    pub(crate) struct Fixture {
+        pub(crate) store: Db,
+        path: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        #[expect(
+            clippy::unnecessary_wraps,
+            reason = "the suite's fixture interface: other backends may be absent"
+        )]
+        pub(crate) fn open() -> Option<Fixture> {
+            let dir = tempfile::tempdir().expect("a temporary directory");
+            let path = dir.path().join("contract.idem");
+            Some(Fixture {
+                store: shared().open(&path).expect("a shared store"),
+                path,
+                _dir: dir,
+            })
+        }
+
+        /// A second store opened shared on the same file: another process.
+        pub(crate) fn another(&self) -> Db {
+            shared().open(&self.path).expect("a second shared store")
+        }
+
+        /// Writes the application row `key` in `tx`.
+        #[expect(
+            clippy::unused_self,
+            reason = "the suite's fixture interface: other backends need the fixture"
+        )]
+        pub(crate) fn mark(&self, tx: &WriteTransaction, key: &str) -> Result<()> {
+            tx.open_table(MARKS)
+                .map_err(Error::from)?
+                .insert(key, ())
+                .map_err(Error::from)?;
+            Ok(())
+        }
+
+        /// The application rows committed, in key order.
+        pub(crate) fn marks(&self) -> Result<Vec<String>> {
+            self.store.read(|tx| match tx.open_table(MARKS) {
+                Ok(t) => t.iter()?.map(|r| Ok(r?.0.value().to_owned())).collect(),
+                Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
+                Err(e) => Err(e.into()),
+            })
+        }
+    }
+}
+
+use contract::*;
+use fixture::*;
+
+contract_suite!();
