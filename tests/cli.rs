@@ -757,6 +757,31 @@ fn compact_reports_sizes() -> TestResult {
 }
 
 #[test]
+fn a_reader_that_stops_early_ends_the_command_quietly() -> TestResult {
+    // `idemstore export … | head -1`: the reader goes away after a line.
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("many.idem");
+    {
+        let store = Store::open(&path)?;
+        let keys: Vec<String> = (0..20_000).map(|i| format!("evt-{i:05}")).collect();
+        store.inbox("webhooks")?.claim_many(&keys, ago(60))?;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(["export", s(&path), "--jsonl"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut first)?;
+    assert!(first.starts_with('{'), "{first}");
+    // The pipe's reading end is closed here; the command is still writing.
+    let out = child.wait_with_output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    Ok(())
+}
+
+#[test]
 fn bad_usage_exits_2() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = fixture(dir.path())?;

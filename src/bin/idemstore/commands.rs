@@ -8,8 +8,8 @@ use idemstore::{KeyState, OutboxFilter, OutboxId, OutboxStatus};
 use serde_json::{Value, json};
 
 use crate::output::{
-    bar, bytes, key_json, last_reason, outbox_json, preview, print_json, put, spinner, status_name,
-    ts, ts_opt, when, when_opt,
+    bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner,
+    status_name, ts, ts_opt, when, when_opt,
 };
 use crate::{
     Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
@@ -75,7 +75,7 @@ fn report(json: bool, v: &Value, human: impl FnOnce() -> String) -> Result<Outco
     if json {
         print_json(v);
     } else {
-        println!("{}", human());
+        out!("{}", human());
     }
     Ok(Outcome::Ok)
 }
@@ -133,12 +133,12 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
         }));
         return Ok(Outcome::Ok);
     }
-    println!("file       {}", file.display());
+    out!("file       {}", file.display());
     if let Some(n) = s.file_bytes {
-        println!("size       {} ({n} bytes)", bytes(n));
+        out!("size       {} ({n} bytes)", bytes(n));
     }
-    println!("format     {}", s.format_version);
-    println!(
+    out!("format     {}", s.format_version);
+    out!(
         "space      {} stored, {} metadata, {} fragmented (compact can reclaim it); \
          {} pages of {} B",
         bytes(s.stored_bytes),
@@ -147,22 +147,22 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
         s.allocated_pages,
         s.page_size,
     );
-    println!("inboxes    {}", inboxes.len());
+    out!("inboxes    {}", inboxes.len());
     for (name, n, oldest) in &inboxes {
-        println!("  {name}: {n} keys, oldest seen {}", when_opt(*oldest, now));
+        out!("  {name}: {n} keys, oldest seen {}", when_opt(*oldest, now));
     }
     let parts: Vec<String> = OutboxStatus::ALL
         .iter()
         .map(|st| format!("{} {}", counts.get(*st), status_name(*st)))
         .collect();
-    println!(
+    out!(
         "outbox     {} entries: {}",
         counts.total(),
         parts.join(", ")
     );
-    println!("  oldest due    {}", when_opt(next_due, now));
-    println!("  oldest claim  {}", when_opt(oldest_claim, now));
-    println!(
+    out!("  oldest due    {}", when_opt(next_due, now));
+    out!("  oldest claim  {}", when_opt(oldest_claim, now));
+    out!(
         "keys       {} completed, {} in flight; oldest {}",
         keys.completed,
         keys.reserved,
@@ -193,9 +193,9 @@ fn inbox_list(file: &Path, name: &str, limit: usize, json: bool) -> Result<Outco
     } else {
         let now = Utc::now();
         for (k, at) in &rows {
-            println!("{}  {k}", when(*at, now));
+            out!("{}  {k}", when(*at, now));
         }
-        println!("{} of {} keys in inbox {name}", rows.len(), inbox.len()?);
+        out!("{} of {} keys in inbox {name}", rows.len(), inbox.len()?);
     }
     Ok(Outcome::Ok)
 }
@@ -296,9 +296,14 @@ fn outbox_list(
         ));
         return Ok(Outcome::Ok);
     }
-    println!(
+    out!(
         "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {:<24}  IDEMPOTENCY KEY",
-        "ID", "STATUS", "ATTEMPTS", "DUE/CLAIMED/FINISHED", "DESTINATION", "LAST REASON"
+        "ID",
+        "STATUS",
+        "ATTEMPTS",
+        "DUE/CLAIMED/FINISHED",
+        "DESTINATION",
+        "LAST REASON"
     );
     for r in &rows {
         let e = &r.entry;
@@ -311,7 +316,7 @@ fn outbox_list(
                 .or(r.attempt_in_doubt.as_ref())
                 .map(|c| c.claimed_at))
             .unwrap_or_else(|| e.due_at());
-        println!(
+        out!(
             "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {:<24}  {}",
             e.id.0,
             status_name(e.status),
@@ -322,50 +327,50 @@ fn outbox_list(
             e.idempotency_key
         );
     }
-    println!("{} entries", rows.len());
+    out!("{} entries", rows.len());
     Ok(Outcome::Ok)
 }
 
 fn print_record(r: &idemstore::OutboxRecord) {
     let now = Utc::now();
     let e = &r.entry;
-    println!("id               {}", e.id);
-    println!("status           {}", status_name(e.status));
-    println!("command          {}", e.command_id);
-    println!("destination      {}", e.destination);
-    println!("idempotency key  {}", e.idempotency_key);
-    println!("attempts         {}", e.attempt_count);
-    println!("created          {}", when(e.created_at, now));
-    println!("next attempt     {}", when_opt(e.next_attempt_at, now));
-    println!("finished         {}", when_opt(e.completed_at, now));
+    out!("id               {}", e.id);
+    out!("status           {}", status_name(e.status));
+    out!("command          {}", e.command_id);
+    out!("destination      {}", e.destination);
+    out!("idempotency key  {}", e.idempotency_key);
+    out!("attempts         {}", e.attempt_count);
+    out!("created          {}", when(e.created_at, now));
+    out!("next attempt     {}", when_opt(e.next_attempt_at, now));
+    out!("finished         {}", when_opt(e.completed_at, now));
     match &r.claim {
-        Some(c) => println!(
+        Some(c) => out!(
             "claim            {} at {}",
             c.worker_id,
             when(c.claimed_at, now)
         ),
-        None => println!("claim            -"),
+        None => out!("claim            -"),
     }
     if let Some(c) = &r.attempt_in_doubt {
-        println!(
+        out!(
             "in doubt         attempt by {} at {}",
             c.worker_id,
             when(c.claimed_at, now)
         );
     }
-    println!(
+    out!(
         "last failure     {}",
         r.last_failure.as_deref().unwrap_or("-")
     );
-    println!(
+    out!(
         "remote ref       {}",
         r.remote_ref.as_deref().unwrap_or("-")
     );
-    println!("payload          {}", preview(&e.payload));
+    out!("payload          {}", preview(&e.payload));
     if r.attempts.is_empty() {
-        println!("history          -");
+        out!("history          -");
     } else {
-        println!(
+        out!(
             "history          {} attempt records, oldest first (the last {} are kept)",
             r.attempts.len(),
             idemstore::MAX_ATTEMPT_HISTORY
@@ -376,7 +381,7 @@ fn print_record(r: &idemstore::OutboxRecord) {
                 .as_deref()
                 .map(|r| format!(" (remote ref {r})"))
                 .unwrap_or_default();
-            println!(
+            out!(
                 "  attempt {:>4}  {}  {}{remote}",
                 a.attempt,
                 when(a.at, now),
@@ -411,9 +416,9 @@ fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
                 let already = was == OutboxStatus::Failed;
                 if !json {
                     if already {
-                        println!("{id}: already cancelled");
+                        out!("{id}: already cancelled");
                     } else {
-                        println!("{id}: {} -> failed (cancelled)", status_name(was));
+                        out!("{id}: {} -> failed (cancelled)", status_name(was));
                     }
                 }
                 done.push(json!({"id": id, "was": status_name(was), "already": already}));
@@ -427,7 +432,7 @@ fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
     if json {
         print_json(&json!({"cancelled": done, "failed": failed, "at": ts(now)}));
     } else {
-        println!("cancelled {} of {} entries", done.len(), ids.len());
+        out!("cancelled {} of {} entries", done.len(), ids.len());
     }
     Ok(if failed.is_empty() {
         Outcome::Ok
@@ -450,7 +455,7 @@ fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
         match attempt {
             Ok(was) => {
                 if !json {
-                    println!("{id}: {} -> pending, due now", status_name(was));
+                    out!("{id}: {} -> pending, due now", status_name(was));
                 }
                 done.push(json!({"id": id, "was": status_name(was)}));
             }
@@ -463,7 +468,7 @@ fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
     if json {
         print_json(&json!({"requeued": done, "failed": failed, "due": ts(now)}));
     } else {
-        println!("requeued {} of {} entries", done.len(), ids.len());
+        out!("requeued {} of {} entries", done.len(), ids.len());
     }
     Ok(if failed.is_empty() {
         Outcome::Ok
@@ -538,9 +543,9 @@ fn keys_list(
                 format!("in flight, lease until {}", when(*lease_until, now))
             }
         };
-        println!("{:?} {:?}: {state}", k.tenant, k.key);
+        out!("{:?} {:?}: {state}", k.tenant, k.key);
     }
-    println!("{} keys", rows.len());
+    out!("{} keys", rows.len());
     Ok(Outcome::Ok)
 }
 
@@ -620,15 +625,15 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
             .collect();
         print_json(&json!({"ok": findings.is_empty(), "findings": v}));
     } else if findings.is_empty() {
-        println!(
+        out!(
             "ok: {} passed the integrity check and every index agrees with its rows",
             file.display()
         );
     } else {
         for (part, f) in &findings {
-            println!("{part}: {f}");
+            out!("{part}: {f}");
         }
-        println!("{} findings in {}", findings.len(), file.display());
+        out!("{} findings in {}", findings.len(), file.display());
     }
     Ok(if findings.is_empty() {
         Outcome::Ok

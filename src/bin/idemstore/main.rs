@@ -273,6 +273,11 @@ impl From<Error> for Failure {
 
 impl From<std::io::Error> for Failure {
     fn from(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            // Writing to a reader that went away (`idemstore … | head`):
+            // not a failure, and nothing more to say.
+            std::process::exit(0);
+        }
         Failure(format!("I/O error: {e}"))
     }
 }

@@ -201,8 +201,30 @@ pub(crate) fn key_json(k: &KeyEntry, response: Option<&ResponseRecord>) -> Value
 
 /// Prints one JSON value on stdout.
 pub(crate) fn print_json(v: &Value) {
-    println!("{v:#}");
+    line(format_args!("{v:#}"));
 }
+
+/// Writes one line on stdout. A reader that went away (`idemstore … | head`)
+/// ends the program quietly with success, as it does for other command-line
+/// tools; any other failure to write ends it with exit code 1.
+pub(crate) fn line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{args}") {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("idemstore: error: writing to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// `println!` through [`line`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::output::line(format_args!($($arg)*))
+    };
+}
+pub(crate) use out;
 
 /// A spinner on stderr while a long call runs; hidden when stderr is not a
 /// terminal (piped, in scripts and tests).
