@@ -147,6 +147,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod backend;
 mod codec;
 mod dispatch;
 mod engine;
@@ -172,6 +173,7 @@ pub use redb;
 
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
 pub use dispatch::{
     Clock, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_LEASE, DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION,
     DEFAULT_WORKERS, Delivery, DispatchStats, Dispatcher, DispatcherBuilder, DispatcherHandle,
