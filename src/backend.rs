@@ -113,8 +113,12 @@ pub trait IdempotencyBackend: Debug + Send + Sync + 'static + sealed::Keys {
 
     /// Stores the response of the reservation `r`; `false` if `r` no longer
     /// holds the key (nothing written).
-    fn complete(&self, r: &Reservation, response: ResponseRecord, now: DateTime<Utc>)
-    -> Result<bool>;
+    fn complete(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool>;
 
     /// Gives up the reservation `r`.
     fn release(&self, r: &Reservation) -> Result<()>;

@@ -171,9 +171,9 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
-pub use backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
 pub use dispatch::{
     Clock, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_LEASE, DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION,
     DEFAULT_WORKERS, Delivery, DispatchStats, Dispatcher, DispatcherBuilder, DispatcherHandle,

@@ -75,8 +75,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::error::{Error, Result};
 use crate::backend::OutboxBackend;
+use crate::error::{Error, Result};
 use crate::outbox::{MAX_OUTBOX_FIELD_LEN, OutboxEntry, Settlement};
 
 pub use clock::{Clock, ManualClock, SystemClock};

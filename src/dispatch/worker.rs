@@ -17,8 +17,8 @@ use super::clock::Clock;
 use super::retry::RetryPolicy;
 use super::settle_for;
 use super::stats::{Counters, bump};
-use crate::error::{Error, Result};
 use crate::backend::OutboxBackend;
+use crate::error::{Error, Result};
 use crate::outbox::{Fence, OutboxEntry, Settlement};
 
 /// The longest an idle worker sleeps before looking again (a safety net:
@@ -88,12 +88,9 @@ pub(super) fn claim_cycle(
     limit: usize,
     worker_id: &str,
 ) -> Result<Vec<OutboxEntry>, BackOff> {
-    let outcome = ctx.outbox.settle_and_claim(
-        settlements.clone(),
-        ctx.clock.now(),
-        limit,
-        worker_id,
-    );
+    let outcome =
+        ctx.outbox
+            .settle_and_claim(settlements.clone(), ctx.clock.now(), limit, worker_id);
     match outcome {
         Ok((settled, claimed)) => {
             settlements.clear();

@@ -46,6 +46,26 @@ pub fn unique_schema() -> String {
     )
 }
 
+/// Runs `f` on a thread of its own and returns what it returned. The
+/// synchronous client runs a tokio runtime of its own inside each call,
+/// which panics on a thread that runs a runtime already: an async test
+/// makes its direct store calls through this.
+pub fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().expect("no panic"))
+}
+
+/// Keeps a handle of `store` until the process exits, so that its pool is
+/// never closed by a drop on a thread that runs a tokio runtime (the
+/// client's `Drop` would panic there: see [`off_runtime`]). For async
+/// tests whose handles end inside their runtime.
+pub fn keep_until_exit(store: &idemstore::postgres::PgStore) {
+    static KEPT: std::sync::Mutex<Vec<idemstore::postgres::PgStore>> =
+        std::sync::Mutex::new(Vec::new());
+    KEPT.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(store.clone());
+}
+
 /// A plain connection to the server.
 pub fn client(url: &str) -> Client {
     Client::connect(url, NoTls).expect("a plain connection to the test server")
@@ -60,9 +80,12 @@ pub struct DropSchema {
 
 impl Drop for DropSchema {
     fn drop(&mut self) {
-        if let Ok(mut client) = Client::connect(&self.url, NoTls) {
-            let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
-        }
+        off_runtime(|| {
+            if let Ok(mut client) = Client::connect(&self.url, NoTls) {
+                let _ =
+                    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
+            }
+        });
     }
 }
 
@@ -79,21 +102,20 @@ pub struct Server {
 impl Server {
     pub fn from_env() -> Option<Server> {
         let var = |name| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        match (var("IDEMSTORE_TEST_PGDATA"), var("IDEMSTORE_TEST_PGBIN")) {
-            (Some(data), Some(bin)) => Some(Server { data, bin }),
-            _ => {
-                assert!(
-                    std::env::var("CI").as_deref() != Ok("true"),
-                    "CI=true but IDEMSTORE_TEST_PGDATA / IDEMSTORE_TEST_PGBIN are not set: \
-                     run the PostgreSQL tests under .ci/postgres"
-                );
-                eprintln!(
-                    "skipped: IDEMSTORE_TEST_PGDATA and IDEMSTORE_TEST_PGBIN are not set \
-                     (.ci/postgres sets them)"
-                );
-                None
-            }
+        if let (Some(data), Some(bin)) = (var("IDEMSTORE_TEST_PGDATA"), var("IDEMSTORE_TEST_PGBIN"))
+        {
+            return Some(Server { data, bin });
         }
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but IDEMSTORE_TEST_PGDATA / IDEMSTORE_TEST_PGBIN are not set: \
+             run the PostgreSQL tests under .ci/postgres"
+        );
+        eprintln!(
+            "skipped: IDEMSTORE_TEST_PGDATA and IDEMSTORE_TEST_PGBIN are not set \
+             (.ci/postgres sets them)"
+        );
+        None
     }
 
     /// `pg_ctl` as the server's owner: `postgres` when the tests run as
