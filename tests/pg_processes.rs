@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -482,5 +482,143 @@ fn idle_dispatchers_wake_when_another_process_enqueues() -> TestResult {
     runtime.block_on(handle.shutdown())?;
     drop(runtime);
     assert_eq!(store.outbox().counts()?.completed, 2);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The server restarted under load.
+
+/// What one loader thread saw: the keys whose claim and enqueue answered
+/// `Ok`, how many calls failed, and the longest call.
+#[derive(Debug, Default)]
+struct Seen {
+    claimed: Vec<String>,
+    enqueued: Vec<(String, idemstore::OutboxId)>,
+    errors: u64,
+    longest: Duration,
+}
+
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario: load, crash, restart, checks"
+)]
+fn a_server_crash_under_load_loses_nothing_answered_ok() -> TestResult {
+    let _turn = turn();
+    let Some(server) = pg::Server::from_env() else {
+        return Ok(());
+    };
+    let Some(url) = pg::url() else {
+        return Ok(());
+    };
+    let schema = pg::unique_schema();
+    let _remove = DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    // Calls wait at most this long for a connection while the server is
+    // down, then fail.
+    let timeout = Duration::from_secs(2);
+    let store = PgStore::builder()
+        .schema(&schema)
+        .pool_size(8)
+        .connection_timeout(timeout)
+        .connect(&url)?;
+    pg::client(&url).batch_execute(&format!(
+        "CREATE TABLE {schema}.effects (key text PRIMARY KEY)"
+    ))?;
+    let stop = AtomicBool::new(false);
+    let seen: Vec<Seen> = std::thread::scope(|s| {
+        let loaders: Vec<_> = (0..4)
+            .map(|thread| {
+                let (store, stop, schema) = (&store, &stop, &schema);
+                s.spawn(move || {
+                    let inbox = store.inbox("events").expect("an inbox");
+                    let outbox = store.outbox();
+                    let mut seen = Seen::default();
+                    let mut n = 0;
+                    while !stop.load(Ordering::SeqCst) {
+                        n += 1;
+                        let key = format!("t{thread}-{n}");
+                        let started = Instant::now();
+                        let claim = inbox.claim_with(&key, Utc::now(), |tx| {
+                            tx.execute(
+                                &format!("INSERT INTO {schema}.effects (key) VALUES ($1)"),
+                                &[&key],
+                            )?;
+                            Ok::<_, idemstore::Error>(())
+                        });
+                        let enqueue = outbox
+                            .enqueue(NewEntry::new("c", "d", key.clone(), vec![]), Utc::now());
+                        seen.longest = seen.longest.max(started.elapsed());
+                        match claim {
+                            Ok(Claim::Applied(())) => seen.claimed.push(key.clone()),
+                            Ok(Claim::Duplicate) => panic!("{key}: a fresh key is a duplicate"),
+                            Err(_) => seen.errors += 1,
+                        }
+                        match enqueue {
+                            Ok(e) => seen.enqueued.push((key, e.id())),
+                            Err(_) => seen.errors += 1,
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        server.crash();
+        // Down for a while: calls fail, after at most the timeout each.
+        std::thread::sleep(timeout * 2);
+        server.start();
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::SeqCst);
+        loaders
+            .into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
+    });
+    let errors: u64 = seen.iter().map(|s| s.errors).sum();
+    let longest = seen.iter().map(|s| s.longest).max().unwrap_or_default();
+    assert!(errors > 0, "calls failed while the server was down");
+    // A call waits for a connection at most `timeout`, twice per round
+    // (the claim and the enqueue), plus the connection attempt itself.
+    assert!(
+        longest < timeout * 4,
+        "no call hangs: the longest took {longest:?}"
+    );
+
+    // Everything answered `Ok` is there, with its effect.
+    let inbox = store.inbox("events")?;
+    let outbox = store.outbox();
+    let mut client = pg::client(&url);
+    let effects: std::collections::BTreeSet<String> = client
+        .query(&format!("SELECT key FROM {schema}.effects"), &[])?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (mut claimed, mut enqueued) = (0, 0);
+    for s in &seen {
+        for key in &s.claimed {
+            assert!(inbox.seen(key)?, "{key}: an Ok claim was lost");
+            assert!(effects.contains(key), "{key}: its effect was lost");
+            claimed += 1;
+        }
+        for (key, id) in &s.enqueued {
+            assert_eq!(
+                &outbox.get(*id)?.entry.idempotency_key,
+                key,
+                "an Ok enqueue"
+            );
+            enqueued += 1;
+        }
+    }
+    assert!(claimed > 0 && enqueued > 0);
+    // The store works again.
+    assert!(inbox.claim("after", Utc::now())?);
+    common::report(&format!(
+        "postgres: server crashed (pg_ctl stop -m immediate) and started under 4 loader threads: \
+         {claimed} claims and {enqueued} enqueues answered Ok, all there after; {errors} calls \
+         failed while it was down, the longest call {longest:?}"
+    ));
     Ok(())
 }
