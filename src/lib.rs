@@ -157,6 +157,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod backend;
 mod codec;
 mod dispatch;
 mod engine;
@@ -180,6 +181,7 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
 pub use dispatch::{

@@ -1,6 +1,7 @@
 //! [`Janitor`]: retention on a schedule — prunes inboxes, purges finished
-//! outbox entries and expired idempotency keys.
+//! outbox entries and expired idempotency keys, of either backend.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -8,11 +9,9 @@ use crossbeam_channel::{Receiver, select};
 
 use super::clock::Clock;
 use super::stats::LastError;
+use crate::backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
 use crate::error::Result;
-use crate::idempotency::IdempotencyKeys;
-use crate::inbox::Inbox;
 use crate::observe;
-use crate::outbox::Outbox;
 
 /// Default time between janitor runs: 1 hour.
 pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60 * 60);
@@ -23,13 +22,19 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 /// Periodic clean-up, run by a [`Dispatcher`](super::Dispatcher) (see
 /// [`DispatcherBuilder::janitor`](super::DispatcherBuilder::janitor)) or by
 /// hand with [`Janitor::run_once`]. Each task costs what it removes.
+///
+/// Its tasks take the handles of either backend (the embedded store's, or
+/// with feature `postgres` the PostgreSQL ones: see [`OutboxBackend`],
+/// [`InboxBackend`], [`IdempotencyBackend`]), even both in one janitor. On
+/// PostgreSQL each task is one `DELETE` on its table's index; janitors in
+/// several processes may run at once (each row goes once).
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct Janitor {
     interval: Option<Duration>,
-    outbox: Option<(Outbox, Duration)>,
-    inboxes: Vec<(Inbox, Duration)>,
-    keys: Option<IdempotencyKeys>,
+    outbox: Option<(Arc<dyn OutboxBackend>, Duration)>,
+    inboxes: Vec<(Arc<dyn InboxBackend>, Duration)>,
+    keys: Option<Arc<dyn IdempotencyBackend>>,
 }
 
 /// What one janitor run removed.
@@ -78,22 +83,22 @@ impl Janitor {
 
     /// Purge outbox entries finished more than `keep` ago (7 days is the
     /// usual choice: [`DEFAULT_RETENTION`]).
-    pub fn outbox(mut self, outbox: Outbox, keep: Duration) -> Self {
-        self.outbox = Some((outbox, keep));
+    pub fn outbox(mut self, outbox: impl OutboxBackend, keep: Duration) -> Self {
+        self.outbox = Some((Arc::new(outbox), keep));
         self
     }
 
     /// Prune `inbox` keys claimed more than `keep` ago. Keep them longer
     /// than duplicates can arrive: a pruned key can be claimed again.
-    pub fn inbox(mut self, inbox: Inbox, keep: Duration) -> Self {
-        self.inboxes.push((inbox, keep));
+    pub fn inbox(mut self, inbox: impl InboxBackend, keep: Duration) -> Self {
+        self.inboxes.push((Arc::new(inbox), keep));
         self
     }
 
     /// Purge idempotency records past their TTL (the handle's
-    /// [`IdempotencyKeys::ttl`]).
-    pub fn idempotency_keys(mut self, keys: IdempotencyKeys) -> Self {
-        self.keys = Some(keys);
+    /// [`IdempotencyKeys::ttl`](crate::IdempotencyKeys::ttl)).
+    pub fn idempotency_keys(mut self, keys: impl IdempotencyBackend) -> Self {
+        self.keys = Some(Arc::new(keys));
         self
     }
 

@@ -20,7 +20,7 @@
 //! Delivery is **at least once**. An entry is claimed (durably), sent, then
 //! settled (durably). If the process dies between the send and the
 //! settlement, the claim stays `Dispatching` until its lease runs out; then
-//! the reaper of the next dispatcher on that file releases it and it is sent
+//! the reaper of the next dispatcher on that store releases it and it is sent
 //! again. Make `send` idempotent towards the remote (pass the entry's
 //! `idempotency_key` along — that is what it is for), or accept duplicates.
 //!
@@ -47,9 +47,18 @@
 //! # Wake-ups
 //!
 //! No polling: an idle worker sleeps until the earliest due entry
-//! ([`Outbox::next_due`]) or until a commit that made work due wakes it
-//! ([`Outbox::subscribe`]; async waiters are signalled by the same
-//! commits). Never holds a read transaction while waiting.
+//! ([`OutboxBackend::next_due`]) or until a commit that made work due wakes
+//! it ([`OutboxBackend::subscribe`]; async waiters are signalled by the same
+//! commits; on PostgreSQL, the commits of every process). Never holds a read
+//! transaction while waiting.
+//!
+//! # Backends
+//!
+//! [`Dispatcher::builder`] takes either store's outbox: the embedded
+//! [`Outbox`](crate::Outbox) or, with feature `postgres`,
+//! `postgres::PgOutbox` (see [`OutboxBackend`]). The steps, the guarantees
+//! and the stats are the same; on PostgreSQL, dispatchers in many processes
+//! share one outbox.
 
 mod clock;
 mod janitor;
@@ -66,8 +75,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
-use crate::outbox::{MAX_OUTBOX_FIELD_LEN, Outbox, OutboxEntry, Settlement};
+use crate::outbox::{MAX_OUTBOX_FIELD_LEN, OutboxEntry, Settlement};
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use janitor::{
@@ -138,10 +148,16 @@ pub const DEFAULT_CLAIM_LEASE: Duration = Duration::from_secs(60);
 pub struct Dispatcher;
 
 impl Dispatcher {
-    /// A dispatcher for `outbox`, with the defaults.
-    pub fn builder(outbox: Outbox) -> DispatcherBuilder {
+    /// A dispatcher for `outbox`, with the defaults: the embedded store's
+    /// [`Outbox`](crate::Outbox) or, with feature `postgres`,
+    /// `postgres::PgOutbox` (any [`OutboxBackend`]). On PostgreSQL, any
+    /// number of dispatchers in any number of processes share the outbox:
+    /// each claim is taken by one of them, an enqueue anywhere wakes them
+    /// all, and the reaper of any of them releases the claims of one that
+    /// died.
+    pub fn builder(outbox: impl OutboxBackend) -> DispatcherBuilder {
         DispatcherBuilder {
-            outbox,
+            outbox: Arc::new(outbox),
             workers: DEFAULT_WORKERS,
             batch_size: DEFAULT_BATCH_SIZE,
             lease: DEFAULT_CLAIM_LEASE,
@@ -156,7 +172,7 @@ impl Dispatcher {
 /// How to run a [`Dispatcher`]. Every setter states its default.
 #[must_use]
 pub struct DispatcherBuilder {
-    outbox: Outbox,
+    outbox: Arc<dyn OutboxBackend>,
     workers: usize,
     batch_size: usize,
     lease: Duration,

@@ -17,8 +17,9 @@ use super::clock::Clock;
 use super::retry::RetryPolicy;
 use super::settle_for;
 use super::stats::{Counters, bump};
+use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, Outbox, OutboxEntry, Settlement};
+use crate::outbox::{Fence, OutboxEntry, Settlement};
 
 /// The longest an idle worker sleeps before looking again (a safety net:
 /// wake-ups normally come first).
@@ -29,7 +30,8 @@ pub(super) const BACK_OFF: Duration = Duration::from_millis(100);
 
 /// What a dispatcher's runtime shares with its workers, reaper and janitor.
 pub(super) struct Ctx {
-    pub(super) outbox: Outbox,
+    /// Either backend's outbox (see [`OutboxBackend`] for why a `dyn`).
+    pub(super) outbox: Arc<dyn OutboxBackend>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) retry: RetryPolicy,
     pub(super) batch_size: usize,
@@ -86,12 +88,9 @@ pub(super) fn claim_cycle(
     limit: usize,
     worker_id: &str,
 ) -> Result<Vec<OutboxEntry>, BackOff> {
-    let outcome = ctx.outbox.settle_and_claim(
-        settlements.iter().cloned(),
-        ctx.clock.now(),
-        limit,
-        worker_id,
-    );
+    let outcome =
+        ctx.outbox
+            .settle_and_claim(settlements.clone(), ctx.clock.now(), limit, worker_id);
     match outcome {
         Ok((settled, claimed)) => {
             settlements.clear();
@@ -106,7 +105,7 @@ pub(super) fn claim_cycle(
     }
 }
 
-/// When the next entry is due ([`Outbox::next_due`]), for an idle worker's
+/// When the next entry is due ([`OutboxBackend::next_due`]), for an idle worker's
 /// sleep; a failure is counted as `"next_due"`.
 pub(super) fn next_due(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
     ctx.outbox.next_due().map_err(|e| {

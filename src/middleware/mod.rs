@@ -60,7 +60,9 @@
 //! for a handler that stores its response itself, with
 //! [`IdempotencyKeys::complete_in`] inside the same
 //! [`Store::write`](crate::Store::write) as its own rows: "the handler ran"
-//! and "its response is stored" are then one commit.
+//! and "its response is stored" are then one commit. On PostgreSQL the same
+//! holds with `PgIdempotencyKeys::complete_in` inside the handler's
+//! `PgStore::write`.
 //!
 //! The layer puts the request's [`Reservation`] in the request's
 //! extensions (`http::Extensions`) before calling the handler: axum
@@ -227,7 +229,10 @@ use chrono::{DateTime, Utc};
 use http::request::Parts;
 use http::{HeaderName, Method};
 
-use crate::{IdempotencyKeys, Reservation};
+// The docs speak of the embedded store's keys by name.
+#[cfg(doc)]
+use crate::IdempotencyKeys;
+use crate::{IdempotencyBackend, Reservation};
 
 pub use service::{IdempotencyService, ResponseFuture};
 
@@ -273,7 +278,9 @@ pub struct IdempotencyLayer {
 
 /// What an [`IdempotencyLayer`] and its services share.
 pub(crate) struct Config {
-    pub(crate) keys: IdempotencyKeys,
+    /// Either backend's keys (a `dyn`: each call runs on the blocking pool
+    /// anyway).
+    pub(crate) keys: Arc<dyn IdempotencyBackend>,
     pub(crate) tenant_from: Arc<TenantFn>,
     pub(crate) require_key: bool,
     pub(crate) methods: Vec<Method>,
@@ -313,15 +320,20 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `keys` (with the TTL and lease set on them: see
-    /// [`IdempotencyKeys::with_ttl`] and [`IdempotencyKeys::with_lease`]).
+    /// [`IdempotencyKeys::with_ttl`] and [`IdempotencyKeys::with_lease`]):
+    /// the embedded store's [`IdempotencyKeys`] or, with feature
+    /// `postgres`, `postgres::PgIdempotencyKeys` (any
+    /// [`IdempotencyBackend`]). On PostgreSQL, instances of a service in
+    /// many processes share the keys: a retry that reaches another
+    /// instance is replayed there, or answered 409 while the first runs.
     ///
     /// Defaults: one tenant `""`; requests without a key pass through;
     /// `POST` and `PATCH` covered; 1 MiB bodies; 5xx responses not stored;
     /// no headers replayed but `Content-Type`; the system clock.
-    pub fn new(keys: IdempotencyKeys) -> Self {
+    pub fn new(keys: impl IdempotencyBackend) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
-                keys,
+                keys: Arc::new(keys),
                 tenant_from: Arc::new(|_: &Parts| Some(String::new())),
                 require_key: false,
                 methods: vec![Method::POST, Method::PATCH],

@@ -18,7 +18,7 @@ use super::body::{Buffered, buffer, over_max_body};
 use super::key::parse_key;
 use super::problem::{Kind, full, in_flight, problem, quoted};
 use super::{BoxError, Config, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ResponseBody};
-use crate::{Begin, IdempotencyKeys, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint};
+use crate::{Begin, IdempotencyBackend, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint};
 
 /// The service an [`IdempotencyLayer`](super::IdempotencyLayer) wraps around
 /// `S`. `Clone` (it clones `S`), and `Send + Sync` when `S` is.
@@ -404,7 +404,7 @@ fn replay(record: ResponseRecord) -> Response<ResponseBody> {
 /// handler panicked, or the request's future was dropped), it releases the
 /// key on a blocking thread.
 struct Held {
-    keys: IdempotencyKeys,
+    keys: Arc<dyn IdempotencyBackend>,
     reservation: Option<Reservation>,
 }
 

@@ -62,6 +62,7 @@
 //! indexes and the statements each call runs are described in the module
 //! sources (`src/postgres/schema.rs` for the tables).
 
+mod backend;
 mod errors;
 mod idempotency;
 mod inbox;

@@ -964,6 +964,22 @@ impl PgOutbox {
     /// second instead (polling).
     pub fn subscribe(&self) -> Receiver<()> {
         let rx = self.wake.notifier.subscribe();
+        self.listen();
+        rx
+    }
+
+    /// [`subscribe`](Self::subscribe) for async waiters (the async
+    /// dispatcher): signalled after the same commits, by the same
+    /// listening connection.
+    #[cfg(feature = "tokio")]
+    pub(super) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
+        let rx = self.wake.notifier.subscribe_async();
+        self.listen();
+        rx
+    }
+
+    /// Starts the store's listening connection unless it runs.
+    fn listen(&self) {
         let mut listening = self.wake.listening.lock();
         if !*listening {
             *listening = listen::start(
@@ -973,7 +989,6 @@ impl PgOutbox {
             )
             .is_ok();
         }
-        rx
     }
 
     /// Wakes this process's subscribers. The store calls it itself after

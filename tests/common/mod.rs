@@ -2,6 +2,9 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "postgres")]
+pub mod pg;
+
 use std::io;
 use std::ops::Bound;
 use std::sync::Arc;

@@ -1,0 +1,249 @@
+//! What the [`Dispatcher`](crate::Dispatcher), its [`Janitor`](crate::Janitor)
+//! and the HTTP `IdempotencyLayer` need from a store, one small trait each,
+//! implemented by the embedded handles ([`Outbox`], [`Inbox`],
+//! [`IdempotencyKeys`]) and, with feature `postgres`, by the PostgreSQL ones
+//! (`PgOutbox`, `PgInbox`, `PgIdempotencyKeys`). So
+//! `Dispatcher::builder(store.outbox())` and
+//! `IdempotencyLayer::new(store.idempotency_keys())` take either store's
+//! handle: moving a program to PostgreSQL changes its constructor only.
+//!
+//! Each trait holds exactly the calls its users make, with the signatures
+//! of the handles' own methods (a batch of settlements is a `Vec` here,
+//! where the methods take any iterator); each method does what the
+//! handle's method of the same name does, and its docs are there. A
+//! handle's own method is what a plain call (`outbox.next_due()`) reaches:
+//! the traits matter to code written once for both backends,
+//! `fn f(outbox: &impl OutboxBackend)`.
+//!
+//! The runtimes keep the handle behind an `Arc<dyn …>`: one virtual call per
+//! store call, beside a commit or a round trip to the server, and no type
+//! parameter on the builders and handles.
+//!
+//! The traits are sealed (implemented by this crate's handles only), so
+//! that a later version can add a call without breaking anyone.
+
+use std::fmt::Debug;
+
+use chrono::{DateTime, Utc};
+use crossbeam_channel::Receiver;
+
+use crate::error::Result;
+use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
+use crate::inbox::Inbox;
+use crate::outbox::{Fence, Outbox, OutboxEntry, OutboxId, SettledAndClaimed, Settlement};
+
+/// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
+/// and settle, its reaper releases expired claims, its idle workers wait
+/// for [`next_due`](Self::next_due) or a [`subscribe`](Self::subscribe)
+/// signal, and a [`Janitor`](crate::Janitor) purges finished entries.
+/// Implemented by [`Outbox`] and `postgres::PgOutbox`; sealed.
+///
+/// Each call is the handle's method of the same name ([`Outbox::claim_due`],
+/// [`Outbox::settle`], …; `PgOutbox`'s on PostgreSQL), with the same
+/// guarantees. On PostgreSQL, [`subscribe`](Self::subscribe) hears the
+/// commits of every process (`LISTEN`), so a dispatcher in one process wakes
+/// when another enqueues.
+pub trait OutboxBackend: Debug + Send + Sync + 'static + sealed::Outbox {
+    /// Claims up to `limit` due entries for `worker_id`.
+    fn claim_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>>;
+
+    /// Settles one attempt, fenced by its attempt number.
+    fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()>;
+
+    /// Settles many attempts in one commit: one answer each, in order.
+    fn settle_many(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>>;
+
+    /// Settles a finished batch and claims the next one in one commit.
+    fn settle_and_claim(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed>;
+
+    /// Moves every claim older than `claimed_before` back to `Pending` (the
+    /// reaper); returns their ids.
+    fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>>;
+
+    /// Deletes `Completed` and `Failed` entries finished before `before`.
+    fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64>;
+
+    /// The earliest due time of any `Pending` entry.
+    fn next_due(&self) -> Result<Option<DateTime<Utc>>>;
+
+    /// A channel signalled after commits that may have made work due.
+    fn subscribe(&self) -> Receiver<()>;
+}
+
+/// An inbox a [`Janitor`](crate::Janitor) prunes. Implemented by [`Inbox`]
+/// and `postgres::PgInbox`; sealed.
+pub trait InboxBackend: Debug + Send + Sync + 'static + sealed::Inbox {
+    /// Removes the keys claimed strictly before `seen_before`
+    /// ([`Inbox::prune`]); returns how many.
+    fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64>;
+}
+
+/// Idempotency-key records the HTTP `IdempotencyLayer` (feature
+/// `middleware`) decides with, and a [`Janitor`](crate::Janitor) purges.
+/// Implemented by [`IdempotencyKeys`] and `postgres::PgIdempotencyKeys`;
+/// sealed.
+///
+/// Each call is the handle's method of the same name
+/// ([`IdempotencyKeys::begin`], …), with the same guarantees, under the TTL
+/// and lease set on the handle.
+pub trait IdempotencyBackend: Debug + Send + Sync + 'static + sealed::Keys {
+    /// Decides a request: proceed (reserved), replay, mismatch or in flight.
+    fn begin(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Begin>;
+
+    /// Stores the response of the reservation `r`; `false` if `r` no longer
+    /// holds the key (nothing written).
+    fn complete(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool>;
+
+    /// Gives up the reservation `r`.
+    fn release(&self, r: &Reservation) -> Result<()>;
+
+    /// Removes the records created strictly before `expired_before`.
+    fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64>;
+
+    /// How long a completed response is kept (the handle's TTL).
+    fn ttl(&self) -> std::time::Duration;
+}
+
+/// The seals: public traits in a module no one outside the crate can name,
+/// so only this crate implements the traits above. They also carry what the
+/// crate's own runtimes need and the public API does not show.
+pub(crate) mod sealed {
+    /// The seal of [`OutboxBackend`](super::OutboxBackend).
+    pub trait Outbox {
+        /// [`subscribe`](super::OutboxBackend::subscribe) for async waiters:
+        /// signalled after the same commits.
+        #[cfg(feature = "tokio")]
+        fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()>;
+    }
+
+    /// The seal of [`InboxBackend`](super::InboxBackend).
+    pub trait Inbox {}
+
+    /// The seal of [`IdempotencyBackend`](super::IdempotencyBackend).
+    pub trait Keys {}
+}
+
+impl sealed::Outbox for Outbox {
+    #[cfg(feature = "tokio")]
+    fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
+        Outbox::subscribe_async(self)
+    }
+}
+
+impl OutboxBackend for Outbox {
+    fn claim_due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        Outbox::claim_due(self, now, limit, worker_id)
+    }
+
+    fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
+        Outbox::settle(self, fence, settlement, now)
+    }
+
+    fn settle_many(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
+        Outbox::settle_many(self, settlements, now)
+    }
+
+    fn settle_and_claim(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        Outbox::settle_and_claim(self, settlements, now, limit, worker_id)
+    }
+
+    fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        Outbox::release_expired_claims(self, claimed_before)
+    }
+
+    fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+        Outbox::purge_finished(self, before)
+    }
+
+    fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        Outbox::next_due(self)
+    }
+
+    fn subscribe(&self) -> Receiver<()> {
+        Outbox::subscribe(self)
+    }
+}
+
+impl sealed::Inbox for Inbox {}
+
+impl InboxBackend for Inbox {
+    fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
+        Inbox::prune(self, seen_before)
+    }
+}
+
+impl sealed::Keys for IdempotencyKeys {}
+
+impl IdempotencyBackend for IdempotencyKeys {
+    fn begin(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Begin> {
+        IdempotencyKeys::begin(self, tenant, key, fingerprint, now)
+    }
+
+    fn complete(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        IdempotencyKeys::complete(self, r, response, now)
+    }
+
+    fn release(&self, r: &Reservation) -> Result<()> {
+        IdempotencyKeys::release(self, r)
+    }
+
+    fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
+        IdempotencyKeys::purge_expired(self, expired_before)
+    }
+
+    fn ttl(&self) -> std::time::Duration {
+        IdempotencyKeys::ttl(self)
+    }
+}
