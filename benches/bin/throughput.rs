@@ -122,9 +122,8 @@ fn shared_table(dir: &Path, cfg: &Config) -> Result<(), Box<dyn std::error::Erro
     };
     row("raw redb MultiWriter, 1 thread", raw);
     for threads in [1usize, 64] {
-        let alone = median3(|| {
-            idemstore_claims(dir, threads, cfg.run_for, Durability::Immediate, false)
-        })?;
+        let alone =
+            median3(|| idemstore_claims(dir, threads, cfg.run_for, Durability::Immediate, false))?;
         let shared = median3(|| shared_claims(dir, 1, threads, cfg.run_for))?;
         row(&format!("exclusive, {threads} threads"), alone);
         row(&format!("shared, 1 process x {threads}"), shared);
@@ -204,7 +203,11 @@ fn shared_claims(
 
 /// A child of [`shared_claims`]: opens the store, says `ready`, claims from
 /// `threads` threads from `go` until its stdin closes, then prints how many.
-fn claiming_child(path: &Path, threads: usize, me: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn claiming_child(
+    path: &Path,
+    threads: usize,
+    me: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
     let store = Store::builder().shared(true).open(path)?;
     let inbox = store.inbox("bench")?;
     println!("ready");
