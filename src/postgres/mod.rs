@@ -65,6 +65,7 @@
 mod conn;
 mod errors;
 mod idempotency;
+mod import;
 mod inbox;
 mod listen;
 mod outbox;

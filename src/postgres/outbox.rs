@@ -71,7 +71,7 @@ fn history() -> i64 {
 }
 
 /// A status as stored in the `status` column.
-fn status_name(s: OutboxStatus) -> &'static str {
+pub(super) fn status_name(s: OutboxStatus) -> &'static str {
     match s {
         OutboxStatus::Pending => "pending",
         OutboxStatus::Dispatching => "dispatching",
