@@ -271,10 +271,9 @@ pub(crate) fn classify(e: &Error) -> Class {
 /// succeed if run again.
 fn transient_sqlstate(code: &str) -> bool {
     match code {
-        // serialization_failure, deadlock_detected
-        "40001" | "40P01" => true,
-        // admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections
-        "57P01" | "57P02" | "57P03" | "53300" => true,
+        // serialization_failure, deadlock_detected; admin_shutdown,
+        // crash_shutdown, cannot_connect_now, too_many_connections
+        "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "53300" => true,
         // transaction_resolution_unknown: it may have committed;
         // protocol_violation: a bug, not a passing state.
         "08007" | "08P01" => false,

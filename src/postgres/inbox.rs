@@ -321,27 +321,24 @@ impl PgInbox {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let schema = &self.shared.schema;
-        let rows = match after {
-            Some((at, key)) => {
-                let sql = format!(
-                    "SELECT event_key, seen_at FROM {schema}.inbox \
-                     WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
-                     ORDER BY seen_at, event_key LIMIT $4"
-                );
-                self.shared.run(Mode::Read, |conn| {
-                    conn.db()
-                        .query(&sql, &[&&*self.name, &micros(at), &key.as_bytes(), &limit])
-                })?
-            }
-            None => {
-                let sql = format!(
-                    "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
-                     ORDER BY seen_at, event_key LIMIT $2"
-                );
-                self.shared.run(Mode::Read, |conn| {
-                    conn.db().query(&sql, &[&&*self.name, &limit])
-                })?
-            }
+        let rows = if let Some((at, key)) = after {
+            let sql = format!(
+                "SELECT event_key, seen_at FROM {schema}.inbox \
+                 WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
+                 ORDER BY seen_at, event_key LIMIT $4"
+            );
+            self.shared.run(Mode::Read, |conn| {
+                conn.db()
+                    .query(&sql, &[&&*self.name, &micros(at), &key.as_bytes(), &limit])
+            })?
+        } else {
+            let sql = format!(
+                "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
+                 ORDER BY seen_at, event_key LIMIT $2"
+            );
+            self.shared.run(Mode::Read, |conn| {
+                conn.db().query(&sql, &[&&*self.name, &limit])
+            })?
         };
         rows.into_iter()
             .map(|r| {
