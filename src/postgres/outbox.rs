@@ -19,7 +19,7 @@
 //! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
 //! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
-//! | `settle_many`, `settle_and_claim` | `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order: no deadlock between two bulk settles), then as above, then `claim_due`'s statement, in one transaction |
+//! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
 //! | `release_expired_claims` | `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
 //! | `purge_finished` | `DELETE FROM S.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
 //! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
@@ -37,7 +37,7 @@
 //! channels as the embedded outbox; the calls of this process also signal
 //! their own subscribers directly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ::postgres::types::ToSql;
@@ -611,10 +611,23 @@ impl PgOutbox {
         tx: &mut Db<'_, impl GenericClient>,
         changes: &[FencedChange],
     ) -> Result<Vec<Result<()>>> {
-        let ids: Vec<i64> = changes.iter().filter_map(|(id, ..)| db_id(*id)).collect();
-        let mut rows = self.lock(tx, &ids)?;
+        let done = self.complete_many_fast(tx, changes)?;
+        let ids: Vec<i64> = changes
+            .iter()
+            .filter(|(id, ..)| !done.contains(&id.0))
+            .filter_map(|(id, ..)| db_id(*id))
+            .collect();
+        let mut rows = if ids.is_empty() {
+            HashMap::new()
+        } else {
+            self.lock(tx, &ids)?
+        };
         let mut out = Vec::with_capacity(changes.len());
         for (id, attempt, change) in changes {
+            if done.contains(&id.0) {
+                out.push(Ok(()));
+                continue;
+            }
             let Some(old) = rows.get(&id.0) else {
                 out.push(Err(Error::NotFound));
                 continue;
@@ -629,6 +642,47 @@ impl PgOutbox {
             }
         }
         Ok(out)
+    }
+
+    /// The completions among `changes` that apply as the rows stand, in one
+    /// statement (a dispatcher's batch is mostly these): the ids completed.
+    /// Only when every id in `changes` is distinct, so that no settlement
+    /// has to see an earlier one of the same entry; the rest take the
+    /// general path.
+    fn complete_many_fast(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        changes: &[FencedChange],
+    ) -> Result<HashSet<u64>> {
+        let mut seen = HashSet::with_capacity(changes.len());
+        if !changes.iter().all(|(id, ..)| seen.insert(id.0)) {
+            return Ok(HashSet::new());
+        }
+        let (mut ids, mut fences, mut times) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, attempt, change) in changes {
+            if let (Change::Completed { now }, Some(db_id)) = (change, db_id(*id)) {
+                ids.push(db_id);
+                fences.push(i64::from(*attempt));
+                times.push(*now);
+            }
+        }
+        if ids.len() < 2 {
+            return Ok(HashSet::new());
+        }
+        let s = self.s();
+        let rows = db.query(
+            &format!(
+                "UPDATE {s}.outbox o SET status = 'completed', completed_at = f.at, \
+                 next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
+                 WHERE o.id = f.id AND o.attempt_count = f.fence \
+                 AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id"
+            ),
+            &[&ids, &fences, &times],
+        )?;
+        rows.iter()
+            .map(|r| unsigned(TABLE, &"?", "id", r.try_get(0)?))
+            .collect()
     }
 
     /// Settles many attempts in one transaction (a dispatcher finishing a
