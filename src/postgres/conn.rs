@@ -326,9 +326,16 @@ pub(super) fn checkout(
     Ok(conn)
 }
 
-/// Records a lost connection: every connection opened before is suspect.
-pub(super) fn note_failure(epoch: &AtomicU64, class: Class) {
-    if class != Class::Other {
+/// Records a lost connection (no answer, or the server's word that it is
+/// going away or refusing connections): every connection opened before is
+/// suspect. A serialization failure or a deadlock says nothing about the
+/// connections.
+pub(super) fn note_failure(epoch: &AtomicU64, e: &Error) {
+    let connection = match e {
+        Error::Postgres { code: Some(c), .. } => c.starts_with("57P") || c.starts_with("08"),
+        _ => classify(e) == Class::Lost,
+    };
+    if connection {
         epoch.fetch_add(1, Ordering::AcqRel);
     }
 }

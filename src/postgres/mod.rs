@@ -149,7 +149,7 @@ impl Shared {
             let class = conn::classify(&e);
             let committing = conn::committing(&conn);
             drop(conn);
-            conn::note_failure(&self.epoch, class);
+            conn::note_failure(&self.epoch, &e);
             if tries >= conn::MAX_TRIES || !conn::may_retry(mode, class, committing) {
                 return Err(e);
             }
@@ -163,7 +163,7 @@ impl Shared {
     /// [`conn::MAX_TRIES`] failed).
     fn retry_after(&self, e: &Error, mode: Mode, committing: bool, tries: u32) -> bool {
         let class = conn::classify(e);
-        conn::note_failure(&self.epoch, class);
+        conn::note_failure(&self.epoch, &e);
         let again = tries < conn::MAX_TRIES && conn::may_retry(mode, class, committing);
         if again {
             std::thread::sleep(conn::backoff(tries + 1));
