@@ -163,7 +163,7 @@ impl Shared {
     /// [`conn::MAX_TRIES`] failed).
     fn retry_after(&self, e: &Error, mode: Mode, committing: bool, tries: u32) -> bool {
         let class = conn::classify(e);
-        conn::note_failure(&self.epoch, &e);
+        conn::note_failure(&self.epoch, e);
         let again = tries < conn::MAX_TRIES && conn::may_retry(mode, class, committing);
         if again {
             std::thread::sleep(conn::backoff(tries + 1));
