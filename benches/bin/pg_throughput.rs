@@ -99,6 +99,7 @@ fn main() -> R<()> {
             .map(|_| {
                 Command::new(&exe)
                     .args(["--drain-child", &schema, "4"])
+                    .stdout(std::process::Stdio::null())
                     .spawn()
             })
             .collect::<Result<Vec<_>, _>>()?;
