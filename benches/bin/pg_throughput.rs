@@ -248,6 +248,12 @@ fn claim_due_ms(url: &str, schema: &str, pending: i64) -> R<f64> {
 
 /// Drains `schema`'s outbox with `workers` threads of `settle_and_claim`
 /// loops (each sending nothing and completing every entry); seconds.
+///
+/// DISPATCHER: this is the loop a `Dispatcher`'s workers run, written out
+/// because `Dispatcher::builder` does not take a `PgOutbox` yet. Once it
+/// does, measure `Dispatcher::builder(outbox).workers(4)` with a sender
+/// that completes every entry here instead, as `benches/dispatch.rs` does
+/// for the embedded store.
 fn drain_ours(url: &str, schema: &str, workers: usize) -> R<f64> {
     let store = PgStore::builder()
         .schema(schema)
