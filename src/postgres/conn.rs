@@ -387,8 +387,6 @@ mod tests {
 
     #[test]
     fn a_connection_lost_without_an_answer_is_lost() {
-        assert_eq!(classify(&pg(None, io())), Class::Lost);
-        // Deeper in the chain too.
         #[derive(Debug)]
         struct Wrap(std::io::Error);
         impl std::fmt::Display for Wrap {
@@ -401,6 +399,8 @@ mod tests {
                 Some(&self.0)
             }
         }
+        assert_eq!(classify(&pg(None, io())), Class::Lost);
+        // Deeper in the chain too.
         let deep = Wrap(std::io::Error::other("broken pipe"));
         assert_eq!(classify(&pg(None, Arc::new(deep))), Class::Lost);
     }
