@@ -30,6 +30,9 @@
 //!   connections (`53300`), a connection failure it reported itself (class
 //!   `08` but `08007`, "transaction resolution unknown", and `08P01`, a
 //!   protocol violation). Safe to run again whatever the call wrote.
+//!   So is a request the client could not write at all because the server
+//!   had closed the connection already (`EPIPE`, "broken pipe": a pooled
+//!   connection that outlived a restart); the server never got it.
 //! - [`Class::Lost`]: the server did not answer — the connection closed or
 //!   failed underneath (I/O error). Whatever was in flight may or may not
 //!   have committed: run again only if nothing could have committed (a
@@ -259,7 +262,13 @@ pub(crate) fn classify(e: &Error) -> Class {
     // An I/O error anywhere in the chain: the socket failed underneath.
     let mut next = Some(source);
     while let Some(e) = next {
-        if e.is::<std::io::Error>() {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            // A write refused because the server had closed the
+            // connection already (a restart while it sat in the pool):
+            // the request never reached it.
+            if io.kind() == std::io::ErrorKind::BrokenPipe {
+                return Class::NotApplied;
+            }
             return Class::Lost;
         }
         next = e.source();
@@ -333,7 +342,8 @@ pub(super) fn checkout(
 pub(super) fn note_failure(epoch: &AtomicU64, e: &Error) {
     let connection = match e {
         Error::Postgres { code: Some(c), .. } => c.starts_with("57P") || c.starts_with("08"),
-        _ => classify(e) == Class::Lost,
+        // No answer: the connection failed underneath.
+        _ => classify(e) != Class::Other,
     };
     if connection {
         epoch.fetch_add(1, Ordering::AcqRel);
@@ -362,6 +372,14 @@ mod tests {
             std::io::ErrorKind::ConnectionReset,
             "reset",
         ))
+    }
+
+    #[test]
+    fn a_request_that_could_not_be_written_was_not_applied() {
+        let pipe = Arc::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert_eq!(classify(&pg(None, pipe)), Class::NotApplied);
+        let eof = Arc::new(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        assert_eq!(classify(&pg(None, eof)), Class::Lost);
     }
 
     #[test]
