@@ -41,11 +41,13 @@ fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2025, 1, 1, 0, 0, 0).unwrap()
 }
 
-/// Ends every server connection of `app` but the caller's; how many.
+/// Ends every server connection of `app` but the caller's, and waits until
+/// their processes are gone (a request sent to one still exiting would be
+/// lost unread, which a one-statement write must not retry); how many.
 fn terminate(admin: &mut Client, app: &str) -> Result<i64, Box<dyn StdError>> {
     let n: i64 = admin
         .query_one(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+            "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity \
              WHERE application_name = $1 AND pid <> pg_backend_pid()",
             &[&app],
         )?
