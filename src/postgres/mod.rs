@@ -47,7 +47,13 @@
 //!   the subscribers of every process ([`PgOutbox::subscribe`]).
 //! - **Errors of the server** (a lost connection, a restart, a
 //!   serialization failure) are [`Error::Postgres`], with the server's
-//!   message and SQLSTATE. After such an error inside a
+//!   message and SQLSTATE. A call runs again on a fresh connection, at most
+//!   three times in all, when that is safe: a read, a transaction whose
+//!   `COMMIT` was not sent, or a statement the server says did not happen
+//!   (`40001`, `40P01`, `57P01`, …); your closures (an effect of
+//!   `claim_with`, a [`PgStore::write`]) never run twice, and a
+//!   one-statement write whose answer was lost (it may have committed)
+//!   reaches you as the error. After such an error inside a
 //!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error.
 //! - **Calls that counted rows in the embedded store count them here**
