@@ -27,8 +27,9 @@ use ::postgres::types::ToSql;
 use ::postgres::{GenericClient, Transaction};
 use chrono::{DateTime, Utc};
 
+use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, in_transaction, refuse_reentrant};
+use super::{Shared, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{
@@ -155,14 +156,14 @@ impl PgIdempotencyKeys {
     /// The row at `(tenant, key)`, locked if `lock`.
     fn read(
         &self,
-        client: &mut impl GenericClient,
+        db: &mut Db<'_, impl GenericClient>,
         tenant: &str,
         key: &str,
         lock: bool,
     ) -> Result<Option<Row>> {
         let s = self.s();
         let lock = if lock { " FOR UPDATE" } else { "" };
-        let row = client.query_opt(
+        let row = db.query_opt(
             &format!(
                 "SELECT {COLS} FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2{lock}"
             ),
@@ -178,7 +179,7 @@ impl PgIdempotencyKeys {
     /// meanwhile (the insert found one committed since the caller looked).
     fn write_fresh(
         &self,
-        tx: &mut Transaction<'_>,
+        tx: &mut Db<'_, impl GenericClient>,
         tenant: &str,
         key: &str,
         row: &Row,
@@ -250,23 +251,26 @@ impl PgIdempotencyKeys {
     ) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
         let cutoff = micros(expired_before);
-        let mut conn = self.shared.conn()?;
-        let row = match self.read(&mut *conn, tenant, key, false)? {
+        let found = self.shared.run(Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false)
+        })?;
+        let row = match found {
             Some(r) if r.expired(cutoff) => {
                 refuse_reentrant()?;
                 let s = self.s();
-                let (deleted, now) = in_transaction(&mut conn, |tx| {
-                    let Some(old) = self.read(tx, tenant, key, true)? else {
-                        return Ok((false, None));
-                    };
-                    if !old.expired(cutoff) {
-                        return Ok((false, Some(old)));
-                    }
-                    tx.execute(
-                        &format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2"),
-                        &[&tenant.as_bytes(), &key.as_bytes()],
-                    )?;
-                    Ok((true, None))
+                let delete =
+                    format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2");
+                let (deleted, now) = self.shared.run(Mode::Tx, |conn| {
+                    conn.in_transaction(|tx| {
+                        let Some(old) = self.read(tx, tenant, key, true)? else {
+                            return Ok((false, None));
+                        };
+                        if !old.expired(cutoff) {
+                            return Ok((false, Some(old)));
+                        }
+                        tx.execute(&delete, &[&tenant.as_bytes(), &key.as_bytes()])?;
+                        Ok((true, None))
+                    })
                 })?;
                 if deleted {
                     bump(&self.counters.expired_deleted, 1);
@@ -294,26 +298,27 @@ impl PgIdempotencyKeys {
         let now = row.created_at();
         let expired_before = now.saturating_sub(span_micros(self.ttl));
         let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
-        let mut conn = self.shared.conn()?;
-        let stored = in_transaction(&mut conn, |tx| {
-            for _ in 0..3 {
-                let old = self.read(tx, tenant, key, true)?;
-                let live = match &old {
-                    None => false,
-                    Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
-                    Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
-                };
-                if live {
-                    return Ok(false);
+        let stored = self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|tx| {
+                for _ in 0..3 {
+                    let old = self.read(tx, tenant, key, true)?;
+                    let live = match &old {
+                        None => false,
+                        Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
+                        Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
+                    };
+                    if live {
+                        return Ok(false);
+                    }
+                    if self
+                        .write_fresh(tx, tenant, key, &row, old.is_some())?
+                        .is_some()
+                    {
+                        return Ok(true);
+                    }
                 }
-                if self
-                    .write_fresh(tx, tenant, key, &row, old.is_some())?
-                    .is_some()
-                {
-                    return Ok(true);
-                }
-            }
-            Err(Error::conflict("the key kept changing while it was stored"))
+                Err(Error::conflict("the key kept changing while it was stored"))
+            })
         })?;
         if stored {
             bump(&self.counters.stored, 1);
@@ -337,10 +342,11 @@ impl PgIdempotencyKeys {
                  WHERE created_at < $1 AND (lease_until IS NULL OR lease_until <= $1) \
                  ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
-        let mut conn = self.shared.conn()?;
         let mut total = 0;
         loop {
-            let n = conn.execute(&sql, &[&cutoff, &chunk])?;
+            let n = self.shared.run(Mode::Statement, |conn| {
+                conn.db().execute(&sql, &[&cutoff, &chunk])
+            })?;
             total += n;
             bump(&self.counters.purged, n);
             if n < PURGE_CHUNK as u64 {
@@ -370,8 +376,9 @@ impl PgIdempotencyKeys {
         let expired_before = now_us.saturating_sub(span_micros(self.ttl));
         let lease_until_us = now_us.saturating_add(span_micros(self.lease));
         let lease_until = time("now", lease_until_us)?;
-        let mut conn = self.shared.conn()?;
-        let row = self.read(&mut *conn, tenant, key, false)?;
+        let row = self.shared.run(Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false)
+        })?;
         match decide(row, fingerprint, now_us, expired_before) {
             Look::Reserve { .. } => {}
             look => return answer(&self.counters, tenant, key, look),
@@ -383,27 +390,30 @@ impl PgIdempotencyKeys {
             reserved_at: now_us,
             lease_until: lease_until_us,
         };
-        let began = in_transaction(&mut conn, |tx| {
-            // Decided again on the locked row; an insert that meets a row
-            // committed since is decided again on that one.
-            for _ in 0..3 {
-                let old = self.read(tx, tenant, key, true)?;
-                let exists = old.is_some();
-                let (takeover, expired) = match decide(old, fingerprint, now_us, expired_before) {
-                    Look::Reserve { takeover, expired } => (takeover, expired),
-                    look => return Ok(Began::Answered(look)),
-                };
-                if let Some(fence) = self.write_fresh(tx, tenant, key, &reservation, exists)? {
-                    return Ok(Began::Reserved {
-                        fence,
-                        takeover,
-                        expired,
-                    });
+        let began = self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|tx| {
+                // Decided again on the locked row; an insert that meets a row
+                // committed since is decided again on that one.
+                for _ in 0..3 {
+                    let old = self.read(tx, tenant, key, true)?;
+                    let exists = old.is_some();
+                    let (takeover, expired) = match decide(old, fingerprint, now_us, expired_before)
+                    {
+                        Look::Reserve { takeover, expired } => (takeover, expired),
+                        look => return Ok(Began::Answered(look)),
+                    };
+                    if let Some(fence) = self.write_fresh(tx, tenant, key, &reservation, exists)? {
+                        return Ok(Began::Reserved {
+                            fence,
+                            takeover,
+                            expired,
+                        });
+                    }
                 }
-            }
-            Err(Error::conflict(
-                "the key kept changing while it was reserved",
-            ))
+                Err(Error::conflict(
+                    "the key kept changing while it was reserved",
+                ))
+            })
         })?;
         match began {
             Began::Answered(look) => answer(&self.counters, tenant, key, look),
@@ -429,7 +439,7 @@ impl PgIdempotencyKeys {
     /// with its fence, and nothing else. `true` if it did.
     fn complete_on(
         &self,
-        client: &mut impl GenericClient,
+        db: &mut Db<'_, impl GenericClient>,
         r: &Reservation,
         row: &Row,
     ) -> Result<bool> {
@@ -462,7 +472,7 @@ impl PgIdempotencyKeys {
             &values,
             body,
         ];
-        let n = client.execute(
+        let n = db.execute(
             &format!(
                 "UPDATE {s}.idempotency SET created_at = $4, lease_until = NULL, status = $5, \
                  content_type = $6, header_names = $7, header_values = $8, body = $9 \
@@ -487,8 +497,12 @@ impl PgIdempotencyKeys {
     ) -> Result<bool> {
         let row = reservation_row(r, response, now, self.shared.max_body)?;
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
-        let done = self.complete_on(&mut *conn, r, &row)?;
+        // One statement: run again only when the server said it did not
+        // happen (after a lost answer a second try would find the
+        // reservation gone and answer `false` for a stored response).
+        let done = self.shared.run(Mode::Statement, |conn| {
+            self.complete_on(&mut conn.db(), r, &row)
+        })?;
         count_completion(&self.counters, done);
         observe::idempotency(completion(done));
         Ok(done)
@@ -508,7 +522,7 @@ impl PgIdempotencyKeys {
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let row = reservation_row(r, response, now, self.shared.max_body)?;
-        let done = self.complete_on(tx, r, &row)?;
+        let done = self.complete_on(&mut Db::uncached(tx), r, &row)?;
         count_completion(&self.counters, done);
         Ok(done)
     }
@@ -522,14 +536,16 @@ impl PgIdempotencyKeys {
             return Ok(());
         };
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        let n = conn.execute(
-            &format!(
-                "DELETE FROM {s}.idempotency \
-                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
-            ),
-            &[&r.tenant().as_bytes(), &r.key().as_bytes(), &fence],
-        )?;
+        let sql = format!(
+            "DELETE FROM {s}.idempotency \
+             WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
+        );
+        // Deleting the reservation again is harmless: a lost answer is
+        // retried too.
+        let n = self.shared.run(Mode::Read, |conn| {
+            conn.db()
+                .execute(&sql, &[&r.tenant().as_bytes(), &r.key().as_bytes(), &fence])
+        })?;
         if n == 1 {
             bump(&self.counters.released, 1);
         }
@@ -547,14 +563,13 @@ impl PgIdempotencyKeys {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!(
-                "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
-                 WHERE $1::bytea IS NULL OR tenant = $1 ORDER BY tenant, idem_key LIMIT $2"
-            ),
-            &[&tenant.map(str::as_bytes), &limit],
-        )?;
+        let sql = format!(
+            "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
+             WHERE $1::bytea IS NULL OR tenant = $1 ORDER BY tenant, idem_key LIMIT $2"
+        );
+        let rows = self.shared.run(Mode::Read, |conn| {
+            conn.db().query(&sql, &[&tenant.map(str::as_bytes), &limit])
+        })?;
         rows.iter()
             .map(|r| {
                 let t = utf8(TABLE, &"?", r.try_get(0)?)?;
@@ -569,8 +584,10 @@ impl PgIdempotencyKeys {
     /// a plain read that never deletes. `None` for no row or a reservation.
     pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
-        let mut conn = self.shared.conn()?;
-        match self.read(&mut *conn, tenant, key, false)? {
+        let found = self.shared.run(Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false)
+        })?;
+        match found {
             Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
             _ => Ok(None),
         }
@@ -580,16 +597,15 @@ impl PgIdempotencyKeys {
     /// the oldest row's `created_at`. Counts the rows: for inspection tools.
     pub fn summary(&self) -> Result<KeySummary> {
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        let r = conn.query_one(
-            &format!(
-                "SELECT count(*) FILTER (WHERE lease_until IS NULL), \
-                        count(*) FILTER (WHERE lease_until IS NOT NULL), \
-                        min(created_at) \
-                 FROM {s}.idempotency"
-            ),
-            &[],
-        )?;
+        let sql = format!(
+            "SELECT count(*) FILTER (WHERE lease_until IS NULL), \
+                    count(*) FILTER (WHERE lease_until IS NOT NULL), \
+                    min(created_at) \
+             FROM {s}.idempotency"
+        );
+        let r = self
+            .shared
+            .run(Mode::Read, |conn| conn.db().query_one(&sql, &[]))?;
         let (completed, reserved): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
         let oldest: Option<i64> = r.try_get(2)?;
         Ok(KeySummary {
@@ -606,6 +622,7 @@ impl PgIdempotencyKeys {
     pub fn check_indexes(&self) -> Result<Vec<String>> {
         let s = self.s();
         let mut conn = self.shared.conn()?;
+        let conn = &mut conn.client;
         let last: i64 = conn
             .query_one(
                 &format!(

@@ -23,6 +23,7 @@ use ::postgres::Transaction;
 use ::postgres::types::ToSql;
 use chrono::{DateTime, Utc};
 
+use super::conn::{Db, Mode};
 use super::errors::{corrupted, utf8};
 use super::{Shared, WriteScope, refuse_reentrant};
 use crate::codec::micros;
@@ -80,11 +81,15 @@ impl PgInbox {
     pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
         check_event_key(event_key)?;
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
-        let n = conn.execute(
-            &self.insert_sql(),
-            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
-        )?;
+        let sql = self.insert_sql();
+        // One statement that commits as it ends: run again only when the
+        // server said it did not happen (a lost answer may hide a claim).
+        let n = self.shared.run(Mode::Statement, |conn| {
+            conn.db().execute(
+                &sql,
+                &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+            )
+        })?;
         observe::claim(&self.name, n == 1);
         Ok(n == 1)
     }
@@ -110,16 +115,16 @@ impl PgInbox {
         }
         refuse_reentrant()?;
         let bytes: Vec<&[u8]> = keys.iter().map(String::as_bytes).collect();
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!(
-                "INSERT INTO {}.inbox (inbox, event_key, seen_at) \
-                 SELECT $1, k, $3 FROM unnest($2::bytea[]) AS k \
-                 ON CONFLICT DO NOTHING RETURNING event_key",
-                self.shared.schema
-            ),
-            &[&&*self.name, &bytes, &micros(seen_at)],
-        )?;
+        let sql = format!(
+            "INSERT INTO {}.inbox (inbox, event_key, seen_at) \
+             SELECT $1, k, $3 FROM unnest($2::bytea[]) AS k \
+             ON CONFLICT DO NOTHING RETURNING event_key",
+            self.shared.schema
+        );
+        let rows = self.shared.run(Mode::Statement, |conn| {
+            conn.db()
+                .query(&sql, &[&&*self.name, &bytes, &micros(seen_at)])
+        })?;
         let mut inserted: HashSet<Vec<u8>> = HashSet::with_capacity(rows.len());
         for row in rows {
             inserted.insert(row.try_get(0)?);
@@ -161,26 +166,51 @@ impl PgInbox {
     {
         check_event_key(event_key)?;
         let scope = WriteScope::enter()?;
-        let mut conn = self.shared.conn()?;
-        let mut tx = conn.transaction().map_err(Error::from)?;
-        let n = tx
-            .execute(
-                &self.insert_sql(),
-                &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
-            )
-            .map_err(Error::from)?;
-        if n == 0 {
-            drop(scope);
-            // Nothing was written: the transaction rolls back as it drops.
-            observe::claim(&self.name, false);
-            return Ok(Claim::Duplicate);
+        let sql = self.insert_sql();
+        let mut tries = 1;
+        loop {
+            let mut conn = self.shared.conn()?;
+            let conn = &mut *conn;
+            // The claim is tried again until it answers; the effect runs
+            // at most once, after it.
+            let e = match conn.client.transaction() {
+                Ok(mut tx) => {
+                    let claimed = {
+                        let mut db = Db {
+                            client: &mut tx,
+                            stmts: Some(&mut conn.stmts),
+                        };
+                        db.execute(
+                            &sql,
+                            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+                        )
+                    };
+                    match claimed {
+                        Ok(0) => {
+                            drop(scope);
+                            // Nothing was written: the transaction rolls
+                            // back as it drops.
+                            observe::claim(&self.name, false);
+                            return Ok(Claim::Duplicate);
+                        }
+                        Ok(_) => {
+                            let out = effect(&mut tx);
+                            drop(scope);
+                            let v = out?;
+                            tx.commit().map_err(Error::from)?;
+                            observe::claim(&self.name, true);
+                            return Ok(Claim::Applied(v));
+                        }
+                        Err(e) => e,
+                    }
+                }
+                Err(e) => Error::from(e),
+            };
+            if !self.shared.retry_after(&e, Mode::Tx, false, tries) {
+                return Err(e.into());
+            }
+            tries += 1;
         }
-        let out = effect(&mut tx);
-        drop(scope);
-        let v = out?;
-        tx.commit().map_err(Error::from)?;
-        observe::claim(&self.name, true);
-        Ok(Claim::Applied(v))
     }
 
     /// Claims `event_key` inside the caller's own transaction (from
@@ -193,7 +223,7 @@ impl PgInbox {
         seen_at: DateTime<Utc>,
     ) -> Result<bool> {
         check_event_key(event_key)?;
-        let n = tx.execute(
+        let n = Db::uncached(tx).execute(
             &self.insert_sql(),
             &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
         )?;
@@ -208,14 +238,14 @@ impl PgInbox {
     /// When `event_key` was claimed, if it was.
     pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
         check_event_key(event_key)?;
-        let mut conn = self.shared.conn()?;
-        let row = conn.query_opt(
-            &format!(
-                "SELECT seen_at FROM {}.inbox WHERE inbox = $1 AND event_key = $2",
-                self.shared.schema
-            ),
-            &[&&*self.name, &event_key.as_bytes()],
-        )?;
+        let sql = format!(
+            "SELECT seen_at FROM {}.inbox WHERE inbox = $1 AND event_key = $2",
+            self.shared.schema
+        );
+        let row = self.shared.run(Mode::Read, |conn| {
+            conn.db()
+                .query_opt(&sql, &[&&*self.name, &event_key.as_bytes()])
+        })?;
         match row {
             Some(r) => time(event_key.as_bytes(), r.try_get(0)?).map(Some),
             None => Ok(None),
@@ -235,44 +265,45 @@ impl PgInbox {
     /// window in which duplicates can still arrive.
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
         let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
-        Ok(conn.execute(&self.prune_sql(), &params)?)
+        let sql = self.prune_sql();
+        self.shared
+            .run(Mode::Statement, |conn| conn.db().execute(&sql, &params))
     }
 
     /// [`PgInbox::prune`] inside the caller's own transaction.
     pub fn prune_in(&self, tx: &mut Transaction<'_>, seen_before: DateTime<Utc>) -> Result<u64> {
         let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
-        Ok(tx.execute(&self.prune_sql(), &params)?)
+        Db::uncached(tx).execute(&self.prune_sql(), &params)
     }
 
     /// Number of keys recorded in this inbox. Counts them (an index-only
     /// scan): for inspection and monitoring, not for every request.
     pub fn len(&self) -> Result<u64> {
-        let mut conn = self.shared.conn()?;
-        let n: i64 = conn
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM {}.inbox WHERE inbox = $1",
-                    self.shared.schema
-                ),
-                &[&&*self.name],
-            )?
+        let sql = format!(
+            "SELECT count(*) FROM {}.inbox WHERE inbox = $1",
+            self.shared.schema
+        );
+        let n: i64 = self
+            .shared
+            .run(Mode::Read, |conn| {
+                conn.db().query_one(&sql, &[&&*self.name])
+            })?
             .try_get(0)?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// Whether this inbox holds no keys.
     pub fn is_empty(&self) -> Result<bool> {
-        let mut conn = self.shared.conn()?;
-        let any: bool = conn
-            .query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {}.inbox WHERE inbox = $1)",
-                    self.shared.schema
-                ),
-                &[&&*self.name],
-            )?
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {}.inbox WHERE inbox = $1)",
+            self.shared.schema
+        );
+        let any: bool = self
+            .shared
+            .run(Mode::Read, |conn| {
+                conn.db().query_one(&sql, &[&&*self.name])
+            })?
             .try_get(0)?;
         Ok(!any)
     }
@@ -289,24 +320,25 @@ impl PgInbox {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let mut conn = self.shared.conn()?;
         let schema = &self.shared.schema;
-        let rows = match after {
-            Some((at, key)) => conn.query(
-                &format!(
-                    "SELECT event_key, seen_at FROM {schema}.inbox \
-                     WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
-                     ORDER BY seen_at, event_key LIMIT $4"
-                ),
-                &[&&*self.name, &micros(at), &key.as_bytes(), &limit],
-            )?,
-            None => conn.query(
-                &format!(
-                    "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
-                     ORDER BY seen_at, event_key LIMIT $2"
-                ),
-                &[&&*self.name, &limit],
-            )?,
+        let rows = if let Some((at, key)) = after {
+            let sql = format!(
+                "SELECT event_key, seen_at FROM {schema}.inbox \
+                 WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
+                 ORDER BY seen_at, event_key LIMIT $4"
+            );
+            self.shared.run(Mode::Read, |conn| {
+                conn.db()
+                    .query(&sql, &[&&*self.name, &micros(at), &key.as_bytes(), &limit])
+            })?
+        } else {
+            let sql = format!(
+                "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
+                 ORDER BY seen_at, event_key LIMIT $2"
+            );
+            self.shared.run(Mode::Read, |conn| {
+                conn.db().query(&sql, &[&&*self.name, &limit])
+            })?
         };
         rows.into_iter()
             .map(|r| {
@@ -323,21 +355,18 @@ impl PgInbox {
 
 /// The names of the inboxes holding at least one key, in name order.
 pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
-    let mut conn = shared.conn()?;
     // A walk of the primary key from name to name, not a scan of every key.
-    let rows = conn.query(
-        &format!(
-            "WITH RECURSIVE names AS ( \
+    let sql = format!(
+        "WITH RECURSIVE names AS ( \
                  (SELECT inbox FROM {s}.inbox ORDER BY inbox LIMIT 1) \
                  UNION ALL \
                  SELECT (SELECT i.inbox FROM {s}.inbox i WHERE i.inbox > n.inbox \
                          ORDER BY i.inbox LIMIT 1) \
                  FROM names n WHERE n.inbox IS NOT NULL \
              ) SELECT inbox FROM names WHERE inbox IS NOT NULL",
-            s = shared.schema
-        ),
-        &[],
-    )?;
+        s = shared.schema
+    );
+    let rows = shared.run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
     rows.into_iter()
         .map(|r| r.try_get::<_, String>(0).map_err(Error::from))
         .collect()

@@ -47,7 +47,13 @@
 //!   the subscribers of every process ([`PgOutbox::subscribe`]).
 //! - **Errors of the server** (a lost connection, a restart, a
 //!   serialization failure) are [`Error::Postgres`], with the server's
-//!   message and SQLSTATE. After such an error inside a
+//!   message and SQLSTATE. A call runs again on a fresh connection, at most
+//!   three times in all, when that is safe: a read, a transaction whose
+//!   `COMMIT` was not sent, or a statement the server says did not happen
+//!   (`40001`, `40P01`, `57P01`, …); your closures (an effect of
+//!   `claim_with`, a [`PgStore::write`]) never run twice, and a
+//!   one-statement write whose answer was lost (it may have committed)
+//!   reaches you as the error. After such an error inside a
 //!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error.
 //! - **Calls that counted rows in the embedded store count them here**
@@ -63,8 +69,10 @@
 //! sources (`src/postgres/schema.rs` for the tables).
 
 mod backend;
+mod conn;
 mod errors;
 mod idempotency;
+mod import;
 mod inbox;
 mod listen;
 mod outbox;
@@ -73,11 +81,13 @@ mod schema;
 use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use ::postgres::{Config, NoTls, Transaction};
 use r2d2::{Pool, PooledConnection};
-use r2d2_postgres::PostgresConnectionManager;
+
+use self::conn::{Manager, Mode, PgConn};
 
 use crate::error::{Error, Result};
 use crate::idempotency::Counters;
@@ -100,7 +110,6 @@ pub const DEFAULT_POOL_SIZE: u32 = 16;
 /// to the server): 10 s.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Manager = PostgresConnectionManager<NoTls>;
 type Conn = PooledConnection<Manager>;
 
 /// What every handle of one [`PgStore`] shares: the pool, the schema and
@@ -111,6 +120,9 @@ pub(crate) struct Shared {
     config: Config,
     schema: String,
     max_body: usize,
+    /// How many lost connections the store has seen: a pooled connection
+    /// opened before the latest is checked before use (`conn.rs`).
+    epoch: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for Shared {
@@ -127,7 +139,43 @@ impl Shared {
     /// A pooled connection; [`Error::Postgres`] if none came free (or could
     /// be opened) before the pool's timeout.
     fn conn(&self) -> Result<Conn> {
-        self.pool.get().map_err(errors::pool)
+        conn::checkout(&self.pool, &self.epoch)
+    }
+
+    /// Runs `op` on a pooled connection, again on another one (at most
+    /// [`conn::MAX_TRIES`] times in all) when it failed in a way that `mode`
+    /// makes safe to run again (`conn.rs`).
+    fn run<T>(&self, mode: Mode, mut op: impl FnMut(&mut PgConn) -> Result<T>) -> Result<T> {
+        let mut tries = 1;
+        loop {
+            let mut conn = self.conn()?;
+            let e = match op(&mut conn) {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let class = conn::classify(&e);
+            let committing = conn::committing(&conn);
+            drop(conn);
+            conn::note_failure(&self.epoch, &e);
+            if tries >= conn::MAX_TRIES || !conn::may_retry(mode, class, committing) {
+                return Err(e);
+            }
+            tries += 1;
+            std::thread::sleep(conn::backoff(tries));
+        }
+    }
+
+    /// After a failure outside [`Shared::run`]: notes a lost connection;
+    /// `true` if the call may run again (try `tries` of at most
+    /// [`conn::MAX_TRIES`] failed).
+    fn retry_after(&self, e: &Error, mode: Mode, committing: bool, tries: u32) -> bool {
+        let class = conn::classify(e);
+        conn::note_failure(&self.epoch, e);
+        let again = tries < conn::MAX_TRIES && conn::may_retry(mode, class, committing);
+        if again {
+            std::thread::sleep(conn::backoff(tries + 1));
+        }
+        again
     }
 }
 
@@ -163,18 +211,6 @@ fn refuse_reentrant() -> Result<()> {
         return Err(Error::Reentrant);
     }
     Ok(())
-}
-
-/// Runs `f` in a transaction on `conn`: commits if it returns `Ok`, rolls
-/// back if it returns `Err` or panics (the dropped transaction rolls back).
-fn in_transaction<T>(
-    conn: &mut Conn,
-    f: impl FnOnce(&mut Transaction<'_>) -> Result<T>,
-) -> Result<T> {
-    let mut tx = conn.transaction()?;
-    let out = f(&mut tx)?;
-    tx.commit()?;
-    Ok(out)
 }
 
 /// How to connect a [`PgStore`]. Every setter states its default.
@@ -259,17 +295,22 @@ impl PgStoreBuilder {
         let mut client = config.connect(NoTls)?;
         schema::migrate(&mut client, &self.schema)?;
         drop(client);
+        let epoch = Arc::new(AtomicU64::new(0));
+        // No test on checkout: it would cost a round trip per call. A dead
+        // connection is noticed by the call that uses it (`conn.rs`).
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(0))
+            .test_on_check_out(false)
             .connection_timeout(self.connection_timeout)
-            .build(PostgresConnectionManager::new(config.clone(), NoTls))
+            .build(Manager::new(config.clone(), epoch.clone()))
             .map_err(errors::pool)?;
         let shared = Arc::new(Shared {
             pool,
             config,
             schema: self.schema,
             max_body: self.max_body,
+            epoch,
         });
         Ok(PgStore {
             outbox: PgOutbox::new(shared.clone()),
@@ -328,17 +369,29 @@ impl PgStore {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
-        let mut conn = self.shared.conn()?;
-        let mut tx = conn.transaction().map_err(Error::from)?;
-        let out = f(&mut tx);
-        drop(scope);
-        match out {
-            Ok(v) => {
-                tx.commit().map_err(Error::from)?;
-                Ok(v)
+        let mut tries = 1;
+        loop {
+            let mut conn = self.shared.conn()?;
+            // Only the `BEGIN` is tried again: `f` runs once.
+            let e = match conn.client.transaction() {
+                Ok(mut tx) => {
+                    let out = f(&mut tx);
+                    drop(scope);
+                    return match out {
+                        Ok(v) => {
+                            tx.commit().map_err(Error::from)?;
+                            Ok(v)
+                        }
+                        // Dropping the transaction rolls it back.
+                        Err(e) => Err(e),
+                    };
+                }
+                Err(e) => Error::from(e),
+            };
+            if !self.shared.retry_after(&e, Mode::Tx, false, tries) {
+                return Err(e.into());
             }
-            // Dropping the transaction rolls it back.
-            Err(e) => Err(e),
+            tries += 1;
         }
     }
 

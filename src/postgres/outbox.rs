@@ -19,7 +19,7 @@
 //! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
 //! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
-//! | `settle_many`, `settle_and_claim` | `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order: no deadlock between two bulk settles), then as above, then `claim_due`'s statement, in one transaction |
+//! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
 //! | `release_expired_claims` | `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
 //! | `purge_finished` | `DELETE FROM S.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
 //! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
@@ -37,7 +37,7 @@
 //! channels as the embedded outbox; the calls of this process also signal
 //! their own subscribers directly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ::postgres::types::ToSql;
@@ -46,8 +46,9 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 
+use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, in_transaction, listen, refuse_reentrant, schema};
+use super::{Shared, listen, refuse_reentrant, schema};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::outbox::{
@@ -70,7 +71,7 @@ fn history() -> i64 {
 }
 
 /// A status as stored in the `status` column.
-fn status_name(s: OutboxStatus) -> &'static str {
+pub(super) fn status_name(s: OutboxStatus) -> &'static str {
     match s {
         OutboxStatus::Pending => "pending",
         OutboxStatus::Dispatching => "dispatching",
@@ -220,8 +221,12 @@ impl PgOutbox {
     pub fn enqueue(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
         check_entry(&entry, self.shared.max_body)?;
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
-        let out = self.insert(&mut *conn, &entry, micros(now))?;
+        // Statements that commit as each ends: run again only when the
+        // server said they did not happen (a lost answer may hide an
+        // insert, which would come back as a duplicate).
+        let out = self.shared.run(Mode::Statement, |conn| {
+            self.insert(&mut conn.db(), &entry, micros(now))
+        })?;
         if out.is_new() {
             self.notify();
         }
@@ -244,7 +249,7 @@ impl PgOutbox {
         now: DateTime<Utc>,
     ) -> Result<Enqueued> {
         check_entry(&entry, self.shared.max_body)?;
-        self.insert(tx, &entry, micros(now))
+        self.insert(&mut Db::uncached(tx), &entry, micros(now))
     }
 
     /// Enqueues many entries in one transaction, in order. Every entry is
@@ -265,12 +270,13 @@ impl PgOutbox {
         }
         refuse_reentrant()?;
         let now = micros(now);
-        let mut conn = self.shared.conn()?;
-        let out = in_transaction(&mut conn, |tx| {
-            entries
-                .iter()
-                .map(|e| self.insert(tx, e, now))
-                .collect::<Result<Vec<_>>>()
+        let out = self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                entries
+                    .iter()
+                    .map(|e| self.insert(db, e, now))
+                    .collect::<Result<Vec<_>>>()
+            })
         })?;
         if out.iter().any(Enqueued::is_new) {
             self.notify();
@@ -279,7 +285,12 @@ impl PgOutbox {
     }
 
     /// Inserts `e` unless its `(destination, idempotency_key)` is taken.
-    fn insert(&self, client: &mut impl GenericClient, e: &NewEntry, now: i64) -> Result<Enqueued> {
+    fn insert(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        e: &NewEntry,
+        now: i64,
+    ) -> Result<Enqueued> {
         let s = self.s();
         let insert = format!(
             "INSERT INTO {s}.outbox (command_id, destination, idempotency_key, payload, status, \
@@ -293,7 +304,7 @@ impl PgOutbox {
         // A conflicting row may be purged between the two statements: then
         // the insert is tried again.
         for _ in 0..3 {
-            let inserted = client.query_opt(
+            let inserted = db.query_opt(
                 &insert,
                 &[
                     &e.command_id.as_bytes(),
@@ -312,7 +323,7 @@ impl PgOutbox {
                     r.try_get(0)?,
                 )?)));
             }
-            if let Some(r) = client.query_opt(&existing, &[&dest, &key])? {
+            if let Some(r) = db.query_opt(&existing, &[&dest, &key])? {
                 let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
                 return Ok(Enqueued::Duplicate(OutboxId(id)));
             }
@@ -342,7 +353,7 @@ impl PgOutbox {
     /// first, then by id.
     fn claim_on(
         &self,
-        client: &mut impl GenericClient,
+        db: &mut Db<'_, impl GenericClient>,
         now: i64,
         limit: usize,
         worker_id: &str,
@@ -351,7 +362,7 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = client.query(&self.claim_sql(), &[&now, &limit, &worker_id.as_bytes()])?;
+        let rows = db.query(&self.claim_sql(), &[&now, &limit, &worker_id.as_bytes()])?;
         let mut entries = rows.iter().map(read_entry).collect::<Result<Vec<_>>>()?;
         entries.sort_by_key(|e| (e.due_at(), e.id));
         Ok(entries)
@@ -378,12 +389,11 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
         // In a transaction of its own, so that a row that does not decode
         // (edited by something else) fails the call before it commits:
         // a call that returns `Err` claimed nothing.
-        in_transaction(&mut conn, |tx| {
-            self.claim_on(tx, micros(now), limit, worker_id)
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| self.claim_on(db, micros(now), limit, worker_id))
         })
     }
 
@@ -392,7 +402,7 @@ impl PgOutbox {
     /// attempt `fence` if given); `false` if the statement changed nothing.
     fn complete_fast(
         &self,
-        client: &mut impl GenericClient,
+        db: &mut Db<'_, impl GenericClient>,
         id: i64,
         fence: Option<u32>,
         now: i64,
@@ -405,7 +415,7 @@ impl PgOutbox {
              AND status IN ('dispatching', 'outcome_unknown')"
         );
         let fence = fence.map(i64::from);
-        Ok(client.execute(&sql, &[&id, &fence, &now])? == 1)
+        Ok(db.execute(&sql, &[&id, &fence, &now])? == 1)
     }
 
     /// Applies `change` to entry `id` (fenced by `fence` if given) in
@@ -413,41 +423,41 @@ impl PgOutbox {
     /// anything else through the status machine on the locked row.
     fn change_in(
         &self,
-        tx: &mut Transaction<'_>,
+        db: &mut Db<'_, impl GenericClient>,
         id: OutboxId,
         change: &Change,
         fence: Option<u32>,
     ) -> Result<()> {
-        let Some(db) = db_id(id) else {
+        let Some(id) = db_id(id) else {
             return Err(Error::NotFound);
         };
         if let Change::Completed { now } = change
-            && self.complete_fast(tx, db, fence, *now)?
+            && self.complete_fast(db, id, fence, *now)?
         {
             return Ok(());
         }
-        self.change_locked(tx, db, change, fence)
+        self.change_locked(db, id, change, fence)
     }
 
     /// Applies `change` to entry `db` through the status machine on the
     /// locked row.
     fn change_locked(
         &self,
-        tx: &mut Transaction<'_>,
-        db: i64,
+        db: &mut Db<'_, impl GenericClient>,
+        id: i64,
         change: &Change,
         fence: Option<u32>,
     ) -> Result<()> {
-        let rows = self.lock(tx, &[db])?;
+        let rows = self.lock(db, &[id])?;
         let (id, old) = rows.iter().next().ok_or(Error::NotFound)?;
-        self.apply(tx, *id, old, change, fence)?;
+        self.apply(db, *id, old, change, fence)?;
         Ok(())
     }
 
     /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
-    fn lock(&self, tx: &mut Transaction<'_>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
+    fn lock(&self, db: &mut Db<'_, impl GenericClient>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
         let s = self.s();
-        let rows = tx.query(
+        let rows = db.query(
             &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
             &[&ids],
         )?;
@@ -459,7 +469,7 @@ impl PgOutbox {
     /// adds. Returns the row as it stands afterwards.
     fn apply(
         &self,
-        tx: &mut Transaction<'_>,
+        tx: &mut Db<'_, impl GenericClient>,
         id: u64,
         old: &Row,
         change: &Change,
@@ -528,14 +538,21 @@ impl PgOutbox {
     /// process's subscribers if it may have made work due.
     fn change(&self, id: OutboxId, change: &Change, fence: Option<u32>) -> Result<()> {
         refuse_reentrant()?;
-        let db = db_id(id).ok_or(Error::NotFound)?;
-        let mut conn = self.shared.conn()?;
-        if let Change::Completed { now } = change
-            && self.complete_fast(&mut *conn, db, fence, *now)?
-        {
+        let id = db_id(id).ok_or(Error::NotFound)?;
+        // A completion lost in flight may be run again: a second
+        // completion of the same attempt is accepted without change.
+        let done = self.shared.run(Mode::Tx, |conn| {
+            if let Change::Completed { now } = change
+                && self.complete_fast(&mut conn.db(), id, fence, *now)?
+            {
+                return Ok(true);
+            }
+            conn.in_transaction(|db| self.change_locked(db, id, change, fence))?;
+            Ok(false)
+        })?;
+        if done {
             return Ok(());
         }
-        in_transaction(&mut conn, |tx| self.change_locked(tx, db, change, fence))?;
         if change.makes_work_due() {
             self.notify();
         }
@@ -568,7 +585,12 @@ impl PgOutbox {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let change = settlement.clone().into_change(now)?;
-        self.change_in(tx, fence.id, &change, Some(fence.attempt))
+        self.change_in(
+            &mut Db::uncached(tx),
+            fence.id,
+            &change,
+            Some(fence.attempt),
+        )
     }
 
     /// Checks settlements and turns them into fenced changes.
@@ -586,13 +608,26 @@ impl PgOutbox {
     /// own; the rows are locked first, in id order.
     fn settle_many_in(
         &self,
-        tx: &mut Transaction<'_>,
+        tx: &mut Db<'_, impl GenericClient>,
         changes: &[FencedChange],
     ) -> Result<Vec<Result<()>>> {
-        let ids: Vec<i64> = changes.iter().filter_map(|(id, ..)| db_id(*id)).collect();
-        let mut rows = self.lock(tx, &ids)?;
+        let done = self.complete_many_fast(tx, changes)?;
+        let ids: Vec<i64> = changes
+            .iter()
+            .filter(|(id, ..)| !done.contains(&id.0))
+            .filter_map(|(id, ..)| db_id(*id))
+            .collect();
+        let mut rows = if ids.is_empty() {
+            HashMap::new()
+        } else {
+            self.lock(tx, &ids)?
+        };
         let mut out = Vec::with_capacity(changes.len());
         for (id, attempt, change) in changes {
+            if done.contains(&id.0) {
+                out.push(Ok(()));
+                continue;
+            }
             let Some(old) = rows.get(&id.0) else {
                 out.push(Err(Error::NotFound));
                 continue;
@@ -607,6 +642,47 @@ impl PgOutbox {
             }
         }
         Ok(out)
+    }
+
+    /// The completions among `changes` that apply as the rows stand, in one
+    /// statement (a dispatcher's batch is mostly these): the ids completed.
+    /// Only when every id in `changes` is distinct, so that no settlement
+    /// has to see an earlier one of the same entry; the rest take the
+    /// general path.
+    fn complete_many_fast(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        changes: &[FencedChange],
+    ) -> Result<HashSet<u64>> {
+        let mut seen = HashSet::with_capacity(changes.len());
+        if !changes.iter().all(|(id, ..)| seen.insert(id.0)) {
+            return Ok(HashSet::new());
+        }
+        let (mut ids, mut fences, mut times) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, attempt, change) in changes {
+            if let (Change::Completed { now }, Some(db_id)) = (change, db_id(*id)) {
+                ids.push(db_id);
+                fences.push(i64::from(*attempt));
+                times.push(*now);
+            }
+        }
+        if ids.len() < 2 {
+            return Ok(HashSet::new());
+        }
+        let s = self.s();
+        let rows = db.query(
+            &format!(
+                "UPDATE {s}.outbox o SET status = 'completed', completed_at = f.at, \
+                 next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
+                 WHERE o.id = f.id AND o.attempt_count = f.fence \
+                 AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id"
+            ),
+            &[&ids, &fences, &times],
+        )?;
+        rows.iter()
+            .map(|r| unsigned(TABLE, &"?", "id", r.try_get(0)?))
+            .collect()
     }
 
     /// Settles many attempts in one transaction (a dispatcher finishing a
@@ -627,8 +703,9 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
-        let mut conn = self.shared.conn()?;
-        let out = in_transaction(&mut conn, |tx| self.settle_many_in(tx, &changes))?;
+        let out = self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| self.settle_many_in(db, &changes))
+        })?;
         self.notify_if_settled(&changes, &out);
         Ok(out)
     }
@@ -649,15 +726,16 @@ impl PgOutbox {
         let changes = Self::plan_settlements(settlements, now)?;
         refuse_reentrant()?;
         let now = micros(now);
-        let mut conn = self.shared.conn()?;
-        let (settled, claimed) = in_transaction(&mut conn, |tx| {
-            let settled = if changes.is_empty() {
-                Vec::new()
-            } else {
-                self.settle_many_in(tx, &changes)?
-            };
-            let claimed = self.claim_on(tx, now, limit, worker_id)?;
-            Ok((settled, claimed))
+        let (settled, claimed) = self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                let settled = if changes.is_empty() {
+                    Vec::new()
+                } else {
+                    self.settle_many_in(db, &changes)?
+                };
+                let claimed = self.claim_on(db, now, limit, worker_id)?;
+                Ok((settled, claimed))
+            })
         })?;
         self.notify_if_settled(&changes, &settled);
         Ok((settled, claimed))
@@ -756,17 +834,16 @@ impl PgOutbox {
     pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
         refuse_reentrant()?;
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!(
-                "UPDATE {s}.outbox SET status = 'pending', next_attempt_at = claimed_at, \
-                 worker_id = NULL, claimed_at = NULL \
-                 WHERE id IN (SELECT id FROM {s}.outbox \
-                     WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) \
-                 RETURNING id, next_attempt_at"
-            ),
-            &[&micros(claimed_before)],
-        )?;
+        let sql = format!(
+            "UPDATE {s}.outbox SET status = 'pending', next_attempt_at = claimed_at, \
+             worker_id = NULL, claimed_at = NULL \
+             WHERE id IN (SELECT id FROM {s}.outbox \
+                 WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) \
+             RETURNING id, next_attempt_at"
+        );
+        let rows = self.shared.run(Mode::Statement, |conn| {
+            conn.db().query(&sql, &[&micros(claimed_before)])
+        })?;
         let mut released = rows
             .iter()
             .map(|r| {
@@ -790,25 +867,22 @@ impl PgOutbox {
     pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        Ok(conn.execute(
-            &format!(
-                "DELETE FROM {s}.outbox \
-                 WHERE status IN ('completed', 'failed') AND completed_at < $1"
-            ),
-            &[&micros(before)],
-        )?)
+        let sql = format!(
+            "DELETE FROM {s}.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1"
+        );
+        self.shared.run(Mode::Statement, |conn| {
+            conn.db().execute(&sql, &[&micros(before)])
+        })
     }
 
     /// The entry `id` with its claim, settlement details and attempt
     /// history; [`Error::NotFound`] if there is none.
     pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
         let db = db_id(id).ok_or(Error::NotFound)?;
-        let mut conn = self.shared.conn()?;
-        let row = conn.query_opt(
-            &format!("{} WHERE o.id = $1", self.select_records()),
-            &[&db],
-        )?;
+        let sql = format!("{} WHERE o.id = $1", self.select_records());
+        let row = self
+            .shared
+            .run(Mode::Read, |conn| conn.db().query_opt(&sql, &[&db]))?;
         read_record(&row.ok_or(Error::NotFound)?)
     }
 
@@ -816,28 +890,29 @@ impl PgOutbox {
     pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
         check_field("destination", destination)?;
         check_field("idempotency_key", idempotency_key)?;
-        let mut conn = self.shared.conn()?;
-        let row = conn.query_opt(
-            &format!(
-                "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
-                self.select_records()
-            ),
-            &[&destination.as_bytes(), &idempotency_key.as_bytes()],
-        )?;
+        let sql = format!(
+            "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
+            self.select_records()
+        );
+        let row = self.shared.run(Mode::Read, |conn| {
+            conn.db().query_opt(
+                &sql,
+                &[&destination.as_bytes(), &idempotency_key.as_bytes()],
+            )
+        })?;
         row.as_ref().map(read_record).transpose()
     }
 
     /// Every entry of `command_id`, by `created_at`, then id.
     pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
         check_field("command_id", command_id)?;
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!(
-                "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
-                self.select_records()
-            ),
-            &[&command_id.as_bytes()],
-        )?;
+        let sql = format!(
+            "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
+            self.select_records()
+        );
+        let rows = self.shared.run(Mode::Read, |conn| {
+            conn.db().query(&sql, &[&command_id.as_bytes()])
+        })?;
         rows.iter().map(read_record).collect()
     }
 
@@ -845,11 +920,10 @@ impl PgOutbox {
     /// monitoring at a modest rate.
     pub fn counts(&self) -> Result<OutboxCounts> {
         let s = self.s();
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status"),
-            &[],
-        )?;
+        let sql = format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status");
+        let rows = self
+            .shared
+            .run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
         let mut counts: HashMap<OutboxStatus, u64> = HashMap::new();
         for r in &rows {
             let name: &str = r.try_get(0)?;
@@ -884,8 +958,10 @@ impl PgOutbox {
 
     /// The `(time, id)` of the one row `sql` returns, if any.
     fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
-        let mut conn = self.shared.conn()?;
-        let Some(r) = conn.query_opt(sql, &[])? else {
+        let Some(r) = self
+            .shared
+            .run(Mode::Read, |conn| conn.db().query_opt(sql, &[]))?
+        else {
             return Ok(None);
         };
         let (at, id): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
@@ -911,15 +987,15 @@ impl PgOutbox {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let status = filter.status_filter().map(status_name);
         let destination = filter.destination_filter().map(str::as_bytes);
-        let mut conn = self.shared.conn()?;
-        let rows = conn.query(
-            &format!(
-                "{} WHERE o.id >= $1 AND ($2::text IS NULL OR o.status = $2) \
-                 AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
-                self.select_records()
-            ),
-            &[&start, &status, &destination, &limit],
-        )?;
+        let sql = format!(
+            "{} WHERE o.id >= $1 AND ($2::text IS NULL OR o.status = $2) \
+             AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
+            self.select_records()
+        );
+        let rows = self.shared.run(Mode::Read, |conn| {
+            conn.db()
+                .query(&sql, &[&start, &status, &destination, &limit])
+        })?;
         rows.iter().map(read_record).collect()
     }
 
@@ -931,6 +1007,7 @@ impl PgOutbox {
     pub fn check_indexes(&self) -> Result<Vec<String>> {
         let mut findings = Vec::new();
         let mut conn = self.shared.conn()?;
+        let conn = &mut conn.client;
         for r in conn.query(&self.select_records(), &[])? {
             if let Err(e) = read_record(&r) {
                 findings.push(e.to_string());

@@ -63,6 +63,12 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
         Command::Compact { file } => compact(file, json),
         Command::Check { file } => check(file, json),
         Command::Export { file, .. } => export(file),
+        Command::Migrate {
+            file,
+            to_postgres,
+            schema,
+            batch,
+        } => crate::migrate::run(file, to_postgres, schema.as_deref(), *batch, json),
     }
 }
 

@@ -20,6 +20,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
 mod commands;
+mod migrate;
 mod output;
 mod time;
 
@@ -94,6 +95,32 @@ pub(crate) enum Command {
         /// One JSON object per line (the only format).
         #[arg(long, required = true)]
         jsonl: bool,
+    },
+    /// Copy a store's inboxes, outbox records and idempotency records into
+    /// PostgreSQL, for `idemstore::postgres::PgStore`.
+    ///
+    /// Copies every inbox key with its time, every outbox record (any
+    /// status, with its id, claim and attempt history) and every
+    /// idempotency record (responses, and reservations with their fences),
+    /// in batches of one transaction each. A row already there is left
+    /// alone: running it again copies nothing twice. Prints the counts on
+    /// both sides. Needs a build with the `postgres` feature.
+    ///
+    /// Stop the program that writes the file first (or what it writes
+    /// meanwhile may or may not be copied).
+    Migrate {
+        /// The store file.
+        file: PathBuf,
+        /// The server: a libpq connection string or URL
+        /// (host=/run/postgresql user=app dbname=app).
+        #[arg(long = "to-postgres", value_name = "URL")]
+        to_postgres: String,
+        /// The schema to copy into (created if absent). Default: idemstore.
+        #[arg(long)]
+        schema: Option<String>,
+        /// Rows per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        batch: u32,
     },
 }
 

@@ -1,0 +1,340 @@
+//! The PostgreSQL backend beside hand-written SQL through the same kind of
+//! pool, one run, medians of 3.
+//!
+//! ```text
+//! .ci/postgres run -- cargo run --release -p idemstore-benches --features postgres \
+//!     --bin pg_throughput            # add `-- --quick` for shorter runs
+//! ```
+//!
+//! - durable inbox claims at 1/16/64 threads: `PgInbox::claim` vs a raw
+//!   `INSERT … ON CONFLICT DO NOTHING` (one round trip each; an r2d2 pool of
+//!   plain clients, no test on checkout);
+//! - `claim_due(100)` with 200k vs 5k entries pending;
+//! - draining 20k entries with 4 workers: `settle_and_claim` loops (what a
+//!   dispatcher runs between batches) vs a hand-rolled `UPDATE … WHERE id IN
+//!   (SELECT … FOR UPDATE SKIP LOCKED) RETURNING` and `UPDATE … SET status =
+//!   'completed'` loop on a copy of the same tables; and the same drain by 3
+//!   processes vs 1.
+//!
+//! Every figure is measured in this run against the same server, so the
+//! ratios are what to read.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use idemstore::postgres::PgStore;
+use idemstore::postgres::postgres::types::Type;
+use idemstore::postgres::postgres::{Client, NoTls};
+use idemstore::{Fence, Settlement};
+use r2d2_postgres::PostgresConnectionManager;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const DRAIN: i64 = 20_000;
+const BATCH: usize = 32;
+
+fn main() -> R<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let url = std::env::var("IDEMSTORE_TEST_POSTGRES")
+        .map_err(|_| "set IDEMSTORE_TEST_POSTGRES (see .ci/postgres)")?;
+    if args.get(1).map(String::as_str) == Some("--drain-child") {
+        let secs = drain_ours(&url, &args[2], args[3].parse()?)?;
+        println!("{secs}");
+        return Ok(());
+    }
+    let quick = args.iter().any(|a| a == "--quick");
+    let run_for = Duration::from_millis(if quick { 500 } else { 2000 });
+    let tag = format!("{}", std::process::id());
+    let mut admin = Client::connect(&url, NoTls)?;
+
+    println!(
+        "PostgreSQL backend, medians of 3 ({} s per claim cell)\n",
+        run_for.as_secs_f64()
+    );
+    println!("durable inbox claims per second");
+    println!(
+        "{:>8} | {:>12} | {:>12} | {:>7}",
+        "threads", "idemstore", "raw INSERT", "ratio"
+    );
+    println!("{}", "-".repeat(50));
+    for threads in [1usize, 16, 64] {
+        let schema = format!("bench_claims_{tag}_{threads}");
+        let ours = median3(|| claims_ours(&url, &schema, threads, run_for))?;
+        let raw = median3(|| claims_raw(&url, &schema, threads, run_for))?;
+        println!(
+            "{threads:>8} | {ours:>12.0} | {raw:>12.0} | {:>6.2}×",
+            ours / raw
+        );
+        admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+    }
+
+    println!("\nclaim_due(100), ms per call");
+    let schema = format!("bench_due_{tag}");
+    let small = median3(|| claim_due_ms(&url, &schema, 5_000))?;
+    let large = median3(|| claim_due_ms(&url, &schema, 200_000))?;
+    println!("{:>16} | {:>8.3}", "5k pending", small);
+    println!("{:>16} | {:>8.3}", "200k pending", large);
+    println!("{:>16} | {:>7.2}×", "200k / 5k", large / small);
+    admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+
+    println!("\ndrain of {DRAIN} entries, batches of {BATCH}, entries per second");
+    let schema = format!("bench_drain_{tag}");
+    PgStore::builder().schema(&schema).connect(&url)?;
+    let ours = median3(|| {
+        fill(&url, &schema, DRAIN)?;
+        Ok(DRAIN as f64 / drain_ours(&url, &schema, 4)?)
+    })?;
+    let raw = median3(|| {
+        fill(&url, &schema, DRAIN)?;
+        Ok(DRAIN as f64 / drain_raw(&url, &schema, 4)?)
+    })?;
+    let procs = median3(|| {
+        fill(&url, &schema, DRAIN)?;
+        let exe = std::env::current_exe()?;
+        let start = Instant::now();
+        let children = (0..3)
+            .map(|_| {
+                Command::new(&exe)
+                    .args(["--drain-child", &schema, "4"])
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for mut c in children {
+            if !c.wait()?.success() {
+                return Err("a drain child failed".into());
+            }
+        }
+        Ok(DRAIN as f64 / start.elapsed().as_secs_f64())
+    })?;
+    println!(
+        "{:>42} | {ours:>9.0}",
+        "idemstore, 4 workers (settle_and_claim)"
+    );
+    println!("{:>42} | {raw:>9.0}", "hand-rolled SKIP LOCKED, 4 workers");
+    println!("{:>42} | {:>8.2}×", "ratio", ours / raw);
+    println!(
+        "{:>42} | {procs:>9.0}",
+        "idemstore, 3 processes × 4 workers"
+    );
+    println!("{:>42} | {:>8.2}×", "3 processes / 1", procs / ours);
+    admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+    Ok(())
+}
+
+fn median3(mut f: impl FnMut() -> R<f64>) -> R<f64> {
+    let mut v = [f()?, f()?, f()?];
+    v.sort_by(f64::total_cmp);
+    Ok(v[1])
+}
+
+/// Runs `op(thread, i)` on `threads` threads for `run_for`; ops per second.
+fn per_second(
+    threads: usize,
+    run_for: Duration,
+    op: impl Fn(usize, u64) -> R<()> + Sync,
+) -> R<f64> {
+    let done = AtomicU64::new(0);
+    let barrier = Barrier::new(threads);
+    let start = Instant::now();
+    std::thread::scope(|s| -> R<()> {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (op, done, barrier) = (&op, &done, &barrier);
+                s.spawn(move || -> R<()> {
+                    barrier.wait();
+                    let begin = Instant::now();
+                    let mut i = 0;
+                    while begin.elapsed() < run_for {
+                        op(t, i)?;
+                        i += 1;
+                    }
+                    done.fetch_add(i, Ordering::Relaxed);
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "a thread panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+}
+
+static RUN: AtomicU64 = AtomicU64::new(0);
+
+fn claims_ours(url: &str, schema: &str, threads: usize, run_for: Duration) -> R<f64> {
+    let store = PgStore::builder()
+        .schema(schema)
+        .pool_size(u32::try_from(threads)?)
+        .connect(url)?;
+    let inbox = store.inbox("bench")?;
+    let run = RUN.fetch_add(1, Ordering::Relaxed);
+    let now = Utc::now();
+    per_second(threads, run_for, |t, i| {
+        inbox.claim(&format!("o{run}-{t}-{i}"), now)?;
+        Ok(())
+    })
+}
+
+fn claims_raw(url: &str, schema: &str, threads: usize, run_for: Duration) -> R<f64> {
+    let pool = r2d2::Pool::builder()
+        .max_size(u32::try_from(threads)?)
+        .test_on_check_out(false)
+        .build(PostgresConnectionManager::new(url.parse()?, NoTls))?;
+    let sql = format!(
+        "INSERT INTO {schema}.inbox (inbox, event_key, seen_at) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING"
+    );
+    let run = RUN.fetch_add(1, Ordering::Relaxed);
+    let now = Utc::now().timestamp_micros();
+    per_second(threads, run_for, |t, i| {
+        let mut c = pool.get()?;
+        let key = format!("r{run}-{t}-{i}");
+        // One round trip: parameters typed here, no prepare.
+        c.query_typed(
+            &sql,
+            &[
+                (&"bench", Type::TEXT),
+                (&key.as_bytes(), Type::BYTEA),
+                (&now, Type::INT8),
+            ],
+        )?;
+        Ok(())
+    })
+}
+
+/// Fills `schema`'s outbox with `n` due pending entries (after emptying it).
+fn fill(url: &str, schema: &str, n: i64) -> R<()> {
+    let mut c = Client::connect(url, NoTls)?;
+    c.batch_execute(&format!("TRUNCATE {schema}.outbox CASCADE"))?;
+    c.execute(
+        &format!(
+            "INSERT INTO {schema}.outbox (command_id, destination, idempotency_key, payload, \
+             status, attempt_count, created_at) \
+             SELECT 'c'::bytea, 'mailer'::bytea, convert_to('k' || g, 'UTF8'), '\\x00'::bytea, \
+                    'pending', 0, g FROM generate_series(1, $1::bigint) g"
+        ),
+        &[&n],
+    )?;
+    c.batch_execute(&format!("VACUUM ANALYZE {schema}.outbox"))?;
+    Ok(())
+}
+
+/// Median ms of 20 `claim_due(100)` calls with `pending` entries due.
+fn claim_due_ms(url: &str, schema: &str, pending: i64) -> R<f64> {
+    let store = PgStore::builder()
+        .schema(schema)
+        .pool_size(1)
+        .connect(url)?;
+    fill(url, schema, pending)?;
+    let outbox = store.outbox();
+    let now = Utc::now();
+    outbox.claim_due(now, 100, "warm")?;
+    let mut ms = Vec::new();
+    for _ in 0..20 {
+        let start = Instant::now();
+        let got = outbox.claim_due(now, 100, "w")?;
+        ms.push(start.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(got.len(), 100);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
+/// Drains `schema`'s outbox with `workers` threads of `settle_and_claim`
+/// loops (each sending nothing and completing every entry); seconds.
+///
+/// DISPATCHER: this is the loop a `Dispatcher`'s workers run, written out
+/// because `Dispatcher::builder` does not take a `PgOutbox` yet. Once it
+/// does, measure `Dispatcher::builder(outbox).workers(4)` with a sender
+/// that completes every entry here instead, as `benches/dispatch.rs` does
+/// for the embedded store.
+fn drain_ours(url: &str, schema: &str, workers: usize) -> R<f64> {
+    let store = PgStore::builder()
+        .schema(schema)
+        .pool_size(u32::try_from(workers)?)
+        .connect(url)?;
+    let outbox = store.outbox();
+    let start = Instant::now();
+    std::thread::scope(|s| -> R<()> {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                let outbox = outbox.clone();
+                s.spawn(move || -> R<()> {
+                    let worker = format!("w{}-{w}", std::process::id());
+                    let mut done: Vec<(Fence, Settlement)> = Vec::new();
+                    loop {
+                        let (_, claimed) =
+                            outbox.settle_and_claim(done.drain(..), Utc::now(), BATCH, &worker)?;
+                        if claimed.is_empty() {
+                            return Ok(());
+                        }
+                        done.extend(claimed.iter().map(|e| (e.fence(), Settlement::Completed)));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "a worker panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// The same drain by hand: claim a batch with `SKIP LOCKED`, complete it.
+fn drain_raw(url: &str, schema: &str, workers: usize) -> R<f64> {
+    let pool = Arc::new(
+        r2d2::Pool::builder()
+            .max_size(u32::try_from(workers)?)
+            .test_on_check_out(false)
+            .build(PostgresConnectionManager::new(url.parse()?, NoTls))?,
+    );
+    let claim = format!(
+        "UPDATE {schema}.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, \
+         worker_id = $3, claimed_at = $1 \
+         WHERE id IN (SELECT id FROM {schema}.outbox \
+             WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 \
+             ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 \
+             FOR UPDATE SKIP LOCKED) \
+         RETURNING id, payload"
+    );
+    let complete = format!(
+        "UPDATE {schema}.outbox SET status = 'completed', completed_at = $2, \
+         worker_id = NULL, claimed_at = NULL WHERE id = ANY($1)"
+    );
+    let start = Instant::now();
+    std::thread::scope(|s| -> R<()> {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                let (pool, claim, complete) = (pool.clone(), &claim, &complete);
+                s.spawn(move || -> R<()> {
+                    let worker = format!("raw-{w}").into_bytes();
+                    let limit = i64::try_from(BATCH)?;
+                    // Statements are per connection: the worker keeps one.
+                    let mut c = pool.get()?;
+                    let (claim, complete) = (c.prepare(claim)?, c.prepare(complete)?);
+                    loop {
+                        let now = Utc::now().timestamp_micros();
+                        let rows = c.query(&claim, &[&now, &limit, &worker])?;
+                        if rows.is_empty() {
+                            return Ok(());
+                        }
+                        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+                        c.execute(&complete, &[&ids, &now])?;
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "a worker panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(start.elapsed().as_secs_f64())
+}

@@ -1,0 +1,182 @@
+//! `idemstore migrate FILE --to-postgres URL`: a store file's rows into
+//! PostgreSQL.
+//!
+//! Reads the file through its public calls (page by page, as `export`
+//! does) and writes each page in one transaction through the PostgreSQL
+//! store's import calls, which insert with `ON CONFLICT DO NOTHING` and
+//! keep outbox ids and fences as they are. Then counts both sides.
+
+use std::path::Path;
+
+use crate::{Failure, Outcome};
+
+#[cfg(not(feature = "postgres"))]
+pub(crate) fn run(
+    _file: &Path,
+    _url: &str,
+    _schema: Option<&str>,
+    _batch: u32,
+    _json: bool,
+) -> Result<Outcome, Failure> {
+    Err(Failure(
+        "this idemstore was built without PostgreSQL support; install it with \
+         `cargo install idemstore --features cli,postgres`"
+            .into(),
+    ))
+}
+
+#[cfg(feature = "postgres")]
+pub(crate) use with_postgres::run;
+
+#[cfg(feature = "postgres")]
+mod with_postgres {
+    use super::{Failure, Outcome, Path};
+
+    use chrono::{DateTime, Utc};
+    use idemstore::postgres::PgStore;
+    use idemstore::{KeyState, OutboxFilter, Store};
+    use serde_json::json;
+
+    use crate::open;
+    use crate::output::{bar, print_json};
+
+    /// One kind of row: how many the file holds, how many the server holds
+    /// afterwards, how many this run copied.
+    #[derive(Default)]
+    struct Tally {
+        source: u64,
+        target: u64,
+        copied: u64,
+    }
+
+    impl Tally {
+        fn json(&self) -> serde_json::Value {
+            json!({"source": self.source, "target": self.target, "copied": self.copied})
+        }
+    }
+
+    pub(crate) fn run(
+        file: &Path,
+        url: &str,
+        schema: Option<&str>,
+        batch: u32,
+        json: bool,
+    ) -> Result<Outcome, Failure> {
+        let store = open(file)?;
+        let mut builder = PgStore::builder().pool_size(2);
+        if let Some(s) = schema {
+            builder = builder.schema(s);
+        }
+        let pg = builder.connect(url).map_err(|e| {
+            Failure(format!(
+                "cannot use the PostgreSQL server at {url:?}: {}",
+                Failure::from(e).0
+            ))
+        })?;
+        let batch = usize::try_from(batch).unwrap_or(1000);
+        let names = store.inbox_names()?;
+        let mut inboxes = Tally::default();
+        for name in &names {
+            inboxes.source += store.inbox(name)?.len()?;
+        }
+        let outbox_source = store.outbox().counts()?.total();
+        let summary = store.idempotency_keys().summary()?;
+        let keys_source = summary.completed + summary.reserved;
+        let pb = bar(inboxes.source + outbox_source + keys_source, "copying");
+
+        for name in &names {
+            let inbox = store.inbox(name)?;
+            let mut after: Option<(DateTime<Utc>, String)> = None;
+            loop {
+                let page = inbox.list(after.as_ref().map(|(at, k)| (*at, k.as_str())), batch)?;
+                let Some((k, at)) = page.last() else { break };
+                after = Some((*at, k.clone()));
+                inboxes.copied += pg.import_inbox(name, &page)?;
+                pb.inc(page.len() as u64);
+            }
+            inboxes.target += pg.inbox(name)?.len()?;
+        }
+
+        let mut outbox = Tally {
+            source: outbox_source,
+            ..Tally::default()
+        };
+        let source_outbox = store.outbox();
+        let mut filter = OutboxFilter::any();
+        loop {
+            let page = source_outbox.list(&filter, batch)?;
+            let Some(last) = page.last() else { break };
+            filter = filter.after(last.entry.id);
+            outbox.copied += pg.import_outbox(&page)?;
+            pb.inc(page.len() as u64);
+        }
+        outbox.target = pg.outbox().counts()?.total();
+
+        let mut keys = Tally {
+            source: keys_source,
+            ..Tally::default()
+        };
+        copy_keys(&store, &pg, batch, &mut keys, &pb)?;
+        let s = pg.idempotency_keys().summary()?;
+        keys.target = s.completed + s.reserved;
+        pb.finish_and_clear();
+
+        if json {
+            print_json(&json!({
+                "file": file.display().to_string(),
+                "schema": pg.schema(),
+                "inboxes": {
+                    "names": names.len(),
+                    "source": inboxes.source,
+                    "target": inboxes.target,
+                    "copied": inboxes.copied,
+                },
+                "outbox": outbox.json(),
+                "idempotency_keys": keys.json(),
+            }));
+        } else {
+            println!("{} → PostgreSQL schema {}", file.display(), pg.schema());
+            println!(
+                "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
+                inboxes.source,
+                names.len(),
+                inboxes.target,
+                inboxes.copied
+            );
+            println!(
+                "outbox: {} records → {} rows ({} copied)",
+                outbox.source, outbox.target, outbox.copied
+            );
+            println!(
+                "idempotency keys: {} records → {} rows ({} copied)",
+                keys.source, keys.target, keys.copied
+            );
+        }
+        Ok(Outcome::Ok)
+    }
+
+    /// The idempotency records with their responses, a batch at a time.
+    fn copy_keys(
+        store: &Store,
+        pg: &PgStore,
+        batch: usize,
+        keys: &mut Tally,
+        pb: &indicatif::ProgressBar,
+    ) -> Result<(), Failure> {
+        let idem = store.idempotency_keys();
+        let all = idem.list(None, usize::MAX)?;
+        for chunk in all.chunks(batch) {
+            let mut rows = Vec::with_capacity(chunk.len());
+            for k in chunk {
+                let response = match k.state {
+                    KeyState::Completed { .. } => idem.response(&k.tenant, &k.key)?,
+                    KeyState::Reserved { .. } => None,
+                };
+                rows.push((k.clone(), response));
+            }
+            keys.copied += pg.import_idempotency(&rows)?;
+            pb.inc(chunk.len() as u64);
+        }
+        Ok(())
+    }
+}

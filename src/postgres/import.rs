@@ -1,0 +1,273 @@
+//! Rows copied in from another store, as they are: the writes of the
+//! `idemstore migrate --to-postgres` command, which reads an embedded store
+//! through its public calls and hands its rows here in batches.
+//!
+//! Each batch is one transaction of `INSERT … ON CONFLICT DO NOTHING`
+//! statements, so a row already there (from an earlier run) is left alone
+//! and copying again copies nothing twice. Outbox ids and fence tokens are
+//! kept as they are; the sequences that hand out new ones are then moved
+//! past the largest copied, under a lock of the table (writers of this
+//! table wait for the batch), so that the server never hands out a copied
+//! id or fence again.
+//!
+//! Not a stable API: these calls exist for the command and may change with
+//! it.
+
+use ::postgres::GenericClient;
+use chrono::{DateTime, Utc};
+
+use super::PgStore;
+use super::conn::{Db, Mode};
+use super::outbox::status_name;
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::idempotency::{KeyEntry, KeyState, ResponseRecord};
+use crate::inbox::{check_event_key, check_inbox_name};
+use crate::outbox::{OutboxRecord, OutboxStatus};
+
+impl PgStore {
+    /// Copies the keys of inbox `inbox` with their claim times; returns how
+    /// many were not there yet.
+    #[doc(hidden)]
+    pub fn import_inbox(&self, inbox: &str, keys: &[(String, DateTime<Utc>)]) -> Result<u64> {
+        check_inbox_name(inbox)?;
+        for (k, _) in keys {
+            check_event_key(k)?;
+        }
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let s = self.schema();
+        let sql = format!(
+            "INSERT INTO {s}.inbox (inbox, event_key, seen_at) \
+             SELECT $1, k, t FROM unnest($2::bytea[], $3::bigint[]) AS u(k, t) \
+             ON CONFLICT DO NOTHING"
+        );
+        let names: Vec<&[u8]> = keys.iter().map(|(k, _)| k.as_bytes()).collect();
+        let times: Vec<i64> = keys.iter().map(|(_, t)| micros(*t)).collect();
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| db.execute(&sql, &[&inbox, &names, &times]))
+        })
+    }
+
+    /// Copies outbox records with their ids, status, claim and attempt
+    /// history; returns how many were not there yet (neither their id nor
+    /// their `(destination, idempotency_key)`).
+    #[doc(hidden)]
+    pub fn import_outbox(&self, records: &[OutboxRecord]) -> Result<u64> {
+        if records.is_empty() {
+            return Ok(0);
+        }
+        let s = self.schema().to_owned();
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                db.execute(
+                    &format!("LOCK TABLE {s}.outbox IN SHARE ROW EXCLUSIVE MODE"),
+                    &[],
+                )?;
+                let mut copied = 0;
+                for r in records {
+                    if insert_record(db, &s, r)? {
+                        copied += 1;
+                    }
+                }
+                bump_outbox_ids(db, &s)?;
+                Ok(copied)
+            })
+        })
+    }
+
+    /// Copies idempotency records — completed responses (each with its
+    /// stored response) and reservations — with their fences; returns how
+    /// many were not there yet. A completed entry without its response
+    /// (purged meanwhile) is skipped.
+    #[doc(hidden)]
+    pub fn import_idempotency(&self, rows: &[(KeyEntry, Option<ResponseRecord>)]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let s = self.schema().to_owned();
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                db.execute(
+                    &format!("LOCK TABLE {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
+                    &[],
+                )?;
+                let mut copied = 0;
+                for (entry, response) in rows {
+                    if insert_key(db, &s, entry, response.as_ref())? {
+                        copied += 1;
+                    }
+                }
+                // Past the largest fence copied, never back.
+                db.execute(
+                    &format!(
+                        "SELECT setval('{s}.idempotency_fence', m) \
+                         FROM (SELECT max(fence) AS m FROM {s}.idempotency) x \
+                         WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END \
+                                    FROM {s}.idempotency_fence)"
+                    ),
+                    &[],
+                )?;
+                Ok(copied)
+            })
+        })
+    }
+}
+
+/// Inserts record `r` unless its id or `(destination, idempotency_key)` is
+/// there; then its attempt history. `true` if inserted.
+fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord) -> Result<bool> {
+    let e = &r.entry;
+    let id = i64::try_from(e.id.0)
+        .map_err(|_| Error::invalid("id", format!("{} is beyond PostgreSQL's bigint", e.id.0)))?;
+    let attempt = match e.status {
+        OutboxStatus::Dispatching => r.claim.as_ref(),
+        OutboxStatus::OutcomeUnknown => r.attempt_in_doubt.as_ref(),
+        _ => None,
+    };
+    let worker = attempt.map(|a| a.worker_id.as_bytes());
+    let claimed_at = attempt.map(|a| micros(a.claimed_at));
+    let inserted = db.query_opt(
+        &format!(
+            "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
+             status, attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
+             claimed_at, last_failure, remote_ref) OVERRIDING SYSTEM VALUE \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+             ON CONFLICT DO NOTHING RETURNING id"
+        ),
+        &[
+            &id,
+            &e.command_id.as_bytes(),
+            &e.destination.as_bytes(),
+            &e.idempotency_key.as_bytes(),
+            &e.payload,
+            &status_name(e.status),
+            &i64::from(e.attempt_count),
+            &e.next_attempt_at.map(micros),
+            &micros(e.created_at),
+            &e.completed_at.map(micros),
+            &worker,
+            &claimed_at,
+            &r.last_failure.as_deref().map(str::as_bytes),
+            &r.remote_ref.as_deref().map(str::as_bytes),
+        ],
+    )?;
+    if inserted.is_none() {
+        return Ok(false);
+    }
+    if !r.attempts.is_empty() {
+        let attempts: Vec<i64> = r.attempts.iter().map(|a| i64::from(a.attempt)).collect();
+        let ats: Vec<i64> = r.attempts.iter().map(|a| micros(a.at)).collect();
+        let reasons: Vec<&[u8]> = r.attempts.iter().map(|a| a.reason.as_bytes()).collect();
+        let refs: Vec<Option<&[u8]>> = r
+            .attempts
+            .iter()
+            .map(|a| a.remote_ref.as_deref().map(str::as_bytes))
+            .collect();
+        db.execute(
+            &format!(
+                "INSERT INTO {s}.outbox_attempts (id, seq, attempt, at, reason, remote_ref) \
+                 SELECT $1, n - 1, a, t, r, rr \
+                 FROM unnest($2::bigint[], $3::bigint[], $4::bytea[], $5::bytea[]) \
+                     WITH ORDINALITY AS u(a, t, r, rr, n)"
+            ),
+            &[&id, &attempts, &ats, &reasons, &refs],
+        )?;
+    }
+    Ok(true)
+}
+
+/// Moves the outbox's id sequence past the largest id, never back.
+fn bump_outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<()> {
+    let seq: String = db
+        .query_one(
+            "SELECT pg_get_serial_sequence($1, 'id')",
+            &[&format!("{s}.outbox")],
+        )?
+        .try_get(0)?;
+    // The name comes from the catalog, quoted where it needs to be.
+    db.execute(
+        &format!(
+            "SELECT setval('{seq}', m) FROM (SELECT max(id) AS m FROM {s}.outbox) x \
+             WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
+        ),
+        &[],
+    )?;
+    Ok(())
+}
+
+/// Inserts the idempotency record `entry` unless its key is there. `true`
+/// if inserted.
+fn insert_key(
+    db: &mut Db<'_, impl GenericClient>,
+    s: &str,
+    entry: &KeyEntry,
+    response: Option<&ResponseRecord>,
+) -> Result<bool> {
+    let fence = i64::try_from(entry.fence).map_err(|_| {
+        Error::invalid(
+            "fence",
+            format!("{} is beyond PostgreSQL's bigint", entry.fence),
+        )
+    })?;
+    let (created_at, lease_until, status, content_type, names, values, body) =
+        match (&entry.state, response) {
+            (
+                KeyState::Reserved {
+                    reserved_at,
+                    lease_until,
+                },
+                _,
+            ) => (
+                micros(*reserved_at),
+                Some(micros(*lease_until)),
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+            (KeyState::Completed { .. }, Some(r)) => (
+                micros(r.created_at),
+                None,
+                Some(i32::from(r.response_status)),
+                r.content_type.as_deref(),
+                Some(
+                    r.headers
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>(),
+                ),
+                Some(
+                    r.headers
+                        .iter()
+                        .map(|(_, v)| v.as_str())
+                        .collect::<Vec<_>>(),
+                ),
+                Some(r.response_body.as_slice()),
+            ),
+            (KeyState::Completed { .. }, None) => return Ok(false),
+        };
+    let n = db.execute(
+        &format!(
+            "INSERT INTO {s}.idempotency (tenant, idem_key, fingerprint, fence, created_at, \
+             lease_until, status, content_type, header_names, header_values, body) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING"
+        ),
+        &[
+            &entry.tenant.as_bytes(),
+            &entry.key.as_bytes(),
+            &entry.fingerprint.as_bytes(),
+            &fence,
+            &created_at,
+            &lease_until,
+            &status,
+            &content_type,
+            &names,
+            &values,
+            &body,
+        ],
+    )?;
+    Ok(n == 1)
+}

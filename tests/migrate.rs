@@ -1,0 +1,356 @@
+//! `idemstore migrate FILE --to-postgres URL`: every row of a store file,
+//! of every kind, copied into PostgreSQL as it was, once however often the
+//! command runs.
+//!
+//! Needs `IDEMSTORE_TEST_POSTGRES` for the copies (see
+//! `tests/contract_pg.rs`); without it those tests say so and pass, except
+//! under `CI=true`.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
+use idemstore::postgres::PgStore;
+use idemstore::postgres::postgres::{Client, NoTls};
+use idemstore::{
+    Begin, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus, ResponseRecord, Settlement,
+    Store,
+};
+use serde_json::Value;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn url() -> Option<String> {
+    match std::env::var("IDEMSTORE_TEST_POSTGRES") {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI=true but IDEMSTORE_TEST_POSTGRES is not set"
+            );
+            eprintln!("skipped: IDEMSTORE_TEST_POSTGRES is not set");
+            None
+        }
+    }
+}
+
+fn unique_schema() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("mig_{}_{nanos}", std::process::id())
+}
+
+fn t(s: i64) -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2025, 3, 1, 0, 0, 0).unwrap() + Duration::seconds(s)
+}
+
+fn run(args: &[&str]) -> std::io::Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .output()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs `migrate --json` and parses its report.
+fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::error::Error>> {
+    let file = file.to_str().ok_or("path")?;
+    let o = run(&[
+        "--json",
+        "migrate",
+        file,
+        "--to-postgres",
+        url,
+        "--schema",
+        schema,
+        "--batch",
+        "7",
+    ])?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
+fn response(tenant: &str, key: &str, fp: &str, at: DateTime<Utc>) -> ResponseRecord {
+    ResponseRecord {
+        tenant: tenant.into(),
+        idempotency_key: key.into(),
+        request_fingerprint: fp.into(),
+        response_status: 201,
+        content_type: Some("application/json".into()),
+        headers: vec![
+            ("x-request-id".into(), "r1".into()),
+            ("etag".into(), "\"1\"".into()),
+        ],
+        response_body: b"{\"ok\":true}".to_vec(),
+        created_at: at,
+    }
+}
+
+/// A store file with rows of every kind: two inboxes, outbox entries in
+/// every status with attempt histories, responses and a live reservation.
+/// Returns the id of the entry left `Dispatching`.
+fn fill(store: &Store) -> Result<OutboxId, Box<dyn std::error::Error>> {
+    let payments = store.inbox("payments")?;
+    for i in 0..30 {
+        assert!(payments.claim(&format!("evt-{i:02}"), t(i))?);
+    }
+    store.inbox("webhooks")?.claim("hook\u{0}with nul", t(5))?;
+
+    let outbox = store.outbox();
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let e = NewEntry::new(
+            format!("cmd-{}", i % 3),
+            "mailer",
+            format!("k{i}"),
+            vec![u8::try_from(i)?; 3],
+        );
+        let Enqueued::New(id) = outbox.enqueue(e, t(100 + i))? else {
+            panic!("new")
+        };
+        ids.push(id);
+    }
+    // The seven earliest are claimed; ids[7] stays pending, never tried.
+    let claimed = outbox.claim_due(t(200), 7, "w1")?;
+    assert_eq!(claimed.len(), 7);
+    let fence = |id: OutboxId| claimed.iter().find(|e| e.id == id).unwrap().fence();
+    outbox.settle(fence(ids[1]), Settlement::Completed, t(201))?;
+    outbox.settle(
+        fence(ids[2]),
+        Settlement::Failed {
+            reason: "http_500".into(),
+            next_attempt_at: Some(t(300)),
+        },
+        t(202),
+    )?;
+    outbox.settle(
+        fence(ids[3]),
+        Settlement::Failed {
+            reason: "bad_address".into(),
+            next_attempt_at: None,
+        },
+        t(203),
+    )?;
+    outbox.settle(
+        fence(ids[4]),
+        Settlement::OutcomeUnknown {
+            remote_ref: Some("remote-4".into()),
+        },
+        t(204),
+    )?;
+    outbox.settle(
+        fence(ids[5]),
+        Settlement::Rescheduled {
+            next_attempt_at: t(400),
+        },
+        t(205),
+    )?;
+    outbox.settle(
+        fence(ids[6]),
+        Settlement::Failed {
+            reason: "timeout".into(),
+            next_attempt_at: Some(t(206)),
+        },
+        t(206),
+    )?;
+    outbox.cancel(ids[6], t(207))?;
+    // ids[0] stays Dispatching, claimed by w1 at t(200).
+
+    let keys = store.idempotency_keys();
+    for (tenant, key) in [("", "order-1"), ("acme", "order-1"), ("acme", "order-2")] {
+        let Begin::Proceed(r) = keys.begin(tenant, key, "fp", t(10))? else {
+            panic!("proceed")
+        };
+        assert!(keys.complete(&r, response(tenant, key, "fp", t(11)), t(11))?);
+    }
+    let Begin::Proceed(_held) = keys.begin("acme", "in-flight", "fp2", t(12))? else {
+        panic!("proceed")
+    };
+    Ok(ids[0])
+}
+
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one story: copy, compare every row, work on, copy again"
+)]
+fn every_row_is_copied_as_it_was_and_once() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("app.redb");
+    let store = Store::open(&file)?;
+    let dispatching = fill(&store)?;
+    drop(store);
+    let schema = unique_schema();
+
+    let first = migrate(&file, &url, &schema)?;
+    assert_eq!(first["schema"], schema.as_str());
+    assert_eq!(first["inboxes"]["names"], 2);
+    for (kind, n) in [("inboxes", 31), ("outbox", 8), ("idempotency_keys", 4)] {
+        let v = &first[kind];
+        assert_eq!(v["source"], n, "{kind}: {first}");
+        assert_eq!(v["target"], n, "{kind}: {first}");
+        assert_eq!(v["copied"], n, "{kind}: {first}");
+    }
+
+    // Every row, through the PostgreSQL store's own calls.
+    let store = Store::builder().shared(true).open(&file)?;
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(2)
+        .connect(&url)?;
+    assert_eq!(pg.inbox_names()?, store.inbox_names()?);
+    for name in store.inbox_names()? {
+        assert_eq!(
+            pg.inbox(&name)?.list(None, 1000)?,
+            store.inbox(&name)?.list(None, 1000)?,
+            "{name}"
+        );
+    }
+    let all = store.outbox().list(&OutboxFilter::any(), 1000)?;
+    assert_eq!(all.len(), 8);
+    let statuses: std::collections::BTreeSet<_> = all
+        .iter()
+        .map(|r| format!("{:?}", r.entry.status))
+        .collect();
+    assert_eq!(
+        statuses.len(),
+        OutboxStatus::ALL.len(),
+        "every status: {statuses:?}"
+    );
+    assert!(all.iter().any(|r| !r.attempts.is_empty()));
+    for r in &all {
+        assert_eq!(pg.outbox().get(r.entry.id)?, *r);
+    }
+    assert_eq!(pg.outbox().counts()?, store.outbox().counts()?);
+    let (keys, pg_keys) = (store.idempotency_keys(), pg.idempotency_keys());
+    assert_eq!(pg_keys.list(None, 100)?, keys.list(None, 100)?);
+    for (tenant, key) in [("", "order-1"), ("acme", "order-1"), ("acme", "order-2")] {
+        assert_eq!(pg_keys.response(tenant, key)?, keys.response(tenant, key)?);
+        assert!(pg_keys.response(tenant, key)?.is_some());
+    }
+
+    // The copies work on: the claim's fence, the reservation, the
+    // sequences past every copied id and fence.
+    let held = pg.outbox().get(dispatching)?;
+    let fence = held.entry.fence();
+    pg.outbox().settle(fence, Settlement::Completed, t(500))?;
+    assert!(matches!(
+        pg_keys.begin("acme", "in-flight", "fp2", t(13))?,
+        Begin::InFlight { .. }
+    ));
+    let max_id = all.iter().map(|r| r.entry.id.0).max().unwrap_or(0);
+    let Enqueued::New(id) = pg
+        .outbox()
+        .enqueue(NewEntry::new("c", "mailer", "fresh", b"x".to_vec()), t(600))?
+    else {
+        panic!("new")
+    };
+    assert!(id.0 > max_id, "{id:?} after {max_id}");
+    let max_fence = keys
+        .list(None, 100)?
+        .iter()
+        .map(|k| k.fence)
+        .max()
+        .unwrap_or(0);
+    let Begin::Proceed(r) = pg_keys.begin("", "fresh", "fp", t(600))? else {
+        panic!("proceed")
+    };
+    assert!(r.fence() > max_fence, "{} after {max_fence}", r.fence());
+
+    // Again: nothing copied twice, the file's counts the same; the server
+    // holds the two rows made since.
+    let second = migrate(&file, &url, &schema)?;
+    for (kind, n, target) in [
+        ("inboxes", 31, 31),
+        ("outbox", 8, 9),
+        ("idempotency_keys", 4, 5),
+    ] {
+        let v = &second[kind];
+        assert_eq!(v["source"], n, "{kind}: {second}");
+        assert_eq!(v["target"], target, "{kind}: {second}");
+        assert_eq!(v["copied"], 0, "{kind}: {second}");
+    }
+    // The settlement made on the server stands.
+    assert_eq!(
+        pg.outbox().get(dispatching)?.entry.status,
+        OutboxStatus::Completed
+    );
+
+    // Text for people.
+    let o = run(&[
+        "migrate",
+        file.to_str().ok_or("path")?,
+        "--to-postgres",
+        &url,
+        "--schema",
+        &schema,
+    ])?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout)?;
+    assert!(
+        text.contains("inboxes: 31 keys in 2 inboxes → 31 rows (0 copied)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("outbox: 8 records → 9 rows (0 copied)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idempotency keys: 4 records → 5 rows (0 copied)"),
+        "{text}"
+    );
+
+    drop(pg);
+    Client::connect(&url, NoTls)?.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+    Ok(())
+}
+
+#[test]
+fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("app.redb");
+    drop(Store::open(&file)?);
+    let nowhere = format!(
+        "host={} user=app dbname=app connect_timeout=2",
+        dir.path().join("no-server").display()
+    );
+    let o = run(&[
+        "migrate",
+        file.to_str().ok_or("path")?,
+        "--to-postgres",
+        &nowhere,
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
+    assert!(o.stdout.is_empty());
+
+    let o = run(&[
+        "migrate",
+        file.to_str().ok_or("path")?,
+        "--to-postgres",
+        "port=notaport",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("connection string"), "{}", stderr(&o));
+
+    let missing = dir.path().join("missing.redb");
+    let o = run(&[
+        "migrate",
+        missing.to_str().ok_or("path")?,
+        "--to-postgres",
+        &nowhere,
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
+    assert!(!missing.exists());
+
+    // Bad usage: no server named.
+    let o = run(&["migrate", file.to_str().ok_or("path")?])?;
+    assert_eq!(o.status.code(), Some(2));
+    Ok(())
+}
