@@ -41,7 +41,6 @@ async fn a_server_error_is_503_and_the_handler_does_not_run() -> TestResult {
             .pool_size(2)
             .connect(&url)
     })?;
-    common::pg::keep_until_exit(&store);
     let ran = Arc::new(AtomicUsize::new(0));
     let counter = ran.clone();
     let svc = tower::Layer::layer(

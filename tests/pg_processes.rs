@@ -66,6 +66,19 @@ fn connect(url: &str, schema: &str, pool: u32) -> PgStore {
         .expect("connect to the test server")
 }
 
+#[test]
+fn the_last_handle_of_a_store_may_drop_on_a_runtime_thread() -> TestResult {
+    let _turn = turn();
+    let Some((_url, _schema, _remove, store)) = fresh(2) else {
+        return Ok(());
+    };
+    // A pooled connection is open when the store goes.
+    assert!(store.inbox("drop")?.claim("k", Utc::now())?);
+    let runtime = tokio::runtime::Builder::new_current_thread().build()?;
+    runtime.block_on(async move { drop(store) });
+    Ok(())
+}
+
 fn env_of(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent test"))
 }

@@ -10,8 +10,8 @@
 //!   `INSERT … ON CONFLICT DO NOTHING` (one round trip each; an r2d2 pool of
 //!   plain clients, no test on checkout);
 //! - `claim_due(100)` with 200k vs 5k entries pending;
-//! - draining 20k entries with 4 workers: `settle_and_claim` loops (what a
-//!   dispatcher runs between batches) vs a hand-rolled `UPDATE … WHERE id IN
+//! - draining 20k entries with a `Dispatcher` of 4 workers over a `PgOutbox`
+//!   (sending nothing) vs a hand-rolled `UPDATE … WHERE id IN
 //!   (SELECT … FOR UPDATE SKIP LOCKED) RETURNING` and `UPDATE … SET status =
 //!   'completed'` loop on a copy of the same tables; and the same drain by 3
 //!   processes vs 1.
@@ -28,7 +28,6 @@ use chrono::Utc;
 use idemstore::postgres::PgStore;
 use idemstore::postgres::postgres::types::Type;
 use idemstore::postgres::postgres::{Client, NoTls};
-use idemstore::{Fence, Settlement};
 use r2d2_postgres::PostgresConnectionManager;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -110,15 +109,12 @@ fn main() -> R<()> {
         }
         Ok(DRAIN as f64 / start.elapsed().as_secs_f64())
     })?;
-    println!(
-        "{:>42} | {ours:>9.0}",
-        "idemstore, 4 workers (settle_and_claim)"
-    );
+    println!("{:>42} | {ours:>9.0}", "idemstore Dispatcher, 4 workers");
     println!("{:>42} | {raw:>9.0}", "hand-rolled SKIP LOCKED, 4 workers");
     println!("{:>42} | {:>8.2}×", "ratio", ours / raw);
     println!(
         "{:>42} | {procs:>9.0}",
-        "idemstore, 3 processes × 4 workers"
+        "idemstore Dispatcher, 3 processes × 4"
     );
     println!("{:>42} | {:>8.2}×", "3 processes / 1", procs / ours);
     admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
@@ -246,45 +242,31 @@ fn claim_due_ms(url: &str, schema: &str, pending: i64) -> R<f64> {
     Ok(ms[ms.len() / 2])
 }
 
-/// Drains `schema`'s outbox with `workers` threads of `settle_and_claim`
-/// loops (each sending nothing and completing every entry); seconds.
-///
-/// DISPATCHER: this is the loop a `Dispatcher`'s workers run, written out
-/// because `Dispatcher::builder` does not take a `PgOutbox` yet. Once it
-/// does, measure `Dispatcher::builder(outbox).workers(4)` with a sender
-/// that completes every entry here instead, as `benches/dispatch.rs` does
-/// for the embedded store.
+/// Drains `schema`'s outbox with a `Dispatcher` of `workers` threads
+/// (sending nothing, completing every entry), until no entry is pending or
+/// being sent; seconds.
 fn drain_ours(url: &str, schema: &str, workers: usize) -> R<f64> {
     let store = PgStore::builder()
         .schema(schema)
-        .pool_size(u32::try_from(workers)?)
+        .pool_size(u32::try_from(workers + 2)?)
         .connect(url)?;
     let outbox = store.outbox();
     let start = Instant::now();
-    std::thread::scope(|s| -> R<()> {
-        let handles: Vec<_> = (0..workers)
-            .map(|w| {
-                let outbox = outbox.clone();
-                s.spawn(move || -> R<()> {
-                    let worker = format!("w{}-{w}", std::process::id());
-                    let mut done: Vec<(Fence, Settlement)> = Vec::new();
-                    loop {
-                        let (_, claimed) =
-                            outbox.settle_and_claim(done.drain(..), Utc::now(), BATCH, &worker)?;
-                        if claimed.is_empty() {
-                            return Ok(());
-                        }
-                        done.extend(claimed.iter().map(|e| (e.fence(), Settlement::Completed)));
-                    }
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().map_err(|_| "a worker panicked")??;
+    let dispatcher = idemstore::Dispatcher::builder(outbox.clone())
+        .workers(workers)
+        .batch_size(BATCH)
+        .worker_id(format!("w{}", std::process::id()))
+        .start(|_| idemstore::Delivery::Delivered)?;
+    loop {
+        let c = outbox.counts()?;
+        if c.pending == 0 && c.dispatching == 0 {
+            break;
         }
-        Ok(())
-    })?;
-    Ok(start.elapsed().as_secs_f64())
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let took = start.elapsed().as_secs_f64();
+    dispatcher.shutdown()?;
+    Ok(took)
 }
 
 /// The same drain by hand: claim a batch with `SKIP LOCKED`, complete it.

@@ -115,7 +115,8 @@ type Conn = PooledConnection<Manager>;
 /// What every handle of one [`PgStore`] shares: the pool, the schema and
 /// the limits.
 pub(crate) struct Shared {
-    pool: Pool<Manager>,
+    /// Always `Some` until dropped (see `Drop`).
+    pool: Option<Pool<Manager>>,
     /// The server's address, for the outbox's listening connection.
     config: Config,
     schema: String,
@@ -129,9 +130,31 @@ impl fmt::Debug for Shared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Shared")
             .field("schema", &self.schema)
-            .field("pool", &self.pool.state())
+            .field("pool", &self.pool.as_ref().map(Pool::state))
             .field("max_body", &self.max_body)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Shared {
+    /// Closes the pool's connections on a thread of their own. The
+    /// synchronous client closes a connection by blocking on its own small
+    /// runtime, which panics on a thread that runs a tokio runtime: without
+    /// this, an async program whose last handle drops on a runtime worker
+    /// (a layer's service at shutdown, a task) would abort.
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            let closer = std::thread::Builder::new()
+                .name("idemstore-pg-close".into())
+                .spawn(move || drop(pool));
+            match closer {
+                Ok(closer) => {
+                    let _ = closer.join();
+                }
+                // No thread to be had: close here, as best it can.
+                Err(e) => drop(e),
+            }
+        }
     }
 }
 
@@ -139,7 +162,10 @@ impl Shared {
     /// A pooled connection; [`Error::Postgres`] if none came free (or could
     /// be opened) before the pool's timeout.
     fn conn(&self) -> Result<Conn> {
-        conn::checkout(&self.pool, &self.epoch)
+        let Some(pool) = &self.pool else {
+            return Err(Error::Closed);
+        };
+        conn::checkout(pool, &self.epoch)
     }
 
     /// Runs `op` on a pooled connection, again on another one (at most
@@ -306,7 +332,7 @@ impl PgStoreBuilder {
             .build(Manager::new(config.clone(), epoch.clone()))
             .map_err(errors::pool)?;
         let shared = Arc::new(Shared {
-            pool,
+            pool: Some(pool),
             config,
             schema: self.schema,
             max_body: self.max_body,

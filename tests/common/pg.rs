@@ -54,18 +54,6 @@ pub fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|s| s.spawn(f).join().expect("no panic"))
 }
 
-/// Keeps a handle of `store` until the process exits, so that its pool is
-/// never closed by a drop on a thread that runs a tokio runtime (the
-/// client's `Drop` would panic there: see [`off_runtime`]). For async
-/// tests whose handles end inside their runtime.
-pub fn keep_until_exit(store: &idemstore::postgres::PgStore) {
-    static KEPT: std::sync::Mutex<Vec<idemstore::postgres::PgStore>> =
-        std::sync::Mutex::new(Vec::new());
-    KEPT.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(store.clone());
-}
-
 /// A plain connection to the server.
 pub fn client(url: &str) -> Client {
     Client::connect(url, NoTls).expect("a plain connection to the test server")

@@ -3,9 +3,9 @@
 //!
 //! The synchronous client cannot be called from a thread that runs a tokio
 //! runtime (it runs one of its own inside each call): the calls an async
-//! test makes directly go through [`pg::off_runtime`], and the stores are
-//! kept until the process exits ([`pg::keep_until_exit`]): the client's
-//! `Drop` panics on such a thread too.
+//! test makes directly go through [`pg::off_runtime`]. (A store's last
+//! handle may drop there: the store closes its pool on a thread of its
+//! own.)
 
 use std::any::Any;
 use std::sync::Arc;
@@ -80,7 +80,6 @@ impl Backend for Pg {
     fn open_at(schema: &str) -> Result<Self, Error> {
         let store = pg::off_runtime(|| Self::connect(schema))?;
         // The layer's handles end inside the test's runtime.
-        pg::keep_until_exit(&store);
         Ok(Pg {
             store,
             _remove: None,
