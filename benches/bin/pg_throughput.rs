@@ -14,8 +14,11 @@
 //! - draining 20k entries with a `Dispatcher` of 4 workers over a `PgOutbox`
 //!   (sending nothing) vs a hand-rolled `UPDATE … WHERE id IN
 //!   (SELECT … FOR UPDATE SKIP LOCKED) RETURNING` and `UPDATE … SET status =
-//!   'completed'` loop on a copy of the same tables; and the same drain by 3
-//!   processes vs 1.
+//!   'completed'` loop on a copy of the same tables, and vs a hand-rolled
+//!   loop running the `Dispatcher`'s own statements in its shape (the
+//!   completions fenced by attempt, whole rows returned, one transaction
+//!   per batch), which tells the statements' cost from the dispatcher's;
+//!   and the same drain by 3 processes vs 1.
 //!
 //! Every figure is measured in this run against the same server, so the
 //! ratios are what to read.
@@ -91,7 +94,11 @@ fn main() -> R<()> {
     })?;
     let raw = median3(|| {
         fill(&url, &schema, DRAIN)?;
-        Ok(DRAIN as f64 / drain_raw(&url, &schema, 4)?)
+        Ok(DRAIN as f64 / drain_raw(&url, &schema, 4, Shape::Lean)?)
+    })?;
+    let fenced = median3(|| {
+        fill(&url, &schema, DRAIN)?;
+        Ok(DRAIN as f64 / drain_raw(&url, &schema, 4, Shape::Fenced)?)
     })?;
     let procs = median3(|| {
         fill(&url, &schema, DRAIN)?;
@@ -115,6 +122,11 @@ fn main() -> R<()> {
     println!("{:>42} | {ours:>9.0}", "idemstore Dispatcher, 4 workers");
     println!("{:>42} | {raw:>9.0}", "hand-rolled SKIP LOCKED, 4 workers");
     println!("{:>42} | {:>8.2}×", "ratio", ours / raw);
+    println!(
+        "{:>42} | {fenced:>9.0}",
+        "hand-rolled, the Dispatcher's statements"
+    );
+    println!("{:>42} | {:>8.2}×", "ratio", ours / fenced);
     println!(
         "{:>42} | {procs:>9.0}",
         "idemstore Dispatcher, 3 processes × 4"
@@ -288,27 +300,57 @@ fn drain_ours(url: &str, schema: &str, workers: usize) -> R<f64> {
     Ok(took)
 }
 
-/// The same drain by hand: claim a batch with `SKIP LOCKED`, complete it.
-fn drain_raw(url: &str, schema: &str, workers: usize) -> R<f64> {
+/// How a hand-rolled drain talks to the server.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// The usual loop: claim a batch with `SKIP LOCKED` returning `id,
+    /// payload`, then complete it by id, each statement committing alone.
+    Lean,
+    /// The `Dispatcher`'s statements in its shape: one transaction completes
+    /// the last batch, each row checked against its attempt, and claims the
+    /// next, returning whole rows.
+    Fenced,
+}
+
+/// The same drain by hand, shaped as `shape`; seconds.
+fn drain_raw(url: &str, schema: &str, workers: usize, shape: Shape) -> R<f64> {
     let pool = Arc::new(
         r2d2::Pool::builder()
             .max_size(u32::try_from(workers)?)
             .test_on_check_out(false)
             .build(PostgresConnectionManager::new(url.parse()?, NoTls))?,
     );
+    let (returning, attempt) = match shape {
+        Shape::Lean => ("id, payload", "attempt_count + 1"),
+        Shape::Fenced => (
+            "id, command_id, destination, idempotency_key, payload, status, attempt_count, \
+             next_attempt_at, created_at, completed_at, worker_id, claimed_at, last_failure, \
+             remote_ref",
+            "LEAST(attempt_count + 1, 4294967295)",
+        ),
+    };
     let claim = format!(
-        "UPDATE {schema}.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, \
+        "UPDATE {schema}.outbox SET status = 'dispatching', attempt_count = {attempt}, \
          worker_id = $3, claimed_at = $1 \
          WHERE id IN (SELECT id FROM {schema}.outbox \
              WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 \
              ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 \
              FOR UPDATE SKIP LOCKED) \
-         RETURNING id, payload"
+         RETURNING {returning}"
     );
-    let complete = format!(
-        "UPDATE {schema}.outbox SET status = 'completed', completed_at = $2, \
-         worker_id = NULL, claimed_at = NULL WHERE id = ANY($1)"
-    );
+    let complete = match shape {
+        Shape::Lean => format!(
+            "UPDATE {schema}.outbox SET status = 'completed', completed_at = $2, \
+             worker_id = NULL, claimed_at = NULL WHERE id = ANY($1)"
+        ),
+        Shape::Fenced => format!(
+            "UPDATE {schema}.outbox o SET status = 'completed', completed_at = f.at, \
+             next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+             FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
+             WHERE o.id = f.id AND o.attempt_count = f.fence \
+             AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id"
+        ),
+    };
     let start = Instant::now();
     std::thread::scope(|s| -> R<()> {
         let handles: Vec<_> = (0..workers)
@@ -320,14 +362,35 @@ fn drain_raw(url: &str, schema: &str, workers: usize) -> R<f64> {
                     // Statements are per connection: the worker keeps one.
                     let mut c = pool.get()?;
                     let (claim, complete) = (c.prepare(claim)?, c.prepare(complete)?);
+                    // The batch claimed last, with each entry's attempt.
+                    let (mut ids, mut attempts) = (Vec::<i64>::new(), Vec::<i64>::new());
                     loop {
                         let now = Utc::now().timestamp_micros();
-                        let rows = c.query(&claim, &[&now, &limit, &worker])?;
+                        let rows = match shape {
+                            Shape::Lean => {
+                                if !ids.is_empty() {
+                                    c.execute(&complete, &[&ids, &now])?;
+                                }
+                                c.query(&claim, &[&now, &limit, &worker])?
+                            }
+                            Shape::Fenced => {
+                                let mut tx = c.transaction()?;
+                                if !ids.is_empty() {
+                                    let times = vec![now; ids.len()];
+                                    tx.query(&complete, &[&ids, &attempts, &times])?;
+                                }
+                                let rows = tx.query(&claim, &[&now, &limit, &worker])?;
+                                tx.commit()?;
+                                rows
+                            }
+                        };
                         if rows.is_empty() {
                             return Ok(());
                         }
-                        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-                        c.execute(&complete, &[&ids, &now])?;
+                        ids = rows.iter().map(|r| r.get(0)).collect();
+                        if let Shape::Fenced = shape {
+                            attempts = rows.iter().map(|r| r.get(6)).collect();
+                        }
                     }
                 })
             })
