@@ -5,15 +5,17 @@
 #[path = "contract/mod.rs"]
 mod contract;
 
+#[path = "contract/embedded.rs"]
+mod embedded;
+
 mod fixture {
-    use idemstore::redb::{ReadableTable as _, TableDefinition, WriteTransaction};
-    use idemstore::{Error, Result};
+    use idemstore::Result;
+    use idemstore::redb::WriteTransaction;
+
+    use super::embedded;
 
     pub(crate) type Db = idemstore::Store;
     pub(crate) type Ob = idemstore::Outbox;
-
-    /// The application's own table, written beside the store's rows.
-    const MARKS: TableDefinition<&str, ()> = TableDefinition::new("app.marks");
 
     /// A fresh store in memory.
     pub(crate) struct Fixture {
@@ -42,20 +44,12 @@ mod fixture {
             reason = "the suite's fixture interface: other backends need the fixture"
         )]
         pub(crate) fn mark(&self, tx: &WriteTransaction, key: &str) -> Result<()> {
-            tx.open_table(MARKS)
-                .map_err(Error::from)?
-                .insert(key, ())
-                .map_err(Error::from)?;
-            Ok(())
+            embedded::mark(tx, key)
         }
 
         /// The application rows committed, in key order.
         pub(crate) fn marks(&self) -> Result<Vec<String>> {
-            self.store.read(|tx| match tx.open_table(MARKS) {
-                Ok(t) => t.iter()?.map(|r| Ok(r?.0.value().to_owned())).collect(),
-                Err(idemstore::redb::TableError::TableDoesNotExist(_)) => Ok(Vec::new()),
-                Err(e) => Err(e.into()),
-            })
+            embedded::marks(&self.store)
         }
     }
 }
