@@ -18,28 +18,11 @@ use idemstore::{
 };
 use serde_json::Value;
 
+mod common;
+
+use common::pg::{unique_schema, url};
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-fn url() -> Option<String> {
-    match std::env::var("IDEMSTORE_TEST_POSTGRES") {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "CI=true but IDEMSTORE_TEST_POSTGRES is not set"
-            );
-            eprintln!("skipped: IDEMSTORE_TEST_POSTGRES is not set");
-            None
-        }
-    }
-}
-
-fn unique_schema() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("mig_{}_{nanos}", std::process::id())
-}
 
 fn t(s: i64) -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2025, 3, 1, 0, 0, 0).unwrap() + Duration::seconds(s)

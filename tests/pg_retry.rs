@@ -9,7 +9,6 @@
 //! the test says so and passes, except under `CI=true`.
 
 use std::error::Error as StdError;
-use std::process::Command;
 use std::sync::Mutex;
 use std::thread;
 
@@ -18,24 +17,14 @@ use idemstore::postgres::PgStore;
 use idemstore::postgres::postgres::{Client, NoTls};
 use idemstore::{Begin, Claim, NewEntry, ResponseRecord, Settlement};
 
+mod common;
+
+use common::pg::{Server, url};
+
 type TestResult = Result<(), Box<dyn StdError>>;
 
 /// The tests here end or restart the server's connections: one at a time.
 static SERVER: Mutex<()> = Mutex::new(());
-
-fn url() -> Option<String> {
-    match std::env::var("IDEMSTORE_TEST_POSTGRES") {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "CI=true but IDEMSTORE_TEST_POSTGRES is not set"
-            );
-            eprintln!("skipped: IDEMSTORE_TEST_POSTGRES is not set");
-            None
-        }
-    }
-}
 
 fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2025, 1, 1, 0, 0, 0).unwrap()
@@ -165,63 +154,12 @@ fn every_kind_of_call_survives_connections_the_server_dropped() -> TestResult {
     Ok(())
 }
 
-/// `pg_ctl restart -m immediate` of the test server, when this process can
-/// run it (a local cluster it or the `postgres` user owns); `None` after
-/// saying why not.
-fn restart_server(admin: &mut Client) -> Result<Option<()>, Box<dyn StdError>> {
-    let Ok(row) = admin.query_one("SELECT current_setting('data_directory')", &[]) else {
-        eprintln!("skipped: cannot read the server's data directory (not a superuser)");
-        return Ok(None);
-    };
-    let data: String = row.get(0);
-    let Some(pg_ctl) = std::fs::read_dir("/usr/lib/postgresql").ok().and_then(|d| {
-        let mut bins: Vec<_> = d
-            .filter_map(|e| e.ok().map(|e| e.path().join("bin/pg_ctl")))
-            .filter(|p| p.exists())
-            .collect();
-        bins.sort();
-        bins.pop()
-    }) else {
-        eprintln!("skipped: no pg_ctl under /usr/lib/postgresql");
-        return Ok(None);
-    };
-    let log = std::env::temp_dir().join(format!("idemstore-restart-{}.log", std::process::id()));
-    let args = [
-        pg_ctl.to_str().ok_or("path")?,
-        "-D",
-        &data,
-        "-m",
-        "immediate",
-        "-w",
-        "-l",
-        log.to_str().ok_or("path")?,
-        "restart",
-    ];
-    let root = Command::new("id")
-        .arg("-u")
-        .output()?
-        .stdout
-        .starts_with(b"0\n");
-    let status = if root {
-        Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .args(args)
-            .status()?
-    } else {
-        Command::new(args[0]).args(&args[1..]).status()?
-    };
-    // The restarted server writes its log there; nobody reads it after.
-    let _ = std::fs::remove_file(&log);
-    if !status.success() {
-        eprintln!("skipped: pg_ctl restart failed ({status})");
-        return Ok(None);
-    }
-    Ok(Some(()))
-}
-
 #[test]
 fn a_claim_on_a_pooled_connection_after_an_immediate_restart_is_retried() -> TestResult {
     let Some(url) = url() else { return Ok(()) };
+    let Some(server) = Server::from_env() else {
+        return Ok(());
+    };
     let _one = SERVER
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -242,10 +180,9 @@ fn a_claim_on_a_pooled_connection_after_an_immediate_restart_is_retried() -> Tes
             });
         }
     });
-    let mut admin = Client::connect(&url, NoTls)?;
-    if restart_server(&mut admin)?.is_none() {
-        return Ok(());
-    }
+    // `pg_ctl restart -m immediate`: no checkpoint, the WAL replayed.
+    server.crash();
+    server.start();
     // Every pooled connection is dead; the first write on one cannot be
     // sent (broken pipe): it runs again on a live connection.
     for i in 0..4 {
