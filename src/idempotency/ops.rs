@@ -204,12 +204,10 @@ pub(crate) fn put(
     let now = row.created_at();
     let rows = open_write(tx, IDEM)?;
     let old = read_row(&rows, tenant, key)?;
-    let live = match &old {
-        None => false,
-        Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
-        Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
-    };
-    if live {
+    if old
+        .as_ref()
+        .is_some_and(|r| r.holds_key(now, expired_before))
+    {
         return Ok(false);
     }
     let fence = next_fence(tx)?;

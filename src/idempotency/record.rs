@@ -76,6 +76,17 @@ impl Row {
         matches!(self, Row::Reserved { fence: f, .. } if *f == fence)
     }
 
+    /// Whether the row still holds its key against a `put` at `now`: a
+    /// response created at or after `expired_before`, or a reservation
+    /// whose lease runs past `now`. A `put` stores its response only where
+    /// no row holds the key.
+    pub(crate) fn holds_key(&self, now: i64, expired_before: i64) -> bool {
+        match self {
+            Row::Completed { created_at, .. } => *created_at >= expired_before,
+            Row::Reserved { lease_until, .. } => *lease_until > now,
+        }
+    }
+
     /// Whether the row counts as gone at `cutoff` (an `expired_before`): a
     /// response created strictly before it, or a reservation made before it
     /// whose lease also ended by then (a live lease is never cut short).

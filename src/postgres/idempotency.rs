@@ -302,12 +302,10 @@ impl PgIdempotencyKeys {
             conn.in_transaction(|tx| {
                 for _ in 0..3 {
                     let old = self.read(tx, tenant, key, true)?;
-                    let live = match &old {
-                        None => false,
-                        Some(Row::Completed { created_at, .. }) => *created_at >= expired_before,
-                        Some(Row::Reserved { lease_until, .. }) => *lease_until > now,
-                    };
-                    if live {
+                    if old
+                        .as_ref()
+                        .is_some_and(|r| r.holds_key(now, expired_before))
+                    {
                         return Ok(false);
                     }
                     if self
