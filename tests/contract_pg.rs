@@ -13,49 +13,17 @@
 #[path = "contract/mod.rs"]
 mod contract;
 
-mod fixture {
-    use std::sync::atomic::{AtomicU64, Ordering};
+mod common;
 
+mod fixture {
     use idemstore::Result;
     use idemstore::postgres::postgres::{Client, NoTls, Transaction};
     use idemstore::postgres::{PgOutbox, PgStore};
 
+    pub(crate) use crate::common::pg::{unique_schema, url};
+
     pub(crate) type Db = PgStore;
     pub(crate) type Ob = PgOutbox;
-
-    /// The server's connection string, or `None` (after saying so) when
-    /// the tests are to skip; a panic under `CI=true`, where the server
-    /// must be there.
-    pub(crate) fn url() -> Option<String> {
-        match std::env::var("IDEMSTORE_TEST_POSTGRES") {
-            Ok(url) if !url.trim().is_empty() => Some(url),
-            _ => {
-                assert!(
-                    std::env::var("CI").as_deref() != Ok("true"),
-                    "CI=true but IDEMSTORE_TEST_POSTGRES is not set: run the PostgreSQL \
-                     tests under .ci/postgres"
-                );
-                eprintln!(
-                    "skipped: IDEMSTORE_TEST_POSTGRES is not set (a libpq connection string; \
-                     .ci/postgres run -- cargo test --features postgres --test contract_pg)"
-                );
-                None
-            }
-        }
-    }
-
-    /// A schema name no other test (of this run or an earlier one) uses.
-    pub(crate) fn unique_schema() -> String {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        format!(
-            "t{}_{}_{nanos}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        )
-    }
 
     /// A store in a fresh schema, dropped with everything in it at the end.
     pub(crate) struct Fixture {
