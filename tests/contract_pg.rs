@@ -241,6 +241,65 @@ mod server {
         Ok(())
     }
 
+    /// The `25P02` of a transaction the server aborted.
+    fn assert_aborted<T: std::fmt::Debug>(out: Result<T, Error>) {
+        let Err(Error::Postgres { code, message, .. }) = out else {
+            panic!("{out:?}");
+        };
+        assert_eq!(code.as_deref(), Some("25P02"), "in_failed_sql_transaction");
+        assert!(message.contains("transaction is aborted"), "{message}");
+    }
+
+    #[test]
+    fn an_effect_that_swallows_a_failed_statement_commits_nothing_and_says_so() -> TestResult {
+        let f = fixture!();
+        let inbox = f.store.inbox("i")?;
+        let out = inbox.claim_with("evt-1", t(0), |tx| {
+            f.mark(tx, "before")?;
+            let _ = tx.execute("SELECT 1/0", &[]);
+            Ok::<_, Error>(())
+        });
+        assert_aborted(out);
+        assert!(!inbox.seen("evt-1")?);
+        assert_eq!(f.marks()?, Vec::<String>::new());
+        // The next delivery runs the effect, on a connection as good as new.
+        for _ in 0..4 {
+            inbox.claim("other", t(1))?;
+        }
+        assert_eq!(
+            inbox.claim_with("evt-1", t(1), |tx| f.mark(tx, "after"))?,
+            Claim::Applied(())
+        );
+        assert_eq!(f.marks()?, ["after"]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_write_that_swallows_a_failed_statement_commits_nothing_and_says_so() -> TestResult {
+        let f = fixture!();
+        let inbox = f.store.inbox("i")?;
+        let out = f.store.write(|tx| {
+            inbox.claim_in(tx, "evt-1", t(0))?;
+            f.mark(tx, "before")?;
+            let _ = tx.execute("SELECT 1/0", &[]);
+            Ok::<_, Error>(7)
+        });
+        assert_aborted(out);
+        assert!(!inbox.seen("evt-1")?);
+        assert_eq!(f.marks()?, Vec::<String>::new());
+        // A failure inside a savepoint leaves the transaction usable.
+        let out = f.store.write(|tx| {
+            let mut sp = tx.transaction()?;
+            assert!(sp.execute("SELECT 1/0", &[]).is_err());
+            drop(sp);
+            f.mark(tx, "after")?;
+            Ok::<_, Error>(7)
+        })?;
+        assert_eq!(out, 7);
+        assert_eq!(f.marks()?, ["after"]);
+        Ok(())
+    }
+
     #[test]
     fn a_row_edited_into_nonsense_is_corrupted_and_a_claim_takes_nothing() -> TestResult {
         let f = fixture!();

@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::{corrupted, utf8};
-use super::{Shared, WriteScope, refuse_reentrant};
+use super::{Finish, Shared, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::inbox::{Claim, check_event_key, check_inbox_name};
@@ -146,6 +146,15 @@ impl PgInbox {
     ///   returned.
     /// - `effect` panics: the transaction rolls back, the key stays
     ///   unclaimed, and the panic reaches the caller.
+    /// - A statement of `effect` failed but `effect` returned `Ok` anyway:
+    ///   the server had aborted the transaction, so nothing commits, the key
+    ///   stays unclaimed, and the server's [`Error::Postgres`] is returned
+    ///   (SQLSTATE `25P02`, "current transaction is aborted"). Return a
+    ///   failed statement's error, or run a statement that may fail in a
+    ///   savepoint (`tx.transaction()`).
+    /// - The connection is lost after the `COMMIT` was sent: `Err`, and the
+    ///   claim and the effect's writes may have committed (a later delivery
+    ///   then finds the key claimed).
     /// - Duplicate: `effect` does not run; `Ok(Claim::Duplicate)`.
     ///
     /// `effect` runs on the calling thread, at most once. Inside it, write
@@ -165,52 +174,23 @@ impl PgInbox {
         E: From<Error>,
     {
         check_event_key(event_key)?;
-        let scope = WriteScope::enter()?;
         let sql = self.insert_sql();
-        let mut tries = 1;
-        loop {
-            let mut conn = self.shared.conn()?;
-            let conn = &mut *conn;
-            // The claim is tried again until it answers; the effect runs
-            // at most once, after it.
-            let e = match conn.client.transaction() {
-                Ok(mut tx) => {
-                    let claimed = {
-                        let mut db = Db {
-                            client: &mut tx,
-                            stmts: Some(&mut conn.stmts),
-                        };
-                        db.execute(
-                            &sql,
-                            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
-                        )
-                    };
-                    match claimed {
-                        Ok(0) => {
-                            drop(scope);
-                            // Nothing was written: the transaction rolls
-                            // back as it drops.
-                            observe::claim(&self.name, false);
-                            return Ok(Claim::Duplicate);
-                        }
-                        Ok(_) => {
-                            let out = effect(&mut tx);
-                            drop(scope);
-                            let v = out?;
-                            tx.commit().map_err(Error::from)?;
-                            observe::claim(&self.name, true);
-                            return Ok(Claim::Applied(v));
-                        }
-                        Err(e) => e,
-                    }
+        let params: [&(dyn ToSql + Sync); 3] =
+            [&&*self.name, &event_key.as_bytes(), &micros(seen_at)];
+        // The claim is tried again until it answers; the effect runs at
+        // most once, after it.
+        let out = self.shared.write_once(
+            |db| db.execute(&sql, &params),
+            |claimed, tx| {
+                if claimed == 0 {
+                    // Nothing was written: roll back.
+                    return Ok(Finish::Rollback(Claim::Duplicate));
                 }
-                Err(e) => Error::from(e),
-            };
-            if !self.shared.retry_after(&e, Mode::Tx, false, tries) {
-                return Err(e.into());
-            }
-            tries += 1;
-        }
+                effect(tx).map(|v| Finish::Commit(Claim::Applied(v)))
+            },
+        )?;
+        observe::claim(&self.name, matches!(out, Claim::Applied(_)));
+        Ok(out)
     }
 
     /// Claims `event_key` inside the caller's own transaction (from

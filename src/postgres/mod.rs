@@ -55,7 +55,8 @@
 //!   one-statement write whose answer was lost (it may have committed)
 //!   reaches you as the error. After such an error inside a
 //!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
-//!   return the error.
+//!   return the error. A closure that swallows it and returns `Ok` commits
+//!   nothing either: the call returns the server's `25P02` error.
 //! - **Calls that counted rows in the embedded store count them here**
 //!   ([`PgInbox::len`], [`PgOutbox::counts`]): they read an index, in time
 //!   proportional to the rows, for inspection and monitoring at a modest
@@ -87,7 +88,7 @@ use std::time::Duration;
 use ::postgres::{Config, NoTls, Transaction};
 use r2d2::{Pool, PooledConnection};
 
-use self::conn::{Manager, Mode, PgConn};
+use self::conn::{Db, Manager, Mode, PgConn};
 
 use crate::error::{Error, Result};
 use crate::idempotency::Counters;
@@ -191,6 +192,78 @@ impl Shared {
         }
     }
 
+    /// Runs `first`, then `f` once, in one transaction on a pooled
+    /// connection, and commits if `f` says so: the calls that run a
+    /// caller's closure ([`PgStore::write`], `claim_with`). `BEGIN` and
+    /// `first` run again on another connection when that is safe ([`Mode::Tx`]:
+    /// nothing has committed); `f` never runs twice. While `f` runs, the
+    /// thread is inside a write ([`WriteScope`]).
+    ///
+    /// `f` returning `Err` or panicking rolls back. Before the `COMMIT`, the
+    /// transaction is checked: a statement that failed inside `f` aborted
+    /// it on the server even if `f` went on and returned `Ok`, and the
+    /// server answers the `COMMIT` of an aborted transaction by rolling
+    /// back without an error. Such a transaction is rolled back and the
+    /// server's error returned (`25P02`, "current transaction is aborted"):
+    /// `Ok` means committed.
+    fn write_once<P, T, E>(
+        &self,
+        mut first: impl FnMut(&mut Db<'_, Transaction<'_>>) -> Result<P>,
+        f: impl FnOnce(P, &mut Transaction<'_>) -> Result<Finish<T>, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        let scope = WriteScope::enter()?;
+        let mut tries = 1;
+        loop {
+            let mut conn = self.conn()?;
+            let conn = &mut *conn;
+            let e = match conn.client.transaction() {
+                Ok(mut tx) => {
+                    let mut db = Db {
+                        client: &mut tx,
+                        stmts: Some(&mut conn.stmts),
+                    };
+                    match first(&mut db) {
+                        Ok(p) => {
+                            let out = f(p, &mut tx);
+                            drop(scope);
+                            return match out? {
+                                // Dropping the transaction rolls it back.
+                                Finish::Rollback(v) => Ok(v),
+                                Finish::Commit(v) => {
+                                    self.commit(tx)?;
+                                    Ok(v)
+                                }
+                            };
+                        }
+                        Err(e) => e,
+                    }
+                }
+                Err(e) => Error::from(e),
+            };
+            if !self.retry_after(&e, Mode::Tx, false, tries) {
+                return Err(e.into());
+            }
+            tries += 1;
+        }
+    }
+
+    /// Commits `tx` unless a statement in it failed (see
+    /// [`Shared::write_once`]); a failure is noted as [`Shared::run`] notes
+    /// one. Not run again: the closure that wrote `tx` runs once.
+    fn commit(&self, mut tx: Transaction<'_>) -> Result<()> {
+        // In an aborted transaction every statement fails with 25P02; the
+        // dropped transaction then rolls back.
+        let out = tx.batch_execute("SELECT 1").and_then(|()| tx.commit());
+        out.map_err(|e| {
+            let e = Error::from(e);
+            conn::note_failure(&self.epoch, &e);
+            e
+        })
+    }
+
     /// After a failure outside [`Shared::run`]: notes a lost connection;
     /// `true` if the call may run again (try `tries` of at most
     /// [`conn::MAX_TRIES`] failed).
@@ -203,6 +276,14 @@ impl Shared {
         }
         again
     }
+}
+
+/// How a [`Shared::write_once`] closure ends its transaction.
+pub(crate) enum Finish<T> {
+    /// Commit, then answer `T`.
+    Commit(T),
+    /// Roll back (it wrote nothing), then answer `T`.
+    Rollback(T),
 }
 
 thread_local! {
@@ -389,36 +470,22 @@ impl PgStore {
     /// [`Error::Reentrant`] (they would take a second connection, and could
     /// wait forever on rows `f`'s transaction holds); the store's reads
     /// there work, each on a second pooled connection. A statement that
-    /// fails aborts the transaction on the server: return its error.
+    /// fails aborts the transaction on the server: return its error (to go
+    /// on after a statement that may fail, run it in a savepoint,
+    /// `tx.transaction()`). If `f` swallows such an error and returns `Ok`,
+    /// nothing commits: the call rolls back and returns the server's
+    /// [`Error::Postgres`] (SQLSTATE `25P02`, "current transaction is
+    /// aborted").
+    ///
+    /// A call that returns `Err` wrote nothing, except when the connection
+    /// is lost after the `COMMIT` was sent: then the transaction may have
+    /// committed, and the error cannot tell.
     pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
     where
         E: From<Error>,
     {
-        let scope = WriteScope::enter()?;
-        let mut tries = 1;
-        loop {
-            let mut conn = self.shared.conn()?;
-            // Only the `BEGIN` is tried again: `f` runs once.
-            let e = match conn.client.transaction() {
-                Ok(mut tx) => {
-                    let out = f(&mut tx);
-                    drop(scope);
-                    return match out {
-                        Ok(v) => {
-                            tx.commit().map_err(Error::from)?;
-                            Ok(v)
-                        }
-                        // Dropping the transaction rolls it back.
-                        Err(e) => Err(e),
-                    };
-                }
-                Err(e) => Error::from(e),
-            };
-            if !self.shared.retry_after(&e, Mode::Tx, false, tries) {
-                return Err(e.into());
-            }
-            tries += 1;
-        }
+        self.shared
+            .write_once(|_| Ok(()), |(), tx| f(tx).map(Finish::Commit))
     }
 
     /// The inbox called `name`: its own namespace of event keys. Names are
