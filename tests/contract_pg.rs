@@ -112,7 +112,7 @@ mod server {
     #[test]
     fn connecting_checks_the_schema_name_and_the_connection_string() {
         let Some(url) = url() else { return };
-        for bad in ["Idem", "a-b", "pg_x", ""] {
+        for bad in ["Idem", "a-b", "pg_x", "", "1a"] {
             let out = PgStore::builder().schema(bad).connect(&url);
             assert!(
                 matches!(
@@ -120,10 +120,24 @@ mod server {
                     Err(Error::InvalidInput {
                         field: "schema",
                         ..
-                    } | Error::TooLarge { .. })
+                    })
                 ),
                 "{bad:?}: {out:?}"
             );
+        }
+        let out = PgStore::builder().schema(&"a".repeat(49)).connect(&url);
+        assert!(matches!(out, Err(Error::TooLarge { .. })), "{out:?}");
+        // Reserved keywords would make every statement a syntax error.
+        for keyword in ["user", "select", "order", "current_user", "join"] {
+            let out = PgStore::builder().schema(keyword).connect(&url);
+            let Err(Error::InvalidInput {
+                field: "schema",
+                reason,
+            }) = out
+            else {
+                panic!("{keyword:?}: {out:?}");
+            };
+            assert!(reason.contains(keyword), "{reason}");
         }
         let out = PgStore::connect("host=/tmp port=notaport");
         assert!(

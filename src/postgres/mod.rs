@@ -346,8 +346,12 @@ impl PgStoreBuilder {
     /// not exist. Default: [`DEFAULT_SCHEMA`] (`idemstore`). Stores in
     /// different schemas of one database are independent (tests, tenants).
     /// 1–48 bytes of lowercase ASCII letters, digits and `_`, starting with
-    /// a letter or `_`, not `pg_…`; anything else is [`Error::InvalidInput`]
-    /// at [`connect`](Self::connect).
+    /// a letter or `_`, not `pg_…`, and not a reserved SQL keyword of the
+    /// server (`user`, `select`, `order`, …). At
+    /// [`connect`](Self::connect), a name longer than 48 bytes is
+    /// [`Error::TooLarge`]; any other bad name (empty, a bad character, a
+    /// leading digit, `pg_…`, a reserved keyword) is [`Error::InvalidInput`]
+    /// for the field `schema`, before anything is written.
     pub fn schema(mut self, schema: &str) -> Self {
         schema.clone_into(&mut self.schema);
         self
@@ -400,6 +404,7 @@ impl PgStoreBuilder {
         // Migrations run on a connection of their own, so that an
         // unreachable server answers with its own error at once.
         let mut client = config.connect(NoTls)?;
+        schema::check_not_keyword(&mut client, &self.schema)?;
         schema::migrate(&mut client, &self.schema)?;
         drop(client);
         let epoch = Arc::new(AtomicU64::new(0));

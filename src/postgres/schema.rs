@@ -137,8 +137,12 @@ pub(super) fn channel(schema: &str) -> String {
 }
 
 /// Checks a schema name: 1–48 bytes of lowercase ASCII letters, digits and
-/// `_`, starting with a letter or `_`, not `pg_…` (PostgreSQL's own). Such a
-/// name needs no quoting, so it goes into statements as it is.
+/// `_`, starting with a letter or `_`, not `pg_…` (PostgreSQL's own). An
+/// empty name or a bad character is [`Error::InvalidInput`], a longer name
+/// [`Error::TooLarge`]. Such a name needs no quoting unless it is a
+/// reserved keyword, which [`check_not_keyword`] refuses at connect; past
+/// both checks it goes into statements, string literals (`nextval('S.…')`)
+/// and channel names as it is.
 pub(super) fn check_schema_name(name: &str) -> Result<()> {
     crate::error::check_len("schema", name, MAX_SCHEMA_LEN)?;
     let bad = |why: String| Err(Error::invalid("schema", why));
@@ -155,6 +159,27 @@ pub(super) fn check_schema_name(name: &str) -> Result<()> {
     }
     if name.starts_with("pg_") {
         return bad("names starting with \"pg_\" are reserved by PostgreSQL".into());
+    }
+    Ok(())
+}
+
+/// Refuses a schema name that is a reserved keyword of the server's SQL
+/// (`user`, `select`, `order`, `current_user`, …): unquoted, as the store
+/// writes it, it makes every statement a syntax error. Asks the server
+/// (`pg_get_keywords`), whose list changes between versions.
+pub(super) fn check_not_keyword(client: &mut Client, name: &str) -> Result<()> {
+    let reserved: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_get_keywords() \
+             WHERE word = $1 AND catcode IN ('R', 'T'))",
+            &[&name],
+        )?
+        .try_get(0)?;
+    if reserved {
+        return Err(Error::invalid(
+            "schema",
+            format!("{name:?} is a reserved SQL keyword; choose another name"),
+        ));
     }
     Ok(())
 }
