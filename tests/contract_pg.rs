@@ -255,6 +255,22 @@ mod server {
         Ok(())
     }
 
+    #[test]
+    fn inbox_names_come_in_byte_order_whatever_the_collation() -> TestResult {
+        let f = fixture!();
+        // What a database created with an ICU collation would hold: `a`
+        // before `B`, `_` ignored.
+        f.client().batch_execute(&format!(
+            "ALTER TABLE {}.inbox ALTER COLUMN inbox TYPE text COLLATE \"en-US-x-icu\"",
+            f.schema
+        ))?;
+        for name in ["a", "B", "_z", "Z", "b-1", "b.0"] {
+            assert!(f.store.inbox(name)?.claim("k", t(0))?);
+        }
+        assert_eq!(f.store.inbox_names()?, ["B", "Z", "_z", "a", "b-1", "b.0"]);
+        Ok(())
+    }
+
     /// The `25P02` of a transaction the server aborted.
     fn assert_aborted<T: std::fmt::Debug>(out: Result<T, Error>) {
         let Err(Error::Postgres { code, message, .. }) = out else {

@@ -333,9 +333,12 @@ impl PgInbox {
     }
 }
 
-/// The names of the inboxes holding at least one key, in name order.
+/// The names of the inboxes holding at least one key, in byte order (as
+/// the embedded store lists them).
 pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
     // A walk of the primary key from name to name, not a scan of every key.
+    // The `text` column orders by the database's collation, which need not
+    // be byte order: the names are sorted here.
     let sql = format!(
         "WITH RECURSIVE names AS ( \
                  (SELECT inbox FROM {s}.inbox ORDER BY inbox LIMIT 1) \
@@ -347,7 +350,10 @@ pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
         s = shared.schema
     );
     let rows = shared.run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
-    rows.into_iter()
+    let mut names = rows
+        .into_iter()
         .map(|r| r.try_get::<_, String>(0).map_err(Error::from))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    names.sort_unstable();
+    Ok(names)
 }

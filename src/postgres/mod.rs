@@ -510,7 +510,9 @@ impl PgStore {
         PgIdempotencyKeys::new(self.shared.clone(), self.idempotency_counters.clone())
     }
 
-    /// The names of the inboxes that hold at least one key, in name order.
+    /// The names of the inboxes that hold at least one key, in byte order
+    /// (as the embedded store lists them, whatever the database's
+    /// collation).
     pub fn inbox_names(&self) -> Result<Vec<String>> {
         inbox::names(&self.shared)
     }

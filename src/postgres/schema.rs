@@ -8,7 +8,9 @@
 //! outbox fields, fingerprints) are stored as their UTF-8 bytes in `bytea`
 //! columns, because PostgreSQL's `text` cannot hold a NUL and the embedded
 //! store accepts any string; `bytea` compares bytewise, as the embedded
-//! store's keys do, so listings come in the same order.
+//! store's keys do, so listings come in the same order. Inbox names (checked
+//! ASCII) are `text`, which orders by the database's collation: the store
+//! sorts its listing of them in byte order itself.
 //!
 //! | table                 | row                                                             | indexes |
 //! |-----------------------|-----------------------------------------------------------------|---------|
