@@ -271,6 +271,32 @@ mod server {
         Ok(())
     }
 
+    #[test]
+    fn get_inside_a_write_reads_an_expired_record_as_absent_and_leaves_it() -> TestResult {
+        let f = fixture!();
+        let keys = f.store.idempotency_keys();
+        let record = idemstore::ResponseRecord {
+            tenant: "t".into(),
+            idempotency_key: "old".into(),
+            request_fingerprint: idemstore::fingerprint("POST", "/r", b""),
+            response_status: 201,
+            content_type: None,
+            headers: Vec::new(),
+            response_body: b"o".to_vec(),
+            created_at: t(5),
+        };
+        assert!(keys.put(&record)?);
+        let inside = f.store.write(|_| {
+            Ok::<_, Error>((keys.get("t", "old", t(6))?, keys.get("t", "old", t(5))?))
+        })?;
+        assert_eq!(inside, (None, Some(record.clone())));
+        assert_eq!(keys.response("t", "old")?, Some(record), "left in place");
+        // Outside a write, the same read deletes it.
+        assert_eq!(keys.get("t", "old", t(6))?, None);
+        assert_eq!(keys.response("t", "old")?, None);
+        Ok(())
+    }
+
     /// The `25P02` of a transaction the server aborted.
     fn assert_aborted<T: std::fmt::Debug>(out: Result<T, Error>) {
         let Err(Error::Postgres { code, message, .. }) = out else {

@@ -29,7 +29,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, refuse_reentrant};
+use super::{Shared, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{
@@ -242,7 +242,11 @@ impl PgIdempotencyKeys {
     /// A record created strictly before `expired_before` counts as absent
     /// and is deleted (one write, only then). A reservation reads as `None`;
     /// one made before `expired_before` whose lease ended by then is
-    /// deleted too.
+    /// deleted too. Inside a [`PgStore::write`](super::PgStore::write)
+    /// closure an expired record reads as absent but stays, for a later
+    /// `get` or [`purge_expired`](Self::purge_expired): deleting it would
+    /// take a second connection, which could wait forever on rows the
+    /// closure's transaction holds.
     pub fn get(
         &self,
         tenant: &str,
@@ -255,8 +259,9 @@ impl PgIdempotencyKeys {
             self.read(&mut conn.db(), tenant, key, false)
         })?;
         let row = match found {
+            // Absent either way; the delete is left to a later call.
+            Some(r) if r.expired(cutoff) && in_write() => None,
             Some(r) if r.expired(cutoff) => {
-                refuse_reentrant()?;
                 let s = self.s();
                 let delete =
                     format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2");

@@ -310,11 +310,16 @@ impl Drop for WriteScope {
     }
 }
 
+/// Whether this thread runs a write closure.
+fn in_write() -> bool {
+    IN_WRITE.with(Cell::get)
+}
+
 /// [`Error::Reentrant`] inside a write closure: a store write there would
 /// take a second connection and could wait forever on the rows the
 /// closure's own transaction holds. The `*_in` calls are the way there.
 fn refuse_reentrant() -> Result<()> {
-    if IN_WRITE.with(Cell::get) {
+    if in_write() {
         return Err(Error::Reentrant);
     }
     Ok(())
@@ -474,7 +479,10 @@ impl PgStore {
     /// transaction given: the store's own write methods there return
     /// [`Error::Reentrant`] (they would take a second connection, and could
     /// wait forever on rows `f`'s transaction holds); the store's reads
-    /// there work, each on a second pooled connection. A statement that
+    /// there work, each on a second pooled connection, and see what was
+    /// committed before `f`'s transaction, not its own writes
+    /// ([`PgIdempotencyKeys::get`] there reads an expired record as absent
+    /// without deleting it). A statement that
     /// fails aborts the transaction on the server: return its error (to go
     /// on after a statement that may fail, run it in a savepoint,
     /// `tx.transaction()`). If `f` swallows such an error and returns `Ok`,
