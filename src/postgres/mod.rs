@@ -53,7 +53,13 @@
 //!   (`40001`, `40P01`, `57P01`, …); your closures (an effect of
 //!   `claim_with`, a [`PgStore::write`]) never run twice, and a
 //!   one-statement write whose answer was lost (it may have committed)
-//!   reaches you as the error. After such an error inside a
+//!   reaches you as the error.
+//! - **A call that returns `Err` wrote nothing**, with one exception: the
+//!   connection was lost once the call's `COMMIT` (or its one statement)
+//!   was sent: the server may have committed, and the error cannot tell. A
+//!   claim or an enqueue made again then answers as a duplicate; entries
+//!   a `claim_due` took stay `Dispatching` until
+//!   [`PgOutbox::release_expired_claims`] hands them back. After such an error inside a
 //!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error. A closure that swallows it and returns `Ok` commits
 //!   nothing either: the call returns the server's `25P02` error.

@@ -1,22 +1,28 @@
 //! [`PgOutbox`]: the outbox in `S.outbox` and `S.outbox_attempts`.
 //!
-//! Every status change but two goes through the embedded store's own status
-//! machine: the row is read `FOR UPDATE`, the same pure function decides
-//! (the new row, an accepted no-op, or a `Conflict`), and the new row and
-//! the attempt record it calls for are written back in the same
-//! transaction. The two that run as one statement are the ones every
-//! dispatcher makes all the time, and their SQL is that function's cell:
-//! a claim (`Pending → Dispatching`) and a completion (`Dispatching` or
-//! `OutcomeUnknown → Completed`; a completion the statement does not apply
-//! — a stale fence, a repeat, an unknown id — takes the general path for
-//! its answer).
+//! Most status changes go through the embedded store's own status machine:
+//! the row is read `FOR UPDATE`, the same pure function decides (the new
+//! row, an accepted no-op, or a `Conflict`), and the new row and the
+//! attempt record it calls for are written back in the same transaction.
+//! Three changes run as statements whose SQL is that function's cell,
+//! because dispatchers and reapers make them all the time or to many rows
+//! at once:
+//!
+//! - a claim (`Pending → Dispatching`, `claim_due`);
+//! - a completion (`Dispatching` or `OutcomeUnknown → Completed`): one
+//!   entry's (`settle`, `mark_completed`), or a batch's in one statement
+//!   (`settle_many`, `settle_and_claim`, when the ids are distinct); a
+//!   completion the statement does not apply — a stale fence, a repeat, an
+//!   unknown id — takes the general path for its answer;
+//! - the reaper's release (`Dispatching → Pending`, due at the claim time,
+//!   `release_expired_claims`).
 //!
 //! The statements (`S` is the store's schema, times µs):
 //!
 //! | call | SQL |
 //! |------|-----|
 //! | `enqueue`, `enqueue_in`, `enqueue_many` | `INSERT INTO S.outbox (…) VALUES (…) ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id`; on a conflict `SELECT id FROM S.outbox WHERE destination = $1 AND idempotency_key = $2` (a duplicate); the insert's trigger `NOTIFY`s |
-//! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = attempt_count + 1, worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
+//! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = LEAST(attempt_count + 1, 4294967295), worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
 //! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
 //! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
@@ -255,7 +261,9 @@ impl PgOutbox {
     /// Enqueues many entries in one transaction, in order. Every entry is
     /// checked first: one bad entry fails the call and enqueues nothing. An
     /// entry repeating an earlier one's `(destination, idempotency_key)` is
-    /// a `Duplicate` of it. A call that returns `Err` wrote nothing.
+    /// a `Duplicate` of it. A call that returns `Err` wrote nothing, unless
+    /// the connection was lost once its `COMMIT` was sent: then the entries
+    /// may have been enqueued (enqueueing them again answers `Duplicate`).
     pub fn enqueue_many(
         &self,
         entries: impl IntoIterator<Item = NewEntry>,
@@ -377,7 +385,11 @@ impl PgOutbox {
     /// any process, never get the same entry: each skips the rows another
     /// is claiming (`FOR UPDATE SKIP LOCKED`). One statement on the partial
     /// due index: its cost follows `limit`, not the backlog. A call that
-    /// returns `Err` claimed nothing.
+    /// returns `Err` claimed nothing, unless the connection was lost once
+    /// its `COMMIT` was sent: then the entries may have been claimed, and
+    /// stay `Dispatching` until
+    /// [`release_expired_claims`](Self::release_expired_claims) hands them
+    /// back.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
@@ -692,7 +704,9 @@ impl PgOutbox {
     /// [`PgOutbox::settle`] would: the answer holds one result per input, in
     /// order, an `Err` there being [`Error::Conflict`] or
     /// [`Error::NotFound`]. The call itself fails on bad input and on the
-    /// server's errors; a call that returns `Err` wrote nothing.
+    /// server's errors; a call that returns `Err` wrote nothing, unless the
+    /// connection was lost once its `COMMIT` was sent: then every
+    /// settlement may have been applied.
     pub fn settle_many(
         &self,
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
@@ -714,7 +728,11 @@ impl PgOutbox {
     /// a dispatcher's step between two batches. The settlements behave
     /// exactly as in [`PgOutbox::settle_many`], the claim exactly as
     /// [`PgOutbox::claim_due`] and sees the settlements. All or nothing: a
-    /// call that returns `Err` wrote nothing, settlements included.
+    /// call that returns `Err` wrote nothing, settlements included, unless
+    /// the connection was lost once its `COMMIT` was sent: then all of it
+    /// may have committed, the claimed entries staying `Dispatching` until
+    /// [`release_expired_claims`](Self::release_expired_claims) hands them
+    /// back.
     pub fn settle_and_claim(
         &self,
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
