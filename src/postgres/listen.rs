@@ -9,6 +9,16 @@
 //! because notifications sent while it was away are lost and a subscriber
 //! must look again. A server that refuses `LISTEN` (a PostgreSQL-compatible
 //! engine without it) gets polling instead: one signal every [`TICK`].
+//!
+//! A listening connection only reads, so a server host that vanishes
+//! without closing it (a crash, a network cut) would leave it waiting,
+//! half-open, for the operating system's default keepalive (about two
+//! hours) while no wake-up arrives. Its connection therefore uses TCP
+//! keepalives probing after [`KEEPALIVE_IDLE`] of silence, every
+//! [`KEEPALIVE_INTERVAL`], dropped after [`KEEPALIVE_RETRIES`] unanswered
+//! probes (and, on Linux, after [`USER_TIMEOUT`] of unacknowledged data):
+//! a vanished server is noticed within about a minute, and the thread
+//! reconnects. Shorter settings from the connection string are kept.
 
 use std::sync::Weak;
 use std::thread;
@@ -25,6 +35,40 @@ const TICK: Duration = Duration::from_secs(1);
 /// How long it waits before reconnecting after a failure.
 const RETRY: Duration = Duration::from_secs(1);
 
+/// Silence on the listening connection before keepalive probes start.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// Time between two keepalive probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Unanswered probes after which the connection is dropped.
+const KEEPALIVE_RETRIES: u32 = 3;
+/// Longest time data sent may stay unacknowledged before the connection is
+/// dropped (Linux's `TCP_USER_TIMEOUT`).
+const USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `config` for the listening connection: keepalives on, at most as slow
+/// as the constants above.
+fn listener_config(config: &Config) -> Config {
+    let mut c = config.clone();
+    c.keepalives(true);
+    if c.get_keepalives_idle() > KEEPALIVE_IDLE {
+        c.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if c.get_keepalives_interval()
+        .is_none_or(|i| i > KEEPALIVE_INTERVAL)
+    {
+        c.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if c.get_keepalives_retries()
+        .is_none_or(|n| n > KEEPALIVE_RETRIES)
+    {
+        c.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if c.get_tcp_user_timeout().is_none_or(|t| *t > USER_TIMEOUT) {
+        c.tcp_user_timeout(USER_TIMEOUT);
+    }
+    c
+}
+
 /// Starts the listening thread for `channel`.
 pub(super) fn start(
     config: Config,
@@ -33,7 +77,7 @@ pub(super) fn start(
 ) -> std::io::Result<()> {
     thread::Builder::new()
         .name("idemstore-pg-listen".into())
-        .spawn(move || run(&config, &channel, &notifier))
+        .spawn(move || run(&listener_config(&config), &channel, &notifier))
         .map(drop)
 }
 
@@ -127,5 +171,34 @@ fn relay(client: &mut Client, notifier: &Weak<Notifier>) -> Ended {
         if client.is_closed() {
             return Ended::Failed;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_listener_notices_a_vanished_server_within_a_minute() {
+        let plain: Config = "host=db user=app".parse().unwrap();
+        let c = listener_config(&plain);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), KEEPALIVE_IDLE);
+        assert_eq!(c.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(c.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&USER_TIMEOUT));
+        let probing = KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_RETRIES;
+        assert!(probing <= Duration::from_secs(60));
+        // Shorter settings of the connection string stay.
+        let eager: Config = "host=db keepalives=0 keepalives_idle=5 keepalives_interval=2 \
+                             keepalives_retries=1 tcp_user_timeout=4"
+            .parse()
+            .unwrap();
+        let c = listener_config(&eager);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(5));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(2)));
+        assert_eq!(c.get_keepalives_retries(), Some(1));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&Duration::from_secs(4)));
     }
 }
