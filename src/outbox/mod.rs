@@ -141,11 +141,12 @@ pub use types::{
 };
 
 /// A change to entry `id`, fenced by its attempt number.
-type FencedChange = (u64, u32, Change);
+pub(crate) type FencedChange = (u64, u32, Change);
 
 /// Checks settlements and turns them into fenced changes; also says whether
-/// any of them may make work due ([`Change::makes_work_due`]).
-fn plan_settlements(
+/// any of them may make work due ([`Change::makes_work_due`]). Both
+/// backends' bulk settlements start here.
+pub(crate) fn plan_settlements(
     settlements: impl IntoIterator<Item = (Fence, Settlement)>,
     now: DateTime<Utc>,
 ) -> Result<(Vec<FencedChange>, bool)> {

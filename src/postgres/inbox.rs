@@ -24,9 +24,9 @@ use ::postgres::types::ToSql;
 use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
-use super::errors::{corrupted, utf8};
+use super::errors::utf8;
 use super::{Finish, Shared, refuse_reentrant};
-use crate::codec::micros;
+use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::inbox::{Claim, check_event_key, check_inbox_name};
 use crate::observe;
@@ -44,13 +44,7 @@ pub struct PgInbox {
 
 /// The time stored for a key, back as a `DateTime`.
 fn time(key: &[u8], us: i64) -> Result<DateTime<Utc>> {
-    DateTime::from_timestamp_micros(us).ok_or_else(|| {
-        corrupted(
-            TABLE,
-            &String::from_utf8_lossy(key),
-            format!("timestamp {us} µs is out of range"),
-        )
-    })
+    from_micros(TABLE, &String::from_utf8_lossy(key), us)
 }
 
 impl PgInbox {

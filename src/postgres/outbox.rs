@@ -55,12 +55,12 @@ use parking_lot::Mutex;
 use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, listen, refuse_reentrant, schema};
-use crate::codec::micros;
+use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::outbox::{
-    AttemptRecord, Change, Enqueued, Fence, NewEntry, Notifier, OutboxCounts, OutboxEntry,
-    OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed, Settlement,
-    check_entry, check_field, plan,
+    AttemptRecord, Change, Enqueued, Fence, FencedChange, NewEntry, Notifier, OutboxCounts,
+    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed,
+    Settlement, check_entry, check_field, plan, plan_settlements,
 };
 
 const TABLE: &str = "outbox";
@@ -154,9 +154,7 @@ fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
     for ((attempt, at), (reason, remote_ref)) in history {
         record.attempts.push(AttemptRecord {
             attempt: unsigned(ATTEMPTS, &id, "attempt", attempt)?,
-            at: DateTime::from_timestamp_micros(at).ok_or_else(|| {
-                corrupted(ATTEMPTS, &id, format!("timestamp {at} µs is out of range"))
-            })?,
+            at: from_micros(ATTEMPTS, &id, at)?,
             reason: utf8(ATTEMPTS, &id, reason)?,
             remote_ref: remote_ref.map(|b| utf8(ATTEMPTS, &id, b)).transpose()?,
         });
@@ -182,9 +180,6 @@ pub struct PgOutbox {
     shared: Arc<Shared>,
     wake: Arc<Wake>,
 }
-
-/// A change to entry `id`, fenced by its attempt number.
-type FencedChange = (OutboxId, u32, Change);
 
 impl PgOutbox {
     pub(super) fn new(shared: Arc<Shared>) -> PgOutbox {
@@ -605,17 +600,6 @@ impl PgOutbox {
         )
     }
 
-    /// Checks settlements and turns them into fenced changes.
-    fn plan_settlements(
-        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
-        now: DateTime<Utc>,
-    ) -> Result<Vec<FencedChange>> {
-        settlements
-            .into_iter()
-            .map(|(fence, s)| Ok((fence.id, fence.attempt, s.into_change(now)?)))
-            .collect()
-    }
-
     /// Applies `changes` in order in `tx`, each accepted or refused on its
     /// own; the rows are locked first, in id order.
     fn settle_many_in(
@@ -626,8 +610,8 @@ impl PgOutbox {
         let done = self.complete_many_fast(tx, changes)?;
         let ids: Vec<i64> = changes
             .iter()
-            .filter(|(id, ..)| !done.contains(&id.0))
-            .filter_map(|(id, ..)| db_id(*id))
+            .filter(|(id, ..)| !done.contains(id))
+            .filter_map(|(id, ..)| db_id(OutboxId(*id)))
             .collect();
         let mut rows = if ids.is_empty() {
             HashMap::new()
@@ -636,17 +620,17 @@ impl PgOutbox {
         };
         let mut out = Vec::with_capacity(changes.len());
         for (id, attempt, change) in changes {
-            if done.contains(&id.0) {
+            if done.contains(id) {
                 out.push(Ok(()));
                 continue;
             }
-            let Some(old) = rows.get(&id.0) else {
+            let Some(old) = rows.get(id) else {
                 out.push(Err(Error::NotFound));
                 continue;
             };
-            match self.apply(tx, id.0, old, change, Some(*attempt)) {
+            match self.apply(tx, *id, old, change, Some(*attempt)) {
                 Ok(new) => {
-                    rows.insert(id.0, new);
+                    rows.insert(*id, new);
                     out.push(Ok(()));
                 }
                 Err(e @ Error::Conflict { .. }) => out.push(Err(e)),
@@ -667,12 +651,12 @@ impl PgOutbox {
         changes: &[FencedChange],
     ) -> Result<HashSet<u64>> {
         let mut seen = HashSet::with_capacity(changes.len());
-        if !changes.iter().all(|(id, ..)| seen.insert(id.0)) {
+        if !changes.iter().all(|(id, ..)| seen.insert(*id)) {
             return Ok(HashSet::new());
         }
         let (mut ids, mut fences, mut times) = (Vec::new(), Vec::new(), Vec::new());
         for (id, attempt, change) in changes {
-            if let (Change::Completed { now }, Some(db_id)) = (change, db_id(*id)) {
+            if let (Change::Completed { now }, Some(db_id)) = (change, db_id(OutboxId(*id))) {
                 ids.push(db_id);
                 fences.push(i64::from(*attempt));
                 times.push(*now);
@@ -712,7 +696,7 @@ impl PgOutbox {
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Result<()>>> {
-        let changes = Self::plan_settlements(settlements, now)?;
+        let (changes, _) = plan_settlements(settlements, now)?;
         if changes.is_empty() {
             return Ok(Vec::new());
         }
@@ -741,7 +725,7 @@ impl PgOutbox {
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
         check_field("worker_id", worker_id)?;
-        let changes = Self::plan_settlements(settlements, now)?;
+        let (changes, _) = plan_settlements(settlements, now)?;
         refuse_reentrant()?;
         let now = micros(now);
         let (settled, claimed) = self.shared.run(Mode::Tx, |conn| {
@@ -983,9 +967,7 @@ impl PgOutbox {
             return Ok(None);
         };
         let (at, id): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
-        DateTime::from_timestamp_micros(at)
-            .map(Some)
-            .ok_or_else(|| corrupted(TABLE, &id, format!("timestamp {at} µs is out of range")))
+        from_micros(TABLE, &id, at).map(Some)
     }
 
     /// Up to `limit` entries matching `filter`, by id (enqueue order). For

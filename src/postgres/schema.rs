@@ -221,15 +221,14 @@ fn recorded(client: &mut impl ::postgres::GenericClient, schema: &str) -> Result
         Some(r) => r.try_get::<_, i64>(0)?,
         None => 0,
     };
-    Ok(Some(u64::try_from(version).map_err(|_| {
-        Error::IncompatibleFormat {
-            found: format!("PostgreSQL schema {schema} at version {version}"),
-            supported: SCHEMA_VERSION,
-        }
-    })?))
+    Ok(Some(
+        u64::try_from(version).map_err(|_| incompatible(schema, version))?,
+    ))
 }
 
-fn too_new(schema: &str, version: u64) -> Error {
+/// A schema at a version this build cannot read (a newer one's, or a
+/// negative one).
+fn incompatible(schema: &str, version: impl std::fmt::Display) -> Error {
     Error::IncompatibleFormat {
         found: format!("PostgreSQL schema {schema} at version {version}"),
         supported: SCHEMA_VERSION,
@@ -241,7 +240,7 @@ fn too_new(schema: &str, version: u64) -> Error {
 pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     match recorded(client, schema)? {
         Some(v) if v == SCHEMA_VERSION => return Ok(()),
-        Some(v) if v > SCHEMA_VERSION => return Err(too_new(schema, v)),
+        Some(v) if v > SCHEMA_VERSION => return Err(incompatible(schema, v)),
         _ => {}
     }
     let mut tx = client.transaction()?;
@@ -249,7 +248,7 @@ pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     // Another process may have migrated while this one waited.
     let found = recorded(&mut tx, schema)?;
     let from = match found {
-        Some(v) if v > SCHEMA_VERSION => return Err(too_new(schema, v)),
+        Some(v) if v > SCHEMA_VERSION => return Err(incompatible(schema, v)),
         Some(v) => v,
         None => {
             let exists = tx
