@@ -136,7 +136,7 @@ fn read_entry(r: &::postgres::Row) -> Result<OutboxEntry> {
 }
 
 /// The record in `r`: [`COLS`] followed by the four arrays of its attempt
-/// history ([`History::select`]).
+/// history ([`PgOutbox::select_records`]).
 fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
     let (id, row) = read_row(r)?;
     let mut record = row.to_record(id)?;
