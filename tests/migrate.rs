@@ -38,10 +38,14 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Runs `migrate --json` and parses its report.
-fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::error::Error>> {
+/// Runs `migrate --json` in batches of 7.
+fn migrate_output(
+    file: &Path,
+    url: &str,
+    schema: &str,
+) -> Result<Output, Box<dyn std::error::Error>> {
     let file = file.to_str().ok_or("path")?;
-    let o = run(&[
+    Ok(run(&[
         "--json",
         "migrate",
         file,
@@ -51,7 +55,12 @@ fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::e
         schema,
         "--batch",
         "7",
-    ])?;
+    ])?)
+}
+
+/// Runs `migrate --json`, expects exit 0 and parses its report.
+fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::error::Error>> {
+    let o = migrate_output(file, url, schema)?;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     Ok(serde_json::from_slice(&o.stdout)?)
 }
@@ -289,6 +298,117 @@ fn every_row_is_copied_as_it_was_and_once() -> TestResult {
 
     drop(pg);
     Client::connect(&url, NoTls)?.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+    Ok(())
+}
+
+/// A store file with four outbox entries (ids 1–4) whose idempotency keys
+/// start with `prefix`, one response at `("", "order-1")` whose
+/// fingerprint is `fp`, and the inbox key `evt-1`.
+fn small(
+    dir: &Path,
+    name: &str,
+    prefix: &str,
+    fp: &str,
+) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
+    let file = dir.join(name);
+    let store = Store::open(&file)?;
+    store.inbox("payments")?.claim("evt-1", t(1))?;
+    for i in 0..4 {
+        let e = NewEntry::new(
+            format!("cmd-{i}"),
+            "mailer",
+            format!("{prefix}{i}"),
+            vec![1],
+        );
+        let Enqueued::New(id) = store.outbox().enqueue(e, t(100 + i))? else {
+            panic!("new")
+        };
+        assert_eq!(id, OutboxId(u64::try_from(i)? + 1));
+    }
+    assert!(
+        store
+            .idempotency_keys()
+            .put(&response("", "order-1", fp, t(10)))?
+    );
+    Ok(file)
+}
+
+#[test]
+fn rows_that_clash_with_different_rows_are_reported_not_copied_and_exit_1() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file_a = small(dir.path(), "a.idem", "k", "fp-a")?;
+    let file_c = small(dir.path(), "c.idem", "otherk", "fp-c")?;
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let first = migrate(&file_a, &url, &schema)?;
+    assert_eq!(first["outbox"]["copied"], 4, "{first}");
+    assert_eq!(first["outbox"]["conflicts"], 0, "{first}");
+
+    // c's entries have a's ids, its response a's key with another
+    // fingerprint: not copied, counted, named, exit 1. The inbox key is
+    // claimed either way: no conflict.
+    let o = migrate_output(&file_c, &url, &schema)?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout)?;
+    assert_eq!(v["outbox"]["copied"], 0, "{v}");
+    assert_eq!(v["outbox"]["conflicts"], 4, "{v}");
+    assert_eq!(v["idempotency_keys"]["copied"], 0, "{v}");
+    assert_eq!(v["idempotency_keys"]["conflicts"], 1, "{v}");
+    assert_eq!(v["inboxes"]["copied"], 0, "{v}");
+    assert!(v["inboxes"].get("conflicts").is_none(), "{v}");
+    let err = stderr(&o);
+    assert!(err.contains("4 outbox records not copied"), "{err}");
+    assert!(err.contains("id 1, id 2, id 3, id 4"), "{err}");
+    assert!(err.contains("1 idempotency records not copied"), "{err}");
+    assert!(err.contains(r#"""/"order-1""#), "{err}");
+
+    // The server holds a's rows, untouched.
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    for i in 0..4u64 {
+        let r = pg.outbox().get(OutboxId(i + 1))?;
+        assert_eq!(r.entry.idempotency_key, format!("k{i}"));
+    }
+    assert_eq!(pg.outbox().counts()?.total(), 4);
+    let kept = pg
+        .idempotency_keys()
+        .response("", "order-1")?
+        .ok_or("kept")?;
+    assert_eq!(kept.request_fingerprint, "fp-a");
+
+    // In text, each kind says how many it did not copy.
+    let o = run(&[
+        "migrate",
+        file_c.to_str().ok_or("path")?,
+        "--to-postgres",
+        &url,
+        "--schema",
+        &schema,
+    ])?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout)?;
+    assert!(
+        text.contains("outbox: 4 records → 4 rows (0 copied, 4 conflicting rows not copied)"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "idempotency keys: 1 records → 1 rows (0 copied, 1 conflicting rows not copied)"
+        ),
+        "{text}"
+    );
+
+    // a again is a rerun: nothing copied, nothing in conflict.
+    let again = migrate(&file_a, &url, &schema)?;
+    assert_eq!(again["outbox"]["copied"], 0, "{again}");
+    assert_eq!(again["outbox"]["conflicts"], 0, "{again}");
+    assert_eq!(again["idempotency_keys"]["conflicts"], 0, "{again}");
     Ok(())
 }
 

@@ -102,9 +102,12 @@ pub(crate) enum Command {
     /// Copies every inbox key with its time, every outbox record (any
     /// status, with its id, claim and attempt history) and every
     /// idempotency record (responses, and reservations with their fences),
-    /// in batches of one transaction each. A row already there is left
-    /// alone: running it again copies nothing twice. Prints the counts on
-    /// both sides. Needs a build with the `postgres` feature.
+    /// in batches of one transaction each. Running it again copies nothing
+    /// twice: a row an earlier run copied is left alone. A record whose id
+    /// or key a different row on the server holds is not copied: it is
+    /// counted and named on stderr, and the command exits 1. Copy into a
+    /// new schema, or one that holds only rows from this file. Prints the
+    /// counts on both sides. Needs a build with the `postgres` feature.
     ///
     /// Stop the program that writes the file first (or what it writes
     /// meanwhile may or may not be copied).
@@ -313,8 +316,8 @@ impl From<std::io::Error> for Failure {
 pub(crate) enum Outcome {
     /// Everything as asked.
     Ok,
-    /// The command ran but found problems (check) or some items failed
-    /// (retry): exit 1.
+    /// The command ran but found problems (check), some items failed
+    /// (retry, cancel) or some rows were not copied (migrate): exit 1.
     Findings,
 }
 

@@ -4,7 +4,10 @@
 //! Reads the file through its public calls (page by page, as `export`
 //! does) and writes each page in one transaction through the PostgreSQL
 //! store's import calls, which insert with `ON CONFLICT DO NOTHING` and
-//! keep outbox ids and fences as they are. Then counts both sides.
+//! keep outbox ids and fences as they are. A row already there from an
+//! earlier run is left alone; a record whose id or key a different row
+//! holds is a conflict: not copied, named on stderr, and the command exits
+//! 1. Then counts both sides.
 
 use std::path::Path;
 
@@ -40,18 +43,68 @@ mod with_postgres {
     use crate::open;
     use crate::output::{bar, print_json};
 
+    /// How many conflicting records of a kind stderr names.
+    const NAMED: usize = 10;
+
     /// One kind of row: how many the file holds, how many the server holds
-    /// afterwards, how many this run copied.
+    /// afterwards, how many this run copied, how many it did not copy
+    /// because a different row holds their id or key (and the first few of
+    /// them, named).
     #[derive(Default)]
     struct Tally {
         source: u64,
         target: u64,
         copied: u64,
+        conflicts: u64,
+        named: Vec<String>,
     }
 
     impl Tally {
         fn json(&self) -> serde_json::Value {
-            json!({"source": self.source, "target": self.target, "copied": self.copied})
+            json!({
+                "source": self.source,
+                "target": self.target,
+                "copied": self.copied,
+                "conflicts": self.conflicts,
+            })
+        }
+
+        /// Counts a batch's copies and conflicts.
+        fn add<T>(&mut self, (copied, conflicts): (u64, Vec<T>), name: impl Fn(&T) -> String) {
+            self.copied += copied;
+            self.conflicts += conflicts.len() as u64;
+            let room = NAMED.saturating_sub(self.named.len());
+            self.named.extend(conflicts.iter().take(room).map(name));
+        }
+
+        /// `(N copied)`, with the conflicts when there are any.
+        fn copied_text(&self) -> String {
+            if self.conflicts == 0 {
+                format!("({} copied)", self.copied)
+            } else {
+                format!(
+                    "({} copied, {} conflicting rows not copied)",
+                    self.copied, self.conflicts
+                )
+            }
+        }
+
+        /// Names the conflicting records of kind `what` on stderr.
+        fn tell_conflicts(&self, what: &str, schema: &str) {
+            if self.conflicts == 0 {
+                return;
+            }
+            let more = if self.conflicts > self.named.len() as u64 {
+                ", …"
+            } else {
+                ""
+            };
+            eprintln!(
+                "idemstore: error: {} {what} not copied: schema {schema} holds different rows \
+                 with their ids or keys ({}{more})",
+                self.conflicts,
+                self.named.join(", ")
+            );
         }
     }
 
@@ -107,7 +160,7 @@ mod with_postgres {
             let page = source_outbox.list(&filter, batch)?;
             let Some(last) = page.last() else { break };
             filter = filter.after(last.entry.id);
-            outbox.copied += pg.import_outbox(&page)?;
+            outbox.add(pg.import_outbox(&page)?, |id| format!("id {id}"));
             pb.inc(page.len() as u64);
         }
         outbox.target = pg.outbox().counts()?.total();
@@ -144,13 +197,26 @@ mod with_postgres {
                 inboxes.copied
             );
             println!(
-                "outbox: {} records → {} rows ({} copied)",
-                outbox.source, outbox.target, outbox.copied
+                "outbox: {} records → {} rows {}",
+                outbox.source,
+                outbox.target,
+                outbox.copied_text()
             );
             println!(
-                "idempotency keys: {} records → {} rows ({} copied)",
-                keys.source, keys.target, keys.copied
+                "idempotency keys: {} records → {} rows {}",
+                keys.source,
+                keys.target,
+                keys.copied_text()
             );
+        }
+        outbox.tell_conflicts("outbox records", pg.schema());
+        keys.tell_conflicts("idempotency records", pg.schema());
+        if outbox.conflicts + keys.conflicts > 0 {
+            eprintln!(
+                "idemstore: error: migrate into a new schema, or one that holds only rows \
+                 copied from this file"
+            );
+            return Ok(Outcome::Findings);
         }
         Ok(Outcome::Ok)
     }
@@ -174,7 +240,9 @@ mod with_postgres {
                 };
                 rows.push((k.clone(), response));
             }
-            keys.copied += pg.import_idempotency(&rows)?;
+            keys.add(pg.import_idempotency(&rows)?, |(t, k)| {
+                format!("{t:?}/{k:?}")
+            });
             pb.inc(chunk.len() as u64);
         }
         Ok(())
