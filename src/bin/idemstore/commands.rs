@@ -1,6 +1,6 @@
 //! One function per command.
 
-use std::io::{BufWriter, Write as _};
+use std::io::BufWriter;
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use crate::output::{
     bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner,
-    status_name, ts, ts_opt, when, when_opt,
+    status_name, ts, ts_opt, when, when_opt, write_record,
 };
 use crate::{
     Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
@@ -649,7 +649,9 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
 }
 
 /// Every record as one JSON object per line on stdout: inbox keys, outbox
-/// entries (payload in base64), idempotency rows (body in base64).
+/// entries (payload in base64), idempotency rows (body in base64). Stops
+/// early, with success, when stdout's reader goes away (see
+/// [`output::line`](crate::output::line)).
 fn export(file: &Path) -> Result<Outcome, Failure> {
     let store = open(file)?;
     let inboxes = store.inbox_names()?;
@@ -672,7 +674,9 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
             for (key, seen_at) in &page {
                 let v =
                     json!({"kind": "inbox", "inbox": name, "key": key, "seen_at": ts(*seen_at)});
-                writeln!(out, "{v}")?;
+                if !write_record(&mut out, Some(&v))? {
+                    return Ok(Outcome::Ok);
+                }
             }
             pb.inc(page.len() as u64);
         }
@@ -686,7 +690,9 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
         for r in &page {
             let mut v = outbox_json(r, true);
             put(&mut v, "kind", json!("outbox"));
-            writeln!(out, "{v}")?;
+            if !write_record(&mut out, Some(&v))? {
+                return Ok(Outcome::Ok);
+            }
         }
         pb.inc(page.len() as u64);
     }
@@ -698,10 +704,12 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
         };
         let mut v = key_json(&k, response.as_ref());
         put(&mut v, "kind", json!("key"));
-        writeln!(out, "{v}")?;
+        if !write_record(&mut out, Some(&v))? {
+            return Ok(Outcome::Ok);
+        }
         pb.inc(1);
     }
-    out.flush()?;
+    write_record(&mut out, None)?;
     pb.finish_and_clear();
     Ok(Outcome::Ok)
 }

@@ -303,11 +303,6 @@ impl From<Error> for Failure {
 
 impl From<std::io::Error> for Failure {
     fn from(e: std::io::Error) -> Self {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            // Writing to a reader that went away (`idemstore … | head`):
-            // not a failure, and nothing more to say.
-            std::process::exit(0);
-        }
         Failure(format!("I/O error: {e}"))
     }
 }
@@ -348,6 +343,8 @@ fn must_exist(file: &Path) -> Result<(), Failure> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match commands::run(&cli) {
+        // Its output was lost (said on stderr): not all went as asked.
+        Ok(_) if output::stdout_failed() => ExitCode::FAILURE,
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Findings) => ExitCode::FAILURE,
         Err(Failure(message)) => {
