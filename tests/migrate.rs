@@ -413,6 +413,39 @@ fn rows_that_clash_with_different_rows_are_reported_not_copied_and_exit_1() -> T
 }
 
 #[test]
+fn a_reader_that_goes_away_stops_the_report_not_the_copy() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = small(dir.path(), "a.idem", "k", "fp-a")?;
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args([
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &url,
+            "--schema",
+            &schema,
+        ])
+        .stdout(writer)
+        .output()?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    assert_eq!(pg.outbox().counts()?.total(), 4);
+    Ok(())
+}
+
+#[test]
 fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("app.redb");

@@ -18,6 +18,9 @@
 
 // An operator tool reports bad files and bad arguments; it does not panic.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+// `println!` panics when stdout's reader has gone away: output goes through
+// `out!` and `print_json` (`output::line`), which say what happens then.
+#![deny(clippy::print_stdout)]
 
 mod commands;
 mod migrate;

@@ -41,7 +41,7 @@ mod with_postgres {
     use serde_json::json;
 
     use crate::open;
-    use crate::output::{bar, print_json};
+    use crate::output::{bar, out, print_json};
 
     /// How many conflicting records of a kind stderr names.
     const NAMED: usize = 10;
@@ -188,21 +188,21 @@ mod with_postgres {
                 "idempotency_keys": keys.json(),
             }));
         } else {
-            println!("{} → PostgreSQL schema {}", file.display(), pg.schema());
-            println!(
+            out!("{} → PostgreSQL schema {}", file.display(), pg.schema());
+            out!(
                 "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
                 inboxes.source,
                 names.len(),
                 inboxes.target,
                 inboxes.copied
             );
-            println!(
+            out!(
                 "outbox: {} records → {} rows {}",
                 outbox.source,
                 outbox.target,
                 outbox.copied_text()
             );
-            println!(
+            out!(
                 "idempotency keys: {} records → {} rows {}",
                 keys.source,
                 keys.target,
