@@ -413,6 +413,75 @@ fn rows_that_clash_with_different_rows_are_reported_not_copied_and_exit_1() -> T
 }
 
 #[test]
+fn the_server_never_hands_out_an_id_or_fence_the_file_did() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("purged.idem");
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        for i in 1..=5 {
+            let e = NewEntry::new(format!("cmd-{i}"), "mailer", format!("k{i}"), vec![1]);
+            outbox.enqueue(e, t(100 + i))?;
+        }
+        // Id 5, the largest, is completed and purged.
+        let claimed = outbox.claim_due(t(200), 5, "w1")?;
+        let last = claimed.iter().find(|e| e.id == OutboxId(5)).ok_or("id 5")?;
+        outbox.settle(last.fence(), Settlement::Completed, t(201))?;
+        assert_eq!(outbox.purge_finished(t(300))?, 1);
+        assert_eq!(outbox.next_id()?, 6);
+
+        // Fences 1–3; fence 3's record, created earliest, is purged.
+        let keys = store.idempotency_keys();
+        for (key, at) in [("k1", 100), ("k2", 100), ("k3", 1)] {
+            let Begin::Proceed(r) = keys.begin("", key, "fp", t(at))? else {
+                panic!("proceed")
+            };
+            assert!(keys.complete(&r, response("", key, "fp", t(at)), t(at))?);
+        }
+        assert_eq!(keys.purge_expired(t(50))?, 1);
+        assert_eq!(keys.list(None, 10)?.iter().map(|k| k.fence).max(), Some(2));
+        assert_eq!(keys.next_fence()?, 4);
+    }
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["outbox"]["copied"], 4, "{v}");
+    assert_eq!(v["idempotency_keys"]["copied"], 2, "{v}");
+
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    let Enqueued::New(id) = pg
+        .outbox()
+        .enqueue(NewEntry::new("c", "mailer", "fresh", b"x".to_vec()), t(600))?
+    else {
+        panic!("new")
+    };
+    assert_eq!(id, OutboxId(6));
+    let Begin::Proceed(r) = pg.idempotency_keys().begin("", "fresh", "fp", t(600))? else {
+        panic!("proceed")
+    };
+    assert_eq!(r.fence(), 4);
+
+    // Again: the sequences never move back.
+    migrate(&file, &url, &schema)?;
+    let Enqueued::New(id) = pg.outbox().enqueue(
+        NewEntry::new("c", "mailer", "fresh-2", b"x".to_vec()),
+        t(600),
+    )?
+    else {
+        panic!("new")
+    };
+    assert_eq!(id, OutboxId(7));
+    Ok(())
+}
+
+#[test]
 fn a_reader_that_goes_away_stops_the_report_not_the_copy() -> TestResult {
     let Some(url) = url() else { return Ok(()) };
     let dir = tempfile::tempdir()?;

@@ -50,6 +50,17 @@ impl IdempotencyKeys {
         }
     }
 
+    /// The next fence token a reservation will take (fences are never
+    /// reused, even once their records are purged). For `idemstore
+    /// migrate`, which moves a server's sequence past it; not a stable API.
+    #[doc(hidden)]
+    pub fn next_fence(&self) -> Result<u64> {
+        self.engine.read(|tx| match open_read(tx, META)? {
+            Some(meta) => stored_next_fence(&meta),
+            None => Ok(1),
+        })
+    }
+
     /// How many rows are completed responses and how many reservations, and
     /// the oldest row's `created_at` (what the next
     /// [`purge_expired`](Self::purge_expired) would reach first). Reads

@@ -121,17 +121,36 @@ impl PgStore {
                         }
                     }
                 }
-                // Past the largest fence copied, never back.
+                let largest: Option<i64> = db
+                    .query_one(&format!("SELECT max(fence) FROM {s}.idempotency"), &[])?
+                    .try_get(0)?;
+                advance(db, &format!("{s}.idempotency_fence"), largest.unwrap_or(0))?;
+                Ok((copied, conflicts))
+            })
+        })
+    }
+
+    /// Moves the sequences past what the source store already handed out —
+    /// outbox ids below `next_outbox_id`, fences below `next_fence`, its
+    /// purged records' included — never back, so that the server never
+    /// hands out an id or fence again that the source store did.
+    #[doc(hidden)]
+    pub fn import_counters(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
+        let last = |field, next: u64| {
+            i64::try_from(next.saturating_sub(1))
+                .map_err(|_| Error::invalid(field, format!("{next} is beyond PostgreSQL's bigint")))
+        };
+        let (last_id, last_fence) = (last("id", next_outbox_id)?, last("fence", next_fence)?);
+        let s = self.schema().to_owned();
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
                 db.execute(
-                    &format!(
-                        "SELECT setval('{s}.idempotency_fence', m) \
-                         FROM (SELECT max(fence) AS m FROM {s}.idempotency) x \
-                         WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END \
-                                    FROM {s}.idempotency_fence)"
-                    ),
+                    &format!("LOCK TABLE {s}.outbox, {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
                     &[],
                 )?;
-                Ok((copied, conflicts))
+                let seq = outbox_ids(db, &s)?;
+                advance(db, &seq, last_id)?;
+                advance(db, &format!("{s}.idempotency_fence"), last_fence)
             })
         })
     }
@@ -236,19 +255,37 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
 
 /// Moves the outbox's id sequence past the largest id, never back.
 fn bump_outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<()> {
-    let seq: String = db
+    let seq = outbox_ids(db, s)?;
+    let largest: Option<i64> = db
+        .query_one(&format!("SELECT max(id) FROM {s}.outbox"), &[])?
+        .try_get(0)?;
+    advance(db, &seq, largest.unwrap_or(0))
+}
+
+/// The name of the outbox's id sequence, from the catalog, quoted where it
+/// needs to be.
+fn outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<String> {
+    Ok(db
         .query_one(
             "SELECT pg_get_serial_sequence($1, 'id')",
             &[&format!("{s}.outbox")],
         )?
-        .try_get(0)?;
-    // The name comes from the catalog, quoted where it needs to be.
+        .try_get(0)?)
+}
+
+/// Moves sequence `seq` so that it hands out only values above `past`;
+/// never back (a sequence that is past it already is left alone). The
+/// caller holds a lock of the table whose writers take values from it.
+fn advance(db: &mut Db<'_, impl GenericClient>, seq: &str, past: i64) -> Result<()> {
+    if past < 1 {
+        return Ok(());
+    }
     db.execute(
         &format!(
-            "SELECT setval('{seq}', m) FROM (SELECT max(id) AS m FROM {s}.outbox) x \
-             WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
+            "SELECT setval('{seq}', $1) \
+             WHERE $1 > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
         ),
-        &[],
+        &[&past],
     )?;
     Ok(())
 }

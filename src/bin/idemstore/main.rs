@@ -105,12 +105,14 @@ pub(crate) enum Command {
     /// Copies every inbox key with its time, every outbox record (any
     /// status, with its id, claim and attempt history) and every
     /// idempotency record (responses, and reservations with their fences),
-    /// in batches of one transaction each. Running it again copies nothing
-    /// twice: a row an earlier run copied is left alone. A record whose id
-    /// or key a different row on the server holds is not copied: it is
-    /// counted and named on stderr, and the command exits 1. Copy into a
-    /// new schema, or one that holds only rows from this file. Prints the
-    /// counts on both sides. Needs a build with the `postgres` feature.
+    /// in batches of one transaction each, and moves the server's id and
+    /// fence sequences past every one the file handed out (ids and fences
+    /// are never reused). Running it again copies nothing twice: a row an
+    /// earlier run copied is left alone. A record whose id or key a
+    /// different row on the server holds is not copied: it is counted and
+    /// named on stderr, and the command exits 1. Copy into a new schema, or
+    /// one that holds only rows from this file. Prints the counts on both
+    /// sides. Needs a build with the `postgres` feature.
     ///
     /// Stop the program that writes the file first (or what it writes
     /// meanwhile may or may not be copied).

@@ -6,8 +6,9 @@
 //! store's import calls, which insert with `ON CONFLICT DO NOTHING` and
 //! keep outbox ids and fences as they are. A row already there from an
 //! earlier run is left alone; a record whose id or key a different row
-//! holds is a conflict: not copied, named on stderr, and the command exits
-//! 1. Then counts both sides.
+//! holds is a conflict: not copied, named on stderr, and the command
+//! exits 1. The server's id and fence sequences are first moved past every
+//! one the file handed out. Then counts both sides.
 
 use std::path::Path;
 
@@ -108,6 +109,73 @@ mod with_postgres {
         }
     }
 
+    /// What a run copied, by kind of row.
+    struct Report {
+        /// How many inboxes the file holds.
+        names: usize,
+        inboxes: Tally,
+        outbox: Tally,
+        keys: Tally,
+    }
+
+    impl Report {
+        /// Prints the report on stdout and the conflicts on stderr; `Findings`
+        /// if there were any.
+        fn print(&self, file: &Path, schema: &str, json: bool) -> Outcome {
+            let Report {
+                names,
+                inboxes,
+                outbox,
+                keys,
+            } = self;
+            if json {
+                print_json(&json!({
+                    "file": file.display().to_string(),
+                    "schema": schema,
+                    "inboxes": {
+                        "names": names,
+                        "source": inboxes.source,
+                        "target": inboxes.target,
+                        "copied": inboxes.copied,
+                    },
+                    "outbox": outbox.json(),
+                    "idempotency_keys": keys.json(),
+                }));
+            } else {
+                out!("{} → PostgreSQL schema {schema}", file.display());
+                out!(
+                    "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
+                    inboxes.source,
+                    names,
+                    inboxes.target,
+                    inboxes.copied
+                );
+                out!(
+                    "outbox: {} records → {} rows {}",
+                    outbox.source,
+                    outbox.target,
+                    outbox.copied_text()
+                );
+                out!(
+                    "idempotency keys: {} records → {} rows {}",
+                    keys.source,
+                    keys.target,
+                    keys.copied_text()
+                );
+            }
+            outbox.tell_conflicts("outbox records", schema);
+            keys.tell_conflicts("idempotency records", schema);
+            if outbox.conflicts + keys.conflicts > 0 {
+                eprintln!(
+                    "idemstore: error: migrate into a new schema, or one that holds only \
+                     rows copied from this file"
+                );
+                return Outcome::Findings;
+            }
+            Outcome::Ok
+        }
+    }
+
     pub(crate) fn run(
         file: &Path,
         url: &str,
@@ -135,6 +203,12 @@ mod with_postgres {
         let outbox_source = store.outbox().counts()?.total();
         let summary = store.idempotency_keys().summary()?;
         let keys_source = summary.completed + summary.reserved;
+        // Ids and fences are never reused: the server's sequences go past
+        // every one the file handed out, its purged records' too.
+        pg.import_counters(
+            store.outbox().next_id()?,
+            store.idempotency_keys().next_fence()?,
+        )?;
         let pb = bar(inboxes.source + outbox_source + keys_source, "copying");
 
         for name in &names {
@@ -174,51 +248,13 @@ mod with_postgres {
         keys.target = s.completed + s.reserved;
         pb.finish_and_clear();
 
-        if json {
-            print_json(&json!({
-                "file": file.display().to_string(),
-                "schema": pg.schema(),
-                "inboxes": {
-                    "names": names.len(),
-                    "source": inboxes.source,
-                    "target": inboxes.target,
-                    "copied": inboxes.copied,
-                },
-                "outbox": outbox.json(),
-                "idempotency_keys": keys.json(),
-            }));
-        } else {
-            out!("{} → PostgreSQL schema {}", file.display(), pg.schema());
-            out!(
-                "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
-                inboxes.source,
-                names.len(),
-                inboxes.target,
-                inboxes.copied
-            );
-            out!(
-                "outbox: {} records → {} rows {}",
-                outbox.source,
-                outbox.target,
-                outbox.copied_text()
-            );
-            out!(
-                "idempotency keys: {} records → {} rows {}",
-                keys.source,
-                keys.target,
-                keys.copied_text()
-            );
+        Ok(Report {
+            names: names.len(),
+            inboxes,
+            outbox,
+            keys,
         }
-        outbox.tell_conflicts("outbox records", pg.schema());
-        keys.tell_conflicts("idempotency records", pg.schema());
-        if outbox.conflicts + keys.conflicts > 0 {
-            eprintln!(
-                "idemstore: error: migrate into a new schema, or one that holds only rows \
-                 copied from this file"
-            );
-            return Ok(Outcome::Findings);
-        }
-        Ok(Outcome::Ok)
+        .print(file, pg.schema(), json))
     }
 
     /// The idempotency records with their responses, a batch at a time.
