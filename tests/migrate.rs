@@ -534,6 +534,28 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
     assert!(o.stdout.is_empty());
 
+    // The password is not printed, in either form.
+    let no_server = dir.path().join("no-server");
+    for with_password in [
+        format!("{nowhere} password=s3cret"),
+        format!(
+            "postgresql://app:s3cret@/app?host={}&connect_timeout=2",
+            no_server.display()
+        ),
+    ] {
+        let o = run(&[
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &with_password,
+        ])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(err.contains("***"), "{err}");
+    }
+
     let o = run(&[
         "migrate",
         file.to_str().ok_or("path")?,

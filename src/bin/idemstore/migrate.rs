@@ -190,7 +190,8 @@ mod with_postgres {
         }
         let pg = builder.connect(url).map_err(|e| {
             Failure(format!(
-                "cannot use the PostgreSQL server at {url:?}: {}",
+                "cannot use the PostgreSQL server at {:?}: {}",
+                redact(url),
                 Failure::from(e).0
             ))
         })?;
@@ -282,5 +283,144 @@ mod with_postgres {
             pb.inc(chunk.len() as u64);
         }
         Ok(())
+    }
+
+    /// `url`, a libpq connection string or URL, with its password (if it
+    /// has one) replaced by `***`, for messages: the user info of a URL
+    /// (`postgresql://app:PASSWORD@host/db`), its `password` parameter
+    /// (`?password=…`), or the `password=…` of a connection string, quoted
+    /// or not.
+    pub(super) fn redact(url: &str) -> String {
+        const HIDDEN: &str = "***";
+        if let Some(scheme) = ["postgresql://", "postgres://"]
+            .into_iter()
+            .find(|p| url.starts_with(p))
+        {
+            let rest = url.get(scheme.len()..).unwrap_or_default();
+            // The host follows the last `@` before the query (a password
+            // may hold `@` or `/`).
+            let query = rest.find('?').unwrap_or(rest.len());
+            let host = rest
+                .get(..query)
+                .and_then(|r| r.rfind('@'))
+                .map_or(0, |at| at + 1);
+            let end = rest
+                .get(host..)
+                .and_then(|r| r.find(['/', '?']))
+                .map_or(rest.len(), |i| host + i);
+            let (authority, tail) = rest.split_at(end);
+            let authority = match authority.rsplit_once('@') {
+                Some((user_info, host)) => match user_info.split_once(':') {
+                    Some((user, _)) => format!("{user}:{HIDDEN}@{host}"),
+                    None => format!("{user_info}@{host}"),
+                },
+                None => authority.to_owned(),
+            };
+            let tail = match tail.split_once('?') {
+                Some((path, query)) => {
+                    let params: Vec<String> = query
+                        .split('&')
+                        .map(|p| match p.split_once('=') {
+                            Some(("password", _)) => format!("password={HIDDEN}"),
+                            _ => p.to_owned(),
+                        })
+                        .collect();
+                    format!("{path}?{}", params.join("&"))
+                }
+                None => tail.to_owned(),
+            };
+            return format!("{scheme}{authority}{tail}");
+        }
+        // `key = value` pairs; a value is a word, or quoted with `\'` and
+        // `\\` escaped inside.
+        let mut out = String::with_capacity(url.len());
+        let mut rest = url;
+        loop {
+            let trimmed = rest.trim_start();
+            out.push_str(rest.get(..rest.len() - trimmed.len()).unwrap_or_default());
+            rest = trimmed;
+            if rest.is_empty() {
+                return out;
+            }
+            let key_end = rest
+                .find(|c: char| c == '=' || c.is_whitespace())
+                .unwrap_or(rest.len());
+            let (key, after_key) = rest.split_at(key_end);
+            let after_spaces = after_key.trim_start();
+            let Some(value) = after_spaces.strip_prefix('=') else {
+                // Not a pair: leave the rest as it is.
+                out.push_str(rest);
+                return out;
+            };
+            let value = value.trim_start();
+            let value_len = if value.starts_with('\'') {
+                let mut escaped = false;
+                let mut len = value.len();
+                for (i, c) in value.char_indices().skip(1) {
+                    match c {
+                        _ if escaped => escaped = false,
+                        '\\' => escaped = true,
+                        '\'' => {
+                            len = i + 1;
+                            break;
+                        }
+                        _ => {}
+                    }
+                }
+                len
+            } else {
+                value.find(char::is_whitespace).unwrap_or(value.len())
+            };
+            let head_len = rest.len() - value.len();
+            out.push_str(rest.get(..head_len).unwrap_or_default());
+            if key == "password" {
+                out.push_str(HIDDEN);
+            } else {
+                out.push_str(value.get(..value_len).unwrap_or_default());
+            }
+            rest = value.get(value_len..).unwrap_or_default();
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::redact;
+
+        #[test]
+        fn passwords_are_hidden_and_the_rest_kept() {
+            for (url, want) in [
+                (
+                    "postgresql://app:s3cret@db.example:5432/app",
+                    "postgresql://app:***@db.example:5432/app",
+                ),
+                ("postgres://app:p@ss@db/app", "postgres://app:***@db/app"),
+                ("postgres://app:s3/x@db/app", "postgres://app:***@db/app"),
+                ("postgresql://app@db/app", "postgresql://app@db/app"),
+                (
+                    "postgresql://db/app?user=app&password=s3cret&sslmode=disable",
+                    "postgresql://db/app?user=app&password=***&sslmode=disable",
+                ),
+                (
+                    "postgresql://app:s3cret@/app?host=/tmp",
+                    "postgresql://app:***@/app?host=/tmp",
+                ),
+                (
+                    "host=/run/postgresql user=app password=s3cret dbname=app",
+                    "host=/run/postgresql user=app password=*** dbname=app",
+                ),
+                ("password = s3cret host=db", "password = *** host=db"),
+                (
+                    "user=app password='s3 \\'cret' dbname=app",
+                    "user=app password=*** dbname=app",
+                ),
+                ("host=db user=app", "host=db user=app"),
+                ("port=notaport", "port=notaport"),
+                ("", ""),
+                ("nonsense", "nonsense"),
+            ] {
+                assert_eq!(redact(url), want, "{url}");
+                assert!(!redact(url).contains("s3"), "{url}");
+            }
+        }
     }
 }
