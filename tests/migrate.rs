@@ -532,7 +532,23 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
+    assert!(err.contains("error connecting to server"), "{err}");
+    assert!(!err.contains("rolled back"), "{err}");
     assert!(o.stdout.is_empty());
+
+    // A bad schema name is bad input, said as such, before any server.
+    let o = run(&[
+        "migrate",
+        file.to_str().ok_or("path")?,
+        "--to-postgres",
+        &nowhere,
+        "--schema",
+        "Bad-Name",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("invalid schema"), "{err}");
+    assert!(!err.contains("PostgreSQL server"), "{err}");
 
     // The password is not printed, in either form.
     let no_server = dir.path().join("no-server");
@@ -563,7 +579,9 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
         "port=notaport",
     ])?;
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("connection string"), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("invalid connection string"), "{err}");
+    assert!(!err.contains("PostgreSQL server"), "{err}");
 
     let missing = dir.path().join("missing.redb");
     let o = run(&[

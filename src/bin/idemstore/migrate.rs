@@ -38,7 +38,7 @@ mod with_postgres {
 
     use chrono::{DateTime, Utc};
     use idemstore::postgres::PgStore;
-    use idemstore::{KeyState, OutboxFilter, Store};
+    use idemstore::{Error, KeyState, OutboxFilter, Store};
     use serde_json::json;
 
     use crate::open;
@@ -188,13 +188,7 @@ mod with_postgres {
         if let Some(s) = schema {
             builder = builder.schema(s);
         }
-        let pg = builder.connect(url).map_err(|e| {
-            Failure(format!(
-                "cannot use the PostgreSQL server at {:?}: {}",
-                redact(url),
-                Failure::from(e).0
-            ))
-        })?;
+        let pg = builder.connect(url).map_err(|e| unusable(url, e))?;
         let batch = usize::try_from(batch).unwrap_or(1000);
         let names = store.inbox_names()?;
         let mut inboxes = Tally::default();
@@ -283,6 +277,27 @@ mod with_postgres {
             pb.inc(chunk.len() as u64);
         }
         Ok(())
+    }
+
+    /// Why the server at `url` could not be used, as told: a bad schema
+    /// name or connection string as itself; the server's or the client's
+    /// error with the server named (no call ran, so no transaction was
+    /// rolled back to speak of).
+    fn unusable(url: &str, e: Error) -> Failure {
+        let why = match e {
+            Error::InvalidInput { .. } | Error::TooLarge { .. } => return e.into(),
+            Error::Postgres {
+                code: Some(code),
+                message,
+                ..
+            } => format!("{message} (SQLSTATE {code})"),
+            Error::Postgres { message, .. } => message,
+            other => other.to_string(),
+        };
+        Failure(format!(
+            "cannot use the PostgreSQL server at {:?}: {why}",
+            redact(url)
+        ))
     }
 
     /// `url`, a libpq connection string or URL, with its password (if it
