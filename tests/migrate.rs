@@ -583,6 +583,22 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     assert!(err.contains("invalid connection string"), "{err}");
     assert!(!err.contains("PostgreSQL server"), "{err}");
 
+    // A program holds the file alone: migrate says to stop it (not to
+    // share the file).
+    {
+        let _held = Store::open(&file)?;
+        let o = run(&[
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &nowhere,
+        ])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("stop the program"), "{err}");
+        assert!(!err.contains("shared(true)"), "{err}");
+    }
+
     let missing = dir.path().join("missing.redb");
     let o = run(&[
         "migrate",

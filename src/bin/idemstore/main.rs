@@ -324,8 +324,17 @@ pub(crate) enum Outcome {
 /// Opens an existing store file, shared with any other process that opened
 /// it shared (a running program); never creates one.
 pub(crate) fn open(file: &Path) -> Result<Store, Failure> {
+    open_or(file, Failure::from)
+}
+
+/// Opens an existing store file as [`open`] does, telling why it could not
+/// through `failure` (for a command with its own advice).
+pub(crate) fn open_or(
+    file: &Path,
+    failure: impl FnOnce(Error) -> Failure,
+) -> Result<Store, Failure> {
     must_exist(file)?;
-    Ok(Store::builder().shared(true).open(file)?)
+    Store::builder().shared(true).open(file).map_err(failure)
 }
 
 /// Opens an existing store file for this process alone, for a command that

@@ -41,7 +41,7 @@ mod with_postgres {
     use idemstore::{Error, KeyState, OutboxFilter, Store};
     use serde_json::json;
 
-    use crate::open;
+    use crate::open_or;
     use crate::output::{bar, out, print_json};
 
     /// How many conflicting records of a kind stderr names.
@@ -183,7 +183,17 @@ mod with_postgres {
         batch: u32,
         json: bool,
     ) -> Result<Outcome, Failure> {
-        let store = open(file)?;
+        let store = open_or(file, |e| match e {
+            // A program holds the file alone: it is running, and migrate
+            // copies a stopped program's file.
+            Error::AlreadyOpen { path, .. } => Failure(format!(
+                "{} is held by a running program: stop the program that uses it, then run \
+                 migrate again (what a running program writes meanwhile may or may not be \
+                 copied)",
+                path.display()
+            )),
+            other => other.into(),
+        })?;
         let mut builder = PgStore::builder().pool_size(2);
         if let Some(s) = schema {
             builder = builder.schema(s);
