@@ -871,10 +871,14 @@ fn bad_usage_exits_2() -> TestResult {
 fn a_missing_file_is_reported_and_not_created() -> TestResult {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("missing.idem");
-    let o = run(&["stats", s(&missing)])?;
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
-    assert!(!missing.exists());
+    for command in ["stats", "compact"] {
+        let o = run(&[command, s(&missing)])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("no such file"), "{command}: {err}");
+        assert!(err.contains(s(&missing)), "{command}: {err}");
+        assert!(!missing.exists());
+    }
     Ok(())
 }
 

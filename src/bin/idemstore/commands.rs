@@ -560,13 +560,13 @@ fn keys_list(
 /// time), and a compaction beside others would hold the writer of every
 /// process until it ended.
 fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
-    let before = std::fs::metadata(file)?.len();
     let store = open_alone(file)?;
+    let before = size(file)?;
     let pb = spinner("compacting");
     let compacted = store.compact()?;
     pb.finish_and_clear();
     drop(store);
-    let after = std::fs::metadata(file)?.len();
+    let after = size(file)?;
     report(
         json,
         &json!({"compacted": compacted, "bytes_before": before, "bytes_after": after}),
@@ -587,6 +587,13 @@ fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
             }
         },
     )
+}
+
+/// The size of `file` in bytes; a failure names the file.
+fn size(file: &Path) -> Result<u64, Failure> {
+    std::fs::metadata(file)
+        .map(|m| m.len())
+        .map_err(|e| Failure(format!("{}: {e}", file.display())))
 }
 
 fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
