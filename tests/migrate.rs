@@ -482,6 +482,42 @@ fn the_server_never_hands_out_an_id_or_fence_the_file_did() -> TestResult {
 }
 
 #[test]
+fn a_row_the_server_refuses_is_named() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = small(dir.path(), "a.idem", "k", "fp-a")?;
+    for (check, named) in [
+        (
+            "outbox ADD CHECK (idempotency_key <> 'k2'::bytea)",
+            "outbox entry 3: ",
+        ),
+        (
+            "idempotency ADD CHECK (idem_key <> 'order-1'::bytea)",
+            r#"idempotency key ""/"order-1": "#,
+        ),
+    ] {
+        let schema = unique_schema();
+        let _drop = common::pg::DropSchema {
+            url: url.clone(),
+            schema: schema.clone(),
+        };
+        drop(
+            PgStore::builder()
+                .schema(&schema)
+                .pool_size(1)
+                .connect(&url)?,
+        );
+        Client::connect(&url, NoTls)?.batch_execute(&format!("ALTER TABLE {schema}.{check}"))?;
+        let o = migrate_output(&file, &url, &schema)?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains(named), "{err}");
+        assert!(err.contains("violates check constraint"), "{err}");
+    }
+    Ok(())
+}
+
+#[test]
 fn a_reader_that_goes_away_stops_the_report_not_the_copy() -> TestResult {
     let Some(url) = url() else { return Ok(()) };
     let dir = tempfile::tempdir()?;

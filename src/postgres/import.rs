@@ -78,7 +78,9 @@ impl PgStore {
                 let mut conflicts = Vec::new();
                 for r in records {
                     let id = r.entry.id;
-                    match insert_record(db, &s, r)? {
+                    match insert_record(db, &s, r)
+                        .map_err(|e| naming(e, &format!("outbox entry {id}")))?
+                    {
                         Copied::Inserted => copied += 1,
                         Copied::Present => {}
                         Copied::Conflict => conflicts.push(id),
@@ -113,7 +115,13 @@ impl PgStore {
                 let mut copied = 0;
                 let mut conflicts = Vec::new();
                 for (entry, response) in rows {
-                    match insert_key(db, &s, entry, response.as_ref())? {
+                    let copy = insert_key(db, &s, entry, response.as_ref()).map_err(|e| {
+                        naming(
+                            e,
+                            &format!("idempotency key {:?}/{:?}", entry.tenant, entry.key),
+                        )
+                    })?;
+                    match copy {
                         Copied::Inserted => copied += 1,
                         Copied::Present => {}
                         Copied::Conflict => {
@@ -165,6 +173,24 @@ enum Copied {
     Present,
     /// A different row holds its id or key: not copied.
     Conflict,
+}
+
+/// `e`, a row's failure, naming the row: the server refusing one row fails
+/// its whole batch, and the message says which row it was.
+fn naming(e: Error, row: &str) -> Error {
+    match e {
+        Error::Postgres {
+            code,
+            message,
+            source,
+        } => Error::Postgres {
+            code,
+            message: format!("{row}: {message}"),
+            source,
+        },
+        Error::InvalidInput { field, reason } => Error::invalid(field, format!("{row}: {reason}")),
+        other => other,
+    }
 }
 
 /// Inserts record `r` unless its id or `(destination, idempotency_key)` is
