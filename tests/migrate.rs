@@ -44,6 +44,16 @@ fn migrate_output(
     url: &str,
     schema: &str,
 ) -> Result<Output, Box<dyn std::error::Error>> {
+    migrate_in_batches(file, url, schema, 7)
+}
+
+/// Runs `migrate --json` in batches of `batch`.
+fn migrate_in_batches(
+    file: &Path,
+    url: &str,
+    schema: &str,
+    batch: u32,
+) -> Result<Output, Box<dyn std::error::Error>> {
     let file = file.to_str().ok_or("path")?;
     Ok(run(&[
         "--json",
@@ -54,7 +64,7 @@ fn migrate_output(
         "--schema",
         schema,
         "--batch",
-        "7",
+        &batch.to_string(),
     ])?)
 }
 
@@ -547,6 +557,41 @@ fn a_reader_that_goes_away_stops_the_report_not_the_copy() -> TestResult {
         .pool_size(1)
         .connect(&url)?;
     assert_eq!(pg.outbox().counts()?.total(), 4);
+    Ok(())
+}
+
+#[test]
+fn every_kind_is_copied_page_by_page() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("app.redb");
+    fill(&Store::open(&file)?)?;
+    let store = Store::builder().shared(true).open(&file)?;
+    for batch in [1, 3] {
+        let schema = unique_schema();
+        let _drop = common::pg::DropSchema {
+            url: url.clone(),
+            schema: schema.clone(),
+        };
+        let o = migrate_in_batches(&file, &url, &schema, batch)?;
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout)?;
+        for (kind, n) in [("inboxes", 31), ("outbox", 8), ("idempotency_keys", 4)] {
+            assert_eq!(v[kind]["copied"], n, "batch {batch}, {kind}: {v}");
+        }
+        let pg = PgStore::builder()
+            .schema(&schema)
+            .pool_size(1)
+            .connect(&url)?;
+        let (keys, pg_keys) = (store.idempotency_keys(), pg.idempotency_keys());
+        assert_eq!(pg_keys.list(None, 100)?, keys.list(None, 100)?);
+        for k in keys.list(None, 100)? {
+            assert_eq!(
+                pg_keys.response(&k.tenant, &k.key)?,
+                keys.response(&k.tenant, &k.key)?
+            );
+        }
+    }
     Ok(())
 }
 

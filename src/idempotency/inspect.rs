@@ -1,5 +1,7 @@
 //! Inspection: listing the rows and checking them against the expiry index.
 
+use std::ops::Bound;
+
 use chrono::{DateTime, Utc};
 use redb::{ReadableTable, TableHandle as _};
 
@@ -32,6 +34,33 @@ impl IdempotencyKeys {
                 if tenant.is_some_and(|want| want != t) {
                     break;
                 }
+                out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
+    /// `after` (the `(tenant, key)` of a previous page's last row): every
+    /// row, a page per read transaction. For `idemstore export` and
+    /// `migrate`; not a stable API.
+    #[doc(hidden)]
+    pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
+        self.engine.read(|tx| {
+            let Some(rows) = open_read(tx, IDEM)? else {
+                return Ok(Vec::new());
+            };
+            let start = match after {
+                Some(k) => Bound::Excluded(k),
+                None => Bound::Unbounded,
+            };
+            let mut out = Vec::new();
+            for entry in rows.range::<(&str, &str)>((start, Bound::Unbounded))? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = entry?;
+                let (t, key) = k.value();
                 out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
             }
             Ok(out)

@@ -1,10 +1,11 @@
 //! `idemstore migrate FILE --to-postgres URL`: a store file's rows into
 //! PostgreSQL.
 //!
-//! Reads the file through its public calls (page by page, as `export`
-//! does) and writes each page in one transaction through the PostgreSQL
-//! store's import calls, which insert with `ON CONFLICT DO NOTHING` and
-//! keep outbox ids and fences as they are. A row already there from an
+//! Reads the file through its public calls, page by page as `export` does
+//! (the same pagers, `commands::*_pages`), and writes each page in one
+//! transaction through the PostgreSQL store's import calls, which insert
+//! with `ON CONFLICT DO NOTHING` and keep outbox ids and fences as they
+//! are. A row already there from an
 //! earlier run is left alone; a record whose id or key a different row
 //! holds is a conflict: not copied, named on stderr, and the command
 //! exits 1. The server's id and fence sequences are first moved past every
@@ -36,10 +37,11 @@ pub(crate) use with_postgres::run;
 mod with_postgres {
     use super::{Failure, Outcome, Path};
 
-    use chrono::{DateTime, Utc};
+    use idemstore::Error;
     use idemstore::postgres::PgStore;
-    use idemstore::{Error, KeyState, OutboxFilter, Store};
     use serde_json::json;
+
+    use crate::commands::{Holdings, inbox_pages, key_pages, outbox_pages};
 
     use crate::open_or;
     use crate::output::{bar, out, print_json};
@@ -200,29 +202,22 @@ mod with_postgres {
         }
         let pg = builder.connect(url).map_err(|e| unusable(url, e))?;
         let batch = usize::try_from(batch).unwrap_or(1000);
-        let names = store.inbox_names()?;
-        let mut inboxes = Tally::default();
-        for name in &names {
-            inboxes.source += store.inbox(name)?.len()?;
-        }
-        let outbox_source = store.outbox().counts()?.total();
-        let summary = store.idempotency_keys().summary()?;
-        let keys_source = summary.completed + summary.reserved;
+        let holds = Holdings::read(&store)?;
         // Ids and fences are never reused: the server's sequences go past
         // every one the file handed out, its purged records' too.
         pg.import_counters(
             store.outbox().next_id()?,
             store.idempotency_keys().next_fence()?,
         )?;
-        let pb = bar(inboxes.source + outbox_source + keys_source, "copying");
+        let pb = bar(holds.total(), "copying");
 
-        for name in &names {
-            let inbox = store.inbox(name)?;
-            let mut after: Option<(DateTime<Utc>, String)> = None;
-            loop {
-                let page = inbox.list(after.as_ref().map(|(at, k)| (*at, k.as_str())), batch)?;
-                let Some((k, at)) = page.last() else { break };
-                after = Some((*at, k.clone()));
+        let mut inboxes = Tally {
+            source: holds.inbox_keys,
+            ..Tally::default()
+        };
+        for name in &holds.inbox_names {
+            for page in inbox_pages(&store.inbox(name)?, batch) {
+                let page = page?;
                 inboxes.copied += pg.import_inbox(name, &page)?;
                 pb.inc(page.len() as u64);
             }
@@ -230,63 +225,38 @@ mod with_postgres {
         }
 
         let mut outbox = Tally {
-            source: outbox_source,
+            source: holds.outbox,
             ..Tally::default()
         };
-        let source_outbox = store.outbox();
-        let mut filter = OutboxFilter::any();
-        loop {
-            let page = source_outbox.list(&filter, batch)?;
-            let Some(last) = page.last() else { break };
-            filter = filter.after(last.entry.id);
+        for page in outbox_pages(&store.outbox(), batch) {
+            let page = page?;
             outbox.add(pg.import_outbox(&page)?, |id| format!("id {id}"));
             pb.inc(page.len() as u64);
         }
         outbox.target = pg.outbox().counts()?.total();
 
         let mut keys = Tally {
-            source: keys_source,
+            source: holds.keys,
             ..Tally::default()
         };
-        copy_keys(&store, &pg, batch, &mut keys, &pb)?;
+        for page in key_pages(&store.idempotency_keys(), batch) {
+            let page = page?;
+            keys.add(pg.import_idempotency(&page)?, |(t, k)| {
+                format!("{t:?}/{k:?}")
+            });
+            pb.inc(page.len() as u64);
+        }
         let s = pg.idempotency_keys().summary()?;
         keys.target = s.completed + s.reserved;
         pb.finish_and_clear();
 
         Ok(Report {
-            names: names.len(),
+            names: holds.inbox_names.len(),
             inboxes,
             outbox,
             keys,
         }
         .print(file, pg.schema(), json))
-    }
-
-    /// The idempotency records with their responses, a batch at a time.
-    fn copy_keys(
-        store: &Store,
-        pg: &PgStore,
-        batch: usize,
-        keys: &mut Tally,
-        pb: &indicatif::ProgressBar,
-    ) -> Result<(), Failure> {
-        let idem = store.idempotency_keys();
-        let all = idem.list(None, usize::MAX)?;
-        for chunk in all.chunks(batch) {
-            let mut rows = Vec::with_capacity(chunk.len());
-            for k in chunk {
-                let response = match k.state {
-                    KeyState::Completed { .. } => idem.response(&k.tenant, &k.key)?,
-                    KeyState::Reserved { .. } => None,
-                };
-                rows.push((k.clone(), response));
-            }
-            keys.add(pg.import_idempotency(&rows)?, |(t, k)| {
-                format!("{t:?}/{k:?}")
-            });
-            pb.inc(chunk.len() as u64);
-        }
-        Ok(())
     }
 
     /// Why the server at `url` could not be used, as told: a bad schema
