@@ -882,6 +882,28 @@ fn a_missing_file_is_reported_and_not_created() -> TestResult {
     Ok(())
 }
 
+#[test]
+fn an_empty_file_is_refused_and_left_empty() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let empty = dir.path().join("e.idem");
+    std::fs::File::create(&empty)?;
+    for args in [
+        vec!["stats", s(&empty)],
+        vec!["check", s(&empty)],
+        vec!["compact", s(&empty)],
+    ] {
+        let o = run(&args)?;
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("empty file, not a store file"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(std::fs::metadata(&empty)?.len(), 0, "{args:?}");
+    }
+    Ok(())
+}
+
 const LIVE_FILE_ENV: &str = "IDEMSTORE_CLI_LIVE_FILE";
 const LIVE_SHARED_ENV: &str = "IDEMSTORE_CLI_LIVE_SHARED";
 

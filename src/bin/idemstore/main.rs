@@ -344,14 +344,21 @@ pub(crate) fn open_alone(file: &Path) -> Result<Store, Failure> {
     Ok(Store::open(file)?)
 }
 
+/// Refuses a file that is not there, and an empty one: the store would
+/// make either a new store file, and a command that reads would then have
+/// written one.
 fn must_exist(file: &Path) -> Result<(), Failure> {
-    if file.exists() {
-        return Ok(());
+    match std::fs::metadata(file) {
+        Ok(m) if m.is_file() && m.len() == 0 => Err(Failure(format!(
+            "{}: empty file, not a store file (idemstore opens existing store files only)",
+            file.display()
+        ))),
+        _ if file.exists() => Ok(()),
+        _ => Err(Failure(format!(
+            "{}: no such file (idemstore opens existing store files only)",
+            file.display()
+        ))),
     }
-    Err(Failure(format!(
-        "{}: no such file (idemstore opens existing store files only)",
-        file.display()
-    )))
 }
 
 fn main() -> ExitCode {
