@@ -15,7 +15,9 @@
 //! copied, under a lock of the table (writers of this table wait for the
 //! batch), so that the server never hands out a copied id or fence again;
 //! [`PgStore::import_counters`] moves them past what the source store
-//! already handed out too.
+//! already handed out too. A sequence moved is not moved back should its
+//! transaction fail (PostgreSQL's sequences are not transactional): values
+//! are then skipped, never handed out twice.
 //!
 //! Not a stable API: these calls exist for the command and may change with
 //! it.
