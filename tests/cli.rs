@@ -697,18 +697,14 @@ fn check_passes_a_clean_file() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn check_names_each_missing_index_row_and_exits_1() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let file = fixture(dir.path())?;
+/// Removes the first row of the outbox's due index and of the inboxes'
+/// `seen_at` index: two findings for `check`.
+fn damage_indexes(file: &Path) -> TestResult {
     // Recent claims sit in the journal; a prune (of nothing) merges them
     // into the ledger and its `seen_at` index, which the damage below hits.
-    assert_eq!(
-        Store::open(&file)?.inbox("webhooks")?.prune(ago(30 * D))?,
-        0
-    );
+    assert_eq!(Store::open(file)?.inbox("webhooks")?.prune(ago(30 * D))?, 0);
     {
-        let db = redb::Database::open(&file)?;
+        let db = redb::Database::open(file)?;
         let tx = db.begin_write()?;
         {
             let mut due = tx.open_table(OUTBOX_DUE)?;
@@ -724,6 +720,14 @@ fn check_names_each_missing_index_row_and_exits_1() -> TestResult {
         }
         tx.commit()?;
     }
+    Ok(())
+}
+
+#[test]
+fn check_names_each_missing_index_row_and_exits_1() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    damage_indexes(&file)?;
     let o = run(&["check", s(&file)])?;
     assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
     let text = stdout(&o);
@@ -781,6 +785,63 @@ fn a_reader_that_stops_early_ends_the_command_quietly() -> TestResult {
     Ok(())
 }
 
+/// Runs the binary with `args` and its stdout a pipe whose reading end is
+/// closed before it starts: its first line meets a reader that went away.
+fn run_to_a_closed_pipe(args: &[&str]) -> Result<Output, std::io::Error> {
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .stdout(writer)
+        .output()
+}
+
+#[test]
+fn a_reader_that_goes_away_stops_the_output_not_the_work() -> TestResult {
+    // `idemstore outbox cancel f.idem $(seq 1 50) | grep -q cancelled`.
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("many.idem");
+    {
+        let outbox = Store::open(&path)?.outbox();
+        for i in 0..50 {
+            let e = NewEntry::new(format!("cmd-{i}"), "mail", format!("k{i}"), vec![1]);
+            outbox.enqueue(e, ago(60))?;
+        }
+    }
+    let ids: Vec<String> = (1..=50).map(|i| i.to_string()).collect();
+    let mut args = vec!["outbox", "cancel", s(&path)];
+    args.extend(ids.iter().map(String::as_str));
+    let o = run_to_a_closed_pipe(&args)?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    let counts = Store::open(&path)?.outbox().counts()?;
+    assert_eq!(counts.get(OutboxStatus::Failed), 50, "{counts:?}");
+
+    // The exit code is what the work came to: entry 99 does not exist.
+    ok(&["outbox", "retry", s(&path), "1", "2"])?;
+    let o = run_to_a_closed_pipe(&["outbox", "cancel", s(&path), "1", "99", "2"])?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("entry 99"), "{}", stderr(&o));
+    let counts = Store::open(&path)?.outbox().counts()?;
+    assert_eq!(counts.get(OutboxStatus::Failed), 50, "{counts:?}");
+
+    // `check … | head` on a file with findings exits 1, on a clean one 0.
+    let o = run_to_a_closed_pipe(&["check", s(&path)])?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let file = fixture(dir.path())?;
+    damage_indexes(&file)?;
+    for json in [false, true] {
+        let mut args = vec!["check", s(&file)];
+        if json {
+            args.insert(0, "--json");
+        }
+        let o = run_to_a_closed_pipe(&args)?;
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_usage_exits_2() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -810,10 +871,36 @@ fn bad_usage_exits_2() -> TestResult {
 fn a_missing_file_is_reported_and_not_created() -> TestResult {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("missing.idem");
-    let o = run(&["stats", s(&missing)])?;
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
-    assert!(!missing.exists());
+    for command in ["stats", "compact"] {
+        let o = run(&[command, s(&missing)])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("no such file"), "{command}: {err}");
+        assert!(err.contains(s(&missing)), "{command}: {err}");
+        assert!(!missing.exists());
+    }
+    Ok(())
+}
+
+#[test]
+fn an_empty_file_is_refused_and_left_empty() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let empty = dir.path().join("e.idem");
+    std::fs::File::create(&empty)?;
+    for args in [
+        vec!["stats", s(&empty)],
+        vec!["check", s(&empty)],
+        vec!["compact", s(&empty)],
+    ] {
+        let o = run(&args)?;
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("empty file, not a store file"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(std::fs::metadata(&empty)?.len(), 0, "{args:?}");
+    }
     Ok(())
 }
 

@@ -38,10 +38,24 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Runs `migrate --json` and parses its report.
-fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::error::Error>> {
+/// Runs `migrate --json` in batches of 7.
+fn migrate_output(
+    file: &Path,
+    url: &str,
+    schema: &str,
+) -> Result<Output, Box<dyn std::error::Error>> {
+    migrate_in_batches(file, url, schema, 7)
+}
+
+/// Runs `migrate --json` in batches of `batch`.
+fn migrate_in_batches(
+    file: &Path,
+    url: &str,
+    schema: &str,
+    batch: u32,
+) -> Result<Output, Box<dyn std::error::Error>> {
     let file = file.to_str().ok_or("path")?;
-    let o = run(&[
+    Ok(run(&[
         "--json",
         "migrate",
         file,
@@ -50,8 +64,13 @@ fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::e
         "--schema",
         schema,
         "--batch",
-        "7",
-    ])?;
+        &batch.to_string(),
+    ])?)
+}
+
+/// Runs `migrate --json`, expects exit 0 and parses its report.
+fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::error::Error>> {
+    let o = migrate_output(file, url, schema)?;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     Ok(serde_json::from_slice(&o.stdout)?)
 }
@@ -292,6 +311,290 @@ fn every_row_is_copied_as_it_was_and_once() -> TestResult {
     Ok(())
 }
 
+/// A store file with four outbox entries (ids 1–4) whose idempotency keys
+/// start with `prefix`, one response at `("", "order-1")` whose
+/// fingerprint is `fp`, and the inbox key `evt-1`.
+fn small(
+    dir: &Path,
+    name: &str,
+    prefix: &str,
+    fp: &str,
+) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
+    let file = dir.join(name);
+    let store = Store::open(&file)?;
+    store.inbox("payments")?.claim("evt-1", t(1))?;
+    for i in 0..4 {
+        let e = NewEntry::new(
+            format!("cmd-{i}"),
+            "mailer",
+            format!("{prefix}{i}"),
+            vec![1],
+        );
+        let Enqueued::New(id) = store.outbox().enqueue(e, t(100 + i))? else {
+            panic!("new")
+        };
+        assert_eq!(id, OutboxId(u64::try_from(i)? + 1));
+    }
+    assert!(
+        store
+            .idempotency_keys()
+            .put(&response("", "order-1", fp, t(10)))?
+    );
+    Ok(file)
+}
+
+#[test]
+fn rows_that_clash_with_different_rows_are_reported_not_copied_and_exit_1() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file_a = small(dir.path(), "a.idem", "k", "fp-a")?;
+    let file_c = small(dir.path(), "c.idem", "otherk", "fp-c")?;
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let first = migrate(&file_a, &url, &schema)?;
+    assert_eq!(first["outbox"]["copied"], 4, "{first}");
+    assert_eq!(first["outbox"]["conflicts"], 0, "{first}");
+
+    // c's entries have a's ids, its response a's key with another
+    // fingerprint: not copied, counted, named, exit 1. The inbox key is
+    // claimed either way: no conflict.
+    let o = migrate_output(&file_c, &url, &schema)?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout)?;
+    assert_eq!(v["outbox"]["copied"], 0, "{v}");
+    assert_eq!(v["outbox"]["conflicts"], 4, "{v}");
+    assert_eq!(v["idempotency_keys"]["copied"], 0, "{v}");
+    assert_eq!(v["idempotency_keys"]["conflicts"], 1, "{v}");
+    assert_eq!(v["inboxes"]["copied"], 0, "{v}");
+    assert!(v["inboxes"].get("conflicts").is_none(), "{v}");
+    let err = stderr(&o);
+    assert!(err.contains("4 outbox records not copied"), "{err}");
+    assert!(err.contains("id 1, id 2, id 3, id 4"), "{err}");
+    assert!(err.contains("1 idempotency records not copied"), "{err}");
+    assert!(err.contains(r#"""/"order-1""#), "{err}");
+
+    // The server holds a's rows, untouched.
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    for i in 0..4u64 {
+        let r = pg.outbox().get(OutboxId(i + 1))?;
+        assert_eq!(r.entry.idempotency_key, format!("k{i}"));
+    }
+    assert_eq!(pg.outbox().counts()?.total(), 4);
+    let kept = pg
+        .idempotency_keys()
+        .response("", "order-1")?
+        .ok_or("kept")?;
+    assert_eq!(kept.request_fingerprint, "fp-a");
+
+    // In text, each kind says how many it did not copy.
+    let o = run(&[
+        "migrate",
+        file_c.to_str().ok_or("path")?,
+        "--to-postgres",
+        &url,
+        "--schema",
+        &schema,
+    ])?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout)?;
+    assert!(
+        text.contains("outbox: 4 records → 4 rows (0 copied, 4 conflicting rows not copied)"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "idempotency keys: 1 records → 1 rows (0 copied, 1 conflicting rows not copied)"
+        ),
+        "{text}"
+    );
+
+    // a again is a rerun: nothing copied, nothing in conflict.
+    let again = migrate(&file_a, &url, &schema)?;
+    assert_eq!(again["outbox"]["copied"], 0, "{again}");
+    assert_eq!(again["outbox"]["conflicts"], 0, "{again}");
+    assert_eq!(again["idempotency_keys"]["conflicts"], 0, "{again}");
+    Ok(())
+}
+
+#[test]
+fn the_server_never_hands_out_an_id_or_fence_the_file_did() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("purged.idem");
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        for i in 1..=5 {
+            let e = NewEntry::new(format!("cmd-{i}"), "mailer", format!("k{i}"), vec![1]);
+            outbox.enqueue(e, t(100 + i))?;
+        }
+        // Id 5, the largest, is completed and purged.
+        let claimed = outbox.claim_due(t(200), 5, "w1")?;
+        let last = claimed.iter().find(|e| e.id == OutboxId(5)).ok_or("id 5")?;
+        outbox.settle(last.fence(), Settlement::Completed, t(201))?;
+        assert_eq!(outbox.purge_finished(t(300))?, 1);
+        assert_eq!(outbox.next_id()?, 6);
+
+        // Fences 1–3; fence 3's record, created earliest, is purged.
+        let keys = store.idempotency_keys();
+        for (key, at) in [("k1", 100), ("k2", 100), ("k3", 1)] {
+            let Begin::Proceed(r) = keys.begin("", key, "fp", t(at))? else {
+                panic!("proceed")
+            };
+            assert!(keys.complete(&r, response("", key, "fp", t(at)), t(at))?);
+        }
+        assert_eq!(keys.purge_expired(t(50))?, 1);
+        assert_eq!(keys.list(None, 10)?.iter().map(|k| k.fence).max(), Some(2));
+        assert_eq!(keys.next_fence()?, 4);
+    }
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["outbox"]["copied"], 4, "{v}");
+    assert_eq!(v["idempotency_keys"]["copied"], 2, "{v}");
+
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    let Enqueued::New(id) = pg
+        .outbox()
+        .enqueue(NewEntry::new("c", "mailer", "fresh", b"x".to_vec()), t(600))?
+    else {
+        panic!("new")
+    };
+    assert_eq!(id, OutboxId(6));
+    let Begin::Proceed(r) = pg.idempotency_keys().begin("", "fresh", "fp", t(600))? else {
+        panic!("proceed")
+    };
+    assert_eq!(r.fence(), 4);
+
+    // Again: the sequences never move back.
+    migrate(&file, &url, &schema)?;
+    let Enqueued::New(id) = pg.outbox().enqueue(
+        NewEntry::new("c", "mailer", "fresh-2", b"x".to_vec()),
+        t(600),
+    )?
+    else {
+        panic!("new")
+    };
+    assert_eq!(id, OutboxId(7));
+    Ok(())
+}
+
+#[test]
+fn a_row_the_server_refuses_is_named() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = small(dir.path(), "a.idem", "k", "fp-a")?;
+    for (check, named) in [
+        (
+            "outbox ADD CHECK (idempotency_key <> 'k2'::bytea)",
+            "outbox entry 3: ",
+        ),
+        (
+            "idempotency ADD CHECK (idem_key <> 'order-1'::bytea)",
+            r#"idempotency key ""/"order-1": "#,
+        ),
+    ] {
+        let schema = unique_schema();
+        let _drop = common::pg::DropSchema {
+            url: url.clone(),
+            schema: schema.clone(),
+        };
+        drop(
+            PgStore::builder()
+                .schema(&schema)
+                .pool_size(1)
+                .connect(&url)?,
+        );
+        Client::connect(&url, NoTls)?.batch_execute(&format!("ALTER TABLE {schema}.{check}"))?;
+        let o = migrate_output(&file, &url, &schema)?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains(named), "{err}");
+        assert!(err.contains("violates check constraint"), "{err}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_reader_that_goes_away_stops_the_report_not_the_copy() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = small(dir.path(), "a.idem", "k", "fp-a")?;
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args([
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &url,
+            "--schema",
+            &schema,
+        ])
+        .stdout(writer)
+        .output()?;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    assert_eq!(pg.outbox().counts()?.total(), 4);
+    Ok(())
+}
+
+#[test]
+fn every_kind_is_copied_page_by_page() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("app.redb");
+    fill(&Store::open(&file)?)?;
+    let store = Store::builder().shared(true).open(&file)?;
+    for batch in [1, 3] {
+        let schema = unique_schema();
+        let _drop = common::pg::DropSchema {
+            url: url.clone(),
+            schema: schema.clone(),
+        };
+        let o = migrate_in_batches(&file, &url, &schema, batch)?;
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout)?;
+        for (kind, n) in [("inboxes", 31), ("outbox", 8), ("idempotency_keys", 4)] {
+            assert_eq!(v[kind]["copied"], n, "batch {batch}, {kind}: {v}");
+        }
+        let pg = PgStore::builder()
+            .schema(&schema)
+            .pool_size(1)
+            .connect(&url)?;
+        let (keys, pg_keys) = (store.idempotency_keys(), pg.idempotency_keys());
+        assert_eq!(pg_keys.list(None, 100)?, keys.list(None, 100)?);
+        for k in keys.list(None, 100)? {
+            assert_eq!(
+                pg_keys.response(&k.tenant, &k.key)?,
+                keys.response(&k.tenant, &k.key)?
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -310,7 +613,45 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
+    assert!(err.contains("error connecting to server"), "{err}");
+    assert!(!err.contains("rolled back"), "{err}");
     assert!(o.stdout.is_empty());
+
+    // A bad schema name is bad input, said as such, before any server.
+    let o = run(&[
+        "migrate",
+        file.to_str().ok_or("path")?,
+        "--to-postgres",
+        &nowhere,
+        "--schema",
+        "Bad-Name",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("invalid schema"), "{err}");
+    assert!(!err.contains("PostgreSQL server"), "{err}");
+
+    // The password is not printed, in either form.
+    let no_server = dir.path().join("no-server");
+    for with_password in [
+        format!("{nowhere} password=s3cret"),
+        format!(
+            "postgresql://app:s3cret@/app?host={}&connect_timeout=2",
+            no_server.display()
+        ),
+    ] {
+        let o = run(&[
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &with_password,
+        ])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(err.contains("***"), "{err}");
+    }
 
     let o = run(&[
         "migrate",
@@ -319,7 +660,25 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
         "port=notaport",
     ])?;
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("connection string"), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("invalid connection string"), "{err}");
+    assert!(!err.contains("PostgreSQL server"), "{err}");
+
+    // A program holds the file alone: migrate says to stop it (not to
+    // share the file).
+    {
+        let _held = Store::open(&file)?;
+        let o = run(&[
+            "migrate",
+            file.to_str().ok_or("path")?,
+            "--to-postgres",
+            &nowhere,
+        ])?;
+        assert_eq!(o.status.code(), Some(1));
+        let err = stderr(&o);
+        assert!(err.contains("stop the program"), "{err}");
+        assert!(!err.contains("shared(true)"), "{err}");
+    }
 
     let missing = dir.path().join("missing.redb");
     let o = run(&[

@@ -1,5 +1,7 @@
 //! Inspection: listing the rows and checking them against the expiry index.
 
+use std::ops::Bound;
+
 use chrono::{DateTime, Utc};
 use redb::{ReadableTable, TableHandle as _};
 
@@ -38,6 +40,33 @@ impl IdempotencyKeys {
         })
     }
 
+    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
+    /// `after` (the `(tenant, key)` of a previous page's last row): every
+    /// row, a page per read transaction. For `idemstore export` and
+    /// `migrate`; not a stable API.
+    #[doc(hidden)]
+    pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
+        self.engine.read(|tx| {
+            let Some(rows) = open_read(tx, IDEM)? else {
+                return Ok(Vec::new());
+            };
+            let start = match after {
+                Some(k) => Bound::Excluded(k),
+                None => Bound::Unbounded,
+            };
+            let mut out = Vec::new();
+            for entry in rows.range::<(&str, &str)>((start, Bound::Unbounded))? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = entry?;
+                let (t, key) = k.value();
+                out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
+            }
+            Ok(out)
+        })
+    }
+
     /// The completed response stored at `(tenant, key)`, whatever its age:
     /// a plain read that never deletes (unlike [`get`](Self::get), which
     /// treats expired records as gone). `None` for no row or a reservation.
@@ -48,6 +77,17 @@ impl IdempotencyKeys {
             Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// The next fence token a reservation will take (fences are never
+    /// reused, even once their records are purged). For `idemstore
+    /// migrate`, which moves a server's sequence past it; not a stable API.
+    #[doc(hidden)]
+    pub fn next_fence(&self) -> Result<u64> {
+        self.engine.read(|tx| match open_read(tx, META)? {
+            Some(meta) => stored_next_fence(&meta),
+            None => Ok(1),
+        })
     }
 
     /// How many rows are completed responses and how many reservations, and

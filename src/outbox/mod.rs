@@ -124,7 +124,7 @@ use crate::codec::{from_micros, micros};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::schema::{
-    OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
+    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
     OUTBOX_DUE,
 };
 use index::{dangling, load_attempts, load_row, open_read};
@@ -688,6 +688,17 @@ impl Outbox {
                 }
             }
             Ok(out)
+        })
+    }
+
+    /// The next id an enqueue will hand out (ids are never reused, even
+    /// once their entries are purged). For `idemstore migrate`, which
+    /// moves a server's sequence past it; not a stable API.
+    #[doc(hidden)]
+    pub fn next_id(&self) -> Result<u64> {
+        self.engine.read(|tx| match open_read(tx, META)? {
+            Some(meta) => index::next_id(&meta),
+            None => Ok(1),
         })
     }
 

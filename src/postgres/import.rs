@@ -3,12 +3,21 @@
 //! through its public calls and hands its rows here in batches.
 //!
 //! Each batch is one transaction of `INSERT … ON CONFLICT DO NOTHING`
-//! statements, so a row already there (from an earlier run) is left alone
-//! and copying again copies nothing twice. Outbox ids and fence tokens are
-//! kept as they are; the sequences that hand out new ones are then moved
-//! past the largest copied, under a lock of the table (writers of this
-//! table wait for the batch), so that the server never hands out a copied
-//! id or fence again.
+//! statements. A row the insert skips is looked up: the same entry (an
+//! outbox record with the same id, destination, idempotency key, command
+//! and creation time; an idempotency record with the same fence and
+//! fingerprint) was copied by an earlier run and is left alone, so copying
+//! again copies nothing twice; any other row holding its id or key is a
+//! *conflict*: the record is not copied, and the call returns it for the
+//! caller to report. An inbox key already there is neither (the key is
+//! claimed either way). Outbox ids and fence tokens are kept as they are;
+//! the sequences that hand out new ones are then moved past the largest
+//! copied, under a lock of the table (writers of this table wait for the
+//! batch), so that the server never hands out a copied id or fence again;
+//! [`PgStore::import_counters`] moves them past what the source store
+//! already handed out too. A sequence moved is not moved back should its
+//! transaction fail (PostgreSQL's sequences are not transactional): values
+//! are then skipped, never handed out twice.
 //!
 //! Not a stable API: these calls exist for the command and may change with
 //! it.
@@ -23,7 +32,7 @@ use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{KeyEntry, KeyState, ResponseRecord};
 use crate::inbox::{check_event_key, check_inbox_name};
-use crate::outbox::{OutboxRecord, OutboxStatus};
+use crate::outbox::{OutboxId, OutboxRecord, OutboxStatus};
 
 impl PgStore {
     /// Copies the keys of inbox `inbox` with their claim times; returns how
@@ -52,11 +61,13 @@ impl PgStore {
 
     /// Copies outbox records with their ids, status, claim and attempt
     /// history; returns how many were not there yet (neither their id nor
-    /// their `(destination, idempotency_key)`).
+    /// their `(destination, idempotency_key)`), and the ids of those not
+    /// copied because a different row holds their id or their
+    /// `(destination, idempotency_key)`.
     #[doc(hidden)]
-    pub fn import_outbox(&self, records: &[OutboxRecord]) -> Result<u64> {
+    pub fn import_outbox(&self, records: &[OutboxRecord]) -> Result<(u64, Vec<OutboxId>)> {
         if records.is_empty() {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
         self.shared.run(Mode::Tx, |conn| {
@@ -66,25 +77,35 @@ impl PgStore {
                     &[],
                 )?;
                 let mut copied = 0;
+                let mut conflicts = Vec::new();
                 for r in records {
-                    if insert_record(db, &s, r)? {
-                        copied += 1;
+                    let id = r.entry.id;
+                    match insert_record(db, &s, r)
+                        .map_err(|e| naming(e, &format!("outbox entry {id}")))?
+                    {
+                        Copied::Inserted => copied += 1,
+                        Copied::Present => {}
+                        Copied::Conflict => conflicts.push(id),
                     }
                 }
                 bump_outbox_ids(db, &s)?;
-                Ok(copied)
+                Ok((copied, conflicts))
             })
         })
     }
 
     /// Copies idempotency records — completed responses (each with its
     /// stored response) and reservations — with their fences; returns how
-    /// many were not there yet. A completed entry without its response
-    /// (purged meanwhile) is skipped.
+    /// many were not there yet, and the `(tenant, key)` of those not copied
+    /// because a row with another fence or fingerprint holds their key. A
+    /// completed entry without its response (purged meanwhile) is skipped.
     #[doc(hidden)]
-    pub fn import_idempotency(&self, rows: &[(KeyEntry, Option<ResponseRecord>)]) -> Result<u64> {
+    pub fn import_idempotency(
+        &self,
+        rows: &[(KeyEntry, Option<ResponseRecord>)],
+    ) -> Result<(u64, Vec<(String, String)>)> {
         if rows.is_empty() {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
         self.shared.run(Mode::Tx, |conn| {
@@ -94,30 +115,91 @@ impl PgStore {
                     &[],
                 )?;
                 let mut copied = 0;
+                let mut conflicts = Vec::new();
                 for (entry, response) in rows {
-                    if insert_key(db, &s, entry, response.as_ref())? {
-                        copied += 1;
+                    let copy = insert_key(db, &s, entry, response.as_ref()).map_err(|e| {
+                        naming(
+                            e,
+                            &format!("idempotency key {:?}/{:?}", entry.tenant, entry.key),
+                        )
+                    })?;
+                    match copy {
+                        Copied::Inserted => copied += 1,
+                        Copied::Present => {}
+                        Copied::Conflict => {
+                            conflicts.push((entry.tenant.clone(), entry.key.clone()));
+                        }
                     }
                 }
-                // Past the largest fence copied, never back.
+                let largest: Option<i64> = db
+                    .query_one(&format!("SELECT max(fence) FROM {s}.idempotency"), &[])?
+                    .try_get(0)?;
+                advance(db, &format!("{s}.idempotency_fence"), largest.unwrap_or(0))?;
+                Ok((copied, conflicts))
+            })
+        })
+    }
+
+    /// Moves the sequences past what the source store already handed out —
+    /// outbox ids below `next_outbox_id`, fences below `next_fence`, its
+    /// purged records' included — never back, so that the server never
+    /// hands out an id or fence again that the source store did.
+    #[doc(hidden)]
+    pub fn import_counters(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
+        let last = |field, next: u64| {
+            i64::try_from(next.saturating_sub(1))
+                .map_err(|_| Error::invalid(field, format!("{next} is beyond PostgreSQL's bigint")))
+        };
+        let (last_id, last_fence) = (last("id", next_outbox_id)?, last("fence", next_fence)?);
+        let s = self.schema().to_owned();
+        self.shared.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
                 db.execute(
-                    &format!(
-                        "SELECT setval('{s}.idempotency_fence', m) \
-                         FROM (SELECT max(fence) AS m FROM {s}.idempotency) x \
-                         WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END \
-                                    FROM {s}.idempotency_fence)"
-                    ),
+                    &format!("LOCK TABLE {s}.outbox, {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
                     &[],
                 )?;
-                Ok(copied)
+                let seq = outbox_ids(db, &s)?;
+                advance(db, &seq, last_id)?;
+                advance(db, &format!("{s}.idempotency_fence"), last_fence)
             })
         })
     }
 }
 
+/// What became of one row offered to the server.
+enum Copied {
+    /// It was not there: inserted.
+    Inserted,
+    /// Not copied, and not a conflict: the same entry is there already (an
+    /// earlier run copied it), or there was nothing to copy.
+    Present,
+    /// A different row holds its id or key: not copied.
+    Conflict,
+}
+
+/// `e`, a row's failure, naming the row: the server refusing one row fails
+/// its whole batch, and the message says which row it was.
+fn naming(e: Error, row: &str) -> Error {
+    match e {
+        Error::Postgres {
+            code,
+            message,
+            source,
+        } => Error::Postgres {
+            code,
+            message: format!("{row}: {message}"),
+            source,
+        },
+        Error::InvalidInput { field, reason } => Error::invalid(field, format!("{row}: {reason}")),
+        other => other,
+    }
+}
+
 /// Inserts record `r` unless its id or `(destination, idempotency_key)` is
-/// there; then its attempt history. `true` if inserted.
-fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord) -> Result<bool> {
+/// there; then its attempt history. What is there is the same entry if it
+/// has the same id, destination, idempotency key, command and creation
+/// time (its status and history may have moved on since); else a conflict.
+fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord) -> Result<Copied> {
     let e = &r.entry;
     let id = i64::try_from(e.id.0)
         .map_err(|_| Error::invalid("id", format!("{} is beyond PostgreSQL's bigint", e.id.0)))?;
@@ -154,7 +236,28 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
         ],
     )?;
     if inserted.is_none() {
-        return Ok(false);
+        let there = db.query(
+            &format!(
+                "SELECT id, command_id, destination, idempotency_key, created_at \
+                 FROM {s}.outbox WHERE id = $1 OR (destination = $2 AND idempotency_key = $3)"
+            ),
+            &[
+                &id,
+                &e.destination.as_bytes(),
+                &e.idempotency_key.as_bytes(),
+            ],
+        )?;
+        let same = |row: &::postgres::Row| -> Result<bool> {
+            Ok(row.try_get::<_, i64>(0)? == id
+                && row.try_get::<_, &[u8]>(1)? == e.command_id.as_bytes()
+                && row.try_get::<_, &[u8]>(2)? == e.destination.as_bytes()
+                && row.try_get::<_, &[u8]>(3)? == e.idempotency_key.as_bytes()
+                && row.try_get::<_, i64>(4)? == micros(e.created_at))
+        };
+        return Ok(match there.as_slice() {
+            [row] if same(row)? => Copied::Present,
+            _ => Copied::Conflict,
+        });
     }
     if !r.attempts.is_empty() {
         let attempts: Vec<i64> = r.attempts.iter().map(|a| i64::from(a.attempt)).collect();
@@ -175,36 +278,56 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
             &[&id, &attempts, &ats, &reasons, &refs],
         )?;
     }
-    Ok(true)
+    Ok(Copied::Inserted)
 }
 
 /// Moves the outbox's id sequence past the largest id, never back.
 fn bump_outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<()> {
-    let seq: String = db
+    let seq = outbox_ids(db, s)?;
+    let largest: Option<i64> = db
+        .query_one(&format!("SELECT max(id) FROM {s}.outbox"), &[])?
+        .try_get(0)?;
+    advance(db, &seq, largest.unwrap_or(0))
+}
+
+/// The name of the outbox's id sequence, from the catalog, quoted where it
+/// needs to be.
+fn outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<String> {
+    Ok(db
         .query_one(
             "SELECT pg_get_serial_sequence($1, 'id')",
             &[&format!("{s}.outbox")],
         )?
-        .try_get(0)?;
-    // The name comes from the catalog, quoted where it needs to be.
+        .try_get(0)?)
+}
+
+/// Moves sequence `seq` so that it hands out only values above `past`;
+/// never back (a sequence that is past it already is left alone). The
+/// caller holds a lock of the table whose writers take values from it.
+fn advance(db: &mut Db<'_, impl GenericClient>, seq: &str, past: i64) -> Result<()> {
+    if past < 1 {
+        return Ok(());
+    }
     db.execute(
         &format!(
-            "SELECT setval('{seq}', m) FROM (SELECT max(id) AS m FROM {s}.outbox) x \
-             WHERE m > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
+            "SELECT setval('{seq}', $1) \
+             WHERE $1 > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
         ),
-        &[],
+        &[&past],
     )?;
     Ok(())
 }
 
-/// Inserts the idempotency record `entry` unless its key is there. `true`
-/// if inserted.
+/// Inserts the idempotency record `entry` unless its key is there. What is
+/// there is the same record if it has the same fence and fingerprint (it
+/// may have been completed since); else a conflict. A completed entry
+/// without its response is neither copied nor a conflict.
 fn insert_key(
     db: &mut Db<'_, impl GenericClient>,
     s: &str,
     entry: &KeyEntry,
     response: Option<&ResponseRecord>,
-) -> Result<bool> {
+) -> Result<Copied> {
     let fence = i64::try_from(entry.fence).map_err(|_| {
         Error::invalid(
             "fence",
@@ -247,7 +370,7 @@ fn insert_key(
                 ),
                 Some(r.response_body.as_slice()),
             ),
-            (KeyState::Completed { .. }, None) => return Ok(false),
+            (KeyState::Completed { .. }, None) => return Ok(Copied::Present),
         };
     let n = db.execute(
         &format!(
@@ -269,5 +392,22 @@ fn insert_key(
             &body,
         ],
     )?;
-    Ok(n == 1)
+    if n == 1 {
+        return Ok(Copied::Inserted);
+    }
+    let there = db.query_opt(
+        &format!(
+            "SELECT fence, fingerprint FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2"
+        ),
+        &[&entry.tenant.as_bytes(), &entry.key.as_bytes()],
+    )?;
+    Ok(match there {
+        Some(row)
+            if row.try_get::<_, i64>(0)? == fence
+                && row.try_get::<_, &[u8]>(1)? == entry.fingerprint.as_bytes() =>
+        {
+            Copied::Present
+        }
+        _ => Copied::Conflict,
+    })
 }

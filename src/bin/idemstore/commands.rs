@@ -1,15 +1,18 @@
 //! One function per command.
 
-use std::io::{BufWriter, Write as _};
+use std::io::BufWriter;
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
-use idemstore::{KeyState, OutboxFilter, OutboxId, OutboxStatus};
+use idemstore::{
+    IdempotencyKeys, Inbox, KeyEntry, KeyState, Outbox, OutboxFilter, OutboxId, OutboxRecord,
+    OutboxStatus, ResponseRecord, Store,
+};
 use serde_json::{Value, json};
 
 use crate::output::{
     bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner,
-    status_name, ts, ts_opt, when, when_opt,
+    status_name, ts, ts_opt, when, when_opt, write_record,
 };
 use crate::{
     Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
@@ -560,13 +563,13 @@ fn keys_list(
 /// time), and a compaction beside others would hold the writer of every
 /// process until it ended.
 fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
-    let before = std::fs::metadata(file)?.len();
     let store = open_alone(file)?;
+    let before = size(file)?;
     let pb = spinner("compacting");
     let compacted = store.compact()?;
     pb.finish_and_clear();
     drop(store);
-    let after = std::fs::metadata(file)?.len();
+    let after = size(file)?;
     report(
         json,
         &json!({"compacted": compacted, "bytes_before": before, "bytes_after": after}),
@@ -587,6 +590,13 @@ fn compact(file: &Path, json: bool) -> Result<Outcome, Failure> {
             }
         },
     )
+}
+
+/// The size of `file` in bytes; a failure names the file.
+fn size(file: &Path) -> Result<u64, Failure> {
+    std::fs::metadata(file)
+        .map(|m| m.len())
+        .map_err(|e| Failure(format!("{}: {e}", file.display())))
 }
 
 fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
@@ -649,59 +659,158 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
 }
 
 /// Every record as one JSON object per line on stdout: inbox keys, outbox
-/// entries (payload in base64), idempotency rows (body in base64).
+/// entries (payload in base64), idempotency rows (body in base64). Stops
+/// early, with success, when stdout's reader goes away (see
+/// [`output::line`](crate::output::line)).
 fn export(file: &Path) -> Result<Outcome, Failure> {
     let store = open(file)?;
-    let inboxes = store.inbox_names()?;
-    let mut total = 0;
-    for name in &inboxes {
-        total += store.inbox(name)?.len()?;
-    }
-    total += store.outbox().counts()?.total();
-    let keys = store.idempotency_keys().summary()?;
-    total += keys.completed + keys.reserved;
-    let pb = bar(total, "exporting");
+    let holds = Holdings::read(&store)?;
+    let pb = bar(holds.total(), "exporting");
     let mut out = BufWriter::new(std::io::stdout().lock());
-    for name in &inboxes {
+    for name in &holds.inbox_names {
         let inbox = store.inbox(name)?;
-        let mut after: Option<(DateTime<Utc>, String)> = None;
-        loop {
-            let page = inbox.list(after.as_ref().map(|(at, k)| (*at, k.as_str())), PAGE)?;
-            let Some((k, at)) = page.last() else { break };
-            after = Some((*at, k.clone()));
+        for page in inbox_pages(&inbox, PAGE) {
+            let page = page?;
             for (key, seen_at) in &page {
                 let v =
                     json!({"kind": "inbox", "inbox": name, "key": key, "seen_at": ts(*seen_at)});
-                writeln!(out, "{v}")?;
+                if !write_record(&mut out, Some(&v))? {
+                    return Ok(Outcome::Ok);
+                }
             }
             pb.inc(page.len() as u64);
         }
     }
-    let outbox = store.outbox();
-    let mut filter = OutboxFilter::any();
-    loop {
-        let page = outbox.list(&filter, PAGE)?;
-        let Some(last) = page.last() else { break };
-        filter = filter.after(last.entry.id);
+    for page in outbox_pages(&store.outbox(), PAGE) {
+        let page = page?;
         for r in &page {
             let mut v = outbox_json(r, true);
             put(&mut v, "kind", json!("outbox"));
-            writeln!(out, "{v}")?;
+            if !write_record(&mut out, Some(&v))? {
+                return Ok(Outcome::Ok);
+            }
         }
         pb.inc(page.len() as u64);
     }
-    let idem = store.idempotency_keys();
-    for k in idem.list(None, usize::MAX)? {
-        let response = match k.state {
-            KeyState::Completed { .. } => idem.response(&k.tenant, &k.key)?,
-            KeyState::Reserved { .. } => None,
-        };
-        let mut v = key_json(&k, response.as_ref());
-        put(&mut v, "kind", json!("key"));
-        writeln!(out, "{v}")?;
-        pb.inc(1);
+    for page in key_pages(&store.idempotency_keys(), PAGE) {
+        let page = page?;
+        for (k, response) in &page {
+            let mut v = key_json(k, response.as_ref());
+            put(&mut v, "kind", json!("key"));
+            if !write_record(&mut out, Some(&v))? {
+                return Ok(Outcome::Ok);
+            }
+        }
+        pb.inc(page.len() as u64);
     }
-    out.flush()?;
+    write_record(&mut out, None)?;
     pb.finish_and_clear();
     Ok(Outcome::Ok)
+}
+
+/// What a store holds, by kind of row: the size of an export or a copy,
+/// for its progress bar and report.
+pub(crate) struct Holdings {
+    /// The inboxes' names.
+    pub(crate) inbox_names: Vec<String>,
+    /// Keys, across every inbox.
+    pub(crate) inbox_keys: u64,
+    /// Outbox records.
+    pub(crate) outbox: u64,
+    /// Idempotency records, completed and reserved.
+    pub(crate) keys: u64,
+}
+
+impl Holdings {
+    pub(crate) fn read(store: &Store) -> Result<Holdings, Failure> {
+        let inbox_names = store.inbox_names()?;
+        let mut inbox_keys = 0;
+        for name in &inbox_names {
+            inbox_keys += store.inbox(name)?.len()?;
+        }
+        let keys = store.idempotency_keys().summary()?;
+        Ok(Holdings {
+            inbox_names,
+            inbox_keys,
+            outbox: store.outbox().counts()?.total(),
+            keys: keys.completed + keys.reserved,
+        })
+    }
+
+    pub(crate) fn total(&self) -> u64 {
+        self.inbox_keys + self.outbox + self.keys
+    }
+}
+
+/// The pages `read` returns, each given the previous page's last row,
+/// until one is empty or a read fails: a whole table, one read transaction
+/// per page.
+fn pages<T: Clone>(
+    mut read: impl FnMut(Option<&T>) -> idemstore::Result<Vec<T>>,
+) -> impl Iterator<Item = Result<Vec<T>, Failure>> {
+    let mut last: Option<T> = None;
+    let mut done = false;
+    std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        match read(last.as_ref()) {
+            Ok(page) => {
+                last = page.last().cloned();
+                done = last.is_none();
+                (!done).then_some(Ok(page))
+            }
+            Err(e) => {
+                done = true;
+                Some(Err(e.into()))
+            }
+        }
+    })
+}
+
+/// An inbox's keys with their claim times, oldest first, `batch` a page.
+pub(crate) fn inbox_pages(
+    inbox: &Inbox,
+    batch: usize,
+) -> impl Iterator<Item = Result<Vec<(String, DateTime<Utc>)>, Failure>> + '_ {
+    pages(move |last: Option<&(String, DateTime<Utc>)>| {
+        inbox.list(last.map(|(k, at)| (*at, k.as_str())), batch)
+    })
+}
+
+/// Every outbox record by id, `batch` a page.
+pub(crate) fn outbox_pages(
+    outbox: &Outbox,
+    batch: usize,
+) -> impl Iterator<Item = Result<Vec<OutboxRecord>, Failure>> + '_ {
+    pages(move |last: Option<&OutboxRecord>| {
+        let filter = match last {
+            Some(r) => OutboxFilter::any().after(r.entry.id),
+            None => OutboxFilter::any(),
+        };
+        outbox.list(&filter, batch)
+    })
+}
+
+/// Every idempotency record in `(tenant, key)` order, each completed one
+/// with its stored response, `batch` a page.
+pub(crate) fn key_pages(
+    keys: &IdempotencyKeys,
+    batch: usize,
+) -> impl Iterator<Item = Result<Vec<(KeyEntry, Option<ResponseRecord>)>, Failure>> + '_ {
+    pages(move |last: Option<&(KeyEntry, Option<ResponseRecord>)>| {
+        let page = keys.list_after(
+            last.map(|(k, _)| (k.tenant.as_str(), k.key.as_str())),
+            batch,
+        )?;
+        page.into_iter()
+            .map(|k| {
+                let response = match k.state {
+                    KeyState::Completed { .. } => keys.response(&k.tenant, &k.key)?,
+                    KeyState::Reserved { .. } => None,
+                };
+                Ok((k, response))
+            })
+            .collect()
+    })
 }

@@ -18,6 +18,9 @@
 
 // An operator tool reports bad files and bad arguments; it does not panic.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+// `println!` panics when stdout's reader has gone away: output goes through
+// `out!` and `print_json` (`output::line`), which say what happens then.
+#![deny(clippy::print_stdout)]
 
 mod commands;
 mod migrate;
@@ -102,9 +105,14 @@ pub(crate) enum Command {
     /// Copies every inbox key with its time, every outbox record (any
     /// status, with its id, claim and attempt history) and every
     /// idempotency record (responses, and reservations with their fences),
-    /// in batches of one transaction each. A row already there is left
-    /// alone: running it again copies nothing twice. Prints the counts on
-    /// both sides. Needs a build with the `postgres` feature.
+    /// in batches of one transaction each, and moves the server's id and
+    /// fence sequences past every one the file handed out (ids and fences
+    /// are never reused). Running it again copies nothing twice: a row an
+    /// earlier run copied is left alone. A record whose id or key a
+    /// different row on the server holds is not copied: it is counted and
+    /// named on stderr, and the command exits 1. Copy into a new schema, or
+    /// one that holds only rows from this file. Prints the counts on both
+    /// sides. Needs a build with the `postgres` feature.
     ///
     /// Stop the program that writes the file first (or what it writes
     /// meanwhile may or may not be copied).
@@ -300,11 +308,6 @@ impl From<Error> for Failure {
 
 impl From<std::io::Error> for Failure {
     fn from(e: std::io::Error) -> Self {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            // Writing to a reader that went away (`idemstore … | head`):
-            // not a failure, and nothing more to say.
-            std::process::exit(0);
-        }
         Failure(format!("I/O error: {e}"))
     }
 }
@@ -313,16 +316,25 @@ impl From<std::io::Error> for Failure {
 pub(crate) enum Outcome {
     /// Everything as asked.
     Ok,
-    /// The command ran but found problems (check) or some items failed
-    /// (retry): exit 1.
+    /// The command ran but found problems (check), some items failed
+    /// (retry, cancel) or some rows were not copied (migrate): exit 1.
     Findings,
 }
 
 /// Opens an existing store file, shared with any other process that opened
 /// it shared (a running program); never creates one.
 pub(crate) fn open(file: &Path) -> Result<Store, Failure> {
+    open_or(file, Failure::from)
+}
+
+/// Opens an existing store file as [`open`] does, telling why it could not
+/// through `failure` (for a command with its own advice).
+pub(crate) fn open_or(
+    file: &Path,
+    failure: impl FnOnce(Error) -> Failure,
+) -> Result<Store, Failure> {
     must_exist(file)?;
-    Ok(Store::builder().shared(true).open(file)?)
+    Store::builder().shared(true).open(file).map_err(failure)
 }
 
 /// Opens an existing store file for this process alone, for a command that
@@ -332,19 +344,28 @@ pub(crate) fn open_alone(file: &Path) -> Result<Store, Failure> {
     Ok(Store::open(file)?)
 }
 
+/// Refuses a file that is not there, and an empty one: the store would
+/// make either a new store file, and a command that reads would then have
+/// written one.
 fn must_exist(file: &Path) -> Result<(), Failure> {
-    if file.exists() {
-        return Ok(());
+    match std::fs::metadata(file) {
+        Ok(m) if m.is_file() && m.len() == 0 => Err(Failure(format!(
+            "{}: empty file, not a store file (idemstore opens existing store files only)",
+            file.display()
+        ))),
+        _ if file.exists() => Ok(()),
+        _ => Err(Failure(format!(
+            "{}: no such file (idemstore opens existing store files only)",
+            file.display()
+        ))),
     }
-    Err(Failure(format!(
-        "{}: no such file (idemstore opens existing store files only)",
-        file.display()
-    )))
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match commands::run(&cli) {
+        // Its output was lost (said on stderr): not all went as asked.
+        Ok(_) if output::stdout_failed() => ExitCode::FAILURE,
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Findings) => ExitCode::FAILURE,
         Err(Failure(message)) => {

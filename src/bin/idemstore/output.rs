@@ -1,6 +1,7 @@
 //! Rendering for people and for scripts, and progress on a terminal.
 
 use std::io::IsTerminal as _;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -11,6 +12,8 @@ use idemstore::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
+
+use crate::Failure;
 
 /// A status as scripts and people read it.
 pub(crate) fn status_name(s: OutboxStatus) -> &'static str {
@@ -204,17 +207,70 @@ pub(crate) fn print_json(v: &Value) {
     line(format_args!("{v:#}"));
 }
 
-/// Writes one line on stdout. A reader that went away (`idemstore … | head`)
-/// ends the program quietly with success, as it does for other command-line
-/// tools; any other failure to write ends it with exit code 1.
+/// What became of stdout: [`OPEN`], [`GONE`] or [`FAILED`].
+static STDOUT: AtomicU8 = AtomicU8::new(OPEN);
+/// Lines are written.
+const OPEN: u8 = 0;
+/// Its reader went away (`idemstore … | head`): lines are dropped.
+const GONE: u8 = 1;
+/// A write failed otherwise (said on stderr): lines are dropped, and the
+/// command exits 1 once done ([`stdout_failed`]).
+const FAILED: u8 = 2;
+
+/// Writes one line on stdout.
+///
+/// One rule for a stdout that cannot be written: output stops, the command
+/// does not. A reader that went away (`idemstore … | head`) is not a
+/// failure: further lines are dropped, and the command finishes its work
+/// and exits with what that came to (a `cancel` of 50 ids cancels all 50; a
+/// `check` with findings exits 1). Any other failure to write is said once
+/// on stderr, further lines are dropped, and the command exits 1 once its
+/// work is done. `export` alone stops early ([`write_record`]): it only
+/// reads, and reading on for nobody is pointless.
 pub(crate) fn line(args: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
-    if let Err(e) = writeln!(std::io::stdout().lock(), "{args}") {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
+    if STDOUT.load(Ordering::Relaxed) != OPEN {
+        return;
+    }
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{args}")
+        && !reader_gone(&e)
+    {
+        STDOUT.store(FAILED, Ordering::Relaxed);
         eprintln!("idemstore: error: writing to stdout: {e}");
-        std::process::exit(1);
+    }
+}
+
+/// Whether `e`, from a write to stdout, says that its reader went away;
+/// if so, notes it.
+fn reader_gone(e: &std::io::Error) -> bool {
+    let gone = e.kind() == std::io::ErrorKind::BrokenPipe;
+    if gone {
+        STDOUT.store(GONE, Ordering::Relaxed);
+    }
+    gone
+}
+
+/// Whether a write to stdout failed other than by its reader going away:
+/// the output is incomplete, and the command exits 1.
+pub(crate) fn stdout_failed() -> bool {
+    STDOUT.load(Ordering::Relaxed) == FAILED
+}
+
+/// Writes `v` as one line on `out` (stdout, buffered) for `export`, or
+/// flushes `out` when `v` is `None`. `Ok(false)` once stdout's reader has
+/// gone away: the export stops there and exits 0 (see [`line`]).
+pub(crate) fn write_record(
+    out: &mut impl std::io::Write,
+    v: Option<&Value>,
+) -> Result<bool, Failure> {
+    let written = match v {
+        Some(v) => writeln!(out, "{v}"),
+        None => out.flush(),
+    };
+    match written {
+        Ok(()) => Ok(true),
+        Err(e) if reader_gone(&e) => Ok(false),
+        Err(e) => Err(Failure(format!("writing to stdout: {e}"))),
     }
 }
 
