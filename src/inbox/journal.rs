@@ -60,8 +60,12 @@
 //!   reads them back committed: a rolled-back row must not hide another
 //!   process's row that later takes its id.
 //! - merges by other processes leave entries whose rows are gone: they
-//!   count for nothing (lookups read the row back) and go at this process's
-//!   next merge.
+//!   count for nothing (lookups read the row back), and go at the start of
+//!   this process's next write transaction, which reads how far merges
+//!   went ([`META_JOURNAL_MERGED_THROUGH`]) and removes the entries up to
+//!   there (as a merge of its own would). So a process that rarely claims
+//!   keeps entries only for rows not merged when its last write transaction
+//!   began, and for those its readers noted since.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -110,6 +114,9 @@ pub(crate) struct Journal {
     /// In a shared store: per inbox, the largest id up to which every
     /// committed row is in the index (see the module docs).
     seen: Mutex<HashMap<String, u64>>,
+    /// The largest id whose entries and every one before it were removed
+    /// (or never added: the journal held none when the store opened).
+    forgotten: AtomicU64,
 }
 
 impl Journal {
@@ -133,6 +140,7 @@ impl Journal {
                 .map_or(0, |v| v.value()),
             None => 0,
         };
+        journal.forgotten.store(merged, Ordering::Relaxed);
         let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
             journal.next_id.store(merged + 1, Ordering::Relaxed);
             return Ok(journal);
@@ -158,14 +166,25 @@ impl Journal {
     }
 
     /// In a shared store, at the start of a write transaction (before it
-    /// writes anything): notes every journal row other processes committed
-    /// since the last catch-up, in every inbox, and raises the next id above
-    /// every committed one. One range seek per inbox in the journal when
-    /// nothing changed.
+    /// writes anything): removes the entries of rows another process merged
+    /// since, notes every journal row other processes committed since the
+    /// last catch-up, in every inbox, and raises the next id above every
+    /// committed one. One range seek per inbox in the journal when nothing
+    /// changed.
     pub(crate) fn catch_up_all(&self, tx: &WriteTransaction) -> Result<()> {
         let merged = open_write(tx, META)?
             .get(META_JOURNAL_MERGED_THROUGH)?
             .map_or(0, |v| v.value());
+        if merged > self.forgotten.load(Ordering::Relaxed) {
+            // Committed: every row up to `merged` is gone for good. This
+            // waits for readers between snapshot and lookup, which wait for
+            // nothing this transaction holds (no journal lock is held here,
+            // and redb lets snapshots open while a writer writes); and it
+            // comes before this transaction claims anything, so no reader
+            // whose snapshot predates the merge is left to note a merged
+            // row after it.
+            self.forget_through(merged);
+        }
         let log = open_write(tx, INBOX_JOURNAL)?;
         let mut next = merged + 1;
         let mut inbox = log.first()?.map(|(k, _)| k.value().0.to_owned());
@@ -248,6 +267,13 @@ impl Journal {
             keys.retain(|_, entry| *entry > id);
             !keys.is_empty()
         });
+        self.forgotten.fetch_max(id, Ordering::Relaxed);
+    }
+
+    /// How many entries the index holds.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.index.lock().values().map(HashMap::len).sum()
     }
 }
 
@@ -468,6 +494,37 @@ mod tests {
         let journal = Arc::new(journal);
         assert_eq!(claim(&tx, &journal, "in", "K", 3).unwrap(), Claimed::Before);
         tx.abort().unwrap();
+    }
+
+    #[test]
+    fn entries_of_rows_another_process_merged_go_at_the_next_write() -> crate::Result<()> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.idem");
+        let open = || {
+            crate::Store::builder()
+                .shared(true)
+                .journal_size(4)
+                .open(&path)
+        };
+        let (a, b) = (open()?, open()?);
+        let (a_in, b_in) = (a.inbox("in")?, b.inbox("in")?);
+        for key in ["a1", "a2", "a3"] {
+            assert!(a_in.claim(key, chrono::Utc::now())?);
+        }
+        assert_eq!(a_in.journal.len(), 3);
+        // B's claim fills the journal: B merges A's rows and its own.
+        assert!(b_in.claim("b1", chrono::Utc::now())?);
+        assert_eq!(a_in.journal.len(), 3, "nothing learnt before a write");
+        // A's next write transaction, whatever it writes, catches up.
+        a.inbox("other")?.claim("x", chrono::Utc::now())?;
+        assert_eq!(a_in.journal.len(), 1, "only A's new row is left");
+        for key in ["a1", "a2", "a3", "b1"] {
+            assert!(
+                !a_in.claim(key, chrono::Utc::now())?,
+                "{key} is still claimed"
+            );
+        }
+        Ok(())
     }
 
     #[test]
