@@ -422,8 +422,8 @@ pub(super) fn run_jobs(
 /// failed operation (with its own error), and rebuilds the transaction
 /// from the open transaction's log, for the others to run again. The
 /// hooks go with the writes; the operations run again register theirs
-/// anew. `None` if the transaction cannot be rebuilt: its answered writes
-/// are lost, and the batch fails.
+/// anew. `None` if the transaction cannot be rebuilt: the batch fails, and
+/// the engine is broken if answered writes are lost with it.
 fn roll_back_without(
     shared: &Shared,
     db: &Database,
@@ -441,7 +441,13 @@ fn roll_back_without(
     let tx = match shared.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
-            shared.lose_open();
+            // Answered writes in the log are lost. With none (always so in
+            // a shared store, which keeps nothing open), redb refusing to
+            // begin has marked the engine broken already, and a refresh
+            // that failed fails this batch alone.
+            if !log.is_empty() || !shared.config.shared {
+                shared.lose_open();
+            }
             batch.fail_rest(&e);
             return None;
         }

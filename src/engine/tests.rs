@@ -16,6 +16,16 @@ use crate::error::{Error, Result};
 const T: TableDefinition<&str, u64> = TableDefinition::new("t");
 
 fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
+    engine_with(durability, max_batch, false)
+}
+
+/// An engine that runs as in a store shared between processes (refreshes,
+/// closures leading their own batches), on a file it holds alone.
+fn shared_engine() -> Arc<Engine> {
+    engine_with(Durability::Immediate, 1024, true)
+}
+
+fn engine_with(durability: Durability, max_batch: usize, shared: bool) -> Arc<Engine> {
     let db = redb::Database::builder()
         .create_with_backend(InMemoryBackend::new())
         .unwrap();
@@ -24,7 +34,7 @@ fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
         quick_repair: false,
         max_batch,
         flush_interval: Duration::from_secs(3600),
-        shared: false,
+        shared,
     };
     Arc::new(Engine::start(db, config, None).unwrap())
 }
@@ -132,6 +142,36 @@ fn a_panicking_after_commit_hook_answers_everyone_and_keeps_the_store_working() 
     assert_eq!(get(&engine, "hooked").unwrap(), Some(1), "committed");
     put(&engine, "later", 2).unwrap();
     assert_eq!(get(&engine, "later").unwrap(), Some(2));
+}
+
+#[test]
+fn a_refresh_that_fails_during_a_rollback_fails_only_that_batch() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let engine = shared_engine();
+    let fail_next = Arc::new(AtomicBool::new(false));
+    {
+        let fail_next = fail_next.clone();
+        engine.on_write_begin(move |_| {
+            if fail_next.swap(false, Ordering::SeqCst) {
+                return Err(Error::conflict("refresh failed"));
+            }
+            Ok(())
+        });
+    }
+    // The operation fails: its batch rolls back and begins again, and
+    // that refresh fails.
+    let fail = fail_next.clone();
+    let out = engine.execute(move |tx| -> Result<()> {
+        tx.open_table(T)?.insert("bad", 1)?;
+        fail.store(true, Ordering::SeqCst);
+        Err(Error::conflict("operation failed"))
+    });
+    assert!(matches!(out, Err(Error::Conflict { .. })), "{out:?}");
+    assert!(!fail_next.load(Ordering::SeqCst), "the rollback refreshed");
+    put(&engine, "later", 2).unwrap();
+    assert_eq!(get(&engine, "later").unwrap(), Some(2));
+    assert_eq!(get(&engine, "bad").unwrap(), None);
 }
 
 /// A caller closure's caller may lead a batch before its own
