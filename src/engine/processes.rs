@@ -141,7 +141,8 @@ impl Shared {
     /// runs the operations queued behind it and `f` in one transaction and
     /// commits them durably. `scope` marks this thread as writing; the
     /// closure's after-commit hooks run after the commit, before it
-    /// returns.
+    /// returns. A panic of the batch's hooks is resumed on this thread once
+    /// the batch's callers are answered (unless the closure panicked).
     pub(super) fn write_leading<T, E>(
         &self,
         scope: WriteScope,
@@ -159,6 +160,10 @@ impl Shared {
         if let Err(panic) = led {
             // A panic outside the closure and the operations (redb's
             // commit, the storage backend): the batch's fate is unknown.
+            // Should the closure have panicked first, and this panic come
+            // from running the operations again without it, the closure's
+            // panic is dropped: its caller gets this error instead (the
+            // closure wrote nothing either way).
             self.mark_broken();
             let e = Error::panicked("a batch commit", &*panic);
             observe::engine_broken("a batch commit", &e);
@@ -168,13 +173,17 @@ impl Shared {
         self.hand_on_lead();
         wake(batch.answers);
         drop(scope);
+        // A hook's panic (the closure's, or an operation's when the
+        // operations committed without the closure) is resumed here once
+        // everyone is answered, whatever became of the closure, as a
+        // batch's leader does; the closure's own panic comes first.
+        if let Some(panic) = batch.hook_panic
+            && !matches!(outcome, Some(Outcome::Panicked(_)))
+        {
+            resume_unwind(panic)
+        }
         match outcome {
-            Some(Outcome::Committed(value)) => {
-                if let Some(panic) = batch.hook_panic {
-                    resume_unwind(panic)
-                }
-                Ok(value)
-            }
+            Some(Outcome::Committed(value)) => Ok(value),
             Some(Outcome::Refused(e)) => Err(e),
             Some(Outcome::Panicked(panic)) => resume_unwind(panic),
             Some(Outcome::Failed(e)) => Err(E::from(e)),

@@ -174,6 +174,72 @@ fn a_refresh_that_fails_during_a_rollback_fails_only_that_batch() {
     assert_eq!(get(&engine, "bad").unwrap(), None);
 }
 
+/// In a shared store, a closure's caller leads the operations queued behind
+/// it; if the closure fails, they commit without it, and a panic of their
+/// after-commit hooks reaches the closure's caller, as it reaches any
+/// batch's leader.
+#[test]
+fn an_operations_hook_panic_reaches_a_closure_caller_whose_closure_failed() {
+    use std::sync::mpsc;
+
+    let engine = shared_engine();
+    let queued = |n: usize| {
+        while engine.shared.queue.lock().jobs.len() < n {
+            std::thread::yield_now();
+        }
+    };
+    // A batch held running while a closure's seat and an operation queue
+    // behind it.
+    let (started, is_started) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = Arc::new(parking_lot::Mutex::new(released));
+    let holder = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(move |_| {
+                let _ = started.send(());
+                let _ = released.lock().recv();
+                Ok(())
+            })
+        })
+    };
+    is_started.recv().unwrap();
+    let writer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            catch_unwind(AssertUnwindSafe(|| {
+                engine.write(|tx| -> Result<()> {
+                    tx.open_table(T)?.insert("refused", 1)?;
+                    Err(Error::conflict("the closure refuses"))
+                })
+            }))
+        })
+    };
+    queued(1);
+    let hooked = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(|tx| -> Result<()> {
+                tx.open_table(T)?.insert("hooked", 2)?;
+                after_commit(|| panic!("hook failed"));
+                Ok(())
+            })
+        })
+    };
+    queued(2);
+    release.send(()).unwrap();
+    holder.join().unwrap().unwrap();
+    hooked.join().unwrap().unwrap();
+    let out = writer.join().unwrap();
+    assert!(
+        out.is_err(),
+        "the hook's panic reached the closure's caller"
+    );
+    assert_eq!(get(&engine, "hooked").unwrap(), Some(2), "committed");
+    assert_eq!(get(&engine, "refused").unwrap(), None);
+    put(&engine, "later", 3).unwrap();
+}
+
 /// A caller closure's caller may lead a batch before its own
 /// transaction begins (to commit the transaction kept open under
 /// [`Durability::None`]). The hooks of that batch's operations belong
