@@ -30,13 +30,17 @@
 //! - a lookup reads the row back by id, in the caller's own transaction, and
 //!   compares: an entry whose row that transaction cannot see (rolled back,
 //!   or committed after a reader's snapshot) counts for nothing;
-//! - ids are never reused while the store is open, so an entry never points
-//!   at another key's row, and once a merge commits, every row up to the
-//!   largest id it moved is gone from the journal for good (moved, or never
-//!   committed): the entries up to that id are removed then, and only while
-//!   no reader stands between opening its snapshot and its lookup
-//!   ([`Journal::hold_removals`]), so that a reader whose snapshot predates
-//!   the merge still finds the key.
+//! - a lookup compares the row's key too, so an entry that points at
+//!   another key's row counts for nothing. In a store held alone, ids are
+//!   never reused while it is open, so that does not happen; in a shared
+//!   one, another process may commit a row under an id this process handed
+//!   out in a transaction that rolled back (see below), and the comparison
+//!   is what keeps the entry left behind from answering for it.
+//! - once a merge commits, every row up to the largest id it moved is gone
+//!   from the journal for good (moved, or never committed): the entries up
+//!   to that id are removed then, and only while no reader stands between
+//!   opening its snapshot and its lookup ([`Journal::hold_removals`]), so
+//!   that a reader whose snapshot predates the merge still finds the key.
 //!
 //! # Several processes
 //!
@@ -178,11 +182,11 @@ impl Journal {
         if merged > self.forgotten.load(Ordering::Relaxed) {
             // Committed: every row up to `merged` is gone for good. This
             // waits for readers between snapshot and lookup, which wait for
-            // nothing this transaction holds (no journal lock is held here,
-            // and redb lets snapshots open while a writer writes); and it
-            // comes before this transaction claims anything, so no reader
-            // whose snapshot predates the merge is left to note a merged
-            // row after it.
+            // nothing this thread holds: no journal lock is held here, they
+            // take the engine's `db` lock recursively, and redb opens
+            // snapshots while a writer writes. It comes before this
+            // transaction claims anything, so no reader whose snapshot
+            // predates the merge is left to note a merged row after it.
             self.forget_through(merged);
         }
         let log = open_write(tx, INBOX_JOURNAL)?;
