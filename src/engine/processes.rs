@@ -54,7 +54,7 @@ use std::sync::Arc;
 
 use redb::{Database, WriteTransaction};
 
-use super::batch::{Batch, Job, Needs, commit_and_answer, run_jobs};
+use super::batch::{Batch, Job, Needs, batch_end, commit_and_answer, run_jobs};
 use super::durability::previous_commit_failed;
 use super::open_tx::OpenTx;
 use super::scope::{HookFrame, WriteScope};
@@ -74,14 +74,15 @@ struct Seat {
 }
 
 impl Job for Seat {
-    // A seat is taken out of the queue by its own caller before a batch
-    // runs: a batch never runs it.
+    // Unreachable: a seat is taken out of the queue by its own caller, and
+    // a batch never takes one in (`batch_end`). Should one run anyway, it
+    // fails, so that nothing commits on its account.
     fn run(&mut self, _: &WriteTransaction) -> bool {
-        true
+        false
     }
 
     fn replay(&self, _: &WriteTransaction) -> bool {
-        true
+        false
     }
 
     fn finish(&mut self, committed: Result<(), Error>) {
@@ -153,6 +154,8 @@ impl Shared {
     {
         self.wait_for_seat()?;
         let mut batch = Batch::new(self.take_seat_and_batch());
+        // The closure takes a place of the batch.
+        batch.reserved = 1;
         let mut outcome = None;
         let led = catch_unwind(AssertUnwindSafe(|| {
             run_closure_batch(self, &mut batch, f, &mut outcome);
@@ -209,8 +212,8 @@ impl Shared {
         }
         match slot.take() {
             Wake::Lead => Ok(()),
-            // Seats are never drained into a batch; should one be answered
-            // anyway, its caller does not lead.
+            // Unreachable: seats are never drained into a batch. Should one
+            // be answered anyway, its caller does not lead.
             Wake::Done(reply, tree) => {
                 if let Some((tree, index)) = tree {
                     tree.wake_children(Some(index));
@@ -228,18 +231,13 @@ impl Shared {
     }
 
     /// Removes this leader's seat from the front of the queue and takes
-    /// the operations queued behind it, up to a batch.
+    /// the operations queued behind it, up to a batch with the closure.
     fn take_seat_and_batch(&self) -> Vec<Box<dyn Job>> {
         let mut q = self.queue.lock();
         if q.jobs.first().is_some_and(|j| j.is_seat()) {
             q.jobs.remove(0);
         }
-        let seat = q
-            .jobs
-            .iter()
-            .position(|j| j.is_seat())
-            .unwrap_or(q.jobs.len());
-        let n = seat.min(self.config.max_batch.saturating_sub(1));
+        let n = batch_end(&q.jobs, self.config.max_batch.saturating_sub(1));
         q.jobs.drain(..n).collect()
     }
 }

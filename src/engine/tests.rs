@@ -4,7 +4,8 @@
 //! transaction that readers and caller closures commit first.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use redb::backends::InMemoryBackend;
@@ -37,6 +38,38 @@ fn engine_with(durability: Durability, max_batch: usize, shared: bool) -> Arc<En
         shared,
     };
     Arc::new(Engine::start(db, config, None).unwrap())
+}
+
+/// Waits until `n` jobs are queued.
+fn wait_queued(engine: &Engine, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while engine.shared.queue.lock().jobs.len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} jobs never queued"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Starts a batch and returns once it runs; it holds the lead until the
+/// returned sender sends (or is dropped), so that others queue behind it.
+fn hold_a_batch(engine: &Arc<Engine>) -> (JoinHandle<Result<()>>, mpsc::Sender<()>) {
+    let (started, is_started) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = Arc::new(parking_lot::Mutex::new(released));
+    let holder = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(move |_| {
+                let _ = started.send(());
+                let _ = released.lock().recv();
+                Ok(())
+            })
+        })
+    };
+    is_started.recv().unwrap();
+    (holder, release)
 }
 
 fn put(engine: &Engine, key: &'static str, value: u64) -> Result<()> {
@@ -180,30 +213,11 @@ fn a_refresh_that_fails_during_a_rollback_fails_only_that_batch() {
 /// batch's leader.
 #[test]
 fn an_operations_hook_panic_reaches_a_closure_caller_whose_closure_failed() {
-    use std::sync::mpsc;
-
     let engine = shared_engine();
-    let queued = |n: usize| {
-        while engine.shared.queue.lock().jobs.len() < n {
-            std::thread::yield_now();
-        }
-    };
+    let queued = |n: usize| wait_queued(&engine, n);
     // A batch held running while a closure's seat and an operation queue
     // behind it.
-    let (started, is_started) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let released = Arc::new(parking_lot::Mutex::new(released));
-    let holder = {
-        let engine = engine.clone();
-        std::thread::spawn(move || {
-            engine.execute(move |_| {
-                let _ = started.send(());
-                let _ = released.lock().recv();
-                Ok(())
-            })
-        })
-    };
-    is_started.recv().unwrap();
+    let (holder, release) = hold_a_batch(&engine);
     let writer = {
         let engine = engine.clone();
         std::thread::spawn(move || {
@@ -240,6 +254,43 @@ fn an_operations_hook_panic_reaches_a_closure_caller_whose_closure_failed() {
     put(&engine, "later", 3).unwrap();
 }
 
+/// In a shared store, a closure's batch holds at most `max_batch` jobs
+/// with the closure, late arrivals included.
+#[test]
+fn a_closure_takes_a_place_of_its_batch() {
+    let engine = engine_with(Durability::Immediate, 2, true);
+    let queued = |n: usize| wait_queued(&engine, n);
+    let (holder, release) = hold_a_batch(&engine);
+    // The closure counts the rows written before it in its transaction.
+    let writer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.write(|tx| -> Result<u64> { Ok(tx.open_table(T)?.len()?) })
+        })
+    };
+    queued(1);
+    let puts: Vec<_> = ["x", "y"]
+        .into_iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let engine = engine.clone();
+            let put = std::thread::spawn(move || put(&engine, key, 1));
+            queued(i + 2);
+            put
+        })
+        .collect();
+    release.send(()).unwrap();
+    holder.join().unwrap().unwrap();
+    assert_eq!(
+        writer.join().unwrap().unwrap(),
+        1,
+        "one operation and the closure"
+    );
+    for put in puts {
+        put.join().unwrap().unwrap();
+    }
+}
+
 /// A caller closure's caller may lead a batch before its own
 /// transaction begins (to commit the transaction kept open under
 /// [`Durability::None`]). The hooks of that batch's operations belong
@@ -248,36 +299,12 @@ fn an_operations_hook_panic_reaches_a_closure_caller_whose_closure_failed() {
 #[test]
 fn hooks_of_a_rolled_back_operation_never_run_when_a_closure_caller_leads() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::mpsc;
-
     let engine = engine(Durability::None, 2);
-    let queued = |n: usize| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while engine.shared.queue.lock().jobs.len() < n {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{n} jobs never queued"
-            );
-            std::thread::yield_now();
-        }
-    };
+    let queued = |n: usize| wait_queued(&engine, n);
     // Leaves a transaction open (pending).
     put(&engine, "a", 1).unwrap();
     // A batch held running while the others queue behind it.
-    let (started, is_started) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let released = Arc::new(parking_lot::Mutex::new(released));
-    let holder = {
-        let engine = engine.clone();
-        std::thread::spawn(move || {
-            engine.execute(move |_| {
-                let _ = started.send(());
-                let _ = released.lock().recv();
-                Ok(())
-            })
-        })
-    };
-    is_started.recv().unwrap();
+    let (holder, release) = hold_a_batch(&engine);
     let filler = {
         let engine = engine.clone();
         std::thread::spawn(move || put(&engine, "y", 2))
