@@ -40,9 +40,10 @@
 //! - After-commit hooks of a batch run on the leader's thread after the
 //!   commit, before the lead is handed on and before any caller of the batch
 //!   is answered.
-//! - A batch takes in late arrivals up to `max_batch` jobs; under
-//!   `Durability::Immediate` it first yields up to three times before its
-//!   fsync, to take in callers just woken from the last batch.
+//! - A batch takes in late arrivals up to `max_batch` jobs (a caller
+//!   closure that leads it, in a store shared between processes, counts as
+//!   one); under `Durability::Immediate` it first yields up to three times
+//!   before its fsync, to take in callers just woken from the last batch.
 //!
 //! # Locks
 //!
@@ -271,7 +272,7 @@ impl Shared {
 
 /// How many of the queued `jobs` a batch with room for `room` more takes:
 /// never a seat, which starts a batch of its own.
-fn batch_end(jobs: &[Box<dyn Job>], room: usize) -> usize {
+pub(super) fn batch_end(jobs: &[Box<dyn Job>], room: usize) -> usize {
     let seat = jobs.iter().position(|j| j.is_seat()).unwrap_or(jobs.len());
     seat.min(room)
 }
@@ -290,6 +291,10 @@ pub(super) struct Batch {
     /// The first panic of an after-commit hook, resumed on the leader's
     /// thread once every caller is answered.
     pub(super) hook_panic: Option<Box<dyn Any + Send>>,
+    /// Places of the batch's `max_batch` taken by something other than the
+    /// operations: a caller closure that leads the batch (in a store shared
+    /// between processes) takes one.
+    pub(super) reserved: usize,
 }
 
 impl Batch {
@@ -298,6 +303,7 @@ impl Batch {
             answers: Vec::with_capacity(jobs.len()),
             jobs,
             hook_panic: None,
+            reserved: 0,
         }
     }
 
@@ -412,7 +418,7 @@ pub(super) fn run_jobs(
             continue;
         }
         ran = batch.jobs.len();
-        if !take_in_late_arrivals(shared, &mut batch.jobs) {
+        if !take_in_late_arrivals(shared, batch) {
             return Some(work);
         }
     }
@@ -422,8 +428,8 @@ pub(super) fn run_jobs(
 /// failed operation (with its own error), and rebuilds the transaction
 /// from the open transaction's log, for the others to run again. The
 /// hooks go with the writes; the operations run again register theirs
-/// anew. `None` if the transaction cannot be rebuilt: its answered writes
-/// are lost, and the batch fails.
+/// anew. `None` if the transaction cannot be rebuilt: the batch fails, and
+/// the engine is broken if answered writes are lost with it.
 fn roll_back_without(
     shared: &Shared,
     db: &Database,
@@ -441,7 +447,13 @@ fn roll_back_without(
     let tx = match shared.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
-            shared.lose_open();
+            // Answered writes in the log are lost. With none (always so in
+            // a shared store, which keeps nothing open), redb refusing to
+            // begin has marked the engine broken already, and a refresh
+            // that failed fails this batch alone.
+            if !log.is_empty() || !shared.config.shared {
+                shared.lose_open();
+            }
             batch.fail_rest(&e);
             return None;
         }
@@ -462,19 +474,20 @@ fn roll_back_without(
 /// Phase 3: takes in what was queued while the batch ran, so that callers
 /// woken from the last batch still share this one's fsync; `false` if
 /// there was nothing to take.
-fn take_in_late_arrivals(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
-    if absorb(shared, jobs) {
+fn take_in_late_arrivals(shared: &Shared, batch: &mut Batch) -> bool {
+    if absorb(shared, batch) {
         return true;
     }
-    shared.config.durability == Durability::Immediate && absorb_after_yielding(shared, jobs)
+    shared.config.durability == Durability::Immediate && absorb_after_yielding(shared, batch)
 }
 
-/// Moves queued operations into the running batch, up to the batch limit;
-/// `false` if there were none.
-fn absorb(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
+/// Moves queued operations into the running batch, up to the batch limit
+/// (which counts its reserved places); `false` if there were none.
+fn absorb(shared: &Shared, batch: &mut Batch) -> bool {
     let mut q = shared.queue.lock();
-    let n = batch_end(&q.jobs, shared.config.max_batch.saturating_sub(jobs.len()));
-    jobs.extend(q.jobs.drain(..n));
+    let taken = batch.jobs.len() + batch.reserved;
+    let n = batch_end(&q.jobs, shared.config.max_batch.saturating_sub(taken));
+    batch.jobs.extend(q.jobs.drain(..n));
     n > 0
 }
 
@@ -484,10 +497,10 @@ fn absorb(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
 /// one (measured at 64 threads: ≈ 42 operations per fsync instead of ≈ 57,
 /// and 18% fewer claims per second). A yield with nobody to run costs about
 /// a microsecond, against an fsync's hundreds.
-fn absorb_after_yielding(shared: &Shared, jobs: &mut Vec<Box<dyn Job>>) -> bool {
+fn absorb_after_yielding(shared: &Shared, batch: &mut Batch) -> bool {
     for _ in 0..3 {
         std::thread::yield_now();
-        if absorb(shared, jobs) {
+        if absorb(shared, batch) {
             return true;
         }
     }

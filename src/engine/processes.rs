@@ -54,7 +54,7 @@ use std::sync::Arc;
 
 use redb::{Database, WriteTransaction};
 
-use super::batch::{Batch, Job, Needs, commit_and_answer, run_jobs};
+use super::batch::{Batch, Job, Needs, batch_end, commit_and_answer, run_jobs};
 use super::durability::previous_commit_failed;
 use super::open_tx::OpenTx;
 use super::scope::{HookFrame, WriteScope};
@@ -74,14 +74,15 @@ struct Seat {
 }
 
 impl Job for Seat {
-    // A seat is taken out of the queue by its own caller before a batch
-    // runs: a batch never runs it.
+    // Unreachable: a seat is taken out of the queue by its own caller, and
+    // a batch never takes one in (`batch_end`). Should one run anyway, it
+    // fails, so that nothing commits on its account.
     fn run(&mut self, _: &WriteTransaction) -> bool {
-        true
+        false
     }
 
     fn replay(&self, _: &WriteTransaction) -> bool {
-        true
+        false
     }
 
     fn finish(&mut self, committed: Result<(), Error>) {
@@ -141,7 +142,8 @@ impl Shared {
     /// runs the operations queued behind it and `f` in one transaction and
     /// commits them durably. `scope` marks this thread as writing; the
     /// closure's after-commit hooks run after the commit, before it
-    /// returns.
+    /// returns. A panic of the batch's hooks is resumed on this thread once
+    /// the batch's callers are answered (unless the closure panicked).
     pub(super) fn write_leading<T, E>(
         &self,
         scope: WriteScope,
@@ -152,6 +154,8 @@ impl Shared {
     {
         self.wait_for_seat()?;
         let mut batch = Batch::new(self.take_seat_and_batch());
+        // The closure takes a place of the batch.
+        batch.reserved = 1;
         let mut outcome = None;
         let led = catch_unwind(AssertUnwindSafe(|| {
             run_closure_batch(self, &mut batch, f, &mut outcome);
@@ -159,6 +163,10 @@ impl Shared {
         if let Err(panic) = led {
             // A panic outside the closure and the operations (redb's
             // commit, the storage backend): the batch's fate is unknown.
+            // Should the closure have panicked first, and this panic come
+            // from running the operations again without it, the closure's
+            // panic is dropped: its caller gets this error instead (the
+            // closure wrote nothing either way).
             self.mark_broken();
             let e = Error::panicked("a batch commit", &*panic);
             observe::engine_broken("a batch commit", &e);
@@ -168,13 +176,17 @@ impl Shared {
         self.hand_on_lead();
         wake(batch.answers);
         drop(scope);
+        // A hook's panic (the closure's, or an operation's when the
+        // operations committed without the closure) is resumed here once
+        // everyone is answered, whatever became of the closure, as a
+        // batch's leader does; the closure's own panic comes first.
+        if let Some(panic) = batch.hook_panic
+            && !matches!(outcome, Some(Outcome::Panicked(_)))
+        {
+            resume_unwind(panic)
+        }
         match outcome {
-            Some(Outcome::Committed(value)) => {
-                if let Some(panic) = batch.hook_panic {
-                    resume_unwind(panic)
-                }
-                Ok(value)
-            }
+            Some(Outcome::Committed(value)) => Ok(value),
             Some(Outcome::Refused(e)) => Err(e),
             Some(Outcome::Panicked(panic)) => resume_unwind(panic),
             Some(Outcome::Failed(e)) => Err(E::from(e)),
@@ -200,8 +212,8 @@ impl Shared {
         }
         match slot.take() {
             Wake::Lead => Ok(()),
-            // Seats are never drained into a batch; should one be answered
-            // anyway, its caller does not lead.
+            // Unreachable: seats are never drained into a batch. Should one
+            // be answered anyway, its caller does not lead.
             Wake::Done(reply, tree) => {
                 if let Some((tree, index)) = tree {
                     tree.wake_children(Some(index));
@@ -219,18 +231,13 @@ impl Shared {
     }
 
     /// Removes this leader's seat from the front of the queue and takes
-    /// the operations queued behind it, up to a batch.
+    /// the operations queued behind it, up to a batch with the closure.
     fn take_seat_and_batch(&self) -> Vec<Box<dyn Job>> {
         let mut q = self.queue.lock();
         if q.jobs.first().is_some_and(|j| j.is_seat()) {
             q.jobs.remove(0);
         }
-        let seat = q
-            .jobs
-            .iter()
-            .position(|j| j.is_seat())
-            .unwrap_or(q.jobs.len());
-        let n = seat.min(self.config.max_batch.saturating_sub(1));
+        let n = batch_end(&q.jobs, self.config.max_batch.saturating_sub(1));
         q.jobs.drain(..n).collect()
     }
 }

@@ -27,7 +27,11 @@
 //! # Locks
 //!
 //! None: thread-local state only. Hooks run with whatever locks their caller
-//! holds: a batch's under `db` and `open` (see `batch`), a closure's with none.
+//! holds: a batch's under `db` and `open` (see `batch`), a closure's with
+//! none in a store held alone. In a store shared between processes a
+//! closure's hooks run with its batch's: on the closure's thread, which
+//! leads the batch, under `db` and `open`, with `IN_WRITE` still set, and
+//! before the batch's other callers are answered.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
@@ -61,7 +65,10 @@ pub(super) fn in_write() -> bool {
 /// - in a caller closure ([`Engine::write`](super::Engine::write)), once its
 ///   commit is durable (under
 ///   [`Durability::Immediate`](super::Durability::Immediate); committed,
-///   under [`Durability::None`](super::Durability::None));
+///   under [`Durability::None`](super::Durability::None)); in a store
+///   shared between processes, with the hooks of the batch the closure's
+///   thread leads, under the batch's locks and before the batch's other
+///   callers are answered;
 /// - elsewhere, at once.
 pub(crate) fn after_commit(hook: impl FnOnce() + Send + 'static) {
     let hook: Hook = Box::new(hook);

@@ -4,7 +4,8 @@
 //! transaction that readers and caller closures commit first.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use redb::backends::InMemoryBackend;
@@ -16,6 +17,16 @@ use crate::error::{Error, Result};
 const T: TableDefinition<&str, u64> = TableDefinition::new("t");
 
 fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
+    engine_with(durability, max_batch, false)
+}
+
+/// An engine that runs as in a store shared between processes (refreshes,
+/// closures leading their own batches), on a file it holds alone.
+fn shared_engine() -> Arc<Engine> {
+    engine_with(Durability::Immediate, 1024, true)
+}
+
+fn engine_with(durability: Durability, max_batch: usize, shared: bool) -> Arc<Engine> {
     let db = redb::Database::builder()
         .create_with_backend(InMemoryBackend::new())
         .unwrap();
@@ -24,9 +35,41 @@ fn engine(durability: Durability, max_batch: usize) -> Arc<Engine> {
         quick_repair: false,
         max_batch,
         flush_interval: Duration::from_secs(3600),
-        shared: false,
+        shared,
     };
     Arc::new(Engine::start(db, config, None).unwrap())
+}
+
+/// Waits until `n` jobs are queued.
+fn wait_queued(engine: &Engine, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while engine.shared.queue.lock().jobs.len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} jobs never queued"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Starts a batch and returns once it runs; it holds the lead until the
+/// returned sender sends (or is dropped), so that others queue behind it.
+fn hold_a_batch(engine: &Arc<Engine>) -> (JoinHandle<Result<()>>, mpsc::Sender<()>) {
+    let (started, is_started) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = Arc::new(parking_lot::Mutex::new(released));
+    let holder = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(move |_| {
+                let _ = started.send(());
+                let _ = released.lock().recv();
+                Ok(())
+            })
+        })
+    };
+    is_started.recv().unwrap();
+    (holder, release)
 }
 
 fn put(engine: &Engine, key: &'static str, value: u64) -> Result<()> {
@@ -134,6 +177,120 @@ fn a_panicking_after_commit_hook_answers_everyone_and_keeps_the_store_working() 
     assert_eq!(get(&engine, "later").unwrap(), Some(2));
 }
 
+#[test]
+fn a_refresh_that_fails_during_a_rollback_fails_only_that_batch() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let engine = shared_engine();
+    let fail_next = Arc::new(AtomicBool::new(false));
+    {
+        let fail_next = fail_next.clone();
+        engine.on_write_begin(move |_| {
+            if fail_next.swap(false, Ordering::SeqCst) {
+                return Err(Error::conflict("refresh failed"));
+            }
+            Ok(())
+        });
+    }
+    // The operation fails: its batch rolls back and begins again, and
+    // that refresh fails.
+    let fail = fail_next.clone();
+    let out = engine.execute(move |tx| -> Result<()> {
+        tx.open_table(T)?.insert("bad", 1)?;
+        fail.store(true, Ordering::SeqCst);
+        Err(Error::conflict("operation failed"))
+    });
+    assert!(matches!(out, Err(Error::Conflict { .. })), "{out:?}");
+    assert!(!fail_next.load(Ordering::SeqCst), "the rollback refreshed");
+    put(&engine, "later", 2).unwrap();
+    assert_eq!(get(&engine, "later").unwrap(), Some(2));
+    assert_eq!(get(&engine, "bad").unwrap(), None);
+}
+
+/// In a shared store, a closure's caller leads the operations queued behind
+/// it; if the closure fails, they commit without it, and a panic of their
+/// after-commit hooks reaches the closure's caller, as it reaches any
+/// batch's leader.
+#[test]
+fn an_operations_hook_panic_reaches_a_closure_caller_whose_closure_failed() {
+    let engine = shared_engine();
+    let queued = |n: usize| wait_queued(&engine, n);
+    // A batch held running while a closure's seat and an operation queue
+    // behind it.
+    let (holder, release) = hold_a_batch(&engine);
+    let writer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            catch_unwind(AssertUnwindSafe(|| {
+                engine.write(|tx| -> Result<()> {
+                    tx.open_table(T)?.insert("refused", 1)?;
+                    Err(Error::conflict("the closure refuses"))
+                })
+            }))
+        })
+    };
+    queued(1);
+    let hooked = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.execute(|tx| -> Result<()> {
+                tx.open_table(T)?.insert("hooked", 2)?;
+                after_commit(|| panic!("hook failed"));
+                Ok(())
+            })
+        })
+    };
+    queued(2);
+    release.send(()).unwrap();
+    holder.join().unwrap().unwrap();
+    hooked.join().unwrap().unwrap();
+    let out = writer.join().unwrap();
+    assert!(
+        out.is_err(),
+        "the hook's panic reached the closure's caller"
+    );
+    assert_eq!(get(&engine, "hooked").unwrap(), Some(2), "committed");
+    assert_eq!(get(&engine, "refused").unwrap(), None);
+    put(&engine, "later", 3).unwrap();
+}
+
+/// In a shared store, a closure's batch holds at most `max_batch` jobs
+/// with the closure, late arrivals included.
+#[test]
+fn a_closure_takes_a_place_of_its_batch() {
+    let engine = engine_with(Durability::Immediate, 2, true);
+    let queued = |n: usize| wait_queued(&engine, n);
+    let (holder, release) = hold_a_batch(&engine);
+    // The closure counts the rows written before it in its transaction.
+    let writer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            engine.write(|tx| -> Result<u64> { Ok(tx.open_table(T)?.len()?) })
+        })
+    };
+    queued(1);
+    let puts: Vec<_> = ["x", "y"]
+        .into_iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let engine = engine.clone();
+            let put = std::thread::spawn(move || put(&engine, key, 1));
+            queued(i + 2);
+            put
+        })
+        .collect();
+    release.send(()).unwrap();
+    holder.join().unwrap().unwrap();
+    assert_eq!(
+        writer.join().unwrap().unwrap(),
+        1,
+        "one operation and the closure"
+    );
+    for put in puts {
+        put.join().unwrap().unwrap();
+    }
+}
+
 /// A caller closure's caller may lead a batch before its own
 /// transaction begins (to commit the transaction kept open under
 /// [`Durability::None`]). The hooks of that batch's operations belong
@@ -142,36 +299,12 @@ fn a_panicking_after_commit_hook_answers_everyone_and_keeps_the_store_working() 
 #[test]
 fn hooks_of_a_rolled_back_operation_never_run_when_a_closure_caller_leads() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::mpsc;
-
     let engine = engine(Durability::None, 2);
-    let queued = |n: usize| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while engine.shared.queue.lock().jobs.len() < n {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{n} jobs never queued"
-            );
-            std::thread::yield_now();
-        }
-    };
+    let queued = |n: usize| wait_queued(&engine, n);
     // Leaves a transaction open (pending).
     put(&engine, "a", 1).unwrap();
     // A batch held running while the others queue behind it.
-    let (started, is_started) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let released = Arc::new(parking_lot::Mutex::new(released));
-    let holder = {
-        let engine = engine.clone();
-        std::thread::spawn(move || {
-            engine.execute(move |_| {
-                let _ = started.send(());
-                let _ = released.lock().recv();
-                Ok(())
-            })
-        })
-    };
-    is_started.recv().unwrap();
+    let (holder, release) = hold_a_batch(&engine);
     let filler = {
         let engine = engine.clone();
         std::thread::spawn(move || put(&engine, "y", 2))

@@ -30,13 +30,17 @@
 //! - a lookup reads the row back by id, in the caller's own transaction, and
 //!   compares: an entry whose row that transaction cannot see (rolled back,
 //!   or committed after a reader's snapshot) counts for nothing;
-//! - ids are never reused while the store is open, so an entry never points
-//!   at another key's row, and once a merge commits, every row up to the
-//!   largest id it moved is gone from the journal for good (moved, or never
-//!   committed): the entries up to that id are removed then, and only while
-//!   no reader stands between opening its snapshot and its lookup
-//!   ([`Journal::hold_removals`]), so that a reader whose snapshot predates
-//!   the merge still finds the key.
+//! - a lookup compares the row's key too, so an entry that points at
+//!   another key's row counts for nothing. In a store held alone, ids are
+//!   never reused while it is open, so that does not happen; in a shared
+//!   one, another process may commit a row under an id this process handed
+//!   out in a transaction that rolled back (see below), and the comparison
+//!   is what keeps the entry left behind from answering for it.
+//! - once a merge commits, every row up to the largest id it moved is gone
+//!   from the journal for good (moved, or never committed): the entries up
+//!   to that id are removed then, and only while no reader stands between
+//!   opening its snapshot and its lookup ([`Journal::hold_removals`]), so
+//!   that a reader whose snapshot predates the merge still finds the key.
 //!
 //! # Several processes
 //!
@@ -49,15 +53,23 @@
 //!   writes at a time; so within an inbox, ids grow in commit order across
 //!   all processes, and an id never names two claims;
 //! - per inbox, `seen` is the largest id whose rows, and every row before
-//!   it, are in the index. A catch-up reads the rows above it from a
-//!   snapshot of committed state only: at the start of a write transaction
-//!   (before the transaction writes anything), or in a reader's snapshot.
-//!   Rows this process writes are noted at once but raise `seen` only once
-//!   a catch-up reads them back committed: a rolled-back row must not hide
-//!   another process's row that later takes its id.
+//!   it, have been noted in the index. A catch-up reads the rows above it
+//!   from a snapshot of committed state only: at the start of a write
+//!   transaction (before the transaction writes anything), or in a reader's
+//!   snapshot. Catch-ups run one at a time, each holding `seen` from the
+//!   moment it reads it until it has raised it, so rows are noted in id
+//!   order: one that read an older snapshot notes nothing a newer one
+//!   noted, and never puts back an entry a newer one replaced. Rows this
+//!   process writes are noted at once but raise `seen` only once a catch-up
+//!   reads them back committed: a rolled-back row must not hide another
+//!   process's row that later takes its id.
 //! - merges by other processes leave entries whose rows are gone: they
-//!   count for nothing (lookups read the row back) and go at this process's
-//!   next merge.
+//!   count for nothing (lookups read the row back), and go at the start of
+//!   this process's next write transaction, which reads how far merges
+//!   went ([`META_JOURNAL_MERGED_THROUGH`]) and removes the entries up to
+//!   there (as a merge of its own would). So a process that rarely claims
+//!   keeps entries only for rows not merged when its last write transaction
+//!   began, and for those its readers noted since.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -82,6 +94,12 @@ pub(crate) trait JournalTable:
 impl<T: ReadableTable<(&'static str, u64), (&'static str, i64)>> JournalTable for T {}
 
 /// The in-memory index of the journal's entries; see the module docs.
+///
+/// Locks, in this order: `readers`, then `seen`, then `index` (each may be
+/// taken without the ones before it). A reader's lookup holds `readers`
+/// shared and catches up (`seen`, then `index`); a catch-up holds `seen`
+/// throughout and takes `index` for each row; a removal holds `readers`
+/// alone, then `index`.
 #[derive(Debug, Default)]
 pub(crate) struct Journal {
     /// `inbox → key → id` of the entry's journal row.
@@ -100,6 +118,9 @@ pub(crate) struct Journal {
     /// In a shared store: per inbox, the largest id up to which every
     /// committed row is in the index (see the module docs).
     seen: Mutex<HashMap<String, u64>>,
+    /// The largest id whose entries and every one before it were removed
+    /// (or never added: the journal held none when the store opened).
+    forgotten: AtomicU64,
 }
 
 impl Journal {
@@ -123,14 +144,15 @@ impl Journal {
                 .map_or(0, |v| v.value()),
             None => 0,
         };
+        journal.forgotten.store(merged, Ordering::Relaxed);
         let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
             journal.next_id.store(merged + 1, Ordering::Relaxed);
             return Ok(journal);
         };
         let mut next = merged + 1;
         {
-            let mut index = journal.index.lock();
             let mut seen = journal.seen.lock();
+            let mut index = journal.index.lock();
             for row in log.iter()? {
                 let (k, v) = row?;
                 let ((name, id), (key, _)) = (k.value(), v.value());
@@ -148,14 +170,25 @@ impl Journal {
     }
 
     /// In a shared store, at the start of a write transaction (before it
-    /// writes anything): notes every journal row other processes committed
-    /// since the last catch-up, in every inbox, and raises the next id above
-    /// every committed one. One range seek per inbox in the journal when
-    /// nothing changed.
+    /// writes anything): removes the entries of rows another process merged
+    /// since, notes every journal row other processes committed since the
+    /// last catch-up, in every inbox, and raises the next id above every
+    /// committed one. One range seek per inbox in the journal when nothing
+    /// changed.
     pub(crate) fn catch_up_all(&self, tx: &WriteTransaction) -> Result<()> {
         let merged = open_write(tx, META)?
             .get(META_JOURNAL_MERGED_THROUGH)?
             .map_or(0, |v| v.value());
+        if merged > self.forgotten.load(Ordering::Relaxed) {
+            // Committed: every row up to `merged` is gone for good. This
+            // waits for readers between snapshot and lookup, which wait for
+            // nothing this thread holds: no journal lock is held here, they
+            // take the engine's `db` lock recursively, and redb opens
+            // snapshots while a writer writes. It comes before this
+            // transaction claims anything, so no reader whose snapshot
+            // predates the merge is left to note a merged row after it.
+            self.forget_through(merged);
+        }
         let log = open_write(tx, INBOX_JOURNAL)?;
         let mut next = merged + 1;
         let mut inbox = log.first()?.map(|(k, _)| k.value().0.to_owned());
@@ -186,7 +219,14 @@ impl Journal {
         if !self.shared {
             return Ok(None);
         }
-        let from = self.seen.lock().get(name).map_or(0, |&last| last + 1);
+        // Held across the whole catch-up: catch-ups run one at a time, and
+        // each notes only rows above every row noted before it, so one that
+        // read an older snapshot never puts back an entry a newer one
+        // replaced (say a merged, pruned and claimed-again key's old row).
+        let mut seen = self.seen.lock();
+        let from = seen.get(name).map_or(0, |&last| last + 1);
+        #[cfg(test)]
+        tests::between_from_and_rows(self);
         let mut last = None;
         for row in log.range((name, from)..=(name, u64::MAX))? {
             let (k, v) = row?;
@@ -194,15 +234,11 @@ impl Journal {
             self.note(name, key, id);
             last = Some(id);
         }
-        match last {
-            Some(id) => {
-                let mut seen = self.seen.lock();
-                let entry = seen.entry(name.to_owned()).or_default();
-                *entry = (*entry).max(id);
-                Ok(Some(*entry))
-            }
-            None => Ok(self.seen.lock().get(name).copied()),
+        if let Some(id) = last {
+            let entry = seen.entry(name.to_owned()).or_default();
+            *entry = (*entry).max(id);
         }
+        Ok(seen.get(name).copied())
     }
 
     /// Holds off removals from the index while the guard lives: take it
@@ -235,6 +271,13 @@ impl Journal {
             keys.retain(|_, entry| *entry > id);
             !keys.is_empty()
         });
+        self.forgotten.fetch_max(id, Ordering::Relaxed);
+    }
+
+    /// How many entries the index holds.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.index.lock().values().map(HashMap::len).sum()
     }
 }
 
@@ -360,7 +403,133 @@ pub(crate) fn merge(tx: &WriteTransaction, journal: &Arc<Journal>) -> Result<()>
 
 #[cfg(test)]
 mod tests {
-    use super::Journal;
+    use std::cell::{Cell, RefCell};
+    use std::rc::Rc;
+    use std::sync::Arc;
+
+    use redb::{Database, ReadableDatabase};
+
+    use super::{Claimed, INBOX_JOURNAL, Journal, META, META_JOURNAL_MERGED_THROUGH, claim};
+    use crate::schema::{open_read, open_write};
+
+    /// Something to do in the middle of a catch-up.
+    type Pause = Box<dyn FnOnce(&Journal)>;
+
+    thread_local! {
+        /// What to do in this thread's next catch-up, once it has decided
+        /// where to start reading.
+        static BETWEEN_FROM_AND_ROWS: RefCell<Option<Pause>> = const { RefCell::new(None) };
+    }
+
+    pub(super) fn between_from_and_rows(journal: &Journal) {
+        if let Some(f) = BETWEEN_FROM_AND_ROWS.with(|f| f.borrow_mut().take()) {
+            f(journal);
+        }
+    }
+
+    fn shared_journal() -> Journal {
+        Journal {
+            merge_at: Some(4096),
+            shared: true,
+            ..Journal::default()
+        }
+    }
+
+    /// Commits `f`'s writes to the journal and the meta table, as another
+    /// process would.
+    fn commit(db: &Database, f: impl FnOnce(&redb::WriteTransaction)) {
+        let tx = db.begin_write().unwrap();
+        f(&tx);
+        tx.commit().unwrap();
+    }
+
+    #[test]
+    fn a_catch_up_from_an_older_snapshot_never_replaces_a_newer_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(Database::create(dir.path().join("j.redb")).unwrap());
+        let journal = shared_journal();
+        // Another process journals K at 15.
+        commit(&db, |tx| {
+            let mut log = open_write(tx, INBOX_JOURNAL).unwrap();
+            log.insert(("in", 15), ("K", 1)).unwrap();
+        });
+        // A reader of this process opens its snapshot.
+        let snapshot = db.begin_read().unwrap();
+        // The other process merges 15, prunes K and claims it again at 40.
+        commit(&db, |tx| {
+            let mut log = open_write(tx, INBOX_JOURNAL).unwrap();
+            log.remove(("in", 15)).unwrap();
+            log.insert(("in", 40), ("K", 2)).unwrap();
+            let mut meta = open_write(tx, META).unwrap();
+            meta.insert(META_JOURNAL_MERGED_THROUGH, 15).unwrap();
+        });
+        // While the reader catches up, a write transaction of this process
+        // catches up too: in the middle of the reader's if it can take
+        // `seen` now, else (it would wait) after it.
+        let write_catch_up = {
+            let db = db.clone();
+            move |journal: &Journal| {
+                let tx = db.begin_write().unwrap();
+                journal.catch_up_all(&tx).unwrap();
+                assert_eq!(journal.hint("in", "K"), Some(40));
+                tx.abort().unwrap();
+            }
+        };
+        let ran_between = Rc::new(Cell::new(false));
+        BETWEEN_FROM_AND_ROWS.with(|f| {
+            let ran_between = ran_between.clone();
+            let write_catch_up = write_catch_up.clone();
+            *f.borrow_mut() = Some(Box::new(move |journal: &Journal| {
+                if journal.seen.try_lock().is_some() {
+                    write_catch_up(journal);
+                    ran_between.set(true);
+                }
+            }));
+        });
+        let log = open_read(&snapshot, INBOX_JOURNAL).unwrap().unwrap();
+        journal.catch_up(&log, "in").unwrap();
+        if !ran_between.get() {
+            write_catch_up(&journal);
+        }
+        drop((log, snapshot));
+        // This process now offers K: it is claimed, at 40.
+        let tx = db.begin_write().unwrap();
+        journal.catch_up_all(&tx).unwrap();
+        let journal = Arc::new(journal);
+        assert_eq!(claim(&tx, &journal, "in", "K", 3).unwrap(), Claimed::Before);
+        tx.abort().unwrap();
+    }
+
+    #[test]
+    fn entries_of_rows_another_process_merged_go_at_the_next_write() -> crate::Result<()> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.idem");
+        let open = || {
+            crate::Store::builder()
+                .shared(true)
+                .journal_size(4)
+                .open(&path)
+        };
+        let (a, b) = (open()?, open()?);
+        let (a_in, b_in) = (a.inbox("in")?, b.inbox("in")?);
+        for key in ["a1", "a2", "a3"] {
+            assert!(a_in.claim(key, chrono::Utc::now())?);
+        }
+        assert_eq!(a_in.journal.len(), 3);
+        // B's claim fills the journal: B merges A's rows and its own.
+        assert!(b_in.claim("b1", chrono::Utc::now())?);
+        assert_eq!(a_in.journal.len(), 3, "nothing learnt before a write");
+        // A's next write transaction, whatever it writes, catches up.
+        a.inbox("other")?.claim("x", chrono::Utc::now())?;
+        assert_eq!(a_in.journal.len(), 1, "only A's new row is left");
+        for key in ["a1", "a2", "a3", "b1"] {
+            assert!(
+                !a_in.claim(key, chrono::Utc::now())?,
+                "{key} is still claimed"
+            );
+        }
+        Ok(())
+    }
 
     #[test]
     fn entries_up_to_a_merged_id_are_removed() {
