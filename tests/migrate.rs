@@ -34,6 +34,18 @@ fn run(args: &[&str]) -> std::io::Result<Output> {
         .output()
 }
 
+/// Runs `migrate FILE --to-postgres URL` with `extra` arguments.
+fn migrate_to(
+    file: &Path,
+    url: &str,
+    extra: &[&str],
+) -> Result<Output, Box<dyn std::error::Error>> {
+    let file = file.to_str().ok_or("path")?;
+    let mut args = vec!["migrate", file, "--to-postgres", url];
+    args.extend_from_slice(extra);
+    Ok(run(&args)?)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -283,14 +295,7 @@ fn every_row_is_copied_as_it_was_and_once() -> TestResult {
     );
 
     // Text for people.
-    let o = run(&[
-        "migrate",
-        file.to_str().ok_or("path")?,
-        "--to-postgres",
-        &url,
-        "--schema",
-        &schema,
-    ])?;
+    let o = migrate_to(&file, &url, &["--schema", &schema])?;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout)?;
     assert!(
@@ -393,14 +398,7 @@ fn rows_that_clash_with_different_rows_are_reported_not_copied_and_exit_1() -> T
     assert_eq!(kept.request_fingerprint, "fp-a");
 
     // In text, each kind says how many it did not copy.
-    let o = run(&[
-        "migrate",
-        file_c.to_str().ok_or("path")?,
-        "--to-postgres",
-        &url,
-        "--schema",
-        &schema,
-    ])?;
+    let o = migrate_to(&file_c, &url, &["--schema", &schema])?;
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout)?;
     assert!(
@@ -604,12 +602,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
         "host={} user=app dbname=app connect_timeout=2",
         dir.path().join("no-server").display()
     );
-    let o = run(&[
-        "migrate",
-        file.to_str().ok_or("path")?,
-        "--to-postgres",
-        &nowhere,
-    ])?;
+    let o = migrate_to(&file, &nowhere, &[])?;
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
@@ -618,14 +611,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     assert!(o.stdout.is_empty());
 
     // A bad schema name is bad input, said as such, before any server.
-    let o = run(&[
-        "migrate",
-        file.to_str().ok_or("path")?,
-        "--to-postgres",
-        &nowhere,
-        "--schema",
-        "Bad-Name",
-    ])?;
+    let o = migrate_to(&file, &nowhere, &["--schema", "Bad-Name"])?;
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("invalid schema"), "{err}");
@@ -640,12 +626,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
             no_server.display()
         ),
     ] {
-        let o = run(&[
-            "migrate",
-            file.to_str().ok_or("path")?,
-            "--to-postgres",
-            &with_password,
-        ])?;
+        let o = migrate_to(&file, &with_password, &[])?;
         assert_eq!(o.status.code(), Some(1));
         let err = stderr(&o);
         assert!(err.contains("cannot use the PostgreSQL server"), "{err}");
@@ -653,12 +634,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
         assert!(err.contains("***"), "{err}");
     }
 
-    let o = run(&[
-        "migrate",
-        file.to_str().ok_or("path")?,
-        "--to-postgres",
-        "port=notaport",
-    ])?;
+    let o = migrate_to(&file, "port=notaport", &[])?;
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("invalid connection string"), "{err}");
@@ -668,12 +644,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     // share the file).
     {
         let _held = Store::open(&file)?;
-        let o = run(&[
-            "migrate",
-            file.to_str().ok_or("path")?,
-            "--to-postgres",
-            &nowhere,
-        ])?;
+        let o = migrate_to(&file, &nowhere, &[])?;
         assert_eq!(o.status.code(), Some(1));
         let err = stderr(&o);
         assert!(err.contains("stop the program"), "{err}");
@@ -681,12 +652,7 @@ fn an_unreachable_server_or_a_missing_file_fails_clearly() -> TestResult {
     }
 
     let missing = dir.path().join("missing.redb");
-    let o = run(&[
-        "migrate",
-        missing.to_str().ok_or("path")?,
-        "--to-postgres",
-        &nowhere,
-    ])?;
+    let o = migrate_to(&missing, &nowhere, &[])?;
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("no such file"), "{}", stderr(&o));
     assert!(!missing.exists());
