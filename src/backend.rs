@@ -149,101 +149,124 @@ pub(crate) mod sealed {
     pub trait Keys {}
 }
 
-impl sealed::Outbox for Outbox {
-    #[cfg(feature = "tokio")]
-    fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
-        Outbox::subscribe_async(self)
-    }
+/// Implements the three traits for an outbox, an inbox and an
+/// idempotency-key handle type, each call forwarded to the handle's own
+/// method of the same name. Both backends' handles go through it, so their
+/// calls cannot drift apart.
+macro_rules! forward_to_handles {
+    (outbox: $outbox:ty, inbox: $inbox:ty, keys: $keys:ty $(,)?) => {
+        impl $crate::backend::sealed::Outbox for $outbox {
+            #[cfg(feature = "tokio")]
+            fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
+                <$outbox>::subscribe_async(self)
+            }
+        }
+
+        impl $crate::backend::OutboxBackend for $outbox {
+            fn claim_due(
+                &self,
+                now: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+                worker_id: &str,
+            ) -> $crate::Result<Vec<$crate::OutboxEntry>> {
+                <$outbox>::claim_due(self, now, limit, worker_id)
+            }
+
+            fn settle(
+                &self,
+                fence: $crate::Fence,
+                settlement: $crate::Settlement,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::settle(self, fence, settlement, now)
+            }
+
+            fn settle_many(
+                &self,
+                settlements: Vec<($crate::Fence, $crate::Settlement)>,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<Vec<$crate::Result<()>>> {
+                <$outbox>::settle_many(self, settlements, now)
+            }
+
+            fn settle_and_claim(
+                &self,
+                settlements: Vec<($crate::Fence, $crate::Settlement)>,
+                now: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+                worker_id: &str,
+            ) -> $crate::Result<$crate::outbox::SettledAndClaimed> {
+                <$outbox>::settle_and_claim(self, settlements, now, limit, worker_id)
+            }
+
+            fn release_expired_claims(
+                &self,
+                claimed_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<Vec<$crate::OutboxId>> {
+                <$outbox>::release_expired_claims(self, claimed_before)
+            }
+
+            fn purge_finished(&self, before: chrono::DateTime<chrono::Utc>) -> $crate::Result<u64> {
+                <$outbox>::purge_finished(self, before)
+            }
+
+            fn next_due(&self) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {
+                <$outbox>::next_due(self)
+            }
+
+            fn subscribe(&self) -> crossbeam_channel::Receiver<()> {
+                <$outbox>::subscribe(self)
+            }
+        }
+
+        impl $crate::backend::sealed::Inbox for $inbox {}
+
+        impl $crate::backend::InboxBackend for $inbox {
+            fn prune(&self, seen_before: chrono::DateTime<chrono::Utc>) -> $crate::Result<u64> {
+                <$inbox>::prune(self, seen_before)
+            }
+        }
+
+        impl $crate::backend::sealed::Keys for $keys {}
+
+        impl $crate::backend::IdempotencyBackend for $keys {
+            fn begin(
+                &self,
+                tenant: &str,
+                key: &str,
+                fingerprint: &str,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<$crate::Begin> {
+                <$keys>::begin(self, tenant, key, fingerprint, now)
+            }
+
+            fn complete(
+                &self,
+                r: &$crate::Reservation,
+                response: $crate::ResponseRecord,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<bool> {
+                <$keys>::complete(self, r, response, now)
+            }
+
+            fn release(&self, r: &$crate::Reservation) -> $crate::Result<()> {
+                <$keys>::release(self, r)
+            }
+
+            fn purge_expired(
+                &self,
+                expired_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<u64> {
+                <$keys>::purge_expired(self, expired_before)
+            }
+
+            fn ttl(&self) -> std::time::Duration {
+                <$keys>::ttl(self)
+            }
+        }
+    };
 }
+#[cfg(feature = "postgres")]
+pub(crate) use forward_to_handles;
 
-impl OutboxBackend for Outbox {
-    fn claim_due(
-        &self,
-        now: DateTime<Utc>,
-        limit: usize,
-        worker_id: &str,
-    ) -> Result<Vec<OutboxEntry>> {
-        Outbox::claim_due(self, now, limit, worker_id)
-    }
-
-    fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
-        Outbox::settle(self, fence, settlement, now)
-    }
-
-    fn settle_many(
-        &self,
-        settlements: Vec<(Fence, Settlement)>,
-        now: DateTime<Utc>,
-    ) -> Result<Vec<Result<()>>> {
-        Outbox::settle_many(self, settlements, now)
-    }
-
-    fn settle_and_claim(
-        &self,
-        settlements: Vec<(Fence, Settlement)>,
-        now: DateTime<Utc>,
-        limit: usize,
-        worker_id: &str,
-    ) -> Result<SettledAndClaimed> {
-        Outbox::settle_and_claim(self, settlements, now, limit, worker_id)
-    }
-
-    fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
-        Outbox::release_expired_claims(self, claimed_before)
-    }
-
-    fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
-        Outbox::purge_finished(self, before)
-    }
-
-    fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        Outbox::next_due(self)
-    }
-
-    fn subscribe(&self) -> Receiver<()> {
-        Outbox::subscribe(self)
-    }
-}
-
-impl sealed::Inbox for Inbox {}
-
-impl InboxBackend for Inbox {
-    fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
-        Inbox::prune(self, seen_before)
-    }
-}
-
-impl sealed::Keys for IdempotencyKeys {}
-
-impl IdempotencyBackend for IdempotencyKeys {
-    fn begin(
-        &self,
-        tenant: &str,
-        key: &str,
-        fingerprint: &str,
-        now: DateTime<Utc>,
-    ) -> Result<Begin> {
-        IdempotencyKeys::begin(self, tenant, key, fingerprint, now)
-    }
-
-    fn complete(
-        &self,
-        r: &Reservation,
-        response: ResponseRecord,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        IdempotencyKeys::complete(self, r, response, now)
-    }
-
-    fn release(&self, r: &Reservation) -> Result<()> {
-        IdempotencyKeys::release(self, r)
-    }
-
-    fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
-        IdempotencyKeys::purge_expired(self, expired_before)
-    }
-
-    fn ttl(&self) -> std::time::Duration {
-        IdempotencyKeys::ttl(self)
-    }
-}
+forward_to_handles!(outbox: Outbox, inbox: Inbox, keys: IdempotencyKeys);
