@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use common::child_test;
 use common::pg::{self, DropSchema};
+use common::{child_test, env_of, wall_micros};
 use idemstore::postgres::PgStore;
 use idemstore::{Claim, Delivery, Dispatcher, NewEntry, OutboxEntry, RetryPolicy};
 
@@ -77,21 +77,6 @@ fn the_last_handle_of_a_store_may_drop_on_a_runtime_thread() -> TestResult {
     let runtime = tokio::runtime::Builder::new_current_thread().build()?;
     runtime.block_on(async move { drop(store) });
     Ok(())
-}
-
-fn env_of(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent test"))
-}
-
-/// Microseconds since the Unix epoch: one clock for every process.
-fn wall_micros() -> u64 {
-    u64::try_from(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros(),
-    )
-    .unwrap()
 }
 
 /// Kills the child if the test fails before it exits by itself.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 
-use common::{child_test, t};
+use common::{child_test, env_of, t, wall_micros};
 use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Begin, Durability, Error, NewEntry, Result, Store, StoreBuilder};
 
@@ -292,11 +292,6 @@ fn idempotency_keys_and_the_outbox_are_one_across_processes() -> Result<()> {
 
 // ---------- child processes ----------
 
-/// Where a child process finds its store, which part it plays, and how many.
-fn env_of(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set for a child"))
-}
-
 #[test]
 #[ignore = "run by `three_processes_of_eight_threads_claim_each_key_once` as a child process"]
 fn claiming_child() -> Result<()> {
@@ -443,17 +438,6 @@ fn a_reservation_in_one_process_is_in_flight_in_another_then_replayed() -> Resul
     }
     assert!(child.wait().unwrap().success());
     Ok(())
-}
-
-/// Microseconds since the Unix epoch: one clock for every process.
-fn wall_micros() -> u64 {
-    u64::try_from(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros(),
-    )
-    .unwrap()
 }
 
 /// One line a dispatching child logged: entry id, `start` or `sent`, when.

@@ -109,6 +109,23 @@ pub fn child_test(name: &str) -> std::process::Command {
     child
 }
 
+/// The environment variable `name`, which a parent test set for the child
+/// process it runs.
+pub fn env_of(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent test"))
+}
+
+/// Microseconds since the Unix epoch: one clock for every process.
+pub fn wall_micros() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap()
+}
+
 /// A fixed instant plus `secs` seconds.
 pub fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
