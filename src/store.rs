@@ -356,14 +356,36 @@ enum Recorded {
     Version(u64),
 }
 
+impl Recorded {
+    /// What a meta table holding `version` records.
+    fn in_meta(version: Option<u64>) -> Recorded {
+        version.map_or(Recorded::NoVersion, Recorded::Version)
+    }
+
+    /// `Err` if what the file records is not this build's format; a new
+    /// file records nothing to refuse.
+    fn check(self) -> Result<()> {
+        match self {
+            Recorded::Nothing | Recorded::Version(FORMAT_VERSION) => Ok(()),
+            Recorded::Version(v) => Err(Error::IncompatibleFormat {
+                found: format!("store format {v}"),
+                supported: FORMAT_VERSION,
+            }),
+            Recorded::NoVersion => Err(Error::IncompatibleFormat {
+                found: "a meta table without a format version".into(),
+                supported: FORMAT_VERSION,
+            }),
+        }
+    }
+}
+
 fn recorded_format(tx: &redb::ReadTransaction) -> Result<Recorded> {
     let Some(meta) = open_read(tx, META)? else {
         return Ok(Recorded::Nothing);
     };
-    Ok(match meta.get(META_FORMAT_VERSION)? {
-        Some(v) => Recorded::Version(v.value()),
-        None => Recorded::NoVersion,
-    })
+    Ok(Recorded::in_meta(
+        meta.get(META_FORMAT_VERSION)?.map(|v| v.value()),
+    ))
 }
 
 /// What a store file holds and how much of it is in use ([`Store::stats`]).
@@ -550,15 +572,6 @@ impl Store {
     /// Checks (and on a new file, writes) the format version.
     fn check_format(engine: &Engine) -> Result<()> {
         match engine.read(recorded_format)? {
-            Recorded::Version(FORMAT_VERSION) => Ok(()),
-            Recorded::Version(v) => Err(Error::IncompatibleFormat {
-                found: format!("store format {v}"),
-                supported: FORMAT_VERSION,
-            }),
-            Recorded::NoVersion => Err(Error::IncompatibleFormat {
-                found: "a meta table without a format version".into(),
-                supported: FORMAT_VERSION,
-            }),
             Recorded::Nothing => engine.write(|tx| {
                 let names: Vec<String> = tx
                     .list_tables()?
@@ -568,17 +581,8 @@ impl Store {
                     // Another process sharing the file wrote it since the
                     // read above.
                     let meta = open_write(tx, META)?;
-                    return match meta.get(META_FORMAT_VERSION)?.map(|v| v.value()) {
-                        Some(FORMAT_VERSION) => Ok(()),
-                        Some(v) => Err(Error::IncompatibleFormat {
-                            found: format!("store format {v}"),
-                            supported: FORMAT_VERSION,
-                        }),
-                        None => Err(Error::IncompatibleFormat {
-                            found: "a meta table without a format version".into(),
-                            supported: FORMAT_VERSION,
-                        }),
-                    };
+                    return Recorded::in_meta(meta.get(META_FORMAT_VERSION)?.map(|v| v.value()))
+                        .check();
                 }
                 if names.iter().any(|n| n.starts_with("idemstore.")) {
                     return Err(Error::IncompatibleFormat {
@@ -589,6 +593,7 @@ impl Store {
                 open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
                 Ok(())
             }),
+            found => found.check(),
         }
     }
 }
