@@ -22,6 +22,14 @@
 //!   microseconds (`*_us` fields).
 //! - Nothing here reads the wall clock for a storage call's logic: the
 //!   [`Stopwatch`] only measures how long a commit or a run took.
+//! - The facades call code the store does not own (the application's
+//!   subscriber and recorder), so every report here runs under
+//!   [`catch_unwind`](std::panic::catch_unwind) and a panic in it is
+//!   dropped: it never reaches the caller, never changes an answer and
+//!   never leaves the store's state half-updated. The engine makes its own
+//!   reports only once the callers of a commit are answered and with none
+//!   of its locks held (see `engine`), so a recorder that blocks or panics
+//!   delays nobody else's call.
 //!
 //! Depends on `error` and std only (and the facades); anything may call it.
 
@@ -66,6 +74,30 @@ impl Stopwatch {
     fn elapsed(self) -> Duration {
         self.started.elapsed()
     }
+
+    /// Stops measuring: how long it ran, to report later.
+    #[inline]
+    pub(crate) fn stop(self) -> Elapsed {
+        Elapsed {
+            #[cfg(any(feature = "tracing", feature = "metrics"))]
+            took: self.elapsed(),
+        }
+    }
+}
+
+/// How long something took, measured by a [`Stopwatch`] and reported
+/// afterwards. Empty without the features.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Elapsed {
+    #[cfg(any(feature = "tracing", feature = "metrics"))]
+    took: Duration,
+}
+
+/// Runs one report, dropping any panic of the subscriber or recorder it
+/// calls: telemetry never changes what a call answers.
+#[inline]
+fn guarded(report: impl FnOnce()) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(report));
 }
 
 /// A duration in whole microseconds, for a tracing field.
@@ -111,61 +143,68 @@ macro_rules! by_outcome {
 // ---------------------------------------------------------------- engine
 
 /// A batch of `ops` queued operations committed in one write transaction,
-/// durably (fsync) or not; `commit` was started just before the commit.
+/// durably (fsync) or not, in `commit`.
 #[inline]
-pub(crate) fn batch_committed(ops: usize, durable: bool, commit: Stopwatch) {
-    #[cfg(any(feature = "tracing", feature = "metrics"))]
-    let took = commit.elapsed();
-    #[cfg(feature = "tracing")]
-    tracing::trace!(
-        target: "idemstore::engine",
-        ops,
-        durable,
-        commit_us = micros(took),
-        "batch committed"
-    );
-    #[cfg(feature = "metrics")]
-    {
-        by_durability!(counter!("idemstore_commits_total"), durable).increment(1);
-        by_durability!(histogram!("idemstore_commit_seconds"), durable).record(took.as_secs_f64());
-        metrics::histogram!("idemstore_batch_ops").record(ops as f64);
-    }
+pub(crate) fn batch_committed(ops: usize, durable: bool, commit: Elapsed) {
+    guarded(|| {
+        #[cfg(any(feature = "tracing", feature = "metrics"))]
+        let took = commit.took;
+        #[cfg(feature = "tracing")]
+        tracing::trace!(
+            target: "idemstore::engine",
+            ops,
+            durable,
+            commit_us = micros(took),
+            "batch committed"
+        );
+        #[cfg(feature = "metrics")]
+        {
+            by_durability!(counter!("idemstore_commits_total"), durable).increment(1);
+            by_durability!(histogram!("idemstore_commit_seconds"), durable)
+                .record(took.as_secs_f64());
+            metrics::histogram!("idemstore_batch_ops").record(ops as f64);
+        }
+    });
 }
 
 /// A caller's own write transaction (`Store::write`, a `claim_with`
 /// effect) committed, without fsync: a later durable batch covers it.
 #[inline]
-pub(crate) fn own_write_committed(commit: Stopwatch) {
-    #[cfg(any(feature = "tracing", feature = "metrics"))]
-    let took = commit.elapsed();
-    #[cfg(feature = "tracing")]
-    tracing::trace!(
-        target: "idemstore::engine",
-        durable = false,
-        commit_us = micros(took),
-        "caller transaction committed"
-    );
-    #[cfg(feature = "metrics")]
-    {
-        metrics::counter!("idemstore_commits_total", "durable" => "false").increment(1);
-        metrics::histogram!("idemstore_commit_seconds", "durable" => "false")
-            .record(took.as_secs_f64());
-    }
+pub(crate) fn own_write_committed(commit: Elapsed) {
+    guarded(|| {
+        #[cfg(any(feature = "tracing", feature = "metrics"))]
+        let took = commit.took;
+        #[cfg(feature = "tracing")]
+        tracing::trace!(
+            target: "idemstore::engine",
+            durable = false,
+            commit_us = micros(took),
+            "caller transaction committed"
+        );
+        #[cfg(feature = "metrics")]
+        {
+            metrics::counter!("idemstore_commits_total", "durable" => "false").increment(1);
+            metrics::histogram!("idemstore_commit_seconds", "durable" => "false")
+                .record(took.as_secs_f64());
+        }
+    });
 }
 
 /// The engine was marked broken while `during`, because of `error`: it
 /// refuses every write until the store is reopened.
 #[inline]
 pub(crate) fn engine_broken(during: &'static str, error: &Error) {
-    #[cfg(feature = "tracing")]
-    tracing::error!(
-        target: "idemstore::engine",
-        during,
-        error = %error,
-        "the store refuses writes until it is reopened"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "idemstore::engine",
+            during,
+            error = %error,
+            "the store refuses writes until it is reopened"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    });
 }
 
 // ---------------------------------------------------------------- inbox
@@ -174,18 +213,22 @@ pub(crate) fn engine_broken(during: &'static str, error: &Error) {
 /// for a first delivery, `false` for a duplicate.
 #[inline]
 pub(crate) fn claims(inbox: &Arc<str>, answers: &[bool]) {
-    #[cfg(feature = "metrics")]
-    {
-        let applied = answers.iter().filter(|a| **a).count() as u64;
-        count_claims(inbox, applied, answers.len() as u64 - applied);
-    }
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        {
+            let applied = answers.iter().filter(|a| **a).count() as u64;
+            count_claims(inbox, applied, answers.len() as u64 - applied);
+        }
+    });
 }
 
 /// One claim in `inbox`: the first delivery (`applied`) or a duplicate.
 #[inline]
 pub(crate) fn claim(inbox: &Arc<str>, applied: bool) {
-    #[cfg(feature = "metrics")]
-    count_claims(inbox, u64::from(applied), u64::from(!applied));
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        count_claims(inbox, u64::from(applied), u64::from(!applied));
+    });
 }
 
 #[cfg(feature = "metrics")]
@@ -225,34 +268,36 @@ pub(crate) enum Idempotency {
 /// An idempotency-key outcome.
 #[inline]
 pub(crate) fn idempotency(outcome: Idempotency) {
-    #[cfg(feature = "metrics")]
-    {
-        use Idempotency as I;
-        let counter = match outcome {
-            I::Proceed => {
-                metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "proceed")
-            }
-            I::Takeover => {
-                metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "takeover")
-            }
-            I::Replay => {
-                metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "replay")
-            }
-            I::InFlight => {
-                metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "in_flight")
-            }
-            I::Mismatch => {
-                metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "mismatch")
-            }
-            I::Stored => {
-                metrics::counter!("idemstore_idempotency_completions_total", "outcome" => "stored")
-            }
-            I::FencedOut => {
-                metrics::counter!("idemstore_idempotency_completions_total", "outcome" => "fenced_out")
-            }
-        };
-        counter.increment(1);
-    }
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        {
+            use Idempotency as I;
+            let counter = match outcome {
+                I::Proceed => {
+                    metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "proceed")
+                }
+                I::Takeover => {
+                    metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "takeover")
+                }
+                I::Replay => {
+                    metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "replay")
+                }
+                I::InFlight => {
+                    metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "in_flight")
+                }
+                I::Mismatch => {
+                    metrics::counter!("idemstore_idempotency_begins_total", "outcome" => "mismatch")
+                }
+                I::Stored => {
+                    metrics::counter!("idemstore_idempotency_completions_total", "outcome" => "stored")
+                }
+                I::FencedOut => {
+                    metrics::counter!("idemstore_idempotency_completions_total", "outcome" => "fenced_out")
+                }
+            };
+            counter.increment(1);
+        }
+    });
 }
 
 // --------------------------------------------------------------- outbox
@@ -307,8 +352,10 @@ impl OutboxDepth {
 /// sets the gauge of every status, unless a newer depth is already set.
 #[inline]
 pub(crate) fn outbox_depth(depth: &OutboxDepth) {
-    #[cfg(feature = "metrics")]
-    publish_depth(&DEPTH_PUBLISHED, depth);
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        publish_depth(&DEPTH_PUBLISHED, depth);
+    });
 }
 
 /// Sets the depth gauges to `depth`, unless `published` (the newest ticket
@@ -367,8 +414,10 @@ impl Settled {
 /// settlement, whatever the store then answers).
 #[inline]
 pub(crate) fn settled(outcome: Settled) {
-    #[cfg(feature = "metrics")]
-    by_outcome!(counter!("idemstore_dispatch_outcomes_total"), outcome).increment(1);
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        by_outcome!(counter!("idemstore_dispatch_outcomes_total"), outcome).increment(1);
+    });
 }
 
 /// One attempt of a dispatcher: entry `id` for `destination`, its attempt
@@ -383,101 +432,114 @@ pub(crate) fn attempt(
     reason: Option<&str>,
     took: Duration,
 ) {
-    #[cfg(feature = "tracing")]
-    {
-        macro_rules! attempt_event {
-            ($level:expr) => {
-                tracing::event!(
-                    target: "idemstore::dispatch",
-                    $level,
-                    id,
-                    destination,
-                    attempt,
-                    outcome = outcome.as_str(),
-                    reason,
-                    latency_us = micros(took),
-                    "attempt"
-                )
-            };
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        {
+            macro_rules! attempt_event {
+                ($level:expr) => {
+                    tracing::event!(
+                        target: "idemstore::dispatch",
+                        $level,
+                        id,
+                        destination,
+                        attempt,
+                        outcome = outcome.as_str(),
+                        reason,
+                        latency_us = micros(took),
+                        "attempt"
+                    )
+                };
+            }
+            match outcome {
+                Settled::Delivered | Settled::Returned => attempt_event!(tracing::Level::DEBUG),
+                Settled::Retried => attempt_event!(tracing::Level::INFO),
+                Settled::Failed | Settled::OutcomeUnknown => attempt_event!(tracing::Level::WARN),
+            }
         }
-        match outcome {
-            Settled::Delivered | Settled::Returned => attempt_event!(tracing::Level::DEBUG),
-            Settled::Retried => attempt_event!(tracing::Level::INFO),
-            Settled::Failed | Settled::OutcomeUnknown => attempt_event!(tracing::Level::WARN),
-        }
-    }
-    #[cfg(feature = "metrics")]
-    by_outcome!(histogram!("idemstore_dispatch_send_seconds"), outcome).record(took.as_secs_f64());
+        #[cfg(feature = "metrics")]
+        by_outcome!(histogram!("idemstore_dispatch_send_seconds"), outcome)
+            .record(took.as_secs_f64());
+    });
 }
 
 /// The time from an entry's enqueue to the start of its first send (for
 /// entries due at once).
 #[inline]
 pub(crate) fn dispatch_latency(latency: Duration) {
-    #[cfg(feature = "metrics")]
-    metrics::histogram!("idemstore_dispatch_latency_seconds").record(latency.as_secs_f64());
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("idemstore_dispatch_latency_seconds").record(latency.as_secs_f64());
+    });
 }
 
 /// `n` settlements refused because their claim had expired and the entry
 /// had moved on.
 #[inline]
 pub(crate) fn fenced(n: u64) {
-    #[cfg(feature = "tracing")]
-    tracing::warn!(
-        target: "idemstore::dispatch",
-        settlements = n,
-        "settlement refused: the claim had expired and the entry moved on \
-         (raise the lease above the slowest batch of sends)"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_dispatch_fenced_total").increment(n);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::warn!(
+            target: "idemstore::dispatch",
+            settlements = n,
+            "settlement refused: the claim had expired and the entry moved on \
+             (raise the lease above the slowest batch of sends)"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_dispatch_fenced_total").increment(n);
+    });
 }
 
 /// `n` sends panicked (each is retried as a failure with reason `panic`).
 #[inline]
 pub(crate) fn send_panicked(n: u64) {
-    #[cfg(feature = "tracing")]
-    tracing::warn!(target: "idemstore::dispatch", sends = n, "send panicked; retried as a failure");
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_dispatch_panics_total").increment(n);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::warn!(target: "idemstore::dispatch", sends = n, "send panicked; retried as a failure");
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_dispatch_panics_total").increment(n);
+    });
 }
 
 /// The reaper released `n` expired claims (their entries are due again).
 #[inline]
 pub(crate) fn reaper_released(n: u64) {
-    #[cfg(feature = "tracing")]
-    if n > 0 {
-        tracing::warn!(
-            target: "idemstore::dispatch",
-            released = n,
-            "reaper released expired claims: a dispatcher died or its sends outlasted the lease"
-        );
-    }
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_reaper_released_total").increment(n);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        if n > 0 {
+            tracing::warn!(
+                target: "idemstore::dispatch",
+                released = n,
+                "reaper released expired claims: a dispatcher died or its sends outlasted the lease"
+            );
+        }
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_reaper_released_total").increment(n);
+    });
 }
 
 /// A janitor run that removed what it reports, in `run`'s time.
 #[inline]
 pub(crate) fn janitor_run(outbox_purged: u64, inbox_pruned: u64, keys_purged: u64, run: Stopwatch) {
-    #[cfg(feature = "tracing")]
-    tracing::info!(
-        target: "idemstore::janitor",
-        outbox_purged,
-        inbox_pruned,
-        keys_purged,
-        run_us = micros(run.elapsed()),
-        "janitor run"
-    );
-    #[cfg(feature = "metrics")]
-    {
-        let removed = |what: &'static str, n: u64| {
-            metrics::counter!("idemstore_janitor_removed_total", "what" => what).increment(n);
-        };
-        removed("outbox", outbox_purged);
-        removed("inbox", inbox_pruned);
-        removed("keys", keys_purged);
-    }
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::info!(
+            target: "idemstore::janitor",
+            outbox_purged,
+            inbox_pruned,
+            keys_purged,
+            run_us = micros(run.elapsed()),
+            "janitor run"
+        );
+        #[cfg(feature = "metrics")]
+        {
+            let removed = |what: &'static str, n: u64| {
+                metrics::counter!("idemstore_janitor_removed_total", "what" => what).increment(n);
+            };
+            removed("outbox", outbox_purged);
+            removed("inbox", inbox_pruned);
+            removed("keys", keys_purged);
+        }
+    });
 }
 
 // --------------------------------------------------------------- errors
@@ -487,30 +549,34 @@ pub(crate) fn janitor_run(outbox_purged: u64, inbox_pruned: u64, keys_purged: u6
 /// backs off and carries on.
 #[inline]
 pub(crate) fn store_error(during: &'static str, error: &Error) {
-    #[cfg(feature = "tracing")]
-    tracing::warn!(
-        target: "idemstore::dispatch",
-        during,
-        error = %error,
-        "store call failed; backing off"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::warn!(
+            target: "idemstore::dispatch",
+            during,
+            error = %error,
+            "store call failed; backing off"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    });
 }
 
 /// A runtime thread (`during` names it) gave up: it panicked with
 /// `message`.
 #[inline]
 pub(crate) fn thread_panicked(during: &'static str, message: &str) {
-    #[cfg(feature = "tracing")]
-    tracing::error!(
-        target: "idemstore::dispatch",
-        during,
-        error = message,
-        "thread stopped by a panic"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "idemstore::dispatch",
+            during,
+            error = message,
+            "thread stopped by a panic"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    });
 }
 
 /// The capturing subscriber and recorder of the integration tests.

@@ -37,9 +37,13 @@
 //!   (durably under `Durability::Immediate` or when a job needs it) or kept
 //!   open (its writes are then in the open transaction, which every reader
 //!   and writer commits first), or once the batch has failed.
-//! - After-commit hooks of a batch run on the leader's thread after the
-//!   commit, before the lead is handed on and before any caller of the batch
-//!   is answered.
+//! - Nothing the store does not own runs between a commit and the answers
+//!   to its callers, nor under a lock: a batch's after-commit hooks and its
+//!   reports ([`Batch::after`]) run on the leader's thread once every caller
+//!   of the batch is answered, the lead handed on, and the leader's own
+//!   children in the wake tree woken ([`Shared::submit`]), each under
+//!   `catch_unwind`. A panic there is dropped: it changes no answer, leaves
+//!   no caller waiting and does not break the engine.
 //! - A batch takes in late arrivals up to `max_batch` jobs (a caller
 //!   closure that leads it, in a store shared between processes, counts as
 //!   one); under `Durability::Immediate` it first yields up to three times
@@ -51,12 +55,11 @@
 //! redb's writer lock from the time it begins or resumes its transaction
 //! until it commits, keeps or loses it; under them it takes `sync` and
 //! `queue` briefly, one at a time, answers the jobs it keeps open (their
-//! slots' mutexes) and runs the batch's after-commit hooks. `queue` is otherwise taken alone, except in
+//! slots' mutexes), and nothing else: no hook, no report. `queue` is otherwise taken alone, except in
 //! [`Shared::hand_on_lead`], which holds it while it sends `Lead` to the
 //! promoted caller's slot. The callers of a finished batch are woken with no
 //! lock held.
 
-use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -64,9 +67,8 @@ use std::sync::atomic::Ordering;
 use redb::{Database, WriteTransaction};
 
 use super::Durability;
-use super::durability::previous_commit_failed;
 use super::open_tx::{OpenTx, replay_log};
-use super::scope::{HookFrame, run_hooks};
+use super::scope::{Hook, HookFrame, run_hooks};
 use super::shared::Shared;
 use super::wake::{Notify, Reply, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
@@ -204,8 +206,10 @@ impl Shared {
             q.jobs.push(Box::new(job));
             !std::mem::replace(&mut q.leading, true)
         };
+        // What the batches this caller led left to do once it is answered.
+        let mut after = Vec::new();
         if lead_now {
-            self.lead();
+            after = self.lead();
         }
         loop {
             match slot.take() {
@@ -213,42 +217,53 @@ impl Shared {
                     if let Some((tree, index)) = tree {
                         tree.wake_children(Some(index));
                     }
+                    self.after_answers(after);
                     match reply {
                         Ok(result) => return result,
                         Err(panic) => resume_unwind(panic),
                     }
                 }
-                Wake::Lead => self.lead(),
+                Wake::Lead => after.extend(self.lead()),
             }
         }
     }
 
+    /// Runs what a batch or a caller closure left for after its answers:
+    /// after-commit hooks and reports, each to its end (a panic in one is
+    /// dropped), then the report of what broke the engine, if something did
+    /// and nobody reported it yet. Called with no lock held, once every
+    /// caller it concerns is answered.
+    pub(super) fn after_answers(&self, after: Vec<Hook>) {
+        run_hooks(after);
+        self.report_broken();
+    }
+
     /// Runs the queued operations as one batch, then hands leadership to
     /// the next waiting caller, if any, and answers the batch's callers.
+    /// Returns the batch's after-commit hooks and reports, for the leader to
+    /// run once it has taken its own answer and woken its children
+    /// ([`Shared::after_answers`]).
     ///
-    /// Unwind-safe: whatever panics while the batch runs (an operation, an
-    /// after-commit hook, redb itself or its storage backend), every caller
-    /// drained into the batch is answered and the lead is passed on. A panic
-    /// outside the operations leaves the transaction's fate unknown: the
-    /// engine is marked broken, so later calls get a clear `Err` instead of
-    /// waiting, and the batch's callers get [`Error::Panicked`]. A panicking
-    /// hook runs after its commit: its batch's callers are answered as
-    /// committed, and the panic is resumed on this thread once they are.
-    fn lead(&self) {
+    /// Unwind-safe: whatever panics while the batch runs (an operation,
+    /// redb itself or its storage backend), every caller drained into the
+    /// batch is answered and the lead is passed on. A panic outside the
+    /// operations leaves the transaction's fate unknown: the engine is
+    /// marked broken, so later calls get [`Error::Panicked`] at once instead
+    /// of waiting, and so do the batch's callers.
+    fn lead(&self) -> Vec<Hook> {
         let mut batch = Batch::new(self.drain_queue());
         if !batch.jobs.is_empty()
             && let Err(panic) = catch_unwind(AssertUnwindSafe(|| run_batch(self, &mut batch)))
         {
-            self.lose_open();
-            let e = Error::panicked("a batch commit", &*panic);
-            observe::engine_broken("a batch commit", &e);
+            let e = self.lose_open(
+                "a batch commit",
+                &Error::panicked("a batch commit", &*panic),
+            );
             batch.fail_rest(&e);
         }
         self.hand_on_lead();
         wake(batch.answers);
-        if let Some(panic) = batch.hook_panic {
-            resume_unwind(panic)
-        }
+        batch.after
     }
 
     /// Takes up to a batch of queued operations.
@@ -288,9 +303,9 @@ pub(super) struct Batch {
     pub(super) jobs: Vec<Box<dyn Job>>,
     /// Operations with their outcome, to answer once the lead is handed on.
     pub(super) answers: Answers,
-    /// The first panic of an after-commit hook, resumed on the leader's
-    /// thread once every caller is answered.
-    pub(super) hook_panic: Option<Box<dyn Any + Send>>,
+    /// What to run once the batch's callers are answered: the after-commit
+    /// hooks of a committed transaction, and the batch's report.
+    pub(super) after: Vec<Hook>,
     /// Places of the batch's `max_batch` taken by something other than the
     /// operations: a caller closure that leads the batch (in a store shared
     /// between processes) takes one.
@@ -302,7 +317,7 @@ impl Batch {
         Batch {
             answers: Vec::with_capacity(jobs.len()),
             jobs,
-            hook_panic: None,
+            after: Vec::new(),
             reserved: 0,
         }
     }
@@ -355,17 +370,17 @@ impl Batch {
 fn run_batch(shared: &Shared, batch: &mut Batch) {
     let db = shared.db.read_recursive();
     let mut open = shared.open.lock();
-    if shared.sync.lock().broken {
+    if let Some(refusal) = shared.refusal() {
         // A commit failed, or answered writes were lost: nothing more is
         // answered on top of that.
-        batch.fail_rest(&previous_commit_failed());
+        batch.fail_rest(&refusal);
         return;
     }
     let Some(work) = begin_or_resume(shared, &db, open.take(), batch) else {
         return;
     };
     let frame = HookFrame::push();
-    let Some(work) = run_jobs(shared, &db, work, batch, &frame) else {
+    let Ok(work) = run_jobs(shared, &db, work, batch, &frame) else {
         return;
     };
     match decide(shared, &work, batch) {
@@ -401,15 +416,15 @@ fn begin_or_resume(
 
 /// Phases 2 and 3: runs every operation of the batch in `work`, rolling
 /// back and running the others again whenever one fails, and taking in the
-/// operations queued meanwhile until none are left to take. `None` if the
-/// batch failed as a whole (its transaction lost).
+/// operations queued meanwhile until none are left to take. `Err` if the
+/// batch failed as a whole (its transaction lost): the error its jobs got.
 pub(super) fn run_jobs(
     shared: &Shared,
     db: &Database,
     mut work: OpenTx,
     batch: &mut Batch,
     frame: &HookFrame,
-) -> Option<OpenTx> {
+) -> Result<OpenTx> {
     let mut ran = 0;
     loop {
         if let Some(failed) = batch.run_from(ran, &work.tx) {
@@ -419,7 +434,7 @@ pub(super) fn run_jobs(
         }
         ran = batch.jobs.len();
         if !take_in_late_arrivals(shared, batch) {
-            return Some(work);
+            return Ok(work);
         }
     }
 }
@@ -428,7 +443,7 @@ pub(super) fn run_jobs(
 /// failed operation (with its own error), and rebuilds the transaction
 /// from the open transaction's log, for the others to run again. The
 /// hooks go with the writes; the operations run again register theirs
-/// anew. `None` if the transaction cannot be rebuilt: the batch fails, and
+/// anew. `Err` if the transaction cannot be rebuilt: the batch fails, and
 /// the engine is broken if answered writes are lost with it.
 fn roll_back_without(
     shared: &Shared,
@@ -437,7 +452,7 @@ fn roll_back_without(
     batch: &mut Batch,
     frame: &HookFrame,
     failed: usize,
-) -> Option<OpenTx> {
+) -> Result<OpenTx> {
     let OpenTx { tx, log, mut hooks } = work;
     let _ = tx.abort();
     hooks.clear();
@@ -452,23 +467,27 @@ fn roll_back_without(
             // begin has marked the engine broken already, and a refresh
             // that failed fails this batch alone.
             if !log.is_empty() || !shared.config.shared {
-                shared.lose_open();
+                shared.lose_open("a batch rollback", &e);
             }
             batch.fail_rest(&e);
-            return None;
+            return Err(e);
         }
     };
     if !replay_log(&log, &tx) {
         // An operation answered earlier cannot be run again: what the
         // log held is lost, as a crash would have lost it.
         let _ = tx.abort();
-        shared.lose_open();
-        let e = previous_commit_failed();
-        observe::engine_broken("a batch rollback", &e);
+        let e = shared.lose_open(
+            "a batch rollback",
+            &Error::Storage(redb::Error::Io(std::io::Error::other(
+                "an answered operation failed when run again after a rollback: \
+                 the writes kept open are lost",
+            ))),
+        );
         batch.fail_rest(&e);
-        return None;
+        return Err(e);
     }
-    Some(OpenTx { tx, log, hooks })
+    Ok(OpenTx { tx, log, hooks })
 }
 
 /// Phase 3: takes in what was queued while the batch ran, so that callers
@@ -549,9 +568,9 @@ fn answer_and_keep(mut work: OpenTx, batch: &mut Batch, frame: &HookFrame) -> Op
     work
 }
 
-/// Phase 5, committing: commits the transaction, runs its hooks if it
-/// committed, and gives every operation left the outcome, which it
-/// returns.
+/// Phase 5, committing: commits the transaction, keeps its hooks for after
+/// the answers if it committed, and gives every operation left the outcome,
+/// which it returns.
 pub(super) fn commit_and_answer(
     shared: &Shared,
     work: OpenTx,
@@ -570,8 +589,14 @@ pub(super) fn commit_and_answer(
     drop(log);
     match outcome {
         Ok(()) => {
-            observe::batch_committed(ops, durable, commit);
-            batch.hook_panic = run_hooks(hooks);
+            // Run once the callers are answered, with no lock held.
+            batch.after.extend(hooks);
+            if observe::ENABLED {
+                let took = commit.stop();
+                batch.after.push(Box::new(move || {
+                    observe::batch_committed(ops, durable, took);
+                }));
+            }
             batch.commit_rest();
             Ok(())
         }

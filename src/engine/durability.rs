@@ -13,7 +13,13 @@
 //!   before it, so `durable >= n` means commit `n` is on disk.
 //! - `broken` is never cleared: once a commit failed, its fate is unknown
 //!   (a panic), or answered writes were lost, every wait and every batch
-//!   gets an `Err` until the store is reopened.
+//!   gets an `Err` until the store is reopened: the refusal the first cause
+//!   set ([`SyncState::refusal`]), [`Error::Panicked`] for a panic, else
+//!   redb's `PreviousIo`. Only the store's own failures break it: a panic
+//!   in code the store does not own (a hook, a recorder) never does.
+//! - The first cause is reported ([`observe::engine_broken`]) once, by
+//!   [`Shared::report_broken`], which callers run after their answers are
+//!   out and with no lock held, never by the code that marks it.
 //! - `committing` is one slot, not a set: durable commits are made only by
 //!   batch leaders ([`Shared::commit`]; caller closures commit without
 //!   fsync), one leader at a time, and each holds redb's writer lock from
@@ -47,15 +53,37 @@ use crate::observe;
 pub(super) struct SyncState {
     /// The largest commit sequence number known to be on disk.
     durable: u64,
-    /// A durable commit failed: nothing after `durable` can be promised.
-    pub(super) broken: bool,
+    /// A durable commit failed, or its fate is unknown: nothing after
+    /// `durable` can be promised. What every later call is told.
+    broken: Option<Error>,
+    /// The first cause of `broken`, until it is reported.
+    unreported: Option<(&'static str, Error)>,
     /// The sequence number of the durable commit in progress, or 0.
     committing: u64,
 }
 
-/// The error of every call made after a commit failed.
-pub(super) fn previous_commit_failed() -> Error {
-    Error::Storage(redb::Error::PreviousIo)
+impl SyncState {
+    /// What a call is told once the engine is broken (`None` while it is
+    /// not).
+    pub(super) fn refusal(&self) -> Option<Error> {
+        self.broken.as_ref().map(Error::lossy_clone)
+    }
+}
+
+/// What every call is told after `cause` broke the engine: the panic, for
+/// a panic (the store's own code panicked while it committed); else redb's
+/// "an earlier commit failed".
+fn refusal_after(cause: &Error) -> Error {
+    match cause {
+        Error::Panicked { during, message } => Error::Panicked {
+            during,
+            message: format!(
+                "{message} (that commit's fate is unknown: the store refuses writes until it is \
+                 reopened)"
+            ),
+        },
+        _ => Error::Storage(redb::Error::PreviousIo),
+    }
 }
 
 impl Shared {
@@ -89,13 +117,36 @@ impl Shared {
     }
 
     /// Nothing more can be promised: a commit failed or its fate is unknown,
-    /// or answered writes were lost.
-    pub(super) fn mark_broken(&self) {
+    /// or answered writes were lost, while `during`, because of `cause`.
+    /// The first cause sets what every later call is told; it is reported
+    /// later, by [`Shared::report_broken`].
+    /// Returns what every call is told from now on.
+    pub(super) fn mark_broken(&self, during: &'static str, cause: &Error) -> Error {
         let mut s = self.sync.lock();
-        s.broken = true;
+        if s.broken.is_none() {
+            s.broken = Some(refusal_after(cause));
+            s.unreported = Some((during, cause.lossy_clone()));
+        }
         s.committing = 0;
+        let refusal = s.refusal().unwrap_or_else(|| refusal_after(cause));
         drop(s);
         self.synced.notify_all();
+        refusal
+    }
+
+    /// What a call is told now that the engine is broken, or `None`.
+    pub(super) fn refusal(&self) -> Option<Error> {
+        self.sync.lock().refusal()
+    }
+
+    /// Reports what broke the engine, once. Called after a batch's or a
+    /// closure's callers are answered, with no lock held: the report runs
+    /// code the store does not own.
+    pub(super) fn report_broken(&self) {
+        let unreported = self.sync.lock().unreported.take();
+        if let Some((during, cause)) = unreported {
+            observe::engine_broken(during, &cause);
+        }
     }
 
     /// Waits until commit `seq` is durable, making a durable commit if none
@@ -108,8 +159,8 @@ impl Shared {
                     if s.durable >= seq {
                         return Ok(());
                     }
-                    if s.broken {
-                        return Err(previous_commit_failed());
+                    if let Some(refusal) = s.refusal() {
+                        return Err(refusal);
                     }
                     if s.committing < seq {
                         break;
@@ -144,9 +195,8 @@ impl Shared {
         };
         if let Err(e) = set {
             let _ = tx.abort();
-            self.mark_broken();
             let e = Error::from(e);
-            observe::engine_broken("a batch commit", &e);
+            self.mark_broken("a batch commit", &e);
             return Err(e);
         }
         let seq = if durable {
@@ -164,9 +214,8 @@ impl Shared {
                 Ok(())
             }
             Err(e) => {
-                self.mark_broken();
                 let e = Error::from(e);
-                observe::engine_broken("a batch commit", &e);
+                self.mark_broken("a batch commit", &e);
                 Err(e)
             }
         }
@@ -174,10 +223,11 @@ impl Shared {
 
     /// Commits a caller closure's transaction (begun with
     /// [`redb::Durability::None`]: no fsync) and returns its sequence
-    /// number, for the caller to wait on. A panic in redb's commit leaves
+    /// number, for the caller to wait on, with how long the commit took, to
+    /// report once the caller is answered. A panic in redb's commit leaves
     /// the commit's fate unknown: the engine is marked broken and the panic
     /// resumed.
-    pub(super) fn commit_own_write(&self, tx: WriteTransaction) -> Result<u64> {
+    pub(super) fn commit_own_write(&self, tx: WriteTransaction) -> Result<(u64, observe::Elapsed)> {
         let seq = self.next_seq();
         let commit = observe::Stopwatch::start();
         match catch_unwind(AssertUnwindSafe(|| tx.commit())) {
@@ -185,13 +235,12 @@ impl Shared {
             Err(panic) => {
                 // The commit's fate is unknown: nothing more can be
                 // promised on top of it.
-                self.mark_broken();
-                observe::engine_broken("a caller's commit", &Error::panicked("a commit", &*panic));
+                self.mark_broken("a caller's commit", &Error::panicked("a commit", &*panic));
                 resume_unwind(panic)
             }
         }
-        observe::own_write_committed(commit);
+        let took = commit.stop();
         self.commits.fetch_add(1, Ordering::Relaxed);
-        Ok(seq)
+        Ok((seq, took))
     }
 }

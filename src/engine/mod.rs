@@ -129,7 +129,7 @@ mod wake;
 use batch::Needs;
 use open_tx::Flusher;
 pub(crate) use scope::after_commit;
-use scope::{WriteScope, in_write, run_hooks};
+use scope::{ReadScope, WriteScope, in_read, in_write};
 use shared::Shared;
 
 /// How durable a store's commits are.
@@ -267,14 +267,18 @@ impl Engine {
                 Err(e)
             }
             Ok(Ok(value)) => {
-                let hooks = scope.take_hooks();
+                let mut hooks = scope.take_hooks();
                 drop(scope);
-                let seq = self.shared.commit_own_write(tx)?;
+                let committed = self.shared.commit_own_write(tx);
                 drop(db);
+                let (seq, took) = committed?;
                 self.wait_durable(seq)?;
-                if let Some(panic) = run_hooks(hooks) {
-                    resume_unwind(panic)
+                // The answer is decided: the hooks and the report run now,
+                // with no lock held, and cannot change it.
+                if crate::observe::ENABLED {
+                    hooks.push(Box::new(move || crate::observe::own_write_committed(took)));
                 }
+                self.shared.after_answers(hooks);
                 Ok(value)
             }
         }
@@ -282,7 +286,10 @@ impl Engine {
 
     /// Runs `f` in a read transaction. Under [`Durability::Immediate`] the
     /// answer is returned only once everything the transaction could see is
-    /// durable (D2).
+    /// durable (D2), whatever `f` returned: an `Err` is an answer too (a
+    /// "not found" for a row that a commit not yet on disk deleted would be
+    /// undone by a power cut). Only a failure to begin the read returns at
+    /// once: it saw nothing.
     pub(crate) fn read<T, E>(
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T, E>,
@@ -294,12 +301,15 @@ impl Engine {
         let db = self.shared.db.read_recursive();
         let tx = db.begin_read().map_err(Error::from)?;
         let seen = self.shared.current_seq();
-        let out = f(&tx);
+        let out = {
+            let _scope = ReadScope::enter();
+            f(&tx)
+        };
         drop(tx);
         drop(db);
-        if out.is_ok() {
-            self.wait_durable(seen)?;
-        }
+        // Should the wait fail, what `f` answered may rest on writes that
+        // never reach the disk: the wait's error is the answer.
+        self.wait_durable(seen)?;
         out
     }
 
@@ -316,18 +326,19 @@ impl Engine {
     }
 
     /// Runs `f` in a read transaction begun now (after
-    /// [`Engine::commit_pending`]) and returns its answer at once, with the
-    /// sequence number to pass to [`Engine::wait_durable`] before acting on
-    /// the answer towards a caller (D2).
+    /// [`Engine::commit_pending`]) and returns its answer at once, `Ok` or
+    /// `Err`, with the sequence number to pass to [`Engine::wait_durable`]
+    /// before acting on the answer towards a caller, whichever it is (D2).
+    /// The outer `Err`: the read could not begin (it saw nothing).
     pub(crate) fn read_with_seq<T>(
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T>,
-    ) -> Result<(T, u64)> {
+    ) -> Result<(Result<T>, u64)> {
         let db = self.shared.db.read_recursive();
         let tx = db.begin_read()?;
         let seen = self.shared.current_seq();
-        let out = f(&tx)?;
-        Ok((out, seen))
+        let _scope = ReadScope::enter();
+        Ok((f(&tx), seen))
     }
 
     /// Under [`Durability::Immediate`], waits until commit `seq` is durable
@@ -356,8 +367,13 @@ impl Engine {
     }
 
     /// Runs `f` with the database to itself: no transaction of this store is
-    /// open meanwhile. For compaction and integrity checks.
+    /// open meanwhile. For compaction and integrity checks. Inside a read
+    /// or write closure of this thread it is [`Error::Reentrant`]: it would
+    /// wait for the closure's own transaction to end.
     pub(crate) fn exclusive<T>(&self, f: impl FnOnce(&mut Database) -> Result<T>) -> Result<T> {
+        if in_read() {
+            return Err(Error::Reentrant);
+        }
         self.sync()?;
         self.shared.without_open(|| {
             let mut db = self.shared.db.write();

@@ -93,9 +93,12 @@ impl Shared {
     /// The open transaction was rolled back and cannot be rebuilt: the
     /// writes it held, already answered, are gone. The engine is marked
     /// broken so that nothing more is answered on top of them.
-    pub(super) fn lose_open(&self) {
-        self.mark_broken();
+    /// `during` and `cause` say why (see [`Shared::mark_broken`]); returns
+    /// what every call is told from now on.
+    pub(super) fn lose_open(&self, during: &'static str, cause: &Error) -> Error {
+        let refusal = self.mark_broken(during, cause);
         self.pending.store(false, Ordering::SeqCst);
+        refusal
     }
 
     /// Commits the open transaction, if there is one, so that what it holds

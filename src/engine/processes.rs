@@ -55,13 +55,11 @@ use std::sync::Arc;
 use redb::{Database, WriteTransaction};
 
 use super::batch::{Batch, Job, Needs, batch_end, commit_and_answer, run_jobs};
-use super::durability::previous_commit_failed;
 use super::open_tx::OpenTx;
 use super::scope::{HookFrame, WriteScope};
 use super::shared::Shared;
 use super::wake::{Notify, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
-use crate::observe;
 
 /// A refresh of something kept in memory about the file, run at the start
 /// of each write transaction of a shared store.
@@ -120,9 +118,8 @@ impl Shared {
         let tx = match db.begin_write() {
             Ok(tx) => tx,
             Err(e) => {
-                self.mark_broken();
                 let e = Error::from(e);
-                observe::engine_broken("beginning a batch", &e);
+                self.mark_broken("beginning a batch", &e);
                 return Err(e);
             }
         };
@@ -141,9 +138,8 @@ impl Shared {
     /// store): waits for its seat to reach the front of the queue, then
     /// runs the operations queued behind it and `f` in one transaction and
     /// commits them durably. `scope` marks this thread as writing; the
-    /// closure's after-commit hooks run after the commit, before it
-    /// returns. A panic of the batch's hooks is resumed on this thread once
-    /// the batch's callers are answered (unless the closure panicked).
+    /// closure's after-commit hooks run with the batch's, once the batch's
+    /// callers are answered, before it returns.
     pub(super) fn write_leading<T, E>(
         &self,
         scope: WriteScope,
@@ -167,24 +163,19 @@ impl Shared {
             // from running the operations again without it, the closure's
             // panic is dropped: its caller gets this error instead (the
             // closure wrote nothing either way).
-            self.mark_broken();
-            let e = Error::panicked("a batch commit", &*panic);
-            observe::engine_broken("a batch commit", &e);
+            let e = self.mark_broken(
+                "a batch commit",
+                &Error::panicked("a batch commit", &*panic),
+            );
             batch.fail_rest(&e);
             outcome = Some(Outcome::Failed(e));
         }
         self.hand_on_lead();
         wake(batch.answers);
         drop(scope);
-        // A hook's panic (the closure's, or an operation's when the
-        // operations committed without the closure) is resumed here once
-        // everyone is answered, whatever became of the closure, as a
-        // batch's leader does; the closure's own panic comes first.
-        if let Some(panic) = batch.hook_panic
-            && !matches!(outcome, Some(Outcome::Panicked(_)))
-        {
-            resume_unwind(panic)
-        }
+        // The hooks (the closure's, and the operations') and the reports,
+        // now that everyone is answered: nothing they do changes an answer.
+        self.after_answers(std::mem::take(&mut batch.after));
         match outcome {
             Some(Outcome::Committed(value)) => Ok(value),
             Some(Outcome::Refused(e)) => Err(e),
@@ -265,8 +256,7 @@ fn run_closure_batch<T, E>(
 ) {
     let db = shared.db.read_recursive();
     let _open = shared.open.lock();
-    if shared.sync.lock().broken {
-        let e = previous_commit_failed();
+    if let Some(e) = shared.refusal() {
         batch.fail_rest(&e);
         *outcome = Some(Outcome::Failed(e));
         return;
@@ -280,9 +270,12 @@ fn run_closure_batch<T, E>(
         }
     };
     let frame = HookFrame::push();
-    let Some(work) = run_jobs(shared, &db, OpenTx::new(tx), batch, &frame) else {
-        *outcome = Some(Outcome::Failed(previous_commit_failed()));
-        return;
+    let work = match run_jobs(shared, &db, OpenTx::new(tx), batch, &frame) {
+        Ok(work) => work,
+        Err(e) => {
+            *outcome = Some(Outcome::Failed(e));
+            return;
+        }
     };
     // The closure's hooks land in the batch's frame: they run after the
     // commit, with the operations' hooks.
@@ -318,7 +311,7 @@ fn commit_without_closure(shared: &Shared, db: &Database, batch: &mut Batch, fra
             return;
         }
     };
-    if let Some(work) = run_jobs(shared, db, OpenTx::new(tx), batch, &frame) {
+    if let Ok(work) = run_jobs(shared, db, OpenTx::new(tx), batch, &frame) {
         // The outcome is in the batch's answers.
         let _ = commit_and_answer(shared, work, frame, batch, true);
     }

@@ -26,14 +26,14 @@
 //!
 //! # Locks
 //!
-//! None: thread-local state only. Hooks run with whatever locks their caller
-//! holds: a batch's under `db` and `open` (see `batch`), a closure's with
-//! none in a store held alone. In a store shared between processes a
-//! closure's hooks run with its batch's: on the closure's thread, which
-//! leads the batch, under `db` and `open`, with `IN_WRITE` still set, and
-//! before the batch's other callers are answered.
+//! None: thread-local state only. Hooks run with no lock of the engine held
+//! and only once the callers of their transaction are answered: a batch's
+//! on its leader's thread once it has its own answer and has woken its
+//! children (see `batch`), a closure's on its caller's thread once its
+//! commit is durable. In a store shared between processes a closure's
+//! hooks run with its batch's, on the closure's thread, which leads the
+//! batch, once the batch's other callers are answered.
 
-use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -46,6 +46,8 @@ thread_local! {
     /// innermost last: a caller closure's, and within it (when the closure's
     /// caller leads a batch before it begins) a batch's. See [`HookFrame`].
     static HOOKS: RefCell<Vec<Vec<Hook>>> = const { RefCell::new(Vec::new()) };
+    /// How many read closures this thread is running, one inside another.
+    static READS: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Work to do once a transaction has committed.
@@ -67,9 +69,12 @@ pub(super) fn in_write() -> bool {
 ///   [`Durability::Immediate`](super::Durability::Immediate); committed,
 ///   under [`Durability::None`](super::Durability::None)); in a store
 ///   shared between processes, with the hooks of the batch the closure's
-///   thread leads, under the batch's locks and before the batch's other
-///   callers are answered;
+///   thread leads;
 /// - elsewhere, at once.
+///
+/// Either way it runs with no lock of the engine held, once every caller of
+/// the transaction is answered, and a panic in it is dropped: a hook cannot
+/// change an answer, hang a caller or break the store.
 pub(crate) fn after_commit(hook: impl FnOnce() + Send + 'static) {
     let hook: Hook = Box::new(hook);
     let unscoped = HOOKS.with(|frames| match frames.borrow_mut().last_mut() {
@@ -80,7 +85,7 @@ pub(crate) fn after_commit(hook: impl FnOnce() + Send + 'static) {
         None => Some(hook),
     });
     if let Some(hook) = unscoped {
-        hook();
+        run_hooks(vec![hook]);
     }
 }
 
@@ -159,15 +164,36 @@ impl Drop for WriteScope {
     }
 }
 
-/// Runs after-commit hooks, each to its end: one that panics does not keep
-/// the others from running. Returns the first panic, for the caller to
-/// resume once nobody else depends on it.
-pub(super) fn run_hooks(hooks: Vec<Hook>) -> Option<Box<dyn Any + Send>> {
-    let mut first = None;
-    for hook in hooks {
-        if let Err(panic) = catch_unwind(AssertUnwindSafe(hook)) {
-            first.get_or_insert(panic);
-        }
+/// Whether this thread is running a read closure (it holds a read
+/// transaction, and the database's lock shared).
+pub(super) fn in_read() -> bool {
+    READS.with(Cell::get) > 0
+}
+
+/// Marks the current thread as inside a read closure for its lifetime.
+/// Reads may nest: the scopes count.
+pub(super) struct ReadScope(());
+
+impl ReadScope {
+    pub(super) fn enter() -> ReadScope {
+        READS.with(|c| c.set(c.get() + 1));
+        ReadScope(())
     }
-    first
+}
+
+impl Drop for ReadScope {
+    fn drop(&mut self) {
+        READS.with(|c| c.set(c.get() - 1));
+    }
+}
+
+/// Runs after-commit hooks, each to its end: one that panics does not keep
+/// the others from running, and its panic is dropped. Hooks run once the
+/// answers of their transaction are out (see `batch`); what they do (a
+/// report to the application's recorder, a wake-up) never changes those
+/// answers, so a panic in one has nothing left to change.
+pub(super) fn run_hooks(hooks: Vec<Hook>) {
+    for hook in hooks {
+        let _ = catch_unwind(AssertUnwindSafe(hook));
+    }
 }

@@ -232,8 +232,8 @@ impl Inbox {
     /// before answering.
     fn lookup(&self, event_key: &str) -> Result<(Option<i64>, u64)> {
         self.engine.commit_pending()?;
-        let _removals = self.journal.hold_removals();
-        self.engine.read_with_seq(|tx| {
+        let removals = self.journal.hold_removals();
+        let (found, seq) = self.engine.read_with_seq(|tx| {
             let name: &str = &self.name;
             if let Some(ledger) = open_read(tx, INBOX)?
                 && let Some(at) = ledger.get((name, event_key))?
@@ -249,7 +249,17 @@ impl Inbox {
                 Some(id) => journal::journaled_at(&log, name, id, event_key),
                 None => Ok(None),
             }
-        })
+        })?;
+        drop(removals);
+        match found {
+            Ok(at) => Ok((at, seq)),
+            Err(e) => {
+                // A failed lookup is an answer too: given only once what it
+                // saw is durable (D2).
+                self.engine.wait_durable(seq)?;
+                Err(e)
+            }
+        }
     }
 
     /// Removes the keys claimed strictly before `seen_before`; returns how
