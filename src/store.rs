@@ -28,6 +28,10 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 /// commits: 5 ms.
 pub const DEFAULT_SHARED_POLL_INTERVAL: Duration = Duration::from_millis(5);
 
+/// The longest [`StoreBuilder::shared_poll_interval`]: longer ones are cut
+/// to it.
+const MAX_SHARED_POLL_INTERVAL: Duration = Duration::from_secs(3600);
+
 /// An open store file. Cheap to clone (an `Arc` inside); clones share one
 /// database and one commit queue. The file is closed
 /// when the last clone (and every handle taken from it) is dropped.
@@ -203,8 +207,12 @@ impl StoreBuilder {
     /// dispatchers only if that commit enqueued something or made work due
     /// sooner, so idle dispatchers in several processes never keep each
     /// other committing.
+    ///
+    /// Clamped to between 1 ms and 1 hour (the dispatchers' own safety timer
+    /// looks far more often than that anyway).
     pub fn shared_poll_interval(mut self, interval: Duration) -> Self {
-        self.shared_poll_interval = interval.max(Duration::from_millis(1));
+        self.shared_poll_interval =
+            interval.clamp(Duration::from_millis(1), MAX_SHARED_POLL_INTERVAL);
         self
     }
 

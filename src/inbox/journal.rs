@@ -67,9 +67,14 @@
 //!   count for nothing (lookups read the row back), and go at the start of
 //!   this process's next write transaction, which reads how far merges
 //!   went ([`META_JOURNAL_MERGED_THROUGH`]) and removes the entries up to
-//!   there (as a merge of its own would). So a process that rarely claims
-//!   keeps entries only for rows not merged when its last write transaction
-//!   began, and for those its readers noted since.
+//!   there (as a merge of its own would). Readers do the same: a lookup
+//!   that catches up notes how far merges went in its snapshot
+//!   ([`Journal::note_merged`]) and, once it has dropped its hold on
+//!   removals, removes the entries up to there
+//!   ([`Journal::forget_merged`]). So a process that only reads keeps
+//!   entries only for rows not merged when its last lookup looked, and one
+//!   that rarely claims, for rows not merged when its last write
+//!   transaction began or its last lookup looked.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -121,6 +126,9 @@ pub(crate) struct Journal {
     /// The largest id whose entries and every one before it were removed
     /// (or never added: the journal held none when the store opened).
     forgotten: AtomicU64,
+    /// In a shared store: how far merges went, in the newest snapshot a
+    /// lookup read it in; its entries go at [`Journal::forget_merged`].
+    merged_seen: AtomicU64,
 }
 
 impl Journal {
@@ -239,6 +247,33 @@ impl Journal {
             *entry = (*entry).max(id);
         }
         Ok(seen.get(name).copied())
+    }
+
+    /// In a shared store, notes how far merges went in `tx`'s snapshot
+    /// (every row up to there is gone for good), for
+    /// [`Journal::forget_merged`] to remove their entries once the lookup
+    /// that read it has dropped its hold on removals.
+    pub(crate) fn note_merged(&self, tx: &ReadTransaction) -> Result<()> {
+        if !self.shared {
+            return Ok(());
+        }
+        if let Some(meta) = open_read(tx, META)?
+            && let Some(merged) = meta.get(META_JOURNAL_MERGED_THROUGH)?
+        {
+            self.merged_seen
+                .fetch_max(merged.value(), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Removes the entries of rows merged as far as a lookup last saw
+    /// ([`Journal::note_merged`]), if some are left. Called with no hold on
+    /// removals: it waits for the readers between snapshot and lookup.
+    pub(crate) fn forget_merged(&self) {
+        let merged = self.merged_seen.load(Ordering::Relaxed);
+        if merged > self.forgotten.load(Ordering::Relaxed) {
+            self.forget_through(merged);
+        }
     }
 
     /// Holds off removals from the index while the guard lives: take it
@@ -527,6 +562,34 @@ mod tests {
                 !a_in.claim(key, chrono::Utc::now())?,
                 "{key} is still claimed"
             );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_process_that_only_reads_forgets_what_others_merged() -> crate::Result<()> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.idem");
+        let open = || {
+            crate::Store::builder()
+                .shared(true)
+                .journal_size(4)
+                .open(&path)
+        };
+        let (reader, writer) = (open()?, open()?);
+        let (r_in, w_in) = (reader.inbox("in")?, writer.inbox("in")?);
+        let mut most = 0;
+        for n in 0..40 {
+            let key = format!("k{n}");
+            assert!(w_in.claim(&key, chrono::Utc::now())?);
+            assert!(r_in.seen(&key)?, "{key} is seen by the reader");
+            most = most.max(r_in.journal.len());
+        }
+        // The writer merged every 4 claims; the reader, which never
+        // writes, holds entries only for rows not yet merged.
+        assert!(most <= 4, "the reader's index grew to {most} entries");
+        for n in 0..40 {
+            assert!(r_in.seen(&format!("k{n}"))?, "k{n} is still claimed");
         }
         Ok(())
     }

@@ -243,14 +243,17 @@ impl Inbox {
             let Some(log) = open_read(tx, INBOX_JOURNAL)? else {
                 return Ok(None);
             };
-            // Other processes sharing the file may have journaled it.
+            // Other processes sharing the file may have journaled it, and
+            // merged what this process noted.
             self.journal.catch_up(&log, name)?;
+            self.journal.note_merged(tx)?;
             match self.journal.hint(name, event_key) {
                 Some(id) => journal::journaled_at(&log, name, id, event_key),
                 None => Ok(None),
             }
         })?;
         drop(removals);
+        self.journal.forget_merged();
         match found {
             Ok(at) => Ok((at, seq)),
             Err(e) => {

@@ -195,19 +195,25 @@ impl Seen {
 }
 
 /// Waits `wait`, unless `stop` is set first (the thread is then unparked);
-/// returns whether to go on. (Parking costs the least of the timed waits:
-/// this wait is most of what an idle store spends.)
+/// returns whether to go on. A wait too long for the clock to reach
+/// (`Duration::MAX`) lasts until `stop`. (Parking costs the least of the
+/// timed waits: this wait is most of what an idle store spends.)
 fn pause(stop: &AtomicBool, wait: Duration) -> bool {
-    let deadline = Instant::now() + wait;
+    let deadline = Instant::now().checked_add(wait);
     loop {
         if stop.load(Ordering::Acquire) {
             return false;
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return true;
+        match deadline {
+            Some(deadline) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    return true;
+                }
+                std::thread::park_timeout(deadline - now);
+            }
+            None => std::thread::park(),
         }
-        std::thread::park_timeout(deadline - now);
     }
 }
 
@@ -263,7 +269,7 @@ impl Poller {
                         observe::store_error(DURING, &e);
                     }
                     failing = true;
-                    wait = (wait * 2).clamp(BACK_OFF_MIN, BACK_OFF_MAX);
+                    wait = wait.saturating_mul(2).clamp(BACK_OFF_MIN, BACK_OFF_MAX);
                 }
             }
         }
@@ -417,6 +423,20 @@ mod tests {
         stop.store(true, Ordering::Release);
         thread.thread().unpark();
         thread.join().unwrap();
+    }
+
+    #[test]
+    fn a_wait_too_long_for_the_clock_lasts_until_stopped() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let waiter = std::thread::spawn(move || pause(&stopped, Duration::MAX));
+        stop.store(true, Ordering::Release);
+        waiter.thread().unpark();
+        assert_eq!(
+            waiter.join().ok(),
+            Some(false),
+            "the wait ended when stopped"
+        );
     }
 
     #[test]

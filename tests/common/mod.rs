@@ -149,6 +149,27 @@ struct Disk {
     fail_sync: Option<u64>,
     /// Panic in the Nth sync (1-based), once; nothing reaches the platter.
     panic_sync: Option<u64>,
+    /// While held, every sync waits at it before it does anything.
+    gate: Arc<Gate>,
+}
+
+/// Where syncs wait while the gate is held ([`FaultyDisk::hold_syncs`]).
+#[derive(Debug, Default)]
+struct Gate {
+    /// `(held, syncs waiting)`.
+    state: Mutex<(bool, u64)>,
+    opened: parking_lot::Condvar,
+}
+
+impl Gate {
+    fn pass(&self) {
+        let mut state = self.state.lock();
+        state.1 += 1;
+        while state.0 {
+            self.opened.wait(&mut state);
+        }
+        state.1 -= 1;
+    }
 }
 
 /// An in-memory disk that keeps only what was synced when "power is lost",
@@ -191,6 +212,24 @@ impl FaultyDisk {
 
     pub fn fail_sync(&self, n: u64) {
         self.0.lock().fail_sync = Some(n);
+    }
+
+    /// From now on every sync waits, before it does anything, until
+    /// [`FaultyDisk::open_syncs`]: a commit held on its way to the platter.
+    pub fn hold_syncs(&self) {
+        self.0.lock().gate.state.lock().0 = true;
+    }
+
+    /// Lets the syncs held by [`FaultyDisk::hold_syncs`] go on.
+    pub fn open_syncs(&self) {
+        let gate = self.0.lock().gate.clone();
+        gate.state.lock().0 = false;
+        gate.opened.notify_all();
+    }
+
+    /// How many syncs wait at the gate now.
+    pub fn syncs_held(&self) -> u64 {
+        self.0.lock().gate.state.lock().1
     }
 
     /// Makes the Nth sync (1-based) panic, once: a backend bug.
@@ -266,6 +305,9 @@ impl StorageBackend for FaultyBackend {
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        // Outside the disk's lock: reads and writes go on meanwhile.
+        let gate = self.0.0.lock().gate.clone();
+        gate.pass();
         let mut d = self.0.0.lock();
         if d.dead {
             return Err(power_lost());
