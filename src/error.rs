@@ -106,8 +106,10 @@ pub enum Error {
     /// Code running on the store's behalf panicked: a dispatcher's worker
     /// thread, or the store's own code while it committed a batch of
     /// operations. Nothing from this call was acknowledged. After a panic
-    /// while committing, the store refuses further writes until it is
-    /// reopened, as after a failed commit.
+    /// while committing, the store refuses further writes with this same
+    /// error until it is reopened, as after a failed commit. A panic in code
+    /// the store does not own (a `metrics` recorder, a `tracing`
+    /// subscriber) is never one: it is dropped, and changes no answer.
     Panicked {
         /// What was running when it panicked.
         during: &'static str,

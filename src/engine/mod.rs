@@ -60,10 +60,33 @@
 //!   `durable` reaches its own commit's number.
 //! - **D2**: a read notes the sequence number after it opens its read
 //!   transaction (every commit it can see has a number no larger) and waits
-//!   for `durable` to reach it before it answers. Operations are answered only
+//!   for `durable` to reach it before it answers, whatever it answers: a
+//!   failing read (a "not found") is an answer too. Operations are answered only
 //!   after their batch's durable commit, which covers everything they saw.
 //!   (In a shared store no read waits: redb shows a reader only commits that
 //!   are on disk, and every commit there is durable.)
+//!
+//! # Code the store does not own
+//!
+//! The application's `metrics` recorder and `tracing` subscriber (reached
+//! through `observe`), and the after-commit hooks that report to them,
+//! never run between a commit and the answers to its callers, nor while a
+//! lock is held that another caller needs:
+//! - a batch's hooks and reports run on its leader's thread once the batch
+//!   is answered, the lead handed on, and the leader has taken its own
+//!   answer and woken its children in the wake tree (`batch`); a caller
+//!   closure's once its commit is durable and its answer decided;
+//! - each runs under `catch_unwind`, and a panic in one is dropped: the
+//!   answers are out already, so it changes none of them, leaves nobody
+//!   waiting, and does not mark the engine broken;
+//! - what breaks the engine (a failed commit, a panic of redb or of the
+//!   storage backend) is recorded where it happens and reported later, by
+//!   whoever next finishes answering (`Shared::after_answers`).
+//!
+//! A store broken by a panic says [`Error::Panicked`] to every later call;
+//! one broken by a failed commit, redb's `PreviousIo`. Caller closures are
+//! the exception by design: they run inside their transaction, and their
+//! panic rolls it back and reaches their caller.
 //!
 //! # Where each mechanism lives
 //!
