@@ -186,8 +186,11 @@ impl Histogram {
 pub(crate) struct EnqueueLatency(Histogram);
 
 impl EnqueueLatency {
-    pub(crate) fn record(&mut self, d: Duration) {
-        self.0.record(d);
+    /// Records `d` in `latency`, then reports it with the lock released:
+    /// the report runs the application's recorder, which must not hold up
+    /// the other workers.
+    pub(crate) fn record(latency: &Mutex<EnqueueLatency>, d: Duration) {
+        latency.lock().0.record(d);
         observe::dispatch_latency(d);
     }
 

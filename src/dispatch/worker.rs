@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use super::clock::Clock;
 use super::retry::RetryPolicy;
 use super::settle_for;
-use super::stats::{Counters, bump};
+use super::stats::{Counters, EnqueueLatency, bump};
 use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
 use crate::outbox::{Fence, OutboxEntry, Settlement};
@@ -175,7 +175,7 @@ pub(super) fn sending(ctx: &Ctx, entry: &OutboxEntry) -> DateTime<Utc> {
     let started = ctx.clock.now();
     let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
     if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
-        ctx.counters.latency.lock().record(latency);
+        EnqueueLatency::record(&ctx.counters.latency, latency);
     }
     started
 }
