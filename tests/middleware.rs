@@ -100,7 +100,10 @@ fn outside_a_tokio_runtime_a_keyed_request_is_500_and_others_pass_through() -> T
     let reply = block_on(svc.clone().oneshot(keyed))?;
     assert_eq!(reply.status(), 500);
     assert_eq!(
-        reply.headers().get("content-type").map(|v| v.as_bytes()),
+        reply
+            .headers()
+            .get("content-type")
+            .map(http::HeaderValue::as_bytes),
         Some(&b"application/problem+json"[..])
     );
     let body = block_on(reply.into_body().collect())?.to_bytes();
