@@ -199,6 +199,7 @@ pub use idempotency::{
     ResponseRecord, fingerprint,
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
+pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox,
     OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,

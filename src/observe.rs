@@ -36,7 +36,7 @@
 // Without both features, some arguments and helpers are used by neither.
 #![cfg_attr(
     not(all(feature = "tracing", feature = "metrics")),
-    allow(unused_variables, dead_code)
+    allow(unused_variables, dead_code, clippy::unused_self)
 )]
 
 use std::sync::Arc;
@@ -358,6 +358,42 @@ pub(crate) fn outbox_depth(depth: &OutboxDepth) {
     });
 }
 
+/// The outbox's depth as a count on the server just read it (PostgreSQL,
+/// which keeps no counts in its transactions): newer than any depth set
+/// before, so it sets the gauge of every status. The ticket is taken and
+/// the gauges set in one step under the lock, so no depth taken earlier
+/// overwrites it.
+#[inline]
+#[cfg(feature = "postgres")]
+pub(crate) fn outbox_depth_counted(
+    pending: u64,
+    dispatching: u64,
+    completed: u64,
+    failed: u64,
+    outcome_unknown: u64,
+) {
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        {
+            let mut published = DEPTH_PUBLISHED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let depth = OutboxDepth::new(pending, dispatching, completed, failed, outcome_unknown);
+            *published = depth.ticket;
+            metrics::gauge!("idemstore_outbox_entries", "status" => "pending")
+                .set(depth.pending as f64);
+            metrics::gauge!("idemstore_outbox_entries", "status" => "dispatching")
+                .set(depth.dispatching as f64);
+            metrics::gauge!("idemstore_outbox_entries", "status" => "completed")
+                .set(depth.completed as f64);
+            metrics::gauge!("idemstore_outbox_entries", "status" => "failed")
+                .set(depth.failed as f64);
+            metrics::gauge!("idemstore_outbox_entries", "status" => "outcome_unknown")
+                .set(depth.outcome_unknown as f64);
+        }
+    });
+}
+
 /// Sets the depth gauges to `depth`, unless `published` (the newest ticket
 /// set so far, which it then becomes) is newer. The check and the setting
 /// are one step under its lock.
@@ -578,6 +614,126 @@ pub(crate) fn thread_panicked(during: &'static str, message: &str) {
         metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
     });
 }
+
+// ----------------------------------------------------------- middleware
+
+#[cfg(feature = "middleware")]
+/// How the `IdempotencyLayer` answered a request itself, from what `begin`
+/// said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LayerAnswer {
+    /// The stored response was sent again.
+    Replay,
+    /// 409: another request with the key is running; retry after
+    /// `retry_after_s` seconds.
+    InFlight { retry_after_s: u64 },
+    /// 422: the key belongs to another request.
+    Mismatch,
+}
+
+#[cfg(feature = "middleware")]
+/// The layer answered a request with `key` from the store (a replay, a
+/// 409, a 422): a `debug` event. Counted already by `begin`
+/// (`idemstore_idempotency_begins_total`).
+#[inline]
+pub(crate) fn layer_answered(answer: LayerAnswer, key: &str) {
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        match answer {
+            LayerAnswer::Replay => tracing::debug!(
+                target: "idemstore::middleware",
+                key,
+                "stored response replayed"
+            ),
+            LayerAnswer::InFlight { retry_after_s } => tracing::debug!(
+                target: "idemstore::middleware",
+                key,
+                retry_after_s,
+                "request in flight; answered 409"
+            ),
+            LayerAnswer::Mismatch => tracing::debug!(
+                target: "idemstore::middleware",
+                key,
+                "key reused for another request; answered 422"
+            ),
+        }
+    });
+}
+
+#[cfg(feature = "middleware")]
+/// A store call of the layer failed `during` one of its steps (`error`
+/// says how): for `idempotency_begin` the request was answered 503 without
+/// running the handler (an `error` event); for `idempotency_complete` or
+/// `idempotency_release` the handler's response was sent unstored and the
+/// key is left to its lease (a `warn` event). Counted in
+/// `idemstore_errors_total`.
+#[inline]
+pub(crate) fn layer_store_failed(during: &'static str, key: &str, error: &dyn std::fmt::Display) {
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        if during == "idempotency_begin" {
+            tracing::error!(
+                target: "idemstore::middleware",
+                during,
+                key,
+                error = %error,
+                "idempotency store failed; answered 503"
+            );
+        } else {
+            tracing::warn!(
+                target: "idemstore::middleware",
+                during,
+                key,
+                error = %error,
+                "idempotency store failed after the handler ran"
+            );
+        }
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_errors_total", "during" => during).increment(1);
+    });
+}
+
+#[cfg(feature = "middleware")]
+/// The layer was called outside a tokio runtime, where it cannot run a
+/// store call without blocking the caller's executor: the request was
+/// answered 500 without running the handler. An `error` event, counted in
+/// `idemstore_errors_total` (`during`: `middleware_runtime`).
+#[inline]
+pub(crate) fn layer_without_runtime(key: &str) {
+    guarded(|| {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "idemstore::middleware",
+            during = "middleware_runtime",
+            key,
+            "no tokio runtime: the IdempotencyLayer needs one for its store calls; answered 500"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idemstore_errors_total", "during" => "middleware_runtime").increment(1);
+    });
+}
+
+// ------------------------------------------------------------- describe
+
+/// Describes every metric the store reports (`# HELP` text and unit) to
+/// the installed recorder.
+///
+/// The store calls it whenever one is opened ([`Store::open`](crate::Store::open)
+/// and its builder, `PgStore::connect`), so a recorder installed before
+/// that gets the descriptions with nothing more to do. A recorder
+/// installed later (after the stores are open) gets them when you call
+/// this once it is installed. Calling it again is harmless: a description
+/// replaces the same one. Without the `metrics` feature it does nothing.
+pub fn describe_metrics() {
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        describe::all();
+    });
+}
+
+/// The description of every metric.
+#[cfg(feature = "metrics")]
+mod describe;
 
 /// The capturing subscriber and recorder of the integration tests.
 #[cfg(all(test, feature = "tracing", feature = "metrics"))]

@@ -304,6 +304,9 @@ impl StoreBuilder {
             // Another process's enqueue wakes this one's dispatchers.
             outbox.watch_other_processes(self.shared_poll_interval)?;
         }
+        // A recorder installed before the store opens gets its `# HELP`
+        // text and units.
+        crate::observe::describe_metrics();
         Ok(Store {
             outbox,
             engine,

@@ -15,6 +15,10 @@ mod contract;
 
 mod common;
 
+#[cfg(all(feature = "tracing", feature = "metrics"))]
+#[path = "common/capture.rs"]
+mod capture;
+
 mod fixture {
     use idemstore::Result;
     use idemstore::postgres::postgres::{Client, NoTls, Transaction};
@@ -429,5 +433,124 @@ mod server {
             "woken by the retry"
         );
         Ok(())
+    }
+}
+
+/// The metrics of the PostgreSQL backend mean what they mean on the
+/// embedded store (`tests/observe.rs`): read back from a recorder installed
+/// for the test's own thread, where the store's calls report.
+#[cfg(all(feature = "tracing", feature = "metrics"))]
+mod metrics_pg {
+    use chrono::{DateTime, TimeZone as _, Utc};
+    use idemstore::{Begin, Error, NewEntry, fingerprint};
+
+    use super::*;
+    use crate::capture::Metrics;
+
+    fn t(secs: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+    }
+
+    #[test]
+    fn claims_in_a_write_are_counted_once_committed() -> TestResult {
+        let Some(f) = Fixture::open() else {
+            return Ok(());
+        };
+        let m = Metrics::default();
+        let inbox = f.store.inbox("events")?;
+        let claims = || m.counter("idemstore_inbox_claims_total", &[("inbox", "events")]);
+        let duplicates = || m.counter("idemstore_inbox_duplicates_total", &[("inbox", "events")]);
+        metrics::with_local_recorder(&m, || -> TestResult {
+            let rolled_back = f.store.write(|tx| {
+                assert!(inbox.claim_in(tx, "a", t(0))?);
+                Err::<(), _>(Error::NotFound)
+            });
+            assert!(matches!(rolled_back, Err(Error::NotFound)));
+            assert_eq!(claims(), None, "rolled back: not counted");
+            assert!(f.store.write(|tx| inbox.claim_in(tx, "a", t(0)))?);
+            assert_eq!(claims(), Some(1));
+            assert!(!f.store.write(|tx| inbox.claim_in(tx, "a", t(0)))?);
+            assert_eq!(duplicates(), Some(1));
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn a_completion_in_a_write_counts_once_committed_and_a_repeat_is_not_fenced_out() -> TestResult
+    {
+        let Some(f) = Fixture::open() else {
+            return Ok(());
+        };
+        let m = Metrics::default();
+        let completions = |outcome| {
+            m.counter(
+                "idemstore_idempotency_completions_total",
+                &[("outcome", outcome)],
+            )
+        };
+        let keys = f.store.idempotency_keys();
+        let fp = fingerprint("POST", "/orders", b"1");
+        metrics::with_local_recorder(&m, || -> TestResult {
+            let Begin::Proceed(r) = keys.begin("", "k1", &fp, t(0))? else {
+                panic!("a new key proceeds")
+            };
+            let rolled_back = f.store.write(|tx| {
+                assert!(keys.complete_in(tx, &r, r.response(201, b"ok".to_vec(), t(1)), t(1))?);
+                Err::<(), _>(Error::NotFound)
+            });
+            assert!(matches!(rolled_back, Err(Error::NotFound)));
+            assert_eq!(keys.stats().completed, 0, "rolled back: not completed");
+            assert_eq!(completions("stored"), None);
+            assert!(f.store.write(|tx| keys.complete_in(
+                tx,
+                &r,
+                r.response(201, b"ok".to_vec(), t(2)),
+                t(2)
+            ))?);
+            assert_eq!(keys.stats().completed, 1);
+            assert_eq!(completions("stored"), Some(1));
+            // Completed again by the same reservation: nobody fenced out.
+            assert!(!keys.complete(&r, r.response(500, b"late".to_vec(), t(3)), t(3))?);
+            assert_eq!((keys.stats().completed, keys.stats().fenced_out), (1, 0));
+            assert_eq!(completions("fenced_out"), None);
+            // Taken over: fenced out.
+            let Begin::Proceed(stale) = keys.begin("", "k2", &fp, t(10))? else {
+                panic!("a new key proceeds")
+            };
+            assert!(matches!(
+                keys.begin("", "k2", &fp, t(100))?,
+                Begin::Proceed(_)
+            ));
+            assert!(!keys.complete(&stale, stale.response(201, b"x".to_vec(), t(101)), t(101))?);
+            assert_eq!(keys.stats().fenced_out, 1);
+            assert_eq!(completions("fenced_out"), Some(1));
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn the_outbox_depth_gauge_is_set_from_the_servers_counts() -> TestResult {
+        let Some(f) = Fixture::open() else {
+            return Ok(());
+        };
+        let m = Metrics::default();
+        let depth = |status| m.gauge("idemstore_outbox_entries", &[("status", status)]);
+        let outbox = f.store.outbox();
+        let entry =
+            |i: u32| NewEntry::new(format!("c{i}"), "mailer", format!("k{i}"), b"x".to_vec());
+        metrics::with_local_recorder(&m, || -> TestResult {
+            // The store's first write counts at once.
+            outbox.enqueue_many([entry(1), entry(2)], t(0))?;
+            assert_eq!(depth("pending"), Some(2.0));
+            assert_eq!(depth("dispatching"), Some(0.0));
+            assert_eq!(outbox.claim_due(t(1), 1, "w")?.len(), 1);
+            // `counts` sets it to what it counted.
+            let counts = outbox.counts()?;
+            assert_eq!((counts.pending, counts.dispatching), (1, 1));
+            assert_eq!(depth("pending"), Some(1.0));
+            assert_eq!(depth("dispatching"), Some(1.0));
+            assert_eq!(depth("completed"), Some(0.0));
+            Ok(())
+        })
     }
 }

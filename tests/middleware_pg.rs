@@ -24,6 +24,7 @@ use suite::{TestResult, t};
 
 middleware_http_suite!(suite::pg::Pg);
 middleware_commit_suite!(suite::pg::Pg);
+middleware_cancel_suite!(suite::pg::Pg);
 
 #[tokio::test]
 async fn a_server_error_is_503_and_the_handler_does_not_run() -> TestResult {

@@ -449,3 +449,304 @@ fn released_claims_and_janitor_runs_are_reported() -> Result<()> {
     );
     Ok(())
 }
+
+/// Every metric the README lists, with its kind and unit.
+const DESCRIBED: &[(&str, &str, metrics::Unit)] = &[
+    ("idemstore_commits_total", "counter", metrics::Unit::Count),
+    (
+        "idemstore_commit_seconds",
+        "histogram",
+        metrics::Unit::Seconds,
+    ),
+    ("idemstore_batch_ops", "histogram", metrics::Unit::Count),
+    (
+        "idemstore_inbox_claims_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_inbox_duplicates_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_idempotency_begins_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_idempotency_completions_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    ("idemstore_outbox_entries", "gauge", metrics::Unit::Count),
+    (
+        "idemstore_dispatch_outcomes_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_dispatch_send_seconds",
+        "histogram",
+        metrics::Unit::Seconds,
+    ),
+    (
+        "idemstore_dispatch_latency_seconds",
+        "histogram",
+        metrics::Unit::Seconds,
+    ),
+    (
+        "idemstore_dispatch_fenced_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_dispatch_panics_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_reaper_released_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    (
+        "idemstore_janitor_removed_total",
+        "counter",
+        metrics::Unit::Count,
+    ),
+    ("idemstore_errors_total", "counter", metrics::Unit::Count),
+];
+
+fn assert_all_described(m: &Metrics) {
+    let described = m.descriptions();
+    for (name, kind, unit) in DESCRIBED {
+        let d = described
+            .get(*name)
+            .unwrap_or_else(|| panic!("{name} is not described: {described:#?}"));
+        assert_eq!((d.kind, d.unit), (*kind, Some(*unit)), "{name}");
+        assert!(d.text.len() > 10, "{name}: {:?}", d.text);
+    }
+    assert_eq!(described.len(), DESCRIBED.len(), "{described:#?}");
+}
+
+#[test]
+fn every_metric_is_described_with_its_unit() -> Result<()> {
+    let seen = observe();
+    // A recorder installed before the store opens: opening describes.
+    let _store = Store::in_memory()?;
+    assert_all_described(&seen.metrics);
+    // A recorder installed after: the application asks.
+    seen.metrics.clear();
+    idemstore::describe_metrics();
+    assert_all_described(&seen.metrics);
+    Ok(())
+}
+
+#[test]
+fn a_completion_counts_once_committed_and_a_repeat_is_not_fenced_out() -> Result<()> {
+    let seen = observe();
+    let m = &seen.metrics;
+    let completions = |outcome| {
+        m.counter(
+            "idemstore_idempotency_completions_total",
+            &[("outcome", outcome)],
+        )
+    };
+    let store = Store::in_memory()?;
+    let keys = store.idempotency_keys();
+    let fp = fingerprint("POST", "/orders", b"1");
+    let Begin::Proceed(r) = keys.begin("", "k1", &fp, t(0))? else {
+        panic!("a new key proceeds")
+    };
+    // Stored in a transaction that then rolls back: nothing counted.
+    let rolled_back = store.write(|tx| {
+        assert!(keys.complete_in(tx, &r, r.response(201, b"ok".to_vec(), t(1)), t(1))?);
+        Err::<(), _>(Error::NotFound)
+    });
+    assert!(matches!(rolled_back, Err(Error::NotFound)));
+    assert_eq!(keys.stats().completed, 0, "rolled back: not completed");
+    assert_eq!(completions("stored"), None);
+    // Committed: counted.
+    assert!(store.write(|tx| keys.complete_in(
+        tx,
+        &r,
+        r.response(201, b"ok".to_vec(), t(2)),
+        t(2)
+    ))?);
+    assert_eq!(keys.stats().completed, 1);
+    assert_eq!(completions("stored"), Some(1));
+    // The same reservation completed again (as the layer does after a
+    // handler's `complete_in`): nothing stored, nobody fenced out.
+    assert!(!keys.complete(&r, r.response(500, b"late".to_vec(), t(3)), t(3))?);
+    assert_eq!((keys.stats().completed, keys.stats().fenced_out), (1, 0));
+    assert_eq!(completions("fenced_out"), None);
+    // A holder whose key was taken over is fenced out, and counted so.
+    let Begin::Proceed(stale) = keys.begin("", "k2", &fp, t(10))? else {
+        panic!("a new key proceeds")
+    };
+    assert!(matches!(
+        keys.begin("", "k2", &fp, t(100))?,
+        Begin::Proceed(_)
+    ));
+    assert!(!keys.complete(&stale, stale.response(201, b"x".to_vec(), t(101)), t(101))?);
+    assert_eq!(keys.stats().fenced_out, 1);
+    assert_eq!(completions("fenced_out"), Some(1));
+    Ok(())
+}
+
+/// The layer's own reports: what it answered from the store (`debug`) and
+/// its failures (`error`, counted in `idemstore_errors_total`).
+#[cfg(feature = "middleware")]
+mod layer {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    use bytes::Bytes;
+    use http_body_util::Full;
+    use idemstore::middleware::{IdempotencyLayer, ResponseBody};
+    use idemstore::{Begin, IdempotencyKeys, Result, Store, fingerprint};
+    use tower::{ServiceExt as _, service_fn};
+    use tracing::Level;
+
+    use super::{FaultyDisk, observe, t, the_event};
+
+    type Svc = tower::util::BoxCloneService<
+        http::Request<Full<Bytes>>,
+        http::Response<ResponseBody>,
+        &'static str,
+    >;
+
+    fn layered(keys: IdempotencyKeys) -> Svc {
+        tower::util::BoxCloneService::new(tower::Layer::layer(
+            &IdempotencyLayer::new(keys).clock(|| t(0)),
+            service_fn(|_: http::Request<Full<Bytes>>| async {
+                Ok::<_, &'static str>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+            }),
+        ))
+    }
+
+    fn keyed(key: &str, body: &'static str) -> http::Request<Full<Bytes>> {
+        http::Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("a request")
+    }
+
+    fn status(svc: &Svc, req: http::Request<Full<Bytes>>) -> u16 {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        rt.block_on(svc.clone().oneshot(req))
+            .expect("an answer")
+            .status()
+            .as_u16()
+    }
+
+    /// Runs `fut` on this thread with no runtime around.
+    fn block_on<F: Future>(fut: F) -> F::Output {
+        struct Unpark(std::thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+                return out;
+            }
+            std::thread::park();
+        }
+    }
+
+    #[test]
+    fn replays_409s_and_422s_are_debug_events() -> Result<()> {
+        let seen = observe();
+        let store = Store::in_memory()?;
+        let keys = store.idempotency_keys();
+        let svc = layered(keys.clone());
+        assert_eq!(status(&svc, keyed("k1", "a")), 200);
+        assert_eq!(status(&svc, keyed("k1", "a")), 200);
+        let replayed = the_event(
+            &seen.events,
+            "idemstore::middleware",
+            "stored response replayed",
+        );
+        assert_eq!(replayed.level, Level::DEBUG);
+        assert_eq!(replayed.field("key"), Some("k1"));
+        assert_eq!(status(&svc, keyed("k1", "b")), 422);
+        let reused = the_event(
+            &seen.events,
+            "idemstore::middleware",
+            "key reused for another request; answered 422",
+        );
+        assert_eq!(
+            (reused.level, reused.field("key")),
+            (Level::DEBUG, Some("k1"))
+        );
+        let fp = fingerprint("POST", "/orders", b"a");
+        assert!(matches!(
+            keys.begin("", "k2", &fp, t(0))?,
+            Begin::Proceed(_)
+        ));
+        assert_eq!(status(&svc, keyed("k2", "a")), 409);
+        let busy = the_event(
+            &seen.events,
+            "idemstore::middleware",
+            "request in flight; answered 409",
+        );
+        assert_eq!(busy.level, Level::DEBUG);
+        assert_eq!(busy.field("key"), Some("k2"));
+        assert_eq!(busy.field("retry_after_s"), Some("60"));
+        Ok(())
+    }
+
+    #[test]
+    fn a_failed_store_and_a_missing_runtime_are_errors() -> Result<()> {
+        let seen = observe();
+        let m = &seen.metrics;
+        let disk = FaultyDisk::new();
+        let store = Store::builder().open_with_backend(disk.backend())?;
+        let svc = layered(store.idempotency_keys());
+        disk.lose_power();
+        assert_eq!(status(&svc, keyed("k-down", "a")), 503);
+        let failed = the_event(
+            &seen.events,
+            "idemstore::middleware",
+            "idempotency store failed; answered 503",
+        );
+        assert_eq!(failed.level, Level::ERROR);
+        assert_eq!(failed.field("during"), Some("idempotency_begin"));
+        assert_eq!(failed.field("key"), Some("k-down"));
+        assert!(failed.field("error").is_some_and(|e| !e.is_empty()));
+        assert_eq!(
+            m.counter("idemstore_errors_total", &[("during", "idempotency_begin")]),
+            Some(1)
+        );
+
+        let store = Store::in_memory()?;
+        let svc = layered(store.idempotency_keys());
+        let reply = block_on(svc.oneshot(keyed("k-no-rt", "a"))).expect("an answer");
+        assert_eq!(reply.status(), 500);
+        let no_runtime = seen
+            .events
+            .all()
+            .into_iter()
+            .find(|e| e.field("during") == Some("middleware_runtime"))
+            .expect("an event about the missing runtime");
+        assert_eq!(no_runtime.level, Level::ERROR);
+        assert_eq!(no_runtime.field("key"), Some("k-no-rt"));
+        assert_eq!(
+            m.counter(
+                "idemstore_errors_total",
+                &[("during", "middleware_runtime")]
+            ),
+            Some(1)
+        );
+        Ok(())
+    }
+}

@@ -77,10 +77,10 @@ pub use record::{
 pub(crate) use record::{
     Row, check_fingerprint, check_response, check_tenant_key, key_name, row_time,
 };
-pub(crate) use types::Counters;
 #[cfg(feature = "postgres")]
 pub(crate) use types::key_entry;
 pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
+pub(crate) use types::{Completion, Counters};
 pub(crate) use types::{bump, to_response};
 
 /// Default time a completed response is kept and replayed: 24 hours.
@@ -363,9 +363,8 @@ impl IdempotencyKeys {
         let done = self
             .engine
             .execute(move |tx| ops::complete(tx, &t, &k, &row))?;
-        self.count_completion(done);
-        observe::idempotency(completion(done));
-        Ok(done)
+        count_completion(&self.counters, done);
+        Ok(done.stored())
     }
 
     /// [`complete`](Self::complete) inside the caller's own write transaction
@@ -377,6 +376,11 @@ impl IdempotencyKeys {
     /// (the reservation was committed by `begin`): call
     /// [`release`](Self::release) to let a retry run at once, or let the
     /// lease run out.
+    ///
+    /// The completion is counted ([`IdempotencyStats::completed`], the
+    /// `idemstore_idempotency_completions_total` metric) once the caller's
+    /// transaction has committed (durably, under the default durability),
+    /// and never if it rolls back.
     pub fn complete_in(
         &self,
         tx: &WriteTransaction,
@@ -386,17 +390,13 @@ impl IdempotencyKeys {
     ) -> Result<bool> {
         let row = self.reservation_row(r, response, now)?;
         let done = ops::complete(tx, &r.tenant, &r.key, &row)?;
-        self.count_completion(done);
-        if observe::ENABLED {
-            // Reported once the caller's transaction commits, never if it
+        if done != Completion::AlreadyStored {
+            // Counted once the caller's transaction commits, never if it
             // rolls back.
-            after_commit(move || observe::idempotency(completion(done)));
+            let counters = self.counters.clone();
+            after_commit(move || count_completion(&counters, done));
         }
-        Ok(done)
-    }
-
-    fn count_completion(&self, done: bool) {
-        count_completion(&self.counters, done);
+        Ok(done.stored())
     }
 
     /// Gives up the reservation `r` (its handler failed and wrote nothing):
@@ -518,21 +518,21 @@ pub(crate) fn count_reserved(counters: &Counters, takeover: bool, expired: bool)
     });
 }
 
-/// Counts a `complete` that stored (`done`) or was fenced out.
-pub(crate) fn count_completion(counters: &Counters, done: bool) {
-    if done {
-        bump(&counters.completed, 1);
-    } else {
-        bump(&counters.fenced_out, 1);
-    }
-}
-
-/// How a `complete` that stored (`done`) or was fenced out is reported.
-pub(crate) fn completion(done: bool) -> Outcome {
-    if done {
-        Outcome::Stored
-    } else {
-        Outcome::FencedOut
+/// Counts and reports a `complete`: one that stored, or was fenced out. One
+/// that found its own response already stored (a repeat, such as the
+/// `IdempotencyLayer`'s own `complete` after a handler's `complete_in`) is
+/// neither, and counts nothing.
+pub(crate) fn count_completion(counters: &Counters, done: Completion) {
+    match done {
+        Completion::Stored => {
+            bump(&counters.completed, 1);
+            observe::idempotency(Outcome::Stored);
+        }
+        Completion::FencedOut => {
+            bump(&counters.fenced_out, 1);
+            observe::idempotency(Outcome::FencedOut);
+        }
+        Completion::AlreadyStored => {}
     }
 }
 

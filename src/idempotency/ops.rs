@@ -10,6 +10,7 @@
 use redb::{ReadableTable, Table, WriteTransaction};
 
 use super::record::{Row, read_row};
+use super::types::Completion;
 use crate::codec::encode;
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_write};
@@ -157,24 +158,24 @@ fn write_row(
 }
 
 /// Stores `response` (a `Row::Completed` carrying the reservation's fence)
-/// if the row is still the reservation with that fence. `false` otherwise:
-/// the holder was fenced out, released, or already completed.
+/// if the row is still the reservation with that fence; otherwise writes
+/// nothing and says why (see [`Completion`]).
 pub(crate) fn complete(
     tx: &WriteTransaction,
     tenant: &str,
     key: &str,
     response: &Row,
-) -> Result<bool> {
+) -> Result<Completion> {
     let rows = open_write(tx, IDEM)?;
     let Some(old) = read_row(&rows, tenant, key)? else {
-        return Ok(false);
+        return Ok(Completion::FencedOut);
     };
     if !old.is_reserved_by(response.fence()) {
-        return Ok(false);
+        return Ok(Completion::of(&old, response.fence()));
     }
     let old_at = Some(old.created_at());
     write_row(tx, rows, tenant, key, old_at, Some(response))?;
-    Ok(true)
+    Ok(Completion::Stored)
 }
 
 /// Frees the reservation with `fence`; anything else at the key (a newer

@@ -150,6 +150,40 @@ impl Reservation {
     }
 }
 
+/// What a `complete` did: the one decision both backends take on the row
+/// they find.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completion {
+    /// The reservation held the key: its response is stored.
+    Stored,
+    /// The key already holds the response stored under this very
+    /// reservation (its handler stored it with `complete_in`): a repeat,
+    /// nothing written, nobody fenced out.
+    AlreadyStored,
+    /// The reservation no longer held the key (taken over by a newer one,
+    /// released, or the row is gone): nothing written.
+    FencedOut,
+}
+
+impl Completion {
+    /// The answer for a `complete` under `fence` that found `row`, which is
+    /// not the reservation with that fence.
+    pub(crate) fn of(row: &super::record::Row, fence: u64) -> Completion {
+        match row {
+            super::record::Row::Completed { fence: f, .. } if *f == fence => {
+                Completion::AlreadyStored
+            }
+            _ => Completion::FencedOut,
+        }
+    }
+
+    /// Whether the response was stored by this call (what `complete`
+    /// returns).
+    pub(crate) fn stored(self) -> bool {
+        self == Completion::Stored
+    }
+}
+
 /// Counters since the store was opened, shared by every
 /// [`IdempotencyKeys`](crate::IdempotencyKeys) handle of one store. For metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -165,11 +199,16 @@ pub struct IdempotencyStats {
     pub reserved: u64,
     /// Of those, reservations that took over one whose lease had ended.
     pub takeovers: u64,
-    /// `complete` / `complete_in` stored a response (for `complete_in`: its
-    /// call returned `true`, whether or not the caller's transaction then
-    /// committed).
+    /// `complete` / `complete_in` stored a response (for `complete_in`:
+    /// counted once the caller's transaction commits, never if it rolls
+    /// back; see [`IdempotencyKeys::complete_in`](crate::IdempotencyKeys::complete_in)).
     pub completed: u64,
-    /// `complete` / `complete_in` returned `false`: the holder was fenced out.
+    /// `complete` / `complete_in` returned `false` because another holder
+    /// took the key over (or it was released): the holder was fenced out,
+    /// and its lease is shorter than its handler. A `complete` that finds
+    /// the response its own reservation already stored (the
+    /// `IdempotencyLayer`'s after a handler's `complete_in`) returns `false`
+    /// too but is not counted: nobody was fenced out.
     pub fenced_out: u64,
     /// `release` freed a key.
     pub released: u64,

@@ -39,7 +39,7 @@
 //!    path-and-query and body;
 //! 5. [`IdempotencyKeys::begin`] decides, on a blocking thread
 //!    (`tokio::task::spawn_blocking`; a store error → **503**, handler not
-//!    run):
+//!    run; no tokio runtime → **500**, see [below](#a-tokio-runtime)):
 //!    - a stored response for the same request → it is sent again: its
 //!      status, `Content-Type`, [allow-listed
 //!      headers](IdempotencyLayer::replay_headers) and body, plus
@@ -136,8 +136,10 @@
 //! `Idempotent-Replayed: true`), without waiting for the lease. The layer
 //! stores nothing itself then: its own `complete` and `release` act only
 //! on a key still reserved under the request's fence, so on a completed key
-//! they change nothing (the `complete` counts in
-//! [`IdempotencyStats::fenced_out`](crate::IdempotencyStats::fenced_out)).
+//! they change nothing. That `complete` finds the response of its own
+//! reservation and counts nothing: neither a completion nor a
+//! [`fenced_out`](crate::IdempotencyStats::fenced_out) (which counts only
+//! holders whose key another request took over).
 //! The first client gets whatever the handler answered; retries get what it
 //! stored. If the handler's transaction rolls back, nothing is stored and
 //! the rules below apply as for any handler.
@@ -165,12 +167,71 @@
 //! - The inner service returns `Err` → the key is released and the error
 //!   is returned. The handler panics or the request's future is dropped
 //!   (the client went away) while it runs → the key is released from a
-//!   drop guard, on a blocking thread.
+//!   drop guard, on a blocking thread (see [Cancellation](#cancellation)).
 //! - There is no lease renewal: the store's lease
 //!   ([`IdempotencyKeys::with_lease`], default 60 s) bounds one handler run.
 //!   A handler still running past it may be taken over by a retry; its own
 //!   late `complete` is then fenced out (nothing stored) and its client
 //!   still gets its response.
+//!
+//! # Cancellation
+//!
+//! A request's future may be dropped at any await: the client went away,
+//! a timeout or a `select!` fired. The layer's store calls run on tokio's
+//! blocking pool and run to their end whatever becomes of the future, so
+//! what a dropped request leaves behind is decided there:
+//!
+//! - **While `begin` is queued or running:** the request is marked gone. A
+//!   `begin` not started yet is skipped (nothing reserved); one that
+//!   reserves the key releases it at once on its blocking thread; one that
+//!   answered before the future was dropped has its reservation released by
+//!   the future's drop guard. A retry with the key proceeds at once instead
+//!   of answering 409 until the lease ends.
+//! - **While the handler runs, or its response body is read:** the drop
+//!   guard releases the key on a blocking thread, so a retry runs the
+//!   handler again. If the handler had stored its response with
+//!   [`IdempotencyKeys::complete_in`], that release changes nothing (it
+//!   never removes a stored response) and the retry gets the response
+//!   replayed.
+//! - **While the layer stores the response or releases the key:** the call
+//!   is already on its blocking thread and finishes.
+//!
+//! A release that fails (the store is down) leaves the key to its lease;
+//! it is reported (see [Observability](#observability)). Dropping the
+//! future never stops a handler's work that runs on a task of its own
+//! (`tokio::task::spawn_blocking` in the example above): its commit, and
+//! its `complete_in`, may still happen after the layer's release, and the
+//! response it stores is then replayed to retries as usual.
+//!
+//! # A tokio runtime
+//!
+//! The layer needs a tokio runtime (the current-thread one is enough)
+//! around the request's future: its store calls block (a commit's fsync,
+//! a round trip to PostgreSQL) and run on the runtime's blocking pool,
+//! where they hold no executor thread. Polled outside one (another
+//! executor, `futures::executor::block_on`), a covered request with a key
+//! is answered **500** ([No tokio runtime](#no-tokio-runtime)) without
+//! running the handler or touching the store, and the error is reported;
+//! requests the layer lets pass through need no runtime.
+//!
+//! # Observability
+//!
+//! With the `tracing` and `metrics` features the layer reports under the
+//! target `idemstore::middleware` (the README's "Observability" section
+//! lists every event and metric):
+//!
+//! - `debug` events for the answers it makes from the store: `stored
+//!   response replayed`, `request in flight; answered 409` (with
+//!   `retry_after_s`), `key reused for another request; answered 422`,
+//!   each with the `key` (`begin` counts them already, in
+//!   `idemstore_idempotency_begins_total`);
+//! - an `error` event `idempotency store failed; answered 503` (`during`:
+//!   `idempotency_begin`, `key`, `error`); a `warn` event `idempotency
+//!   store failed after the handler ran` when storing the response or
+//!   releasing the key failed (`during`: `idempotency_complete` or
+//!   `idempotency_release`); an `error` event for a request polled outside
+//!   a tokio runtime (`during`: `middleware_runtime`). Each counts in
+//!   `idemstore_errors_total` under its `during`.
 //!
 //! # Body types
 //!
@@ -216,6 +277,11 @@
 //! ### Response failed
 //! 500: the handler's response body failed while being read; the key was
 //! released.
+//!
+//! ### No tokio runtime
+//! 500: the layer was polled outside a tokio runtime, which it needs for
+//! its store calls (see [A tokio runtime](#a-tokio-runtime)); the handler
+//! did not run and nothing was reserved.
 
 mod body;
 mod key;

@@ -26,6 +26,7 @@ pub(crate) enum Kind {
     KeyReused,
     StoreUnavailable,
     ResponseFailed,
+    NoRuntime,
 }
 
 impl Kind {
@@ -71,6 +72,11 @@ impl Kind {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "response-failed",
                 "Response failed",
+            ),
+            Kind::NoRuntime => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no-tokio-runtime",
+                "No tokio runtime",
             ),
         }
     }

@@ -13,11 +13,13 @@ use http::request::Parts;
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
+use parking_lot::Mutex;
 
 use super::body::{Buffered, buffer, over_max_body};
 use super::key::parse_key;
 use super::problem::{Kind, full, in_flight, problem, quoted};
 use super::{BoxError, Config, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ResponseBody};
+use crate::observe::{self, LayerAnswer};
 use crate::{Begin, IdempotencyBackend, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint};
 
 /// The service an [`IdempotencyLayer`](super::IdempotencyLayer) wraps around
@@ -130,27 +132,63 @@ where
         Admit::Answer(response) => return Ok(response),
         Admit::Keyed(k) => k,
     };
+    if tokio::runtime::Handle::try_current().is_err() {
+        // No blocking pool to run the store on, and blocking this
+        // executor's thread could stall every request it runs.
+        observe::layer_without_runtime(&key);
+        return Ok(no_runtime(&key));
+    }
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fp = fingerprint(parts.method.as_str(), path, &body);
     let now = (config.clock)();
+    let mut beginning = Beginning::new(config.keys.clone());
     let begin = {
-        let (keys, tenant, key) = (config.keys.clone(), tenant, key.clone());
-        blocking(move || keys.begin(&tenant, &key, &fp, now)).await
+        let (keys, pending, tenant, key) = (
+            config.keys.clone(),
+            beginning.pending.clone(),
+            tenant,
+            key.clone(),
+        );
+        blocking(move || begin_for(&*keys, &pending, &tenant, &key, &fp, now)).await
     };
     let reservation = match begin {
-        Some(Ok(Begin::Proceed(r))) => r,
-        Some(Ok(Begin::Replay(record))) => return Ok(replay(record)),
-        Some(Ok(Begin::InFlight { lease_until })) => {
-            return Ok(in_flight(&key, retry_after(now, lease_until)));
+        Ok(Some(Ok(Begin::Proceed(_)))) => match beginning.take() {
+            Some(r) => r,
+            // Not reachable: the task handed its reservation over before
+            // answering, and nothing else takes it while this future runs.
+            None => return Ok(unavailable(&key)),
+        },
+        Ok(Some(Ok(Begin::Replay(record)))) => {
+            observe::layer_answered(LayerAnswer::Replay, &key);
+            return Ok(replay(record));
         }
-        Some(Ok(Begin::Mismatch { .. })) => {
+        Ok(Some(Ok(Begin::InFlight { lease_until }))) => {
+            let retry_after_s = retry_after(now, lease_until);
+            observe::layer_answered(LayerAnswer::InFlight { retry_after_s }, &key);
+            return Ok(in_flight(&key, retry_after_s));
+        }
+        Ok(Some(Ok(Begin::Mismatch { .. }))) => {
+            observe::layer_answered(LayerAnswer::Mismatch, &key);
             let detail = format!(
                 "Idempotency-Key {} was used for a request with another method, path or body; use a new key for a new request",
                 quoted(&key)
             );
             return Ok(problem(Kind::KeyReused, &detail, Some(&key)));
         }
-        Some(Err(_)) | None => return Ok(unavailable(&key)),
+        Ok(Some(Err(e))) => {
+            observe::layer_store_failed("idempotency_begin", &key, &e);
+            return Ok(unavailable(&key));
+        }
+        // `None`: the task saw this request gone, which it is not.
+        Ok(None) => return Ok(unavailable(&key)),
+        Err(blocked) => {
+            observe::layer_store_failed("idempotency_begin", &key, &blocked);
+            return Ok(if blocked == Blocked::NoRuntime {
+                no_runtime(&key)
+            } else {
+                unavailable(&key)
+            });
+        }
     };
 
     // The handler gets the reservation, to store its response with
@@ -313,12 +351,19 @@ async fn store_response(
     // the handler ran, so its client gets its response in every case. A
     // refused one is released so a retry runs rather than waits (a release
     // frees only a reservation with this fence, never a stored response).
-    let _ = blocking(move || {
-        if keys.complete(&reservation, record, done_at).is_err() {
-            let _ = keys.release(&reservation);
+    // Dropped while this waits, the task still runs to its end.
+    let stored = blocking(move || {
+        if let Err(e) = keys.complete(&reservation, record, done_at) {
+            observe::layer_store_failed("idempotency_complete", reservation.key(), &e);
+            if let Err(e) = keys.release(&reservation) {
+                observe::layer_store_failed("idempotency_release", reservation.key(), &e);
+            }
         }
     })
     .await;
+    if let Err(blocked) = stored {
+        observe::layer_store_failed("idempotency_complete", key, &blocked);
+    }
     Response::from_parts(parts, full(body))
 }
 
@@ -344,9 +389,130 @@ where
     }
 }
 
-/// Runs a store call on tokio's blocking pool; `None` if it panicked.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    tokio::task::spawn_blocking(f).await.ok()
+/// Why a store call did not give its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocked {
+    /// There is no tokio runtime to run it on.
+    NoRuntime,
+    /// It panicked.
+    Panicked,
+}
+
+impl fmt::Display for Blocked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Blocked::NoRuntime => "no tokio runtime to run the store call on",
+            Blocked::Panicked => "the store call panicked",
+        })
+    }
+}
+
+/// Runs a store call on tokio's blocking pool. Dropped while it waits, the
+/// call still runs to its end.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Blocked> {
+    let rt = tokio::runtime::Handle::try_current().map_err(|_| Blocked::NoRuntime)?;
+    rt.spawn_blocking(f).await.map_err(|_| Blocked::Panicked)
+}
+
+/// `begin` on the blocking pool for a request whose future may be dropped
+/// while it waits (see [`Beginning`]): skipped if the request is gone
+/// already (`None`); a reservation it makes is handed to `pending` before
+/// the answer, or released here if the request went away meanwhile.
+fn begin_for(
+    keys: &dyn IdempotencyBackend,
+    pending: &Mutex<Pending>,
+    tenant: &str,
+    key: &str,
+    fp: &str,
+    now: DateTime<Utc>,
+) -> Option<crate::Result<Begin>> {
+    if pending.lock().abandoned {
+        return None;
+    }
+    let began = keys.begin(tenant, key, fp, now);
+    if let Ok(Begin::Proceed(r)) = &began {
+        let mut p = pending.lock();
+        if p.abandoned {
+            drop(p);
+            if let Err(e) = keys.release(r) {
+                observe::layer_store_failed("idempotency_release", key, &e);
+            }
+        } else {
+            p.reservation = Some(r.clone());
+        }
+    }
+    Some(began)
+}
+
+/// What a request's `begin` left for it, shared with the task that runs it.
+#[derive(Default)]
+struct Pending {
+    /// A reservation made and not yet taken by the request.
+    reservation: Option<Reservation>,
+    /// The request's future was dropped while `begin` was queued or running.
+    abandoned: bool,
+}
+
+/// A request waiting for its `begin`. Dropped before it took the answer
+/// (the request's future was dropped: the client went away, a timeout
+/// fired), it marks the request gone, so that a `begin` still queued is
+/// skipped, one running releases what it reserves, and a reservation
+/// already made is released here. Without it, the reservation would hold
+/// the key, answering 409 to every retry, until its lease ended.
+struct Beginning {
+    keys: Arc<dyn IdempotencyBackend>,
+    pending: Arc<Mutex<Pending>>,
+}
+
+impl Beginning {
+    fn new(keys: Arc<dyn IdempotencyBackend>) -> Beginning {
+        Beginning {
+            keys,
+            pending: Arc::default(),
+        }
+    }
+
+    /// The reservation `begin` made, now the request's own.
+    fn take(&mut self) -> Option<Reservation> {
+        self.pending.lock().reservation.take()
+    }
+}
+
+impl Drop for Beginning {
+    fn drop(&mut self) {
+        let orphan = {
+            let mut p = self.pending.lock();
+            p.abandoned = true;
+            p.reservation.take()
+        };
+        if let Some(r) = orphan {
+            release_detached(self.keys.clone(), r);
+        }
+    }
+}
+
+/// Releases `r` from a drop guard: on the blocking pool, or on this thread
+/// outside a runtime. Nobody waits for it; a failure is reported and the
+/// key left to its lease.
+fn release_detached(keys: Arc<dyn IdempotencyBackend>, r: Reservation) {
+    let release = move || {
+        if let Err(e) = keys.release(&r) {
+            observe::layer_store_failed("idempotency_release", r.key(), &e);
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(release)),
+        // Outside a runtime this thread may block.
+        Err(_) => release(),
+    }
+}
+
+fn no_runtime(key: &str) -> Response<ResponseBody> {
+    let detail = format!(
+        "the idempotency layer runs its store calls on tokio's blocking pool and was called outside a tokio runtime; the request with Idempotency-Key {} was not processed",
+        quoted(key)
+    );
+    problem(Kind::NoRuntime, &detail, Some(key))
 }
 
 fn unavailable(key: &str) -> Response<ResponseBody> {
@@ -409,11 +575,20 @@ struct Held {
 }
 
 impl Held {
-    /// Releases the key and waits for it (failures are left to the lease).
+    /// Releases the key and waits for it (failures are reported and left to
+    /// the lease). Dropped while it waits, the release still runs.
     async fn release(&mut self) {
         if let Some(r) = self.reservation.take() {
             let keys = self.keys.clone();
-            let _ = blocking(move || keys.release(&r)).await;
+            let key = r.key().to_owned();
+            let released = blocking(move || keys.release(&r)).await;
+            match released {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => observe::layer_store_failed("idempotency_release", &key, &e),
+                Err(blocked) => {
+                    observe::layer_store_failed("idempotency_release", &key, &blocked);
+                }
+            }
         }
     }
 
@@ -427,12 +602,7 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(r) = self.reservation.take() {
-            let keys = self.keys.clone();
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => drop(rt.spawn_blocking(move || keys.release(&r))),
-                // Outside a runtime this thread may block.
-                Err(_) => drop(keys.release(&r)),
-            }
+            release_detached(self.keys.clone(), r);
         }
     }
 }

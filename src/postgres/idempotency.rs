@@ -29,16 +29,16 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, in_write, refuse_reentrant};
+use super::{Shared, after_commit, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{
-    Begin, Counters, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyStats, KeyEntry, KeySummary, Look,
-    PURGE_CHUNK, Reservation, ResponseRecord, Row, answer, bump, check_fingerprint, check_record,
-    check_tenant, check_tenant_key, completion, count_completion, count_reserved, decide, into_row,
-    key_entry, key_name, reservation_row, row_time, span_micros, time, to_response,
+    Begin, Completion, Counters, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyStats, KeyEntry,
+    KeySummary, Look, PURGE_CHUNK, Reservation, ResponseRecord, Row, answer, bump,
+    check_fingerprint, check_record, check_tenant, check_tenant_key, count_completion,
+    count_reserved, decide, into_row, key_entry, key_name, reservation_row, row_time, span_micros,
+    time, to_response,
 };
-use crate::observe;
 
 const TABLE: &str = "idempotency";
 
@@ -439,16 +439,18 @@ impl PgIdempotencyKeys {
     }
 
     /// The statement of `complete`: the response replaces the reservation
-    /// with its fence, and nothing else. `true` if it did.
+    /// with its fence, and nothing else; and whether, if it did not, the
+    /// row already held the response of that reservation (read from the
+    /// statement's snapshot, in the same round trip).
     fn complete_on(
         &self,
         db: &mut Db<'_, impl GenericClient>,
         r: &Reservation,
         row: &Row,
-    ) -> Result<bool> {
+    ) -> Result<Completion> {
         let Ok(fence) = i64::try_from(r.fence()) else {
             // No reservation holds a fence out of the sequence's range.
-            return Ok(false);
+            return Ok(Completion::FencedOut);
         };
         let Row::Completed {
             status,
@@ -475,15 +477,25 @@ impl PgIdempotencyKeys {
             &values,
             body,
         ];
-        let n = db.execute(
+        let r = db.query_one(
             &format!(
-                "UPDATE {s}.idempotency SET created_at = $4, lease_until = NULL, status = $5, \
-                 content_type = $6, header_names = $7, header_values = $8, body = $9 \
-                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
+                "WITH done AS (UPDATE {s}.idempotency SET created_at = $4, lease_until = NULL, \
+                 status = $5, content_type = $6, header_names = $7, header_values = $8, \
+                 body = $9 \
+                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3 \
+                 RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM done), \
+                 EXISTS (SELECT 1 FROM {s}.idempotency \
+                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NULL AND fence = $3)"
             ),
             &params,
         )?;
-        Ok(n == 1)
+        let (stored, already): (bool, bool) = (r.try_get(0)?, r.try_get(1)?);
+        Ok(match (stored, already) {
+            (true, _) => Completion::Stored,
+            (false, true) => Completion::AlreadyStored,
+            (false, false) => Completion::FencedOut,
+        })
     }
 
     /// Stores `response` for the reservation `r` and ends it; `true` if
@@ -507,8 +519,7 @@ impl PgIdempotencyKeys {
             self.complete_on(&mut conn.db(), r, &row)
         })?;
         count_completion(&self.counters, done);
-        observe::idempotency(completion(done));
-        Ok(done)
+        Ok(done.stored())
     }
 
     /// [`complete`](Self::complete) inside the caller's own transaction
@@ -517,6 +528,14 @@ impl PgIdempotencyKeys {
     /// caller's transaction rolls back, the key stays reserved by `r`: call
     /// [`release`](Self::release) to let a retry run at once, or let the
     /// lease run out.
+    ///
+    /// Inside a [`PgStore::write`](super::PgStore::write) closure (or a
+    /// `claim_with` effect) the completion is counted
+    /// ([`IdempotencyStats::completed`], the
+    /// `idemstore_idempotency_completions_total` metric) once that
+    /// transaction has committed, and never if it rolls back, as on the
+    /// embedded store. On a transaction of a client of your own, whose
+    /// commit the store cannot see, it is counted when this call returns.
     pub fn complete_in(
         &self,
         tx: &mut Transaction<'_>,
@@ -526,8 +545,11 @@ impl PgIdempotencyKeys {
     ) -> Result<bool> {
         let row = reservation_row(r, response, now, self.shared.max_body)?;
         let done = self.complete_on(&mut Db::uncached(tx), r, &row)?;
-        count_completion(&self.counters, done);
-        Ok(done)
+        if done != Completion::AlreadyStored {
+            let counters = self.counters.clone();
+            after_commit(move || count_completion(&counters, done));
+        }
+        Ok(done.stored())
     }
 
     /// Gives up the reservation `r` (its handler failed and wrote nothing):

@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::utf8;
-use super::{Finish, Shared, refuse_reentrant};
+use super::{Finish, Shared, after_commit, refuse_reentrant};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::inbox::{Claim, check_event_key, check_inbox_name};
@@ -190,6 +190,13 @@ impl PgInbox {
     /// Claims `event_key` inside the caller's own transaction (from
     /// [`PgStore::write`](super::PgStore::write)); `true` the first time.
     /// The claim commits or rolls back with the caller's transaction.
+    ///
+    /// Inside a `PgStore::write` closure (or a `claim_with` effect) the
+    /// claim is counted (`idemstore_inbox_claims_total` or
+    /// `idemstore_inbox_duplicates_total`) once that transaction has
+    /// committed, and never if it rolls back, as on the embedded store. On a
+    /// transaction of a client of your own, whose commit the store cannot
+    /// see, it is counted when this call returns.
     pub fn claim_in(
         &self,
         tx: &mut Transaction<'_>,
@@ -201,7 +208,12 @@ impl PgInbox {
             &self.insert_sql(),
             &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
         )?;
-        Ok(n == 1)
+        let applied = n == 1;
+        if observe::ENABLED {
+            let name = Arc::clone(&self.name);
+            after_commit(move || observe::claim(&name, applied));
+        }
+        Ok(applied)
     }
 
     /// Whether `event_key` has been claimed (and not pruned).

@@ -77,6 +77,7 @@
 
 mod backend;
 mod conn;
+mod depth;
 mod errors;
 mod idempotency;
 mod import;
@@ -85,7 +86,7 @@ mod listen;
 mod outbox;
 mod schema;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -234,12 +235,14 @@ impl Shared {
                     match first(&mut db) {
                         Ok(p) => {
                             let out = f(p, &mut tx);
+                            let hooks = take_hooks();
                             drop(scope);
                             return match out? {
                                 // Dropping the transaction rolls it back.
                                 Finish::Rollback(v) => Ok(v),
                                 Finish::Commit(v) => {
                                     self.commit(tx)?;
+                                    run_hooks(hooks);
                                     Ok(v)
                                 }
                             };
@@ -296,23 +299,57 @@ thread_local! {
     /// Whether this thread runs a [`PgStore::write`] closure or a
     /// `claim_with` effect.
     static IN_WRITE: Cell<bool> = const { Cell::new(false) };
+    /// What the `*_in` calls of that closure report once its transaction
+    /// commits (see [`after_commit`]).
+    static HOOKS: RefCell<Vec<Hook>> = const { RefCell::new(Vec::new()) };
 }
 
+/// A report to make once a transaction has committed.
+type Hook = Box<dyn FnOnce()>;
+
 /// Marks the thread as inside a write closure for its lifetime (also when
-/// the closure panics).
+/// the closure panics); what is left of its hooks when it ends is dropped
+/// (its transaction did not commit).
 struct WriteScope;
 
 impl WriteScope {
     fn enter() -> Result<WriteScope> {
         refuse_reentrant()?;
         IN_WRITE.with(|c| c.set(true));
+        HOOKS.with(|h| h.borrow_mut().clear());
         Ok(WriteScope)
     }
+}
+
+/// The hooks registered by the write closure this thread runs, so far.
+fn take_hooks() -> Vec<Hook> {
+    HOOKS.with(|h| std::mem::take(&mut *h.borrow_mut()))
 }
 
 impl Drop for WriteScope {
     fn drop(&mut self) {
         IN_WRITE.with(|c| c.set(false));
+        drop(take_hooks());
+    }
+}
+
+/// Runs `hook` once the transaction of the [`PgStore::write`] closure (or
+/// `claim_with` effect) this thread runs has committed, and never if it
+/// rolls back; outside such a closure (a `*_in` call on a transaction of
+/// the caller's own client, whose commit the store cannot see), at once.
+/// For counters and reports only: a hook never changes an answer, and a
+/// panic in it is dropped.
+pub(crate) fn after_commit(hook: impl FnOnce() + 'static) {
+    if in_write() {
+        HOOKS.with(|h| h.borrow_mut().push(Box::new(hook)));
+    } else {
+        run_hooks(vec![Box::new(hook)]);
+    }
+}
+
+fn run_hooks(hooks: Vec<Hook>) {
+    for hook in hooks {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(hook));
     }
 }
 
@@ -435,6 +472,7 @@ impl PgStoreBuilder {
             max_body: self.max_body,
             epoch,
         });
+        crate::observe::describe_metrics();
         Ok(PgStore {
             outbox: PgOutbox::new(shared.clone()),
             idempotency_counters: Arc::default(),

@@ -53,6 +53,7 @@ use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 
 use super::conn::{Db, Mode};
+use super::depth::DepthGauge;
 use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
@@ -179,6 +180,8 @@ struct Wake {
 pub struct PgOutbox {
     shared: Arc<Shared>,
     wake: Arc<Wake>,
+    /// The `idemstore_outbox_entries` gauge (`depth.rs`).
+    depth: Arc<DepthGauge>,
 }
 
 impl PgOutbox {
@@ -186,6 +189,7 @@ impl PgOutbox {
         PgOutbox {
             shared,
             wake: Arc::default(),
+            depth: Arc::default(),
         }
     }
 
@@ -231,6 +235,7 @@ impl PgOutbox {
         if out.is_new() {
             self.notify();
         }
+        self.depth.after_write(self);
         Ok(out)
     }
 
@@ -284,6 +289,7 @@ impl PgOutbox {
         if out.iter().any(Enqueued::is_new) {
             self.notify();
         }
+        self.depth.after_write(self);
         Ok(out)
     }
 
@@ -399,9 +405,11 @@ impl PgOutbox {
         // In a transaction of its own, so that a row that does not decode
         // (edited by something else) fails the call before it commits:
         // a call that returns `Err` claimed nothing.
-        self.shared.run(Mode::Tx, |conn| {
+        let claimed = self.shared.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| self.claim_on(db, micros(now), limit, worker_id))
-        })
+        })?;
+        self.depth.after_write(self);
+        Ok(claimed)
     }
 
     /// Completes entry `id` at `now` in one statement if the status table
@@ -557,6 +565,7 @@ impl PgOutbox {
             conn.in_transaction(|db| self.change_locked(db, id, change, fence))?;
             Ok(false)
         })?;
+        self.depth.after_write(self);
         if done {
             return Ok(());
         }
@@ -705,6 +714,7 @@ impl PgOutbox {
             conn.in_transaction(|db| self.settle_many_in(db, &changes))
         })?;
         self.notify_if_settled(&changes, &out);
+        self.depth.after_write(self);
         Ok(out)
     }
 
@@ -740,6 +750,7 @@ impl PgOutbox {
             })
         })?;
         self.notify_if_settled(&changes, &settled);
+        self.depth.after_write(self);
         Ok((settled, claimed))
     }
 
@@ -919,7 +930,8 @@ impl PgOutbox {
     }
 
     /// How many entries are in each status. Counts the rows: for
-    /// monitoring at a modest rate.
+    /// monitoring at a modest rate. Sets the `idemstore_outbox_entries`
+    /// gauge (feature `metrics`) to what it counted.
     pub fn counts(&self) -> Result<OutboxCounts> {
         let s = self.s();
         let sql = format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status");
@@ -932,9 +944,9 @@ impl PgOutbox {
             let n: i64 = r.try_get(1)?;
             counts.insert(parse_status(0, name)?, u64::try_from(n).unwrap_or(0));
         }
-        Ok(OutboxCounts::from_fn(|st| {
-            counts.get(&st).copied().unwrap_or(0)
-        }))
+        let counts = OutboxCounts::from_fn(|st| counts.get(&st).copied().unwrap_or(0));
+        self.depth.publish(&counts);
+        Ok(counts)
     }
 
     /// The earliest due time of any `Pending` entry (possibly in the past:

@@ -158,11 +158,40 @@ fn series(name: &str, labels: &[(&str, &str)]) -> Series {
     (name.to_owned(), labels)
 }
 
-/// Keeps every metric it is given, by name and labels.
+/// A metric's description: its kind (`counter`, `gauge`, `histogram`),
+/// unit and text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Described {
+    pub(crate) kind: &'static str,
+    pub(crate) unit: Option<Unit>,
+    pub(crate) text: String,
+}
+
+/// Keeps every metric it is given, by name and labels, and every
+/// description, by name.
 #[derive(Clone, Default)]
-pub(crate) struct Metrics(Arc<Mutex<HashMap<Series, Arc<Values>>>>);
+pub(crate) struct Metrics(
+    Arc<Mutex<HashMap<Series, Arc<Values>>>>,
+    Arc<Mutex<BTreeMap<String, Described>>>,
+);
 
 impl Metrics {
+    fn describe(&self, kind: &'static str, name: &KeyName, unit: Option<Unit>, text: &str) {
+        lock(&self.1).insert(
+            name.as_str().to_owned(),
+            Described {
+                kind,
+                unit,
+                text: text.to_owned(),
+            },
+        );
+    }
+
+    /// Every description given so far, by metric name.
+    pub(crate) fn descriptions(&self) -> BTreeMap<String, Described> {
+        lock(&self.1).clone()
+    }
+
     fn values(&self, key: &Key) -> Arc<Values> {
         let labels: Vec<(&str, &str)> = key.labels().map(|l| (l.key(), l.value())).collect();
         lock(&self.0)
@@ -206,15 +235,22 @@ impl Metrics {
 
     pub(crate) fn clear(&self) {
         lock(&self.0).clear();
+        lock(&self.1).clear();
     }
 }
 
 impl Recorder for Metrics {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_counter(&self, name: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.describe("counter", &name, unit, &text);
+    }
 
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, name: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.describe("gauge", &name, unit, &text);
+    }
 
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, name: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.describe("histogram", &name, unit, &text);
+    }
 
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
         Counter::from_arc(self.values(key))

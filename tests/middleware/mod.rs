@@ -1,11 +1,13 @@
 //! The middleware's tests, written once and run on both backends:
 //! `http.rs` (the layer in front of a real server and of plain tower
-//! services) and `commit.rs` (a handler that stores its own response with
-//! `complete_in`). Each test is a function generic over a [`Backend`];
-//! `middleware_http_suite!(B)` and `middleware_commit_suite!(B)` make a
-//! `#[test]` of each for backend `B`. `tests/middleware.rs` and
-//! `tests/middleware_commit.rs` run them on the embedded store,
-//! `tests/middleware_pg.rs` on PostgreSQL (feature `postgres`).
+//! services), `commit.rs` (a handler that stores its own response with
+//! `complete_in`) and `cancel.rs` (requests dropped while they wait). Each
+//! test is a function generic over a [`Backend`];
+//! `middleware_http_suite!(B)`, `middleware_commit_suite!(B)` and
+//! `middleware_cancel_suite!(B)` make a `#[test]` of each for backend `B`.
+//! `tests/middleware.rs` and `tests/middleware_commit.rs` run them on the
+//! embedded store, `tests/middleware_pg.rs` on PostgreSQL (feature
+//! `postgres`).
 // Each test binary runs a part of the suite on one backend.
 #![allow(dead_code, unused_macros)]
 
@@ -23,6 +25,8 @@ macro_rules! backend {
     };
 }
 
+#[macro_use]
+pub(crate) mod cancel;
 #[macro_use]
 pub(crate) mod commit;
 #[macro_use]
