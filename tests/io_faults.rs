@@ -233,3 +233,100 @@ fn power_loss_sweep(shared: bool) -> Result<()> {
     assert!(points >= 20);
     Ok(())
 }
+
+/// Old rows for the maintenance calls: 2500 entries finished at t(1) or
+/// t(2), one finished at t(10), one pending; 2500 inbox keys claimed at
+/// t(1), five at t(10). Returns the disk image.
+fn old_rows() -> Result<Vec<u8>> {
+    let disk = FaultyDisk::new();
+    let store = Store::builder().open_with_backend(disk.backend())?;
+    let outbox = store.outbox();
+    let entries =
+        (0..2502).map(|i| idemstore::NewEntry::new("c", "d", format!("k{i}"), b"payload".to_vec()));
+    outbox.enqueue_many(entries, t(0))?;
+    let claimed = outbox.claim_due(t(0), 2501, "w")?;
+    let settle = claimed.iter().enumerate().map(|(i, c)| {
+        let at = match i {
+            0..1250 => t(1),
+            1250..2500 => t(2),
+            _ => t(10),
+        };
+        (c.fence(), idemstore::Settlement::Completed, at)
+    });
+    for (fence, settlement, at) in settle {
+        outbox.settle(fence, settlement, at)?;
+    }
+    let inbox = store.inbox("old")?;
+    inbox.claim_many((0..2500).map(|i| format!("e{i}")), t(1))?;
+    inbox.claim_many((0..5).map(|i| format!("new{i}")), t(10))?;
+    drop(store);
+    Ok(disk.durable_image())
+}
+
+#[test]
+fn a_power_loss_midway_through_maintenance_leaves_whole_chunks_done() -> Result<()> {
+    let image = old_rows()?;
+    let (mut partial_purges, mut partial_prunes) = (0, 0);
+    for k in 1..=8 {
+        for prune in [false, true] {
+            let disk = FaultyDisk::from_image(image.clone());
+            let store = Store::builder().open_with_backend(disk.backend())?;
+            disk.lose_power_at_sync(disk.syncs() + k);
+            let out = if prune {
+                store.inbox("old")?.prune(t(5))
+            } else {
+                store.outbox().purge_finished(t(5))
+            };
+            if let Err(e) = &out {
+                assert!(e.is_storage(), "{e:?}");
+            }
+            drop(store);
+            let store = Store::builder()
+                .open_with_backend(FaultyDisk::from_image(disk.durable_image()).backend())?;
+            let what = format!(
+                "power lost at the {k}th sync of a {}",
+                if prune { "prune" } else { "purge" }
+            );
+            if prune {
+                let inbox = store.inbox("old")?;
+                assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new(), "{what}");
+                let left = inbox.len()?;
+                let pruned = 2505 - left;
+                assert!(
+                    pruned % 1024 == 0 || pruned == 2500,
+                    "{what}: {pruned} pruned"
+                );
+                assert!(inbox.seen("new0")? && inbox.seen("new4")?, "{what}");
+                assert_eq!(inbox.list(None, usize::MAX)?.len() as u64, left, "{what}");
+                if 0 < pruned && pruned < 2500 {
+                    partial_prunes += 1;
+                }
+            } else {
+                let outbox = store.outbox();
+                assert_eq!(outbox.check_indexes()?, Vec::<String>::new(), "{what}");
+                let counts = outbox.counts()?;
+                let purged = 2501 - counts.completed;
+                assert!(
+                    purged % 1024 == 0 || purged == 2500,
+                    "{what}: {purged} purged"
+                );
+                assert_eq!(counts.pending, 1, "{what}");
+                assert!(
+                    outbox.find("d", "k2500")?.is_some(),
+                    "{what}: finished at t(10)"
+                );
+                // Earliest finished first: what is left is the latest.
+                assert!(
+                    outbox.find("d", "k2499")?.is_some() || purged == 2500,
+                    "{what}"
+                );
+                if 0 < purged && purged < 2500 {
+                    partial_purges += 1;
+                }
+            }
+        }
+    }
+    assert!(partial_purges > 0, "no power loss left a purge partly done");
+    assert!(partial_prunes > 0, "no power loss left a prune partly done");
+    Ok(())
+}

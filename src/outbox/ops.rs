@@ -156,11 +156,17 @@ pub(super) fn change_many(
     Ok(out)
 }
 
-/// Moves every `Dispatching` entry claimed strictly before `cutoff` back
-/// to `Pending`, due at its claim time. Costs what it releases.
-pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<OutboxId>> {
+/// Moves up to `limit` of the `Dispatching` entries claimed strictly before
+/// `cutoff` back to `Pending`, oldest claim first, each due at its claim
+/// time. Returns their ids and whether more such entries remain (the
+/// caller's next chunk). Costs what it releases.
+pub(super) fn release_expired(
+    tx: &WriteTransaction,
+    cutoff: i64,
+    limit: usize,
+) -> Result<(Vec<OutboxId>, bool)> {
     let mut t = Tables::open(tx)?;
-    let ids = index_ids(&t.claimed, ..(cutoff, 0), usize::MAX)?;
+    let (ids, more) = first_ids(&t.claimed, ..(cutoff, 0), limit)?;
     let plans = plan_indexed(
         &t,
         OUTBOX_CLAIMED.name(),
@@ -170,24 +176,45 @@ pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<
     )?;
     replace_all(&mut t, &plans)?;
     t.finish()?;
-    Ok(plans.into_iter().map(|(id, ..)| OutboxId(id)).collect())
+    let released = plans.into_iter().map(|(id, ..)| OutboxId(id)).collect();
+    Ok((released, more))
 }
 
-/// Deletes `Completed` and `Failed` entries finished strictly before
-/// `cutoff`, with all their index rows. Costs what it removes.
-pub(super) fn purge_finished(tx: &WriteTransaction, cutoff: i64) -> Result<u64> {
+/// Deletes up to `limit` of the `Completed` and `Failed` entries finished
+/// strictly before `cutoff`, earliest finished first, with all their index
+/// rows and attempt history. Returns how many, and whether more such
+/// entries remain. Reads of each entry only the keys of its index rows, not
+/// its payload. Costs what it removes.
+pub(super) fn purge_finished(
+    tx: &WriteTransaction,
+    cutoff: i64,
+    limit: usize,
+) -> Result<(u64, bool)> {
     let mut t = Tables::open(tx)?;
-    let ids = index_ids(&t.finished, ..(cutoff, 0), usize::MAX)?;
+    let (ids, more) = first_ids(&t.finished, ..(cutoff, 0), limit)?;
     let mut doomed = Vec::with_capacity(ids.len());
     for id in ids {
-        let old = t.load_indexed(OUTBOX_FINISHED.name(), id, OutboxStatus::is_finished)?;
+        let old = t.load_keys_indexed(OUTBOX_FINISHED.name(), id, OutboxStatus::is_finished)?;
         doomed.push((id, old));
     }
     for (id, old) in &doomed {
         t.delete(*id, old)?;
     }
     t.finish()?;
-    Ok(doomed.len() as u64)
+    Ok((doomed.len() as u64, more))
+}
+
+/// The ids of the first `limit` rows of a `(time, id)` index in `range`,
+/// and whether the range holds more.
+fn first_ids(
+    index: &TimeIndex<'_>,
+    range: impl RangeBounds<(i64, u64)> + 'static,
+    limit: usize,
+) -> Result<(Vec<u64>, bool)> {
+    let mut ids = index_ids(index, range, limit.saturating_add(1))?;
+    let more = ids.len() > limit;
+    ids.truncate(limit);
+    Ok((ids, more))
 }
 
 /// Writes planned replacements.
