@@ -301,3 +301,30 @@ fn prune_of_many_keys_commits_in_chunks_and_keeps_the_journal_invariants() -> Re
     assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
     Ok(())
 }
+
+#[test]
+fn claims_between_the_chunks_of_a_prune_keep_the_inbox_consistent() -> Result<()> {
+    // A small journal: the claims merge it while the prune runs.
+    let store = Store::builder().journal_size(64).in_memory()?;
+    let inbox = store.inbox("p")?;
+    for batch in 0..5 {
+        inbox.claim_many((0..1000).map(|i| format!("old{}", batch * 1000 + i)), t(0))?;
+    }
+    let claimer = {
+        let inbox = inbox.clone();
+        std::thread::spawn(move || -> Result<Vec<bool>> {
+            (0..1500)
+                .map(|i| inbox.claim(&format!("fresh{i}"), t(10)))
+                .collect()
+        })
+    };
+    let pruned = inbox.prune(t(5))?;
+    let fresh = claimer.join().expect("the claimer does not panic")?;
+    assert_eq!(pruned, 5000);
+    assert!(fresh.iter().all(|&first| first));
+    assert_eq!(inbox.len()?, 1500);
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    assert!(!inbox.seen("old0")? && !inbox.seen("old4999")?);
+    assert!(inbox.seen("fresh0")? && inbox.seen("fresh1499")?);
+    Ok(())
+}

@@ -148,6 +148,10 @@ pub use types::{
 /// Entries released or purged per commit by
 /// [`Outbox::release_expired_claims`] and [`Outbox::purge_finished`]: 1024.
 pub(crate) const MAINTENANCE_CHUNK: usize = 1024;
+/// Payload bytes [`Outbox::release_expired_claims`] rewrites per commit,
+/// past which it ends a chunk early (each chunk releases at least one
+/// entry): 4 MiB.
+const RELEASE_BYTES: usize = 4 << 20;
 
 /// A change to entry `id`, fenced by its attempt number.
 pub(crate) type FencedChange = (u64, u32, Change);
@@ -563,9 +567,10 @@ impl Outbox {
     /// `Dispatching` entries only: an `OutcomeUnknown` entry is never
     /// released).
     ///
-    /// Commits in chunks of at most 1024 entries, each its
-    /// own commit, so that releasing a large backlog (after an outage) never
-    /// holds the writer for long: claims and settlements run between the
+    /// Commits in chunks of at most 1024 entries (fewer once their payloads,
+    /// which a release writes again, reach 4 MiB), each its own commit, so
+    /// that releasing a large backlog (after an outage) never holds the
+    /// writer for long: claims and settlements run between the
     /// chunks, dispatchers are woken as each chunk commits, and a reader may
     /// see part of the release done. A crash or an `Err` midway leaves the
     /// chunks committed before it released (and the rest claimed, for the
@@ -574,9 +579,9 @@ impl Outbox {
         let cutoff = micros(claimed_before);
         let mut released = Vec::new();
         loop {
-            let (ids, more) = self
-                .engine
-                .execute(move |tx| ops::release_expired(tx, cutoff, MAINTENANCE_CHUNK))?;
+            let (ids, more) = self.engine.execute(move |tx| {
+                ops::release_expired(tx, cutoff, MAINTENANCE_CHUNK, RELEASE_BYTES)
+            })?;
             if !ids.is_empty() {
                 self.notify();
             }

@@ -158,25 +158,36 @@ pub(super) fn change_many(
 
 /// Moves up to `limit` of the `Dispatching` entries claimed strictly before
 /// `cutoff` back to `Pending`, oldest claim first, each due at its claim
-/// time. Returns their ids and whether more such entries remain (the
-/// caller's next chunk). Costs what it releases.
+/// time, stopping early once it has rewritten `max_bytes` of payloads (a
+/// released record is written again whole, and the transaction holds what
+/// it writes until it commits). Returns their ids and whether more such
+/// entries remain (the caller's next chunk). Costs what it releases.
+/// Writes as it goes: an `Err` fails the operation, which the engine rolls
+/// back.
 pub(super) fn release_expired(
     tx: &WriteTransaction,
     cutoff: i64,
     limit: usize,
+    max_bytes: usize,
 ) -> Result<(Vec<OutboxId>, bool)> {
     let mut t = Tables::open(tx)?;
     let (ids, more) = first_ids(&t.claimed, ..(cutoff, 0), limit)?;
-    let plans = plan_indexed(
-        &t,
-        OUTBOX_CLAIMED.name(),
-        OutboxStatus::Dispatching,
-        ids,
-        &Change::Released,
-    )?;
-    replace_all(&mut t, &plans)?;
+    let index = OUTBOX_CLAIMED.name();
+    let mut released = Vec::with_capacity(ids.len());
+    let mut bytes = 0_usize;
+    for &id in &ids {
+        if bytes >= max_bytes {
+            break;
+        }
+        let old = t.load_indexed(index, id, |s| s == OutboxStatus::Dispatching)?;
+        let new =
+            plan(id, &old, &Change::Released, None)?.ok_or_else(|| index_mismatch(index, id))?;
+        bytes = bytes.saturating_add(old.payload.len());
+        t.replace(id, &old, &new)?;
+        released.push(OutboxId(id));
+    }
+    let more = more || released.len() < ids.len();
     t.finish()?;
-    let released = plans.into_iter().map(|(id, ..)| OutboxId(id)).collect();
     Ok((released, more))
 }
 
