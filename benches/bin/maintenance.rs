@@ -109,6 +109,12 @@ fn report(quiet: &Latencies, busy: &Latencies, rss_before: u64, peak: u64, hwm_r
         ms(busy.median())
     );
     println!(
+        "{:<34} | {:>12} | {:>12} |",
+        "99th percentile",
+        ms(quiet.p99()),
+        ms(busy.p99())
+    );
+    println!(
         "{:<34} | {:>12} | {:>12} | {:>4}/{:<4}",
         "worst",
         ms(quiet.worst()),
@@ -185,6 +191,11 @@ impl Latencies {
 
     fn median(&self) -> Duration {
         self.0.get(self.0.len() / 2).copied().unwrap_or_default()
+    }
+
+    fn p99(&self) -> Duration {
+        let i = (self.0.len() * 99 / 100).min(self.0.len().saturating_sub(1));
+        self.0.get(i).copied().unwrap_or_default()
     }
 
     fn worst(&self) -> Duration {
