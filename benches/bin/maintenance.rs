@@ -68,12 +68,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::thread::sleep(Duration::from_millis(200));
     let commits_before = store.commit_stats().commits;
     let cutoff = Utc::now() - DAY * 7;
-    let t = Instant::now();
+    let purge_began = Instant::now();
     let purged = store.outbox().purge_finished(cutoff)?;
-    let purge_took = t.elapsed();
-    let t = Instant::now();
+    let purge_took = purge_began.elapsed();
+    let prune_began = Instant::now();
     let pruned = inbox.prune(cutoff)?;
-    let prune_took = t.elapsed();
+    let prune_took = prune_began.elapsed();
     let commits = store.commit_stats().commits - commits_before;
     // And a little after, for the claims that waited on the last chunk.
     std::thread::sleep(Duration::from_millis(200));
@@ -91,6 +91,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "maintenance: purge_finished removed {purged} in {purge_took:.1?}, prune removed {pruned} in {prune_took:.1?}; {commits} commits (the claims' included)"
     );
     report(&quiet, &busy, rss_before, sampled_peak.max(hwm), hwm_reset);
+    if let Some(&(worst, began)) = busy.0.last() {
+        let when = if began < purge_began {
+            "before the purge".to_owned()
+        } else if began < prune_began {
+            format!("{:.0?} into the purge", began - purge_began)
+        } else {
+            format!("{:.0?} into the prune", began - prune_began)
+        };
+        println!(
+            "the worst claim during maintenance ({}) began {when}",
+            ms(worst)
+        );
+    }
     Ok(())
 }
 
@@ -181,8 +194,8 @@ enum Stop {
     When(Arc<AtomicBool>),
 }
 
-/// Claim latencies, sorted.
-struct Latencies(Vec<Duration>);
+/// Claim latencies with the time each claim began, sorted by latency.
+struct Latencies(Vec<(Duration, Instant)>);
 
 impl Latencies {
     fn len(&self) -> usize {
@@ -190,16 +203,19 @@ impl Latencies {
     }
 
     fn median(&self) -> Duration {
-        self.0.get(self.0.len() / 2).copied().unwrap_or_default()
+        self.0
+            .get(self.0.len() / 2)
+            .map(|l| l.0)
+            .unwrap_or_default()
     }
 
     fn p99(&self) -> Duration {
         let i = (self.0.len() * 99 / 100).min(self.0.len().saturating_sub(1));
-        self.0.get(i).copied().unwrap_or_default()
+        self.0.get(i).map(|l| l.0).unwrap_or_default()
     }
 
     fn worst(&self) -> Duration {
-        self.0.last().copied().unwrap_or_default()
+        self.0.last().map(|l| l.0).unwrap_or_default()
     }
 }
 
@@ -218,7 +234,7 @@ fn claim_for(inbox: &Inbox, next: &AtomicU64, stop: &Stop) -> idemstore::Result<
         let key = format!("fresh-{}", next.fetch_add(1, Ordering::Relaxed));
         let t = Instant::now();
         assert!(inbox.claim(&key, Utc::now())?, "a fresh key");
-        out.push(t.elapsed());
+        out.push((t.elapsed(), t));
     }
     out.sort_unstable();
     Ok(Latencies(out))
