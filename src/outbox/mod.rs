@@ -40,13 +40,13 @@
 //! back as a whole — the bulk calls too ([`Outbox::enqueue_many`],
 //! [`Outbox::claim_due`], [`Outbox::settle_many`],
 //! [`Outbox::settle_and_claim`]). The two maintenance calls,
-//! [`Outbox::release_expired_claims`] and [`Outbox::purge_finished`], are the
-//! exception: they commit in chunks of at most 1024 entries,
-//! each one operation, so that a large backlog never holds the writer (and
-//! every claim queued behind it) for long. An `Err` from one of them rolled
-//! back its failed chunk only; the chunks before it stay committed, each a
-//! consistent state. The `*_in` calls act on one entry and check
-//! before they write. In a bulk settle, a settlement refused
+//! [`Outbox::release_expired_claims`] and [`Outbox::purge_finished`], are
+//! the exception: they commit in chunks of at most 1024 entries, each one
+//! operation, so that a large backlog never holds the writer (and every
+//! claim queued behind it) for long. An `Err` from one of them rolled back
+//! its failed chunk only; the chunks before it stay committed, each a
+//! consistent state. The `*_in` calls act on one entry and check before
+//! they write. In a bulk settle, a settlement refused
 //! ([`Error::Conflict`]) or whose entry is gone ([`Error::NotFound`]) is an
 //! answer about that settlement alone; a damaged record or a storage failure
 //! fails the whole call.
@@ -567,14 +567,14 @@ impl Outbox {
     /// `Dispatching` entries only: an `OutcomeUnknown` entry is never
     /// released).
     ///
-    /// Commits in chunks of at most 1024 entries (fewer once their payloads,
-    /// which a release writes again, reach 4 MiB), each its own commit, so
-    /// that releasing a large backlog (after an outage) never holds the
-    /// writer for long: claims and settlements run between the
-    /// chunks, dispatchers are woken as each chunk commits, and a reader may
-    /// see part of the release done. A crash or an `Err` midway leaves the
-    /// chunks committed before it released (and the rest claimed, for the
-    /// next call); the failed chunk released nothing.
+    /// Commits in chunks of at most 1024 entries, oldest claim first (fewer
+    /// once their payloads, which a release writes again, reach 4 MiB), each
+    /// its own commit, so that releasing a large backlog (after an outage)
+    /// never holds the writer for long: claims and settlements run between
+    /// the chunks, dispatchers are woken as each chunk commits, and a reader
+    /// may see part of the release done. A crash or an `Err` midway leaves
+    /// the chunks committed before it released (and the rest claimed, for
+    /// the next call); the failed chunk released nothing.
     pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
         let cutoff = micros(claimed_before);
         let mut released = Vec::new();
@@ -599,10 +599,10 @@ impl Outbox {
     /// purged entry's `(destination, idempotency_key)` can be enqueued
     /// again: purge only past the window in which duplicates can arrive.
     ///
-    /// Commits in chunks of at most 1024 entries, earliest
-    /// finished first, each its own commit, so that the first purge of a
-    /// large backlog neither holds the writer (and every claim behind it)
-    /// nor memory for long. A reader may see part of the purge done; a
+    /// Commits in chunks of at most 1024 entries, earliest finished first,
+    /// each its own commit, so that the first purge of a large backlog
+    /// neither holds the writer (and every claim behind it) nor memory for
+    /// long. A reader may see part of the purge done; a
     /// crash or an `Err` midway leaves the chunks committed before it
     /// purged, the rest for the next purge, and the failed chunk removed
     /// nothing.

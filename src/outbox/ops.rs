@@ -3,8 +3,9 @@
 //! one again after rolling it back, and it must write the same).
 //!
 //! An operation that returns `Err` is rolled back as a whole by the engine
-//! (`Engine::execute`), so the bulk ones ([`change_many`], and a settle
-//! followed by a claim) may fail after they have written. The calls that run
+//! (`Engine::execute`), so the bulk ones ([`change_many`],
+//! [`release_expired`], and a settle followed by a claim) may fail after
+//! they have written. The calls that run
 //! an operation inside the caller's own transaction (the `*_in` calls) use
 //! the single-entry ones only, [`enqueue`] of one entry and [`change`],
 //! which check everything before they write: their `Err` wrote nothing
