@@ -10,8 +10,8 @@
 use std::fmt::Display;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -39,6 +39,16 @@ pub(crate) fn decode<T: DeserializeOwned>(
     table: &'static str,
     key: &dyn Display,
     bytes: &[u8],
+) -> Result<T> {
+    decode_borrowed(table, key, bytes)
+}
+
+/// [`decode`] into a view that borrows its strings and byte strings from
+/// `bytes` (a row read for a few of its fields, without copying the rest).
+pub(crate) fn decode_borrowed<'a, T: Deserialize<'a>>(
+    table: &'static str,
+    key: &dyn Display,
+    bytes: &'a [u8],
 ) -> Result<T> {
     let corrupted = |reason: String| Error::Corrupted {
         table,

@@ -90,6 +90,38 @@ mod fixture {
         }
     }
 
+    impl Fixture {
+        /// How many transactions updated or deleted rows of the outbox or
+        /// the inbox while `f` ran (a trigger notes each such row's
+        /// transaction).
+        pub(crate) fn commits_during<T>(&self, f: impl FnOnce() -> T) -> Result<(T, u64)> {
+            let s = &self.schema;
+            let mut client = self.client();
+            client.batch_execute(&format!(
+                "CREATE TABLE {s}.test_xacts (xact bigint NOT NULL); \
+                 CREATE FUNCTION {s}.test_note_xact() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN INSERT INTO {s}.test_xacts VALUES (txid_current()); RETURN NULL; END $$; \
+                 CREATE TRIGGER test_note_xact AFTER UPDATE OR DELETE ON {s}.outbox \
+                 FOR EACH ROW EXECUTE FUNCTION {s}.test_note_xact(); \
+                 CREATE TRIGGER test_note_xact AFTER DELETE ON {s}.inbox \
+                 FOR EACH ROW EXECUTE FUNCTION {s}.test_note_xact();"
+            ))?;
+            let out = f();
+            let n: i64 = client
+                .query_one(
+                    &format!("SELECT count(DISTINCT xact) FROM {s}.test_xacts"),
+                    &[],
+                )?
+                .get(0);
+            client.batch_execute(&format!(
+                "DROP TRIGGER test_note_xact ON {s}.outbox; \
+                 DROP TRIGGER test_note_xact ON {s}.inbox; \
+                 DROP FUNCTION {s}.test_note_xact(); DROP TABLE {s}.test_xacts;"
+            ))?;
+            Ok((out, u64::try_from(n).unwrap_or(0)))
+        }
+    }
+
     impl Drop for Fixture {
         fn drop(&mut self) {
             if let Ok(mut client) = Client::connect(&self.url, NoTls) {

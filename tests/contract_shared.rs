@@ -66,6 +66,17 @@ mod fixture {
         pub(crate) fn marks(&self) -> Result<Vec<String>> {
             embedded::marks(&self.store)
         }
+
+        /// How many write transactions committed while `f` ran.
+        #[expect(
+            clippy::unnecessary_wraps,
+            reason = "the suite's fixture interface: other backends may fail to count"
+        )]
+        pub(crate) fn commits_during<T>(&self, f: impl FnOnce() -> T) -> Result<(T, u64)> {
+            let before = self.store.commit_stats().commits;
+            let out = f();
+            Ok((out, self.store.commit_stats().commits - before))
+        }
     }
 }
 

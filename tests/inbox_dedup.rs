@@ -258,3 +258,73 @@ fn claims_stay_unique_across_journal_merges_reopens_and_durabilities() -> Result
     }
     Ok(())
 }
+
+#[test]
+fn prune_of_many_keys_commits_in_chunks_and_keeps_the_journal_invariants() -> Result<()> {
+    // A small journal: the claims below land in merges and in the journal.
+    let store = Store::builder().journal_size(300).in_memory()?;
+    let inbox = store.inbox("p")?;
+    let other = store.inbox("q")?;
+    for i in 0..2600 {
+        assert!(inbox.claim_many([format!("old{i}")], t(i % 7))?[0]);
+    }
+    assert!(other.claim("old0", t(0))?);
+    for i in 0..20 {
+        assert!(inbox.claim(&format!("new{i}"), t(7))?);
+    }
+    let before = store.commit_stats().commits;
+    assert_eq!(
+        inbox.prune(t(7))?,
+        2600,
+        "every key claimed strictly before t(7)"
+    );
+    let commits = store.commit_stats().commits - before;
+    assert!(
+        commits >= 3,
+        "2600 keys in chunks of 1024: {commits} commit(s)"
+    );
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    assert_eq!(inbox.len()?, 20);
+    assert_eq!(inbox.list(None, usize::MAX)?.len(), 20);
+    assert!(!inbox.seen("old0")? && !inbox.seen("old2599")? && inbox.seen("new19")?);
+    assert!(other.seen("old0")?);
+    // Pruned keys are free again, journaled and merged like any other.
+    for i in 0..400 {
+        assert!(inbox.claim(&format!("old{i}"), t(8))?);
+    }
+    assert!(!inbox.claim("old399", t(9))?);
+    assert_eq!(inbox.len()?, 420);
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    // Inside the caller's transaction: everything in that one transaction.
+    assert_eq!(store.write(|tx| inbox.prune_in(tx, t(100)))?, 420);
+    assert!(inbox.is_empty()?);
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+#[test]
+fn claims_between_the_chunks_of_a_prune_keep_the_inbox_consistent() -> Result<()> {
+    // A small journal: the claims merge it while the prune runs.
+    let store = Store::builder().journal_size(64).in_memory()?;
+    let inbox = store.inbox("p")?;
+    for batch in 0..5 {
+        inbox.claim_many((0..1000).map(|i| format!("old{}", batch * 1000 + i)), t(0))?;
+    }
+    let claimer = {
+        let inbox = inbox.clone();
+        std::thread::spawn(move || -> Result<Vec<bool>> {
+            (0..1500)
+                .map(|i| inbox.claim(&format!("fresh{i}"), t(10)))
+                .collect()
+        })
+    };
+    let pruned = inbox.prune(t(5))?;
+    let fresh = claimer.join().expect("the claimer does not panic")?;
+    assert_eq!(pruned, 5000);
+    assert!(fresh.iter().all(|&first| first));
+    assert_eq!(inbox.len()?, 1500);
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    assert!(!inbox.seen("old0")? && !inbox.seen("old4999")?);
+    assert!(inbox.seen("fresh0")? && inbox.seen("fresh1499")?);
+    Ok(())
+}

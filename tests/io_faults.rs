@@ -233,3 +233,111 @@ fn power_loss_sweep(shared: bool) -> Result<()> {
     assert!(points >= 20);
     Ok(())
 }
+
+/// Old rows for the maintenance calls: 2500 entries finished at t(1) or
+/// t(2), one finished at t(10), 2501 claimed at t(1) (the reaper's); 2500
+/// inbox keys claimed at t(1), five at t(10). Returns the disk image.
+fn old_rows() -> Result<Vec<u8>> {
+    let disk = FaultyDisk::new();
+    let store = Store::builder().open_with_backend(disk.backend())?;
+    let outbox = store.outbox();
+    let entries = |dest: &'static str, n: usize| {
+        (0..n)
+            .map(move |i| idemstore::NewEntry::new("c", dest, format!("k{i}"), b"payload".to_vec()))
+    };
+    outbox.enqueue_many(entries("d", 2502), t(0))?;
+    let claimed = outbox.claim_due(t(0), 2501, "w")?;
+    for (i, c) in claimed.iter().enumerate() {
+        let at = match i {
+            0..1250 => t(1),
+            1250..2500 => t(2),
+            _ => t(10),
+        };
+        outbox.settle(c.fence(), idemstore::Settlement::Completed, at)?;
+    }
+    outbox.enqueue_many(entries("r", 2500), t(0))?;
+    assert_eq!(outbox.claim_due(t(1), 2501, "w")?.len(), 2501);
+    let inbox = store.inbox("old")?;
+    inbox.claim_many((0..2500).map(|i| format!("e{i}")), t(1))?;
+    inbox.claim_many((0..5).map(|i| format!("new{i}")), t(10))?;
+    drop(store);
+    Ok(disk.durable_image())
+}
+
+/// A maintenance call of [`a_power_loss_midway_through_maintenance_leaves_whole_chunks_done`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Maintenance {
+    Purge,
+    Prune,
+    Release,
+}
+
+/// How much of `what` a store reopened after it was cut short had done,
+/// checking that the store is consistent and that only doomed rows went:
+/// `(done, all)`.
+fn done_after(store: &Store, what: Maintenance) -> Result<(u64, u64)> {
+    let outbox = store.outbox();
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new(), "{what:?}");
+    assert_eq!(
+        store.check_inbox_indexes()?,
+        Vec::<String>::new(),
+        "{what:?}"
+    );
+    let counts = outbox.counts()?;
+    Ok(match what {
+        Maintenance::Purge => {
+            assert_eq!(counts.dispatching, 2501);
+            assert!(outbox.find("d", "k2500")?.is_some(), "finished at t(10)");
+            (2501 - counts.completed, 2500)
+        }
+        Maintenance::Prune => {
+            let inbox = store.inbox("old")?;
+            assert!(inbox.seen("new0")? && inbox.seen("new4")?);
+            let left = inbox.len()?;
+            assert_eq!(inbox.list(None, usize::MAX)?.len() as u64, left);
+            (2505 - left, 2500)
+        }
+        Maintenance::Release => {
+            assert_eq!(counts.completed, 2501);
+            assert_eq!(counts.pending + counts.dispatching, 2501);
+            (counts.pending, 2501)
+        }
+    })
+}
+
+#[test]
+fn a_power_loss_midway_through_maintenance_leaves_whole_chunks_done() -> Result<()> {
+    let image = old_rows()?;
+    for what in [Maintenance::Purge, Maintenance::Prune, Maintenance::Release] {
+        let mut partial = 0;
+        for k in 1..=8 {
+            let disk = FaultyDisk::from_image(image.clone());
+            let store = Store::builder().open_with_backend(disk.backend())?;
+            disk.lose_power_at_sync(disk.syncs() + k);
+            let out = match what {
+                Maintenance::Purge => store.outbox().purge_finished(t(5)),
+                Maintenance::Prune => store.inbox("old")?.prune(t(5)),
+                Maintenance::Release => store
+                    .outbox()
+                    .release_expired_claims(t(5))
+                    .map(|ids| ids.len() as u64),
+            };
+            if let Err(e) = &out {
+                assert!(e.is_storage(), "{e:?}");
+            }
+            drop(store);
+            let store = Store::builder()
+                .open_with_backend(FaultyDisk::from_image(disk.durable_image()).backend())?;
+            let (done, all) = done_after(&store, what)?;
+            assert!(
+                done % 1024 == 0 || done == all,
+                "{what:?} cut at its {k}th sync: {done} done, not whole chunks"
+            );
+            if 0 < done && done < all {
+                partial += 1;
+            }
+        }
+        assert!(partial > 0, "no power loss left a {what:?} partly done");
+    }
+    Ok(())
+}

@@ -611,3 +611,23 @@ fn settle_and_claim_settles_then_claims_in_one_commit() -> Result<()> {
     ));
     Ok(())
 }
+
+#[test]
+fn release_expired_claims_of_large_payloads_commits_a_few_mib_at_a_time() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let big = |i: usize| NewEntry::new("c", "d", format!("k{i}"), vec![7_u8; 1 << 20]);
+    outbox.enqueue_many((0..10).map(big), t(0))?;
+    let claimed = outbox.claim_due(t(1), 10, "w")?;
+    assert_eq!(claimed.len(), 10);
+    let before = store.commit_stats().commits;
+    let released = outbox.release_expired_claims(t(2))?;
+    let commits = store.commit_stats().commits - before;
+    assert_eq!(released, claimed.iter().map(|e| e.id).collect::<Vec<_>>());
+    // 10 MiB of payloads, written again: not in one transaction.
+    assert!(commits >= 3, "{commits} commit(s)");
+    assert_eq!(outbox.counts()?.pending, 10);
+    assert_eq!(outbox.get(claimed[9].id)?.entry.payload.len(), 1 << 20);
+    assert!(outbox.check_indexes()?.is_empty());
+    Ok(())
+}

@@ -23,11 +23,19 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 /// [`DispatcherBuilder::janitor`](super::DispatcherBuilder::janitor)) or by
 /// hand with [`Janitor::run_once`]. Each task costs what it removes.
 ///
+/// Each task commits in chunks of at most 1024 rows, each its own
+/// transaction, on both backends: the first run over a large backlog (an
+/// old store, or after an outage) never holds the embedded store's writer
+/// for long, so claims, enqueues and settlements go on between the chunks.
+/// A run that fails midway leaves the chunks it committed done; the next
+/// run takes up the rest.
+///
 /// Its tasks take the handles of either backend (the embedded store's, or
 /// with feature `postgres` the PostgreSQL ones: see [`OutboxBackend`],
 /// [`InboxBackend`], [`IdempotencyBackend`]), even both in one janitor. On
-/// PostgreSQL each task is one `DELETE` on its table's index; janitors in
-/// several processes may run at once (each row goes once).
+/// PostgreSQL each chunk is one `DELETE` on its table's index that skips
+/// the rows other transactions hold locked; janitors in several processes
+/// may run at once (each row goes once).
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct Janitor {

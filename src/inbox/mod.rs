@@ -37,6 +37,8 @@ pub(crate) use journal::Journal;
 pub const MAX_EVENT_KEY_LEN: usize = 1024;
 /// Longest inbox name accepted, in bytes.
 pub const MAX_INBOX_NAME_LEN: usize = 64;
+/// Keys removed per commit by [`Inbox::prune`].
+pub(crate) const PRUNE_CHUNK: usize = 1024;
 
 /// The outcome of [`Inbox::claim_with`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -269,16 +271,42 @@ impl Inbox {
     /// many. Costs what it removes (it walks the `seen_at` index, not the
     /// ledger). A pruned key can be claimed again: prune only past the
     /// window in which duplicates can still arrive.
+    ///
+    /// Commits in chunks of at most 1024 keys, earliest claimed first, each
+    /// its own commit, so that the first prune of a large ledger never holds
+    /// the writer (and every claim queued behind it) for long. The first
+    /// chunk also merges the journal of recent claims into the ledger, as
+    /// any merge does. Every chunk leaves the inbox consistent (a key is
+    /// claimed or not, and counted if it is): a reader may see part of the
+    /// prune done, and a crash or an `Err` midway leaves the chunks
+    /// committed before it pruned and the rest for the next prune (the
+    /// failed chunk removed nothing).
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
-        let (journal, name) = (self.journal.clone(), self.name.clone());
         let cutoff = micros(seen_before);
-        self.engine
-            .execute(move |tx| ops::prune(tx, &journal, &name, cutoff))
+        let mut total = 0;
+        let mut merge = true;
+        loop {
+            let (journal, name) = (self.journal.clone(), self.name.clone());
+            let (n, more) = self
+                .engine
+                .execute(move |tx| ops::prune(tx, &journal, &name, cutoff, PRUNE_CHUNK, merge))?;
+            total += n;
+            merge = false;
+            if !more {
+                return Ok(total);
+            }
+        }
     }
 
-    /// [`Inbox::prune`] inside the caller's own write transaction.
+    /// [`Inbox::prune`] inside the caller's own write transaction: every
+    /// key it removes, and the merge of the journal before them, are in
+    /// that one transaction, so it holds the writer for as long as it
+    /// takes, with no cap on what it removes. Use [`Inbox::prune`] to
+    /// prune a large backlog.
     pub fn prune_in(&self, tx: &WriteTransaction, seen_before: DateTime<Utc>) -> Result<u64> {
-        ops::prune(tx, &self.journal, &self.name, micros(seen_before))
+        let cutoff = micros(seen_before);
+        let (n, _) = ops::prune(tx, &self.journal, &self.name, cutoff, usize::MAX, true)?;
+        Ok(n)
     }
 
     /// Number of keys recorded in this inbox. Reads the inbox's count and

@@ -41,28 +41,41 @@ pub(super) fn claim(
     }
 }
 
-/// Removes the keys of inbox `name` claimed strictly before `cutoff`, with
-/// their `seen_at` rows and count; returns how many.
+/// Removes up to `limit` of the keys of inbox `name` claimed strictly
+/// before `cutoff`, earliest claimed first, with their `seen_at` rows and
+/// count; returns how many, and whether more such keys remain (the caller's
+/// next chunk).
+///
+/// Pruning works on the ledger: with `merge` it first moves the journal
+/// there (a merge, so a key is still in one place only), which puts every
+/// key claimed before this transaction in reach. A later chunk of the same
+/// prune need not merge again: what it would move was claimed after the
+/// prune began.
 pub(super) fn prune(
     tx: &WriteTransaction,
     journal: &Arc<Journal>,
     name: &str,
     cutoff: i64,
-) -> Result<u64> {
-    // Pruning works on the ledger: move the journal there first.
-    journal::merge(tx, journal)?;
+    limit: usize,
+    merge: bool,
+) -> Result<(u64, bool)> {
+    if merge {
+        journal::merge(tx, journal)?;
+    }
     let mut index = open_write(tx, INBOX_SEEN)?;
-    let doomed: Vec<(i64, String)> = index
-        .range((name, i64::MIN, "")..(name, cutoff, ""))?
-        .map(|row| {
-            row.map(|(k, _)| {
-                let (_, at, key) = k.value();
-                (at, key.to_owned())
-            })
-        })
-        .collect::<std::result::Result<_, _>>()?;
+    let mut doomed: Vec<(i64, String)> = Vec::new();
+    let mut more = false;
+    for row in index.range((name, i64::MIN, "")..(name, cutoff, ""))? {
+        if doomed.len() >= limit {
+            more = true;
+            break;
+        }
+        let (k, _) = row?;
+        let (_, at, key) = k.value();
+        doomed.push((at, key.to_owned()));
+    }
     if doomed.is_empty() {
-        return Ok(0);
+        return Ok((0, false));
     }
     let mut rows = open_write(tx, INBOX)?;
     for (at, key) in &doomed {
@@ -71,7 +84,7 @@ pub(super) fn prune(
     }
     let n = doomed.len() as u64;
     add_count(tx, name, -i64::try_from(n).unwrap_or(i64::MAX))?;
-    Ok(n)
+    Ok((n, more))
 }
 
 /// Adds `delta` to the count of inbox `name`'s ledger rows; a count that

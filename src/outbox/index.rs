@@ -40,7 +40,7 @@ use redb::{
     ReadTransaction, ReadableTable, Table, TableDefinition, TableHandle as _, WriteTransaction,
 };
 
-use super::record::{AttemptRow, Row};
+use super::record::{AttemptRow, Row, RowKeys, Times};
 use super::{AttemptRecord, MAX_ATTEMPT_HISTORY, OutboxStatus};
 use crate::codec::encode;
 use crate::error::{Error, Result};
@@ -60,8 +60,8 @@ struct StatusKeys {
     finished: Option<i64>,
 }
 
-/// The status-dependent index keys of record `id`.
-fn status_keys(id: u64, row: &Row) -> Result<StatusKeys> {
+/// The status-dependent index keys of record `id`, of status and times `row`.
+fn status_keys(id: u64, row: Times) -> Result<StatusKeys> {
     let none = StatusKeys::default();
     Ok(match row.status(id)? {
         OutboxStatus::Pending => StatusKeys {
@@ -213,9 +213,28 @@ impl<'tx> Tables<'tx> {
         }
     }
 
+    /// The keys of the record a row of `index` points at (without copying
+    /// its payload), checked as [`Tables::load_indexed`] checks the record.
+    pub(super) fn load_keys_indexed(
+        &self,
+        index: &'static str,
+        id: u64,
+        indexed: impl Fn(OutboxStatus) -> bool,
+    ) -> Result<RowKeys> {
+        let keys = match self.rows.get(id)? {
+            Some(v) => RowKeys::decode(id, v.value())?,
+            None => return Err(dangling(index, id)),
+        };
+        if indexed(keys.times.status(id)?) {
+            Ok(keys)
+        } else {
+            Err(index_mismatch(index, id))
+        }
+    }
+
     /// Writes a new record with all its index rows.
     pub(super) fn insert_new(&mut self, id: u64, s: &Row) -> Result<()> {
-        let keys = status_keys(id, s)?;
+        let keys = status_keys(id, s.times())?;
         self.rows.insert(id, encode(s).as_slice())?;
         self.dedup
             .insert((s.destination.as_str(), s.idempotency_key.as_str()), id)?;
@@ -230,7 +249,7 @@ impl<'tx> Tables<'tx> {
     /// index rows and counts. Immutable fields (destination, key, command,
     /// `created_at`) keep their index rows.
     pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
-        let (old_keys, new_keys) = (status_keys(id, old)?, status_keys(id, new)?);
+        let (old_keys, new_keys) = (status_keys(id, old.times())?, status_keys(id, new.times())?);
         self.rows.insert(id, encode(new).as_slice())?;
         if old_keys != new_keys {
             self.remove_status_keys(id, old_keys)?;
@@ -240,17 +259,17 @@ impl<'tx> Tables<'tx> {
         Ok(())
     }
 
-    /// Deletes record `id` (`old` as stored), every index row of it and its
-    /// attempt history.
-    pub(super) fn delete(&mut self, id: u64, old: &Row) -> Result<()> {
-        let keys = status_keys(id, old)?;
+    /// Deletes record `id` (`old`: the keys of its rows as stored), every
+    /// index row of it and its attempt history.
+    pub(super) fn delete(&mut self, id: u64, old: &RowKeys) -> Result<()> {
+        let keys = status_keys(id, old.times)?;
         self.rows.remove(id)?;
         self.dedup
             .remove((old.destination.as_str(), old.idempotency_key.as_str()))?;
         self.by_command
-            .remove((old.command_id.as_str(), old.created_at, id))?;
+            .remove((old.command_id.as_str(), old.times.created_at, id))?;
         self.remove_status_keys(id, keys)?;
-        self.count_move(Some(old.status), None);
+        self.count_move(Some(old.times.status), None);
         let attempts = self.attempts()?;
         for key in attempt_keys(attempts, id)? {
             attempts.remove(key)?;
@@ -434,7 +453,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
                 rec.completed_at
             ));
         }
-        let keys = status_keys(id, &rec)?;
+        let keys = status_keys(id, rec.times())?;
         ex.due.extend(keys.due.map(|at| (at, id)));
         ex.claimed.extend(keys.claimed.map(|at| (at, id)));
         ex.finished.extend(keys.finished.map(|at| (at, id)));

@@ -39,9 +39,14 @@
 //! own is one operation of the store, and an operation that fails is rolled
 //! back as a whole — the bulk calls too ([`Outbox::enqueue_many`],
 //! [`Outbox::claim_due`], [`Outbox::settle_many`],
-//! [`Outbox::settle_and_claim`], [`Outbox::release_expired_claims`],
-//! [`Outbox::purge_finished`]). The `*_in` calls act on one entry and check
-//! before they write. In a bulk settle, a settlement refused
+//! [`Outbox::settle_and_claim`]). The two maintenance calls,
+//! [`Outbox::release_expired_claims`] and [`Outbox::purge_finished`], are
+//! the exception: they commit in chunks of at most 1024 entries, each one
+//! operation, so that a large backlog never holds the writer (and every
+//! claim queued behind it) for long. An `Err` from one of them rolled back
+//! its failed chunk only; the chunks before it stay committed, each a
+//! consistent state. The `*_in` calls act on one entry and check before
+//! they write. In a bulk settle, a settlement refused
 //! ([`Error::Conflict`]) or whose entry is gone ([`Error::NotFound`]) is an
 //! answer about that settlement alone; a damaged record or a storage failure
 //! fails the whole call.
@@ -139,6 +144,14 @@ pub use types::{
     OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
     REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
+
+/// Entries released or purged per commit by
+/// [`Outbox::release_expired_claims`] and [`Outbox::purge_finished`]: 1024.
+pub(crate) const MAINTENANCE_CHUNK: usize = 1024;
+/// Payload bytes [`Outbox::release_expired_claims`] rewrites per commit,
+/// past which it ends a chunk early (each chunk releases at least one
+/// entry): 4 MiB.
+const RELEASE_BYTES: usize = 4 << 20;
 
 /// A change to entry `id`, fenced by its attempt number.
 pub(crate) type FencedChange = (u64, u32, Change);
@@ -552,28 +565,59 @@ impl Outbox {
     /// immediately and keeps its place ahead of work that became due later.
     /// Costs what it releases (it walks the claims index, which holds
     /// `Dispatching` entries only: an `OutcomeUnknown` entry is never
-    /// released). A call that returns `Err` released nothing.
+    /// released).
+    ///
+    /// Commits in chunks of at most 1024 entries, oldest claim first (fewer
+    /// once their payloads, which a release writes again, reach 4 MiB), each
+    /// its own commit, so that releasing a large backlog (after an outage)
+    /// never holds the writer for long: claims and settlements run between
+    /// the chunks, dispatchers are woken as each chunk commits, and a reader
+    /// may see part of the release done. A crash or an `Err` midway leaves
+    /// the chunks committed before it released (and the rest claimed, for
+    /// the next call); the failed chunk released nothing.
     pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
         let cutoff = micros(claimed_before);
-        let out = self
-            .engine
-            .execute(move |tx| ops::release_expired(tx, cutoff))?;
-        if !out.is_empty() {
-            self.notify();
+        let mut released = Vec::new();
+        loop {
+            let (ids, more) = self.engine.execute(move |tx| {
+                ops::release_expired(tx, cutoff, MAINTENANCE_CHUNK, RELEASE_BYTES)
+            })?;
+            if !ids.is_empty() {
+                self.notify();
+            }
+            released.extend(ids);
+            if !more {
+                return Ok(released);
+            }
         }
-        Ok(out)
     }
 
     /// Deletes `Completed` and `Failed` entries whose `completed_at` is
     /// strictly before `before`, with all their index rows and attempt
-    /// history; returns how many. Costs what it removes. A purged entry's
-    /// `(destination, idempotency_key)` can be enqueued again: purge only
-    /// past the window in which duplicates can arrive. A call that returns
-    /// `Err` removed nothing.
+    /// history; returns how many. Costs what it removes, and reads of each
+    /// entry only what its index rows are keyed by, not its payload. A
+    /// purged entry's `(destination, idempotency_key)` can be enqueued
+    /// again: purge only past the window in which duplicates can arrive.
+    ///
+    /// Commits in chunks of at most 1024 entries, earliest finished first,
+    /// each its own commit, so that the first purge of a large backlog
+    /// neither holds the writer (and every claim behind it) nor memory for
+    /// long. A reader may see part of the purge done; a
+    /// crash or an `Err` midway leaves the chunks committed before it
+    /// purged, the rest for the next purge, and the failed chunk removed
+    /// nothing.
     pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
         let cutoff = micros(before);
-        self.engine
-            .execute(move |tx| ops::purge_finished(tx, cutoff))
+        let mut total = 0;
+        loop {
+            let (n, more) = self
+                .engine
+                .execute(move |tx| ops::purge_finished(tx, cutoff, MAINTENANCE_CHUNK))?;
+            total += n;
+            if !more {
+                return Ok(total);
+            }
+        }
     }
 
     /// The entry `id` with its claim, settlement details and attempt

@@ -3,8 +3,9 @@
 //! one again after rolling it back, and it must write the same).
 //!
 //! An operation that returns `Err` is rolled back as a whole by the engine
-//! (`Engine::execute`), so the bulk ones ([`change_many`], and a settle
-//! followed by a claim) may fail after they have written. The calls that run
+//! (`Engine::execute`), so the bulk ones ([`change_many`],
+//! [`release_expired`], and a settle followed by a claim) may fail after
+//! they have written. The calls that run
 //! an operation inside the caller's own transaction (the `*_in` calls) use
 //! the single-entry ones only, [`enqueue`] of one entry and [`change`],
 //! which check everything before they write: their `Err` wrote nothing
@@ -156,38 +157,76 @@ pub(super) fn change_many(
     Ok(out)
 }
 
-/// Moves every `Dispatching` entry claimed strictly before `cutoff` back
-/// to `Pending`, due at its claim time. Costs what it releases.
-pub(super) fn release_expired(tx: &WriteTransaction, cutoff: i64) -> Result<Vec<OutboxId>> {
+/// Moves up to `limit` of the `Dispatching` entries claimed strictly before
+/// `cutoff` back to `Pending`, oldest claim first, each due at its claim
+/// time, stopping early once it has rewritten `max_bytes` of payloads (a
+/// released record is written again whole, and the transaction holds what
+/// it writes until it commits). Returns their ids and whether more such
+/// entries remain (the caller's next chunk). Costs what it releases.
+/// Writes as it goes: an `Err` fails the operation, which the engine rolls
+/// back.
+pub(super) fn release_expired(
+    tx: &WriteTransaction,
+    cutoff: i64,
+    limit: usize,
+    max_bytes: usize,
+) -> Result<(Vec<OutboxId>, bool)> {
     let mut t = Tables::open(tx)?;
-    let ids = index_ids(&t.claimed, ..(cutoff, 0), usize::MAX)?;
-    let plans = plan_indexed(
-        &t,
-        OUTBOX_CLAIMED.name(),
-        OutboxStatus::Dispatching,
-        ids,
-        &Change::Released,
-    )?;
-    replace_all(&mut t, &plans)?;
+    let (ids, more) = first_ids(&t.claimed, ..(cutoff, 0), limit)?;
+    let index = OUTBOX_CLAIMED.name();
+    let mut released = Vec::with_capacity(ids.len());
+    let mut bytes = 0_usize;
+    for &id in &ids {
+        if bytes >= max_bytes {
+            break;
+        }
+        let old = t.load_indexed(index, id, |s| s == OutboxStatus::Dispatching)?;
+        let new =
+            plan(id, &old, &Change::Released, None)?.ok_or_else(|| index_mismatch(index, id))?;
+        bytes = bytes.saturating_add(old.payload.len());
+        t.replace(id, &old, &new)?;
+        released.push(OutboxId(id));
+    }
+    let more = more || released.len() < ids.len();
     t.finish()?;
-    Ok(plans.into_iter().map(|(id, ..)| OutboxId(id)).collect())
+    Ok((released, more))
 }
 
-/// Deletes `Completed` and `Failed` entries finished strictly before
-/// `cutoff`, with all their index rows. Costs what it removes.
-pub(super) fn purge_finished(tx: &WriteTransaction, cutoff: i64) -> Result<u64> {
+/// Deletes up to `limit` of the `Completed` and `Failed` entries finished
+/// strictly before `cutoff`, earliest finished first, with all their index
+/// rows and attempt history. Returns how many, and whether more such
+/// entries remain. Reads of each entry only the keys of its index rows, not
+/// its payload. Costs what it removes.
+pub(super) fn purge_finished(
+    tx: &WriteTransaction,
+    cutoff: i64,
+    limit: usize,
+) -> Result<(u64, bool)> {
     let mut t = Tables::open(tx)?;
-    let ids = index_ids(&t.finished, ..(cutoff, 0), usize::MAX)?;
+    let (ids, more) = first_ids(&t.finished, ..(cutoff, 0), limit)?;
     let mut doomed = Vec::with_capacity(ids.len());
     for id in ids {
-        let old = t.load_indexed(OUTBOX_FINISHED.name(), id, OutboxStatus::is_finished)?;
+        let old = t.load_keys_indexed(OUTBOX_FINISHED.name(), id, OutboxStatus::is_finished)?;
         doomed.push((id, old));
     }
     for (id, old) in &doomed {
         t.delete(*id, old)?;
     }
     t.finish()?;
-    Ok(doomed.len() as u64)
+    Ok((doomed.len() as u64, more))
+}
+
+/// The ids of the first `limit` rows of a `(time, id)` index in `range`,
+/// and whether the range holds more.
+fn first_ids(
+    index: &TimeIndex<'_>,
+    range: impl RangeBounds<(i64, u64)> + 'static,
+    limit: usize,
+) -> Result<(Vec<u64>, bool)> {
+    let mut ids = index_ids(index, range, limit.saturating_add(1))?;
+    let more = ids.len() > limit;
+    ids.truncate(limit);
+    Ok((ids, more))
 }
 
 /// Writes planned replacements.

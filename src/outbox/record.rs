@@ -73,7 +73,19 @@ impl OutboxStatus {
     }
 }
 
-impl Row {
+/// A record's status and times: what its status index rows are keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Times {
+    /// [`OutboxStatus::code`].
+    pub(crate) status: u8,
+    pub(crate) created_at: i64,
+    pub(crate) next_attempt_at: Option<i64>,
+    pub(crate) completed_at: Option<i64>,
+    /// When the latest attempt was claimed, if one is stored.
+    pub(crate) claimed_at: Option<i64>,
+}
+
+impl Times {
     /// The record's status; an unknown code is [`Error::Corrupted`].
     pub(crate) fn status(&self, id: u64) -> Result<OutboxStatus> {
         OutboxStatus::from_code(self.status).ok_or_else(|| Error::Corrupted {
@@ -90,21 +102,105 @@ impl Row {
 
     /// When the latest attempt was claimed (`created_at` if none is stored).
     pub(crate) fn claimed_at(&self) -> i64 {
-        self.attempt.as_ref().map_or(self.created_at, |a| a.1)
+        self.claimed_at.unwrap_or(self.created_at)
+    }
+
+    /// Checks what a stored row must hold: a known status code, every
+    /// timestamp in range.
+    fn check(&self, id: u64) -> Result<()> {
+        self.status(id)?;
+        let times = [self.created_at]
+            .into_iter()
+            .chain(self.next_attempt_at)
+            .chain(self.completed_at)
+            .chain(self.claimed_at);
+        for us in times {
+            from_micros(OUTBOX.name(), &id, us)?;
+        }
+        Ok(())
+    }
+}
+
+/// What deleting a record must know of it: the fields its index rows are
+/// keyed by, without the payload and the settlement details.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RowKeys {
+    pub(crate) command_id: String,
+    pub(crate) destination: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) times: Times,
+}
+
+/// A stored [`Row`] read in place: the same wire format, every string and
+/// the payload borrowed from the stored bytes.
+#[derive(Deserialize)]
+struct RowView<'a> {
+    command_id: &'a str,
+    destination: &'a str,
+    idempotency_key: &'a str,
+    _payload: &'a [u8],
+    status: u8,
+    _attempt_count: u32,
+    next_attempt_at: Option<i64>,
+    created_at: i64,
+    completed_at: Option<i64>,
+    #[serde(borrow)]
+    attempt: Option<(&'a str, i64)>,
+    #[serde(borrow)]
+    _last_failure: Option<&'a str>,
+    #[serde(borrow)]
+    _remote_ref: Option<&'a str>,
+}
+
+impl RowKeys {
+    /// Decodes and checks a stored row as [`Row::decode`] does (the same
+    /// bytes are refused), copying only the fields deleting it needs: a
+    /// purge does not load the payloads it deletes.
+    pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<RowKeys> {
+        let view: RowView<'_> = crate::codec::decode_borrowed(OUTBOX.name(), &id, bytes)?;
+        let keys = RowKeys {
+            command_id: view.command_id.to_owned(),
+            destination: view.destination.to_owned(),
+            idempotency_key: view.idempotency_key.to_owned(),
+            times: Times {
+                status: view.status,
+                created_at: view.created_at,
+                next_attempt_at: view.next_attempt_at,
+                completed_at: view.completed_at,
+                claimed_at: view.attempt.map(|a| a.1),
+            },
+        };
+        keys.times.check(id)?;
+        Ok(keys)
+    }
+}
+
+impl Row {
+    /// The record's status and times.
+    pub(crate) fn times(&self) -> Times {
+        Times {
+            status: self.status,
+            created_at: self.created_at,
+            next_attempt_at: self.next_attempt_at,
+            completed_at: self.completed_at,
+            claimed_at: self.attempt.as_ref().map(|a| a.1),
+        }
+    }
+
+    /// The record's status; an unknown code is [`Error::Corrupted`].
+    pub(crate) fn status(&self, id: u64) -> Result<OutboxStatus> {
+        self.times().status(id)
+    }
+
+    /// When the latest attempt was claimed (`created_at` if none is stored).
+    pub(crate) fn claimed_at(&self) -> i64 {
+        self.times().claimed_at()
     }
 
     /// Decodes and checks a stored row (status code, timestamps in range).
     pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
         let row: Row = crate::codec::decode(OUTBOX.name(), &id, bytes)?;
-        row.status(id)?;
-        let times = [row.created_at]
-            .into_iter()
-            .chain(row.next_attempt_at)
-            .chain(row.completed_at)
-            .chain(row.attempt.as_ref().map(|a| a.1));
-        for us in times {
-            from_micros(OUTBOX.name(), &id, us)?;
-        }
+        row.times().check(id)?;
         Ok(row)
     }
 
@@ -511,6 +607,44 @@ mod tests {
             Row::decode(1, &encode(&bad_time)),
             Err(Error::Corrupted { .. })
         ));
+    }
+
+    #[test]
+    fn keys_read_in_place_match_the_row_and_refuse_what_it_refuses() {
+        let mut full = row(OutboxStatus::Completed.code());
+        full.payload = vec![7; 5000];
+        full.completed_at = Some(full.created_at + 9);
+        full.attempt = Some(("w".into(), full.created_at + 3));
+        full.last_failure = Some("http_500".into());
+        full.remote_ref = Some("r".into());
+        let keys = RowKeys::decode(4, &encode(&full)).unwrap();
+        assert_eq!(
+            keys,
+            RowKeys {
+                command_id: "c".into(),
+                destination: "d".into(),
+                idempotency_key: "k".into(),
+                times: full.times(),
+            }
+        );
+        assert_eq!(
+            RowKeys::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap().times,
+            Row::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap().times()
+        );
+        let mut bad_time = full.clone();
+        bad_time.completed_at = Some(i64::MIN);
+        for bad in [
+            encode(&row(9)),
+            encode(&bad_time),
+            encode(&full)[..20].to_vec(),
+            [encode(&full), vec![0]].concat(),
+        ] {
+            assert!(
+                matches!(RowKeys::decode(1, &bad), Err(Error::Corrupted { .. })),
+                "{bad:?}"
+            );
+            assert!(matches!(Row::decode(1, &bad), Err(Error::Corrupted { .. })));
+        }
     }
 
     /// An `OutcomeUnknown` record as earlier builds wrote it, when the

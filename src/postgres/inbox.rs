@@ -8,7 +8,8 @@
 //! | `claim_many` | the same, from `unnest($2::bytea[])`, `RETURNING event_key` |
 //! | `claim_with` | `BEGIN`, the claim's `INSERT`, the effect's statements, `COMMIT` (or `ROLLBACK`) |
 //! | `seen`, `seen_at` | `SELECT seen_at FROM S.inbox WHERE inbox = $1 AND event_key = $2` |
-//! | `prune`, `prune_in` | `DELETE FROM S.inbox WHERE inbox = $1 AND seen_at < $2` (the `(inbox, seen_at, event_key)` index) |
+//! | `prune` | per chunk of 1024: `DELETE FROM S.inbox WHERE inbox = $1 AND event_key IN (SELECT event_key … WHERE inbox = $1 AND seen_at < $2 ORDER BY seen_at, event_key LIMIT $3 FOR UPDATE SKIP LOCKED)` (the `(inbox, seen_at, event_key)` index) |
+//! | `prune_in` | `DELETE FROM S.inbox WHERE inbox = $1 AND seen_at < $2`, in the caller's transaction |
 //! | `len` | `SELECT count(*) FROM S.inbox WHERE inbox = $1` |
 //! | `list` | `SELECT event_key, seen_at … WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) ORDER BY seen_at, event_key LIMIT $4` |
 //!
@@ -238,29 +239,50 @@ impl PgInbox {
         }
     }
 
-    fn prune_sql(&self) -> String {
-        format!(
-            "DELETE FROM {}.inbox WHERE inbox = $1 AND seen_at < $2",
-            self.shared.schema
-        )
-    }
-
     /// Removes the keys claimed strictly before `seen_before`; returns how
     /// many. Walks the `(inbox, seen_at, event_key)` index, so it costs what
     /// it removes. A pruned key can be claimed again: prune only past the
     /// window in which duplicates can still arrive.
+    ///
+    /// Commits in chunks of at most 1024 keys, earliest claimed first, each
+    /// one statement and so its own transaction; a key whose row is locked
+    /// at that moment (by another prune) is left to it, or to the next
+    /// prune. A reader may see part of the prune done; a lost connection or
+    /// an `Err` midway leaves the chunks committed before it pruned, the
+    /// rest for the next prune.
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
-        let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
-        let sql = self.prune_sql();
-        self.shared
-            .run(Mode::Statement, |conn| conn.db().execute(&sql, &params))
+        let s = &self.shared.schema;
+        let sql = format!(
+            "DELETE FROM {s}.inbox WHERE inbox = $1 AND event_key IN ( \
+                 SELECT event_key FROM {s}.inbox WHERE inbox = $1 AND seen_at < $2 \
+                 ORDER BY seen_at, event_key LIMIT $3 FOR UPDATE SKIP LOCKED)"
+        );
+        let chunk = i64::try_from(crate::inbox::PRUNE_CHUNK).unwrap_or(i64::MAX);
+        let params: [&(dyn ToSql + Sync); 3] = [&&*self.name, &micros(seen_before), &chunk];
+        let mut total = 0;
+        loop {
+            let n = self
+                .shared
+                .run(Mode::Statement, |conn| conn.db().execute(&sql, &params))?;
+            total += n;
+            if n < crate::inbox::PRUNE_CHUNK as u64 {
+                return Ok(total);
+            }
+        }
     }
 
-    /// [`PgInbox::prune`] inside the caller's own transaction.
+    /// [`PgInbox::prune`] inside the caller's own transaction: one
+    /// `DELETE` of every key it removes, with no cap on how many, whose row
+    /// locks the caller's transaction holds until it ends. Use
+    /// [`PgInbox::prune`] to prune a large backlog.
     pub fn prune_in(&self, tx: &mut Transaction<'_>, seen_before: DateTime<Utc>) -> Result<u64> {
         let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
-        Db::uncached(tx).execute(&self.prune_sql(), &params)
+        let sql = format!(
+            "DELETE FROM {}.inbox WHERE inbox = $1 AND seen_at < $2",
+            self.shared.schema
+        );
+        Db::uncached(tx).execute(&sql, &params)
     }
 
     /// Number of keys recorded in this inbox. Counts them (an index-only

@@ -26,8 +26,8 @@
 //! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
 //! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
-//! | `release_expired_claims` | `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
-//! | `purge_finished` | `DELETE FROM S.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
+//! | `release_expired_claims` | per chunk of 1024: `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 ORDER BY claimed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
+//! | `purge_finished` | per chunk of 1024: `DELETE FROM S.outbox WHERE id IN (SELECT id … WHERE status IN ('completed', 'failed') AND completed_at < $1 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
 //! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
 //! | `counts` | `SELECT status, count(*) FROM S.outbox GROUP BY status` |
 //! | `next_due`, `oldest_claim` | the first row of the due or the claims index |
@@ -63,6 +63,8 @@ use crate::outbox::{
     OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed,
     Settlement, check_entry, check_field, plan, plan_settlements,
 };
+
+mod maintenance;
 
 const TABLE: &str = "outbox";
 const ATTEMPTS: &str = "outbox_attempts";
@@ -836,56 +838,6 @@ impl PgOutbox {
     /// `Failed` entry is [`Error::Conflict`].
     pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
         self.change(id, &Change::Cancelled { now: micros(now) }, None)
-    }
-
-    /// Moves every `Dispatching` entry claimed strictly before
-    /// `claimed_before` back to `Pending`, due at its claim time (the reaper
-    /// for crashed dispatchers, in any process), and returns their ids,
-    /// oldest claim first. An entry being settled at that moment (its row
-    /// locked) is left to its settlement. Walks the partial claims index:
-    /// costs what it releases.
-    pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
-        refuse_reentrant()?;
-        let s = self.s();
-        let sql = format!(
-            "UPDATE {s}.outbox SET status = 'pending', next_attempt_at = claimed_at, \
-             worker_id = NULL, claimed_at = NULL \
-             WHERE id IN (SELECT id FROM {s}.outbox \
-                 WHERE status = 'dispatching' AND claimed_at < $1 FOR UPDATE SKIP LOCKED) \
-             RETURNING id, next_attempt_at"
-        );
-        let rows = self.shared.run(Mode::Statement, |conn| {
-            conn.db().query(&sql, &[&micros(claimed_before)])
-        })?;
-        let mut released = rows
-            .iter()
-            .map(|r| {
-                let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
-                let at: Option<i64> = r.try_get(1)?;
-                Ok((at, OutboxId(id)))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        released.sort_unstable();
-        if !released.is_empty() {
-            self.notify();
-        }
-        Ok(released.into_iter().map(|(_, id)| id).collect())
-    }
-
-    /// Deletes `Completed` and `Failed` entries whose `completed_at` is
-    /// strictly before `before`, with their attempt history; returns how
-    /// many. Walks the partial finished index: costs what it removes. A
-    /// purged entry's `(destination, idempotency_key)` can be enqueued
-    /// again.
-    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
-        refuse_reentrant()?;
-        let s = self.s();
-        let sql = format!(
-            "DELETE FROM {s}.outbox WHERE status IN ('completed', 'failed') AND completed_at < $1"
-        );
-        self.shared.run(Mode::Statement, |conn| {
-            conn.db().execute(&sql, &[&micros(before)])
-        })
     }
 
     /// The entry `id` with its claim, settlement details and attempt

@@ -12,7 +12,11 @@
 //! - `fixture.another() -> Db`: a second handle on the same data, as
 //!   another process would open it;
 //! - `fixture.mark(tx, key)` / `fixture.marks()`: the application's own
-//!   writes inside a store transaction, and what of them committed.
+//!   writes inside a store transaction, and what of them committed;
+//! - `fixture.commits_during(f)`: `f`'s result, and how many write
+//!   transactions committed while it ran (the embedded store's commit
+//!   counter; on PostgreSQL, the transactions that updated or deleted
+//!   outbox or inbox rows).
 //!
 //! The tests call the backends' methods by name: the two backends have
 //! the same calls, and the suite compiling against both is part of what it
@@ -37,6 +41,8 @@ macro_rules! fixture {
 mod inbox;
 #[macro_use]
 mod keys;
+#[macro_use]
+mod maintenance;
 #[macro_use]
 mod outbox;
 
@@ -81,11 +87,13 @@ impl std::fmt::Display for AppError {
 
 impl std::error::Error for AppError {}
 
-/// The whole suite, in modules `inbox`, `outbox` and `keys`.
+/// The whole suite, in modules `inbox`, `outbox`, `keys` and
+/// `maintenance`.
 macro_rules! contract_suite {
     () => {
         inbox_contract!();
         outbox_contract!();
         keys_contract!();
+        maintenance_contract!();
     };
 }

@@ -1,0 +1,99 @@
+//! The reaper's and the janitor's calls on [`PgOutbox`]: each walks a
+//! partial index in chunks, one statement (so one transaction) per chunk,
+//! so that a large backlog never holds thousands of row locks, or the
+//! server's resources, in one transaction.
+
+use chrono::{DateTime, Utc};
+
+use super::{PgOutbox, TABLE};
+use crate::codec::micros;
+use crate::error::Result;
+use crate::outbox::{MAINTENANCE_CHUNK, OutboxId};
+use crate::postgres::conn::Mode;
+use crate::postgres::errors::unsigned;
+use crate::postgres::refuse_reentrant;
+
+/// [`MAINTENANCE_CHUNK`] as a statement parameter.
+fn chunk() -> i64 {
+    i64::try_from(MAINTENANCE_CHUNK).unwrap_or(i64::MAX)
+}
+
+impl PgOutbox {
+    /// Moves every `Dispatching` entry claimed strictly before
+    /// `claimed_before` back to `Pending`, due at its claim time (the reaper
+    /// for crashed dispatchers, in any process), and returns their ids,
+    /// oldest claim first. An entry being settled at that moment (its row
+    /// locked) is left to its settlement. Walks the partial claims index:
+    /// costs what it releases.
+    ///
+    /// Commits in chunks of at most 1024 entries, oldest claim first, each
+    /// one statement and so its own transaction: dispatchers are woken as
+    /// each chunk commits, and a reader may see part of the release done. A
+    /// lost connection or an `Err` midway leaves the chunks committed
+    /// before it released (and the rest claimed, for the next call).
+    pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        refuse_reentrant()?;
+        let s = self.s();
+        let sql = format!(
+            "UPDATE {s}.outbox SET status = 'pending', next_attempt_at = claimed_at, \
+             worker_id = NULL, claimed_at = NULL \
+             WHERE id IN (SELECT id FROM {s}.outbox \
+                 WHERE status = 'dispatching' AND claimed_at < $1 \
+                 ORDER BY claimed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+             RETURNING id, next_attempt_at"
+        );
+        let (cutoff, chunk) = (micros(claimed_before), chunk());
+        let mut released = Vec::new();
+        loop {
+            let rows = self.shared.run(Mode::Statement, |conn| {
+                conn.db().query(&sql, &[&cutoff, &chunk])
+            })?;
+            for r in &rows {
+                let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+                let at: Option<i64> = r.try_get(1)?;
+                released.push((at, OutboxId(id)));
+            }
+            if !rows.is_empty() {
+                self.notify();
+            }
+            if rows.len() < MAINTENANCE_CHUNK {
+                break;
+            }
+        }
+        released.sort_unstable();
+        Ok(released.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// Deletes `Completed` and `Failed` entries whose `completed_at` is
+    /// strictly before `before`, with their attempt history; returns how
+    /// many. Walks the partial finished index: costs what it removes. A
+    /// purged entry's `(destination, idempotency_key)` can be enqueued
+    /// again.
+    ///
+    /// Commits in chunks of at most 1024 entries, earliest finished first,
+    /// each one statement and so its own transaction; an entry whose row is
+    /// locked at that moment (an operator's requeue, a repeated settlement)
+    /// is left for the next purge. A reader may see part of the purge done;
+    /// a lost connection or an `Err` midway leaves the chunks committed
+    /// before it purged, the rest for the next purge.
+    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+        refuse_reentrant()?;
+        let s = self.s();
+        let sql = format!(
+            "DELETE FROM {s}.outbox WHERE id IN (SELECT id FROM {s}.outbox \
+                 WHERE status IN ('completed', 'failed') AND completed_at < $1 \
+                 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
+        let (cutoff, chunk) = (micros(before), chunk());
+        let mut total = 0;
+        loop {
+            let n = self.shared.run(Mode::Statement, |conn| {
+                conn.db().execute(&sql, &[&cutoff, &chunk])
+            })?;
+            total += n;
+            if n < MAINTENANCE_CHUNK as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}

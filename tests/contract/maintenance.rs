@@ -1,0 +1,177 @@
+//! Maintenance over more rows than one chunk: `release_expired_claims`,
+//! `purge_finished` and `prune` act on exactly the rows they should, commit
+//! in more than one transaction, and leave the indexes consistent.
+
+macro_rules! maintenance_contract {
+    () => {
+        mod maintenance {
+            use idemstore::{Enqueued, Error, OutboxId, OutboxStatus, Settlement};
+
+            use super::*;
+
+            /// More rows than two chunks hold.
+            const MANY: usize = 2500;
+
+            fn failed() -> Settlement {
+                Settlement::Failed {
+                    reason: "http_500".into(),
+                    next_attempt_at: None,
+                }
+            }
+
+            #[test]
+            fn release_expired_claims_releases_exactly_the_old_claims_in_chunks() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                let e: Vec<OutboxId> = outbox
+                    .enqueue_many(
+                        (0..MANY + 2).map(|i| entry("c", "d", &format!("k{i}"))),
+                        t(0),
+                    )?
+                    .iter()
+                    .map(Enqueued::id)
+                    .collect();
+                // Claimed at t(1), t(2) and t(3), oldest ids first.
+                let mut claimed = outbox.claim_due(t(1), 1000, "w")?;
+                claimed.extend(outbox.claim_due(t(2), 1000, "w")?);
+                claimed.extend(outbox.claim_due(t(3), MANY - 2000 + 1, "w")?);
+                assert_eq!(claimed.len(), MANY + 1);
+                // In doubt: no longer a claim, never released.
+                let doubt = claimed.pop().ok_or("claimed")?;
+                outbox.settle(
+                    doubt.fence(),
+                    Settlement::OutcomeUnknown { remote_ref: None },
+                    t(3),
+                )?;
+                // Claimed at the cutoff: not strictly before it.
+                let late = outbox.claim_due(t(5), 1, "w")?;
+                assert_eq!(late.len(), 1);
+
+                let (released, commits) =
+                    f.commits_during(|| outbox.release_expired_claims(t(5)))?;
+                assert_eq!(released?, e[..MANY], "every older claim, oldest first");
+                assert!(commits >= 2, "in chunks: {commits} transaction(s)");
+                let counts = outbox.counts()?;
+                assert_eq!(
+                    (counts.pending, counts.dispatching, counts.outcome_unknown),
+                    (MANY as u64, 1, 1)
+                );
+                let first = outbox.get(e[0])?;
+                assert_eq!(first.entry.status, OutboxStatus::Pending);
+                assert_eq!(first.entry.next_attempt_at, Some(t(1)), "due at its claim");
+                assert_eq!(first.claim, None);
+                assert_eq!(
+                    outbox.get(late[0].id)?.entry.status,
+                    OutboxStatus::Dispatching
+                );
+                assert_eq!(
+                    outbox.get(doubt.id)?.entry.status,
+                    OutboxStatus::OutcomeUnknown
+                );
+                assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+                assert_eq!(outbox.release_expired_claims(t(5))?, Vec::<OutboxId>::new());
+                Ok(())
+            }
+
+            #[test]
+            fn purge_finished_removes_exactly_the_old_finished_entries_in_chunks() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                let e: Vec<OutboxId> = outbox
+                    .enqueue_many(
+                        (0..MANY + 3).map(|i| entry("c", "d", &format!("k{i}"))),
+                        t(0),
+                    )?
+                    .iter()
+                    .map(Enqueued::id)
+                    .collect();
+                let claimed = outbox.claim_due(t(1), MANY + 3, "w")?;
+                assert_eq!(claimed.len(), MANY + 3);
+                // Half completed at t(2), half failed for good at t(3) (with
+                // an attempt record each).
+                let (completed, failures): (Vec<_>, Vec<_>) =
+                    claimed[..MANY].iter().partition(|c| c.id.0 % 2 == 0);
+                outbox.settle_many(
+                    completed.iter().map(|c| (c.fence(), Settlement::Completed)),
+                    t(2),
+                )?;
+                outbox.settle_many(failures.iter().map(|c| (c.fence(), failed())), t(3))?;
+                // Finished at the cutoff, retried, still being sent: they stay.
+                outbox.settle(claimed[MANY].fence(), Settlement::Completed, t(5))?;
+                outbox.settle(
+                    claimed[MANY + 1].fence(),
+                    Settlement::Failed {
+                        reason: "http_503".into(),
+                        next_attempt_at: Some(t(9)),
+                    },
+                    t(4),
+                )?;
+
+                let (purged, commits) = f.commits_during(|| outbox.purge_finished(t(5)))?;
+                assert_eq!(purged?, MANY as u64);
+                assert!(commits >= 2, "in chunks: {commits} transaction(s)");
+                for id in [e[0], e[1], e[MANY - 1]] {
+                    assert!(matches!(outbox.get(id), Err(Error::NotFound)), "{id}");
+                }
+                assert_eq!(outbox.get(e[MANY])?.entry.status, OutboxStatus::Completed);
+                assert_eq!(outbox.get(e[MANY + 1])?.entry.status, OutboxStatus::Pending);
+                assert_eq!(
+                    outbox.get(e[MANY + 2])?.entry.status,
+                    OutboxStatus::Dispatching
+                );
+                let counts = outbox.counts()?;
+                assert_eq!(
+                    (
+                        counts.completed,
+                        counts.failed,
+                        counts.pending,
+                        counts.dispatching
+                    ),
+                    (1, 0, 1, 1)
+                );
+                assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+                // A purged key is free again.
+                assert!(matches!(
+                    outbox.enqueue(entry("c", "d", "k0"), t(6))?,
+                    Enqueued::New(_)
+                ));
+                assert_eq!(outbox.purge_finished(t(5))?, 0);
+                Ok(())
+            }
+
+            #[test]
+            fn prune_removes_exactly_the_old_keys_in_chunks() -> TestResult {
+                let f = fixture!();
+                let inbox = f.store.inbox("old")?;
+                let other = f.store.inbox("other")?;
+                let keys: Vec<String> = (0..MANY).map(|i| format!("k{i}")).collect();
+                for (i, chunk) in keys.chunks(500).enumerate() {
+                    let at = t(i64::try_from(i)?);
+                    assert!(inbox.claim_many(chunk, at)?.iter().all(|&c| c));
+                    assert!(other.claim_many(chunk, at)?.iter().all(|&c| c));
+                }
+                for i in 0..10 {
+                    assert!(inbox.claim(&format!("new{i}"), t(5 + i))?);
+                }
+
+                let (pruned, commits) = f.commits_during(|| inbox.prune(t(5)))?;
+                assert_eq!(
+                    pruned?, MANY as u64,
+                    "every key claimed strictly before t(5)"
+                );
+                assert!(commits >= 2, "in chunks: {commits} transaction(s)");
+                assert_eq!(inbox.len()?, 10);
+                assert!(!inbox.seen("k0")? && !inbox.seen(&keys[MANY - 1])?);
+                assert!(inbox.seen("new0")? && inbox.seen("new9")?);
+                assert_eq!(other.len()?, MANY as u64, "another inbox is not pruned");
+                assert_eq!(inbox.prune(t(5))?, 0);
+                assert!(
+                    inbox.claim("k0", t(20))?,
+                    "a pruned key can be claimed again"
+                );
+                assert!(!inbox.claim("new0", t(20))?);
+                Ok(())
+            }
+        }
+    };
+}
