@@ -59,11 +59,12 @@ use super::{Shared, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::outbox::{
-    AttemptRecord, Change, Enqueued, Fence, FencedChange, NewEntry, Notifier, OutboxCounts,
-    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed,
-    Settlement, check_entry, check_field, plan, plan_settlements,
+    AttemptRecord, Change, Enqueued, Fence, FencedChange, NewEntry, Notifier, OutboxEntry,
+    OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed, Settlement, check_entry,
+    check_field, plan, plan_settlements,
 };
 
+mod inspect;
 mod maintenance;
 
 const TABLE: &str = "outbox";
@@ -838,159 +839,6 @@ impl PgOutbox {
     /// `Failed` entry is [`Error::Conflict`].
     pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
         self.change(id, &Change::Cancelled { now: micros(now) }, None)
-    }
-
-    /// The entry `id` with its claim, settlement details and attempt
-    /// history; [`Error::NotFound`] if there is none.
-    pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
-        let db = db_id(id).ok_or(Error::NotFound)?;
-        let sql = format!("{} WHERE o.id = $1", self.select_records());
-        let row = self
-            .shared
-            .run(Mode::Read, |conn| conn.db().query_opt(&sql, &[&db]))?;
-        read_record(&row.ok_or(Error::NotFound)?)
-    }
-
-    /// The entry enqueued as `(destination, idempotency_key)`, if any.
-    pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
-        check_field("destination", destination)?;
-        check_field("idempotency_key", idempotency_key)?;
-        let sql = format!(
-            "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
-            self.select_records()
-        );
-        let row = self.shared.run(Mode::Read, |conn| {
-            conn.db().query_opt(
-                &sql,
-                &[&destination.as_bytes(), &idempotency_key.as_bytes()],
-            )
-        })?;
-        row.as_ref().map(read_record).transpose()
-    }
-
-    /// Every entry of `command_id`, by `created_at`, then id.
-    pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
-        check_field("command_id", command_id)?;
-        let sql = format!(
-            "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
-            self.select_records()
-        );
-        let rows = self.shared.run(Mode::Read, |conn| {
-            conn.db().query(&sql, &[&command_id.as_bytes()])
-        })?;
-        rows.iter().map(read_record).collect()
-    }
-
-    /// How many entries are in each status. Counts the rows: for
-    /// monitoring at a modest rate. Sets the `idemstore_outbox_entries`
-    /// gauge (feature `metrics`) to what it counted.
-    pub fn counts(&self) -> Result<OutboxCounts> {
-        let s = self.s();
-        let sql = format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status");
-        let rows = self
-            .shared
-            .run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
-        let mut counts: HashMap<OutboxStatus, u64> = HashMap::new();
-        for r in &rows {
-            let name: &str = r.try_get(0)?;
-            let n: i64 = r.try_get(1)?;
-            counts.insert(parse_status(0, name)?, u64::try_from(n).unwrap_or(0));
-        }
-        let counts = OutboxCounts::from_fn(|st| counts.get(&st).copied().unwrap_or(0));
-        self.depth.publish(&counts);
-        Ok(counts)
-    }
-
-    /// The earliest due time of any `Pending` entry (possibly in the past:
-    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
-    /// until then, or until a [`subscribe`](PgOutbox::subscribe) signal.
-    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        let s = self.s();
-        self.first_time(&format!(
-            "SELECT coalesce(next_attempt_at, created_at), id FROM {s}.outbox \
-             WHERE status = 'pending' ORDER BY coalesce(next_attempt_at, created_at), id LIMIT 1"
-        ))
-    }
-
-    /// The claim time of the longest-held `Dispatching` entry, or `None` if
-    /// nothing is being dispatched.
-    pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
-        let s = self.s();
-        self.first_time(&format!(
-            "SELECT claimed_at, id FROM {s}.outbox WHERE status = 'dispatching' \
-             ORDER BY claimed_at, id LIMIT 1"
-        ))
-    }
-
-    /// The `(time, id)` of the one row `sql` returns, if any.
-    fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
-        let Some(r) = self
-            .shared
-            .run(Mode::Read, |conn| conn.db().query_opt(sql, &[]))?
-        else {
-            return Ok(None);
-        };
-        let (at, id): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
-        from_micros(TABLE, &id, at).map(Some)
-    }
-
-    /// Up to `limit` entries matching `filter`, by id (enqueue order). For
-    /// inspection tools, not for a dispatcher. Page with
-    /// [`OutboxFilter::after`] and the last id returned.
-    pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
-        filter.check()?;
-        let Some(start) = filter.first_id() else {
-            return Ok(Vec::new());
-        };
-        let Ok(start) = i64::try_from(start) else {
-            return Ok(Vec::new());
-        };
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let status = filter.status_filter().map(status_name);
-        let destination = filter.destination_filter().map(str::as_bytes);
-        let sql = format!(
-            "{} WHERE o.id >= $1 AND ($2::text IS NULL OR o.status = $2) \
-             AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
-            self.select_records()
-        );
-        let rows = self.shared.run(Mode::Read, |conn| {
-            conn.db()
-                .query(&sql, &[&start, &status, &destination, &limit])
-        })?;
-        rows.iter().map(read_record).collect()
-    }
-
-    /// Checks what the server does not enforce itself (its constraints hold
-    /// the status invariants): every row and attempt record decodes as the
-    /// store wrote it, and no entry keeps more than 20 attempt records.
-    /// Returns one human-readable finding per violation, none if the outbox
-    /// is consistent. Reads every row: for tests and offline checks.
-    pub fn check_indexes(&self) -> Result<Vec<String>> {
-        let mut findings = Vec::new();
-        let mut conn = self.shared.conn()?;
-        let conn = &mut conn.client;
-        for r in conn.query(&self.select_records(), &[])? {
-            if let Err(e) = read_record(&r) {
-                findings.push(e.to_string());
-            }
-        }
-        let s = self.s();
-        for r in conn.query(
-            &format!(
-                "SELECT id, count(*) FROM {s}.outbox_attempts GROUP BY id HAVING count(*) > $1"
-            ),
-            &[&history()],
-        )? {
-            let (id, n): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
-            findings.push(format!(
-                "{ATTEMPTS}: record {id} keeps {n} attempt records, more than {}",
-                history()
-            ));
-        }
-        Ok(findings)
     }
 
     /// A channel that receives `()` after a commit, in any process, that
