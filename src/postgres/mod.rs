@@ -83,6 +83,7 @@ mod import;
 mod inbox;
 mod listen;
 mod outbox;
+mod runtime;
 mod schema;
 
 use std::cell::Cell;
@@ -177,33 +178,40 @@ impl Shared {
 
     /// Runs `op` on a pooled connection, again on another one (at most
     /// [`conn::MAX_TRIES`] times in all) when it failed in a way that `mode`
-    /// makes safe to run again (`conn.rs`).
-    fn run<T>(&self, mode: Mode, mut op: impl FnMut(&mut PgConn) -> Result<T>) -> Result<T> {
-        let mut tries = 1;
-        loop {
-            let mut conn = self.conn()?;
-            let e = match op(&mut conn) {
-                Ok(v) => return Ok(v),
-                Err(e) => e,
-            };
-            let class = conn::classify(&e);
-            let committing = conn::committing(&conn);
-            drop(conn);
-            conn::note_failure(&self.epoch, &e);
-            if tries >= conn::MAX_TRIES || !conn::may_retry(mode, class, committing) {
-                return Err(e);
+    /// and how far it had gone make safe to run again ([`conn::decide`]);
+    /// an error that leaves its outcome unknown says so
+    /// ([`conn::outcome_unknown`]). On a thread that drives a tokio
+    /// runtime, it runs where it may block (`runtime.rs`).
+    fn run<T: Send>(
+        &self,
+        mode: Mode,
+        mut op: impl FnMut(&mut PgConn) -> Result<T> + Send,
+    ) -> Result<T> {
+        runtime::off_runtime(|| {
+            let mut tries = 1;
+            loop {
+                let mut conn = self.conn()?;
+                let e = match op(&mut conn) {
+                    Ok(v) => return Ok(v),
+                    Err(e) => e,
+                };
+                let phase = conn::phase(&conn);
+                drop(conn);
+                self.retry_after(e, mode, phase, tries)?;
+                tries += 1;
             }
-            tries += 1;
-            std::thread::sleep(conn::backoff(tries));
-        }
+        })
     }
 
     /// Runs `first`, then `f` once, in one transaction on a pooled
     /// connection, and commits if `f` says so: the calls that run a
-    /// caller's closure ([`PgStore::write`], `claim_with`). `BEGIN` and
-    /// `first` run again on another connection when that is safe ([`Mode::Tx`]:
-    /// nothing has committed); `f` never runs twice. While `f` runs, the
-    /// thread is inside a write ([`WriteScope`]).
+    /// caller's closure ([`PgStore::write`], `claim_with`).
+    /// `BEGIN` and `first` run again on another connection when that is
+    /// safe (nothing has committed); `f` never runs twice. While `f` runs,
+    /// the thread is inside a write ([`WriteScope`]). `f` runs on the
+    /// calling thread; on the thread of a current-thread tokio runtime,
+    /// where the client cannot block, nothing runs and the call returns
+    /// [`Error::InvalidInput`] for the field `runtime` (`runtime.rs`).
     ///
     /// `f` returning `Err` or panicking rolls back. Before the `COMMIT`, the
     /// transaction is checked: a statement that failed inside `f` aborted
@@ -221,66 +229,78 @@ impl Shared {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
-        let mut tries = 1;
-        loop {
-            let mut conn = self.conn()?;
-            let conn = &mut *conn;
-            let e = match conn.client.transaction() {
-                Ok(mut tx) => {
-                    let mut db = Db {
-                        client: &mut tx,
-                        stmts: Some(&mut conn.stmts),
-                    };
-                    match first(&mut db) {
-                        Ok(p) => {
-                            let out = f(p, &mut tx);
-                            drop(scope);
-                            return match out? {
-                                // Dropping the transaction rolls it back.
-                                Finish::Rollback(v) => Ok(v),
-                                Finish::Commit(v) => {
-                                    self.commit(tx)?;
-                                    Ok(v)
-                                }
-                            };
+        runtime::on_this_thread(move || {
+            let mut tries = 1;
+            loop {
+                let mut conn = self.conn()?;
+                let conn = &mut *conn;
+                let e = match conn.client.transaction() {
+                    Ok(mut tx) => {
+                        let mut db = Db {
+                            client: &mut tx,
+                            stmts: Some(&mut conn.stmts),
+                            committing: None,
+                        };
+                        match first(&mut db) {
+                            Ok(p) => {
+                                let out = f(p, &mut tx);
+                                drop(scope);
+                                return match out? {
+                                    // Dropping the transaction rolls it back.
+                                    Finish::Rollback(v) => Ok(v),
+                                    Finish::Commit(v) => {
+                                        self.commit(tx)?;
+                                        Ok(v)
+                                    }
+                                };
+                            }
+                            Err(e) => e,
                         }
-                        Err(e) => e,
                     }
-                }
-                Err(e) => Error::from(e),
-            };
-            if !self.retry_after(&e, Mode::Tx, false, tries) {
-                return Err(e.into());
+                    Err(e) => Error::from(e),
+                };
+                self.retry_after(e, Mode::Tx, conn::Phase::Open, tries)?;
+                tries += 1;
             }
-            tries += 1;
-        }
+        })
     }
 
     /// Commits `tx` unless a statement in it failed (see
     /// [`Shared::write_once`]); a failure is noted as [`Shared::run`] notes
-    /// one. Not run again: the closure that wrote `tx` runs once.
+    /// one, and one once the `COMMIT` was sent is
+    /// [`conn::outcome_unknown`] when it may have committed. Not run again:
+    /// the closure that wrote `tx` runs once.
     fn commit(&self, mut tx: Transaction<'_>) -> Result<()> {
-        // In an aborted transaction every statement fails with 25P02; the
-        // dropped transaction then rolls back.
-        let out = tx.batch_execute("SELECT 1").and_then(|()| tx.commit());
-        out.map_err(|e| {
+        let failed = |e: ::postgres::Error| {
             let e = Error::from(e);
             conn::note_failure(&self.epoch, &e);
             e
+        };
+        // In an aborted transaction every statement fails with 25P02; the
+        // dropped transaction then rolls back.
+        tx.batch_execute("SELECT 1").map_err(failed)?;
+        tx.commit().map_err(failed).map_err(|e| {
+            match conn::decide(Mode::Tx, conn::Phase::Committing, conn::classify(&e)) {
+                conn::Decision::Unknown => conn::outcome_unknown(e),
+                conn::Decision::Retry | conn::Decision::Fail => e,
+            }
         })
     }
 
-    /// After a failure outside [`Shared::run`]: notes a lost connection;
-    /// `true` if the call may run again (try `tries` of at most
-    /// [`conn::MAX_TRIES`] failed).
-    fn retry_after(&self, e: &Error, mode: Mode, committing: bool, tries: u32) -> bool {
-        let class = conn::classify(e);
-        conn::note_failure(&self.epoch, e);
-        let again = tries < conn::MAX_TRIES && conn::may_retry(mode, class, committing);
-        if again {
-            std::thread::sleep(conn::backoff(tries + 1));
+    /// After a failure `e` of a call in `mode` that had gone as far as
+    /// `phase`, on try `tries` (of at most [`conn::MAX_TRIES`]): notes a
+    /// lost connection, and answers `Ok` if the call may run again (after
+    /// a short pause), else the error to return.
+    fn retry_after(&self, e: Error, mode: Mode, phase: conn::Phase, tries: u32) -> Result<()> {
+        conn::note_failure(&self.epoch, &e);
+        match conn::decide(mode, phase, conn::classify(&e)) {
+            conn::Decision::Retry if tries < conn::MAX_TRIES => {
+                std::thread::sleep(conn::backoff(tries + 1));
+                Ok(())
+            }
+            conn::Decision::Unknown => Err(conn::outcome_unknown(e)),
+            conn::Decision::Retry | conn::Decision::Fail => Err(e),
         }
-        again
     }
 }
 
@@ -404,7 +424,14 @@ impl PgStoreBuilder {
     ///
     /// Connections are plain (no TLS): use a unix socket or a trusted
     /// network.
+    ///
+    /// Safe to call from async code (`#[tokio::main] async fn main`), as
+    /// every call of the store is (see [the module docs](self)).
     pub fn connect(self, url: &str) -> Result<PgStore> {
+        runtime::off_runtime(|| self.connect_here(url))
+    }
+
+    fn connect_here(self, url: &str) -> Result<PgStore> {
         schema::check_schema_name(&self.schema)?;
         let mut config: Config = url
             .parse()
