@@ -9,13 +9,8 @@
 //! keyed by their text ([`Stmts`]), so a call's statements are prepared
 //! once per connection and each later call is one round trip per
 //! statement. The pool does not test a connection when it hands it out
-//! with a query (that would cost a round trip per call). It reads, without
-//! waiting, what the server sent while the connection sat in the pool
-//! ([`alive`]): a connection the server ended (a restart,
-//! `pg_terminate_backend`, an idle timeout) has its farewell or its end
-//! waiting there, and is dropped before anything is sent on it. A
-//! connection that died without a word is noticed by the call that uses
-//! it, and then:
+//! (that would cost a round trip per call); a connection that has died is
+//! noticed by the call that uses it, and then:
 //!
 //! - every connection opened before that failure is *suspect*: the next
 //!   call to take one checks it first with an empty query, before sending
@@ -30,11 +25,11 @@
 //!
 //! - Until the call hands the server what commits — the `COMMIT` of its
 //!   transaction, or the one statement of a write outside a transaction,
-//!   which commits in the same round trip — a connection that goes
-//!   (the server shutting down, `57P01`…`57P03`; a connection failure it
-//!   reported, class `08`; a request that could not be written, `EPIPE`;
-//!   no answer at all) takes everything with it: the server rolls the
-//!   transaction back. The call runs again on another connection.
+//!   which commits in the same round trip — a connection that goes (the
+//!   server shutting down, `57P01`…`57P03`; a connection failure it
+//!   reported, class `08`; no answer at all) takes everything with it: the
+//!   server rolls the transaction back. The call runs again on another
+//!   connection.
 //! - Once it has, only the server's answer that it rolled the transaction
 //!   back — a serialization failure (`40001`) or a deadlock (`40P01`) —
 //!   means it did not happen, and the call runs again. A connection that
@@ -44,7 +39,18 @@
 //!   claim, a `begin` in flight against its own request, entries a
 //!   `claim_due` took stranded). The error says so instead
 //!   ([`outcome_unknown`]: SQLSTATE `08007`, `transaction_resolution_unknown`,
-//!   with what ended the connection in its message).
+//!   with what ended the connection in its message). So does a connection
+//!   the server ended while it sat in the pool (a restart,
+//!   `pg_terminate_backend`) when a one-statement write is the first to
+//!   use it: the server's farewell (`57P01`) reads the same whether it came
+//!   before the statement or after its commit. The failure marks the other
+//!   pooled connections suspect, so the calls after it check theirs first.
+//! - A request that could not be written at all (`EPIPE`, "broken pipe":
+//!   the server had closed the connection already, as after a restart) never
+//!   reached the server, whatever it was: the call runs again. A write that
+//!   fails this way delivered none of its bytes, and the bytes before it in
+//!   the same request cannot commit without the last one (`Sync`, or the
+//!   whole `COMMIT`).
 //! - A read runs again after any connection failure.
 //! - Anything else — a constraint, bad data, the server's error in answer
 //!   to a `COMMIT` (it rolled back), a timeout waiting for a pooled
@@ -59,7 +65,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ::postgres::fallible_iterator::FallibleIterator as _;
 use ::postgres::types::ToSql;
 use ::postgres::{Client, Config, GenericClient, NoTls, Row, Statement};
 use r2d2::ManageConnection;
@@ -270,12 +275,15 @@ pub(crate) enum Class {
     /// succeed if run again: a serialization failure (`40001`) or a
     /// deadlock (`40P01`).
     RolledBack,
+    /// A request could not be written at all (`EPIPE`): the server had
+    /// closed the connection, and got none of it.
+    NotSent,
     /// The connection went, or was going: the server said so (the server
     /// shutting down or starting, `57P01`, `57P02`, `57P03`; too many
     /// connections, `53300`; a connection failure it reported itself,
-    /// class `08` but `08007` and `08P01`), a request could not be written
-    /// (`EPIPE`), or the connection closed or failed with no answer. What
-    /// the server did with a request already handed to it is unknown.
+    /// class `08` but `08007` and `08P01`), or the connection closed or
+    /// failed with no answer. What the server did with a request already
+    /// handed to it is unknown.
     Connection,
     /// Anything else: a constraint, bad data, a timeout waiting for a
     /// pooled connection (that call already waited its timeout), the
@@ -297,16 +305,18 @@ pub(crate) enum Decision {
 }
 
 /// The rule: once a call is [`Phase::Committing`], only the server's word
-/// that it rolled back ([`Class::RolledBack`]) means "not applied";
-/// a connection that goes then leaves the outcome unknown. Before, a lost
-/// connection rolled everything back and the call may run again on
-/// another; a read may always run again.
+/// that it rolled back ([`Class::RolledBack`]), or a request it never got
+/// ([`Class::NotSent`]), means "not applied"; a connection that goes then
+/// leaves the outcome unknown. Before, a lost connection rolled everything
+/// back and the call may run again on another; a read may always run
+/// again.
 pub(crate) fn decide(mode: Mode, phase: Phase, class: Class) -> Decision {
     match (class, mode, phase) {
-        (Class::RolledBack, ..) => Decision::Retry,
-        (Class::Other, ..) => Decision::Fail,
-        (Class::Connection, Mode::Read, _) | (Class::Connection, _, Phase::Open) => Decision::Retry,
+        (Class::RolledBack | Class::NotSent, ..)
+        | (Class::Connection, Mode::Read, _)
+        | (Class::Connection, _, Phase::Open) => Decision::Retry,
         (Class::Connection, _, Phase::Committing) => Decision::Unknown,
+        (Class::Other, ..) => Decision::Fail,
     }
 }
 
@@ -336,11 +346,15 @@ pub(crate) fn classify(e: &Error) -> Class {
     {
         return Class::Connection;
     }
-    // An I/O error anywhere in the chain: the socket failed underneath (a
-    // broken pipe among them: the server had closed the connection).
+    // An I/O error anywhere in the chain: the socket failed underneath.
     let mut next = Some(source);
     while let Some(e) = next {
-        if e.downcast_ref::<std::io::Error>().is_some() {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            // A write refused because the server had closed the
+            // connection already (a restart while it sat in the pool).
+            if io.kind() == std::io::ErrorKind::BrokenPipe {
+                return Class::NotSent;
+            }
             return Class::Connection;
         }
         next = e.source();
@@ -384,9 +398,8 @@ pub(super) fn backoff(n: u32) -> Duration {
     Duration::from_millis(5 << n.min(6))
 }
 
-/// Takes a connection from `pool`, alive as far as can be seen without a
-/// round trip ([`alive`]); one opened before the store's latest lost
-/// connection is checked first (an empty query) and dropped if dead.
+/// Takes a connection from `pool`; one opened before the store's latest
+/// lost connection is checked first (an empty query) and dropped if dead.
 pub(super) fn checkout(
     pool: &r2d2::Pool<Manager>,
     epoch: &AtomicU64,
@@ -397,13 +410,11 @@ pub(super) fn checkout(
     for _ in 0..=pool.max_size() {
         let mut conn = pool.get().map_err(super::errors::pool)?;
         conn.committing = false;
-        if conn.epoch < now {
-            if conn.client.simple_query("").is_err() {
-                continue;
-            }
-            conn.epoch = now;
+        if conn.epoch >= now {
+            return Ok(conn);
         }
-        if alive(&mut conn) {
+        if conn.client.simple_query("").is_ok() {
+            conn.epoch = now;
             return Ok(conn);
         }
         // Dead: the pool discards it when it comes back (`has_broken`).
@@ -411,20 +422,6 @@ pub(super) fn checkout(
     let mut conn = pool.get().map_err(super::errors::pool)?;
     conn.committing = false;
     Ok(conn)
-}
-
-/// Whether `conn` is still open, as far as what the server sent while it
-/// sat in the pool tells: reads it without waiting (no round trip). A
-/// connection the server ended (a restart, `pg_terminate_backend`, an idle
-/// timeout) has its farewell (`57P01`, …) or its end waiting there, and
-/// then closes. So a call's requests, the one that commits among them, go
-/// to connections that were open a moment before; one that goes after
-/// that leaves a committing call's outcome unknown ([`decide`]).
-fn alive(conn: &mut PgConn) -> bool {
-    // The store's connections `LISTEN` to nothing: a notification is none
-    // of theirs, an error is the connection's end.
-    let read = conn.client.notifications().iter().next();
-    read.is_ok() && !conn.client.is_closed()
 }
 
 /// Records a lost connection (no answer, or the server's word that it is
@@ -435,7 +432,7 @@ pub(super) fn note_failure(epoch: &AtomicU64, e: &Error) {
     let connection = match e {
         Error::Postgres { code: Some(c), .. } => c.starts_with("57P") || c.starts_with("08"),
         // No answer: the connection failed underneath.
-        _ => classify(e) == Class::Connection,
+        _ => matches!(classify(e), Class::Connection | Class::NotSent),
     };
     if connection {
         epoch.fetch_add(1, Ordering::AcqRel);
@@ -472,10 +469,11 @@ mod tests {
 
     #[test]
     fn a_connection_that_went_is_a_connection_failure() {
-        // A request that could not be written, a connection reset, the
-        // end of the stream: the connection went.
+        // A request that could not be written.
+        let pipe = Arc::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert_eq!(classify(&pg(None, pipe)), Class::NotSent);
+        // A connection reset, the end of the stream: the connection went.
         for kind in [
-            std::io::ErrorKind::BrokenPipe,
             std::io::ErrorKind::ConnectionReset,
             std::io::ErrorKind::UnexpectedEof,
         ] {
@@ -539,14 +537,16 @@ mod tests {
 
     #[test]
     fn once_committing_only_a_rollback_the_server_answered_runs_again() {
-        use Class::{Connection, Other, RolledBack};
+        use Class::{Connection, NotSent, Other, RolledBack};
         use Decision::{Fail, Retry, Unknown};
         use Mode::{Read, Statement, Tx};
         use Phase::{Committing, Open};
-        // The server rolled it back: every call may run again.
+        // The server rolled it back, or never got it: every call may run
+        // again.
         for mode in [Read, Tx, Statement] {
             for phase in [Open, Committing] {
                 assert_eq!(decide(mode, phase, RolledBack), Retry);
+                assert_eq!(decide(mode, phase, NotSent), Retry);
                 assert_eq!(decide(mode, phase, Other), Fail);
             }
         }
@@ -558,7 +558,7 @@ mod tests {
         assert_eq!(decide(Tx, Open, Connection), Retry);
         assert_eq!(decide(Statement, Open, Connection), Retry);
         // Once it was, whatever the connection's end said (the server
-        // shutting down, a reset, a broken pipe), it may have committed.
+        // shutting down, a reset, no answer), it may have committed.
         assert_eq!(decide(Tx, Committing, Connection), Unknown);
         assert_eq!(decide(Statement, Committing, Connection), Unknown);
     }
@@ -569,7 +569,7 @@ mod tests {
         let cases: [(Error, Decision, Decision); 6] = [
             (pg(Some("57P01"), io()), Decision::Retry, Decision::Unknown),
             (pg(Some("08006"), io()), Decision::Retry, Decision::Unknown),
-            (pg(None, pipe()), Decision::Retry, Decision::Unknown),
+            (pg(None, pipe()), Decision::Retry, Decision::Retry),
             (pg(None, io()), Decision::Retry, Decision::Unknown),
             (pg(Some("40001"), io()), Decision::Retry, Decision::Retry),
             (pg(Some("23505"), io()), Decision::Fail, Decision::Fail),
