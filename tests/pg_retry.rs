@@ -247,8 +247,9 @@ fn a_claim_on_a_pooled_connection_after_an_immediate_restart_is_retried() -> Tes
 /// whose text starts as the trigger says — swallows the server's answer
 /// up to its `ReadyForQuery` (so the commit landed), hands the client the
 /// server's farewell instead (`FATAL 57P01`, as from a shutdown or a
-/// `pg_terminate_backend` racing the commit) and closes the connection.
-/// Then it disarms: later connections pass through untouched.
+/// `pg_terminate_backend` racing the commit) and closes the connection at
+/// the client's next request. Then it disarms: later connections pass
+/// through untouched.
 mod proxy {
     use std::collections::HashMap;
     use std::fmt::Write as _;
@@ -462,7 +463,11 @@ mod proxy {
             }
             buf.drain(..end);
             if cut.load(Ordering::SeqCst) {
-                // Nothing more reaches the server on this connection.
+                // Nothing more reaches the server on this connection: the
+                // next request (or the client's goodbye) meets its end, as
+                // it would after the server's farewell.
+                let _ = client.read(&mut chunk);
+                let _ = client.shutdown(Shutdown::Both);
                 return;
             }
         }
@@ -487,8 +492,11 @@ mod proxy {
             }
             swallowed.extend_from_slice(&chunk[..n]);
             if ready_for_query(&swallowed) {
+                // The farewell alone; the connection's end comes with the
+                // client's next request.
                 let _ = client.write_all(&farewell());
                 let _ = client.flush();
+                let _ = server.shutdown(Shutdown::Both);
                 return;
             }
         }
