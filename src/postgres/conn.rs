@@ -108,10 +108,10 @@ impl Stmts {
 pub(super) struct Db<'a, C: GenericClient> {
     pub(super) client: &'a mut C,
     pub(super) stmts: Option<&'a mut Stmts>,
-    /// Outside a transaction, the connection's [`Phase`] flag: each
-    /// statement commits as it ends, so it is set once a statement is
-    /// handed to the server (after its prepare, which writes nothing).
-    pub(super) committing: Option<&'a mut bool>,
+    /// Outside a transaction, the connection's flag for a statement handed
+    /// to the server (each commits as it ends): set once a statement is
+    /// sent, after its prepare (which writes nothing). See [`phase`].
+    pub(super) sent: Option<&'a mut bool>,
 }
 
 /// Parameters of a statement.
@@ -123,19 +123,19 @@ impl<'a, C: GenericClient> Db<'a, C> {
         Db {
             client,
             stmts: None,
-            committing: None,
+            sent: None,
         }
     }
 
     /// The statement `sql`, prepared; from here on, a statement outside a
-    /// transaction is [`Phase::Committing`].
+    /// transaction is on its way (see [`phase`]).
     fn stmt(&mut self, sql: &str) -> Result<Statement> {
         let s = match &mut self.stmts {
             Some(cache) => cache.get(self.client, sql)?,
             None => self.client.prepare(sql)?,
         };
-        if let Some(committing) = &mut self.committing {
-            **committing = true;
+        if let Some(sent) = &mut self.sent {
+            **sent = true;
         }
         Ok(s)
     }
@@ -168,9 +168,11 @@ pub(super) struct PgConn {
     /// The store's failure count when this connection was opened or last
     /// checked: older than the store's, it may be dead.
     epoch: u64,
-    /// Whether the call using it has handed the server what commits (a
-    /// `COMMIT`, or a statement outside a transaction): [`Phase`].
+    /// Whether the call using it has sent a `COMMIT`.
     committing: bool,
+    /// Whether the call using it has sent a statement outside a
+    /// transaction (which commits as it ends).
+    sent: bool,
 }
 
 impl PgConn {
@@ -180,7 +182,7 @@ impl PgConn {
         Db {
             client: &mut self.client,
             stmts: Some(&mut self.stmts),
-            committing: Some(&mut self.committing),
+            sent: Some(&mut self.sent),
         }
     }
 
@@ -194,7 +196,7 @@ impl PgConn {
         let out = f(&mut Db {
             client: &mut tx,
             stmts: Some(&mut self.stmts),
-            committing: None,
+            sent: None,
         })?;
         self.committing = true;
         tx.commit()?;
@@ -229,6 +231,7 @@ impl ManageConnection for Manager {
             stmts: Stmts::default(),
             epoch,
             committing: false,
+            sent: false,
         })
     }
 
@@ -247,7 +250,9 @@ pub(crate) enum Mode {
     /// It only reads, or writes what a second run leaves as the first
     /// left it: running it again is always safe.
     Read,
-    /// It writes in a transaction of its own, committed at its end.
+    /// It writes in a transaction of its own, committed at its end (and
+    /// any statement it makes outside it leaves a second run as the first
+    /// left it, as a completion does).
     Tx,
     /// It writes in one statement outside a transaction: the statement
     /// commits as it ends, in the same round trip.
@@ -410,6 +415,7 @@ pub(super) fn checkout(
     for _ in 0..=pool.max_size() {
         let mut conn = pool.get().map_err(super::errors::pool)?;
         conn.committing = false;
+        conn.sent = false;
         if conn.epoch >= now {
             return Ok(conn);
         }
@@ -421,6 +427,7 @@ pub(super) fn checkout(
     }
     let mut conn = pool.get().map_err(super::errors::pool)?;
     conn.committing = false;
+    conn.sent = false;
     Ok(conn)
 }
 
@@ -439,9 +446,12 @@ pub(super) fn note_failure(epoch: &AtomicU64, e: &Error) {
     }
 }
 
-/// How far the call holding `conn` had gone.
-pub(super) fn phase(conn: &PgConn) -> Phase {
-    if conn.committing {
+/// How far the call holding `conn`, in `mode`, had gone: a `COMMIT` sent,
+/// or for a [`Mode::Statement`] call a statement sent, is
+/// [`Phase::Committing`]. (A [`Mode::Tx`] call's statements outside its
+/// transaction are its own to make safe to run again.)
+pub(super) fn phase(conn: &PgConn, mode: Mode) -> Phase {
+    if conn.committing || (mode == Mode::Statement && conn.sent) {
         Phase::Committing
     } else {
         Phase::Open

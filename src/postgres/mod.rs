@@ -48,21 +48,41 @@
 //! - **Errors of the server** (a lost connection, a restart, a
 //!   serialization failure) are [`Error::Postgres`], with the server's
 //!   message and SQLSTATE. A call runs again on a fresh connection, at most
-//!   three times in all, when that is safe: a read, a transaction whose
-//!   `COMMIT` was not sent, or a statement the server says did not happen
-//!   (`40001`, `40P01`, `57P01`, …); your closures (an effect of
-//!   `claim_with`, a [`PgStore::write`]) never run twice, and a
-//!   one-statement write whose answer was lost (it may have committed)
-//!   reaches you as the error.
-//! - **A call that returns `Err` wrote nothing**, with one exception: the
-//!   connection was lost once the call's `COMMIT` (or its one statement)
-//!   was sent: the server may have committed, and the error cannot tell. A
-//!   claim or an enqueue made again then answers as a duplicate; entries
-//!   a `claim_due` took stay `Dispatching` until
-//!   [`PgOutbox::release_expired_claims`] hands them back. After such an error inside a
-//!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
+//!   three times in all, when that is safe: a read; a write that had not
+//!   yet handed the server what commits (its `COMMIT`, or its one
+//!   statement outside a transaction) when the connection went; a request
+//!   that could not be written at all (a broken pipe); a transaction the
+//!   server answered it rolled back (`40001`, `40P01`). Your closures (an
+//!   effect of `claim_with`, a [`PgStore::write`]) never run twice.
+//! - **A call that returns `Err` wrote nothing**, with one exception,
+//!   which says so: the connection went once the call had handed over
+//!   what commits. The server may have committed, so the call is not run
+//!   again (a second run would answer as if someone else had done the
+//!   first: a claim `false`, a `begin` in flight); its error has SQLSTATE
+//!   `08007` (`transaction_resolution_unknown`) and a message that says the
+//!   call may have committed. Look before running it again: `seen`, `get`,
+//!   [`PgOutbox::counts`]; entries a `claim_due` took stay `Dispatching`
+//!   until [`PgOutbox::release_expired_claims`] hands them back. The same
+//!   error may meet a one-statement write (a `claim`, an `enqueue`) that is
+//!   the first to use a connection the server ended while it sat in the
+//!   pool (a restart, `pg_terminate_backend`): the server's farewell reads
+//!   the same before the statement as after its commit. The calls after it
+//!   check the other pooled connections first. After such an error inside
+//!   a [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error. A closure that swallows it and returns `Ok` commits
 //!   nothing either: the call returns the server's `25P02` error.
+//! - **Calls from async code do not panic.** The client blocks on a tokio
+//!   runtime of its own, which tokio refuses on a thread that drives a
+//!   runtime. So on a multi-thread runtime (`#[tokio::main]`) every call,
+//!   [`PgStoreBuilder::connect`] included, runs inside
+//!   `tokio::task::block_in_place`; on the thread of a current-thread
+//!   runtime the store's own calls run on a helper thread while it waits,
+//!   and a call that runs your closure there ([`PgStore::write`],
+//!   `claim_with`) returns [`Error::InvalidInput`] for the field `runtime`
+//!   (your closure cannot move to another thread). Either way a call
+//!   blocks the task that makes it for its round trips, as the embedded
+//!   store's calls do: in async code, make them in
+//!   `tokio::task::spawn_blocking`, where every call runs as on any thread.
 //! - **Calls that counted rows in the embedded store count them here**
 //!   ([`PgInbox::len`], [`PgOutbox::counts`]): they read an index, in time
 //!   proportional to the rows, for inspection and monitoring at a modest
@@ -195,7 +215,7 @@ impl Shared {
                     Ok(v) => return Ok(v),
                     Err(e) => e,
                 };
-                let phase = conn::phase(&conn);
+                let phase = conn::phase(&conn, mode);
                 drop(conn);
                 self.retry_after(e, mode, phase, tries)?;
                 tries += 1;
@@ -239,7 +259,7 @@ impl Shared {
                         let mut db = Db {
                             client: &mut tx,
                             stmts: Some(&mut conn.stmts),
-                            committing: None,
+                            sent: None,
                         };
                         match first(&mut db) {
                             Ok(p) => {
@@ -475,7 +495,8 @@ impl PgStoreBuilder {
 /// one connection pool.
 ///
 /// All calls block the calling thread (network I/O): from async code, call
-/// them from a blocking-friendly context such as `spawn_blocking`.
+/// them from a blocking-friendly context such as `spawn_blocking`. Called
+/// on a runtime's thread they do not panic (see [the module docs](self)).
 #[derive(Clone, Debug)]
 pub struct PgStore {
     shared: Arc<Shared>,
@@ -525,7 +546,10 @@ impl PgStore {
     ///
     /// A call that returns `Err` wrote nothing, except when the connection
     /// is lost after the `COMMIT` was sent: then the transaction may have
-    /// committed, and the error cannot tell.
+    /// committed, and the error says so (SQLSTATE `08007`). On the thread
+    /// of a current-thread tokio runtime, `f` does not run and the call
+    /// returns [`Error::InvalidInput`] for the field `runtime`: make it in
+    /// `tokio::task::spawn_blocking`.
     pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
     where
         E: From<Error>,
