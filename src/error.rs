@@ -120,16 +120,22 @@ pub enum Error {
     /// lost connection, a server restart, a serialization failure, a
     /// statement it refused, no pooled connection free before the timeout.
     /// The transaction the call ran in was rolled back, so nothing from the
-    /// call was acknowledged; only a connection lost while its commit was
-    /// on the wire leaves the outcome open, and every call of the store can
-    /// be retried after that (a claim or an enqueue that did commit answers
-    /// as a duplicate). Retrying may work once the server is back.
+    /// call was acknowledged, and retrying may work once the server is back
+    /// — except when `code` is `08007` (`transaction_resolution_unknown`): the
+    /// connection failed once the call's commit was sent, and the call may
+    /// have committed. Do not run such a call again blindly: a claim or an
+    /// enqueue that did commit answers the second time as a duplicate (the
+    /// work after it would be skipped), a `begin` as in flight. Look first
+    /// (`seen`, `get`, `counts`), or hand entries a `claim_due` may have
+    /// taken back with `release_expired_claims`.
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     Postgres {
         /// The SQLSTATE the server answered with (`40001`: a
         /// serialization failure, `57P01`: the server is shutting down, …);
-        /// `None` when it did not answer (a lost connection, a timeout).
+        /// `None` when it did not answer (a lost connection, a timeout);
+        /// `08007` when the call's outcome is unknown (the message then
+        /// says what ended the connection).
         code: Option<String>,
         /// What went wrong, in the server's words when it answered (its
         /// severity, message, detail and hint), else the client's.
@@ -218,7 +224,14 @@ impl fmt::Display for Error {
                 if let Some(code) = code {
                     write!(f, " (SQLSTATE {code})")?;
                 }
-                f.write_str("; the call's transaction was rolled back")
+                if code.as_deref() == Some("08007") {
+                    f.write_str(
+                        "; the call may have committed: look before running it again \
+                         (a claim that committed answers as a duplicate)",
+                    )
+                } else {
+                    f.write_str("; the call's transaction was rolled back")
+                }
             }
         }
     }

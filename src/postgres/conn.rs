@@ -14,32 +14,48 @@
 //!
 //! - every connection opened before that failure is *suspect*: the next
 //!   call to take one checks it first with an empty query, before sending
-//!   anything, and drops it if it is dead (a restarted server leaves every
-//!   pooled connection dead; one failure marks them all);
+//!   anything, and drops it if it is dead;
 //! - the failed call is tried again on another connection when that is
-//!   safe ([`Mode`]), at most [`MAX_TRIES`] times in all.
+//!   safe ([`decide`]), at most [`MAX_TRIES`] times in all.
 //!
 //! # What is retried
 //!
-//! [`classify`] sorts an error into one of three kinds:
+//! Whether a call may run again depends on how far it had gone
+//! ([`Phase`]) and on what the error says ([`classify`]):
 //!
-//! - [`Class::NotApplied`]: the server answered that the statement or its
-//!   transaction did not happen and may succeed if run again — a
-//!   serialization failure (`40001`), a deadlock (`40P01`), the server
-//!   shutting down or starting (`57P01`, `57P02`, `57P03`), too many
-//!   connections (`53300`), a connection failure it reported itself (class
-//!   `08` but `08007`, "transaction resolution unknown", and `08P01`, a
-//!   protocol violation). Safe to run again whatever the call wrote.
-//!   So is a request the client could not write at all because the server
-//!   had closed the connection already (`EPIPE`, "broken pipe": a pooled
-//!   connection that outlived a restart); the server never got it.
-//! - [`Class::Lost`]: the server did not answer — the connection closed or
-//!   failed underneath (I/O error). Whatever was in flight may or may not
-//!   have committed: run again only if nothing could have committed (a
-//!   read, or a transaction whose `COMMIT` was not sent yet).
-//! - [`Class::Other`]: anything else — a constraint, bad data, a timeout
-//!   waiting for a pooled connection (that call already waited its
-//!   timeout), … — is returned as it is.
+//! - Until the call hands the server what commits — the `COMMIT` of its
+//!   transaction, or the one statement of a write outside a transaction,
+//!   which commits in the same round trip — a connection that goes (the
+//!   server shutting down, `57P01`…`57P03`; a connection failure it
+//!   reported, class `08`; no answer at all) takes everything with it: the
+//!   server rolls the transaction back. The call runs again on another
+//!   connection.
+//! - Once it has, only the server's answer that it rolled the transaction
+//!   back — a serialization failure (`40001`) or a deadlock (`40P01`) —
+//!   means it did not happen, and the call runs again. A connection that
+//!   goes then, whatever its last words, may have taken a commit with it:
+//!   the call is *not* run again, since a second run would answer as if
+//!   someone else had done the first (a claim `false` for its own first
+//!   claim, a `begin` in flight against its own request, entries a
+//!   `claim_due` took stranded). The error says so instead
+//!   ([`outcome_unknown`]: SQLSTATE `08007`, `transaction_resolution_unknown`,
+//!   with what ended the connection in its message). So does a connection
+//!   the server ended while it sat in the pool (a restart,
+//!   `pg_terminate_backend`) when a one-statement write is the first to
+//!   use it: the server's farewell (`57P01`) reads the same whether it came
+//!   before the statement or after its commit. The failure marks the other
+//!   pooled connections suspect, so the calls after it check theirs first.
+//! - A request that could not be written at all (`EPIPE`, "broken pipe":
+//!   the server had closed the connection already, as after a restart) never
+//!   reached the server, whatever it was: the call runs again. A write that
+//!   fails this way delivered none of its bytes, and the bytes before it in
+//!   the same request cannot commit without the last one (`Sync`, or the
+//!   whole `COMMIT`).
+//! - A read runs again after any connection failure.
+//! - Anything else — a constraint, bad data, the server's error in answer
+//!   to a `COMMIT` (it rolled back), a timeout waiting for a pooled
+//!   connection (that call already waited its timeout) — is returned as it
+//!   is.
 //!
 //! A caller's closure (an effect of `claim_with`, a `PgStore::write`) never
 //! runs twice: those calls retry only the part before the closure.
@@ -92,6 +108,10 @@ impl Stmts {
 pub(super) struct Db<'a, C: GenericClient> {
     pub(super) client: &'a mut C,
     pub(super) stmts: Option<&'a mut Stmts>,
+    /// Outside a transaction, the connection's flag for a statement handed
+    /// to the server (each commits as it ends): set once a statement is
+    /// sent, after its prepare (which writes nothing). See [`phase`].
+    pub(super) sent: Option<&'a mut bool>,
 }
 
 /// Parameters of a statement.
@@ -103,14 +123,21 @@ impl<'a, C: GenericClient> Db<'a, C> {
         Db {
             client,
             stmts: None,
+            sent: None,
         }
     }
 
+    /// The statement `sql`, prepared; from here on, a statement outside a
+    /// transaction is on its way (see [`phase`]).
     fn stmt(&mut self, sql: &str) -> Result<Statement> {
-        match &mut self.stmts {
-            Some(cache) => cache.get(self.client, sql),
-            None => Ok(self.client.prepare(sql)?),
+        let s = match &mut self.stmts {
+            Some(cache) => cache.get(self.client, sql)?,
+            None => self.client.prepare(sql)?,
+        };
+        if let Some(sent) = &mut self.sent {
+            **sent = true;
         }
+        Ok(s)
     }
 
     pub(super) fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
@@ -141,9 +168,11 @@ pub(super) struct PgConn {
     /// The store's failure count when this connection was opened or last
     /// checked: older than the store's, it may be dead.
     epoch: u64,
-    /// Whether the call using it has sent its `COMMIT` (its outcome is then
-    /// unknown if the connection is lost).
+    /// Whether the call using it has sent a `COMMIT`.
     committing: bool,
+    /// Whether the call using it has sent a statement outside a
+    /// transaction (which commits as it ends).
+    sent: bool,
 }
 
 impl PgConn {
@@ -153,6 +182,7 @@ impl PgConn {
         Db {
             client: &mut self.client,
             stmts: Some(&mut self.stmts),
+            sent: Some(&mut self.sent),
         }
     }
 
@@ -166,6 +196,7 @@ impl PgConn {
         let out = f(&mut Db {
             client: &mut tx,
             stmts: Some(&mut self.stmts),
+            sent: None,
         })?;
         self.committing = true;
         tx.commit()?;
@@ -200,6 +231,7 @@ impl ManageConnection for Manager {
             stmts: Stmts::default(),
             epoch,
             committing: false,
+            sent: false,
         })
     }
 
@@ -212,95 +244,157 @@ impl ManageConnection for Manager {
     }
 }
 
-/// What a failed call may have left behind, for deciding whether to run it
-/// again.
+/// What a call writes, for deciding whether to run it again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     /// It only reads, or writes what a second run leaves as the first
     /// left it: running it again is always safe.
     Read,
-    /// It writes in a transaction of its own, committed at its end: safe to
-    /// run again until its `COMMIT` was sent.
+    /// It writes in a transaction of its own, committed at its end (and
+    /// any statement it makes outside it leaves a second run as the first
+    /// left it, as a completion does).
     Tx,
-    /// It writes in one statement outside a transaction (the statement
-    /// commits as it ends): safe to run again only when the server said it
-    /// did not happen.
+    /// It writes in one statement outside a transaction: the statement
+    /// commits as it ends, in the same round trip.
     Statement,
 }
 
-/// What an error says about running the call again.
+/// How far a failed call had gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Nothing that commits was handed to the server yet: a transaction
+    /// before its `COMMIT`, a write before its one statement (still
+    /// preparing it). Whatever the server did is rolled back when the
+    /// connection goes.
+    Open,
+    /// The request that commits was handed to the server: the `COMMIT`, or
+    /// a statement outside a transaction. Only the server's answer tells
+    /// whether it committed.
+    Committing,
+}
+
+/// What an error says about what happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Class {
-    /// The server answered that it did not happen, and it may succeed if
-    /// run again.
-    NotApplied,
-    /// The connection was lost with no answer: what was in flight may have
-    /// committed.
-    Lost,
-    /// Not worth retrying.
+    /// The server answered that it rolled the transaction back, and it may
+    /// succeed if run again: a serialization failure (`40001`) or a
+    /// deadlock (`40P01`).
+    RolledBack,
+    /// A request could not be written at all (`EPIPE`): the server had
+    /// closed the connection, and got none of it.
+    NotSent,
+    /// The connection went, or was going: the server said so (the server
+    /// shutting down or starting, `57P01`, `57P02`, `57P03`; too many
+    /// connections, `53300`; a connection failure it reported itself,
+    /// class `08` but `08007` and `08P01`), or the connection closed or
+    /// failed with no answer. What the server did with a request already
+    /// handed to it is unknown.
+    Connection,
+    /// Anything else: a constraint, bad data, a timeout waiting for a
+    /// pooled connection (that call already waited its timeout), the
+    /// server's error in answer to a `COMMIT` (it rolled back), …
     Other,
 }
 
-/// Sorts `e` (see the module docs).
+/// What to do about a failed call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// Nothing of it happened, and it may succeed: run it again.
+    Retry,
+    /// Return the error as it is: the call did not happen (or it is a
+    /// read), and running it again would not help.
+    Fail,
+    /// It may have committed: return [`outcome_unknown`], never run it
+    /// again (a second run would answer as if someone else had done it).
+    Unknown,
+}
+
+/// The rule: once a call is [`Phase::Committing`], only the server's word
+/// that it rolled back ([`Class::RolledBack`]), or a request it never got
+/// ([`Class::NotSent`]), means "not applied"; a connection that goes then
+/// leaves the outcome unknown. Before, a lost connection rolled everything
+/// back and the call may run again on another; a read may always run
+/// again.
+pub(crate) fn decide(mode: Mode, phase: Phase, class: Class) -> Decision {
+    match (class, mode, phase) {
+        (Class::RolledBack | Class::NotSent, ..)
+        | (Class::Connection, Mode::Read, _)
+        | (Class::Connection, _, Phase::Open) => Decision::Retry,
+        (Class::Connection, _, Phase::Committing) => Decision::Unknown,
+        (Class::Other, ..) => Decision::Fail,
+    }
+}
+
+/// Sorts `e` (see [`Class`]).
 pub(crate) fn classify(e: &Error) -> Class {
     let Error::Postgres { code, source, .. } = e else {
         return Class::Other;
     };
     if let Some(code) = code {
-        return if transient_sqlstate(code) {
-            Class::NotApplied
-        } else {
-            Class::Other
+        return match code.as_str() {
+            // serialization_failure, deadlock_detected
+            "40001" | "40P01" => Class::RolledBack,
+            // admin_shutdown, crash_shutdown, cannot_connect_now,
+            // too_many_connections
+            "57P01" | "57P02" | "57P03" | "53300" => Class::Connection,
+            // transaction_resolution_unknown: it may have committed (the
+            // store's own word for a call whose outcome is unknown, too);
+            // protocol_violation: a bug, not a passing state.
+            "08007" | "08P01" => Class::Other,
+            c if c.starts_with("08") => Class::Connection,
+            _ => Class::Other,
         };
     }
     let source: &(dyn std::error::Error + 'static) = &**source;
     if let Some(pg) = source.downcast_ref::<::postgres::Error>()
         && pg.is_closed()
     {
-        return Class::Lost;
+        return Class::Connection;
     }
     // An I/O error anywhere in the chain: the socket failed underneath.
     let mut next = Some(source);
     while let Some(e) = next {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
             // A write refused because the server had closed the
-            // connection already (a restart while it sat in the pool):
-            // the request never reached it.
+            // connection already (a restart while it sat in the pool).
             if io.kind() == std::io::ErrorKind::BrokenPipe {
-                return Class::NotApplied;
+                return Class::NotSent;
             }
-            return Class::Lost;
+            return Class::Connection;
         }
         next = e.source();
     }
     Class::Other
 }
 
-/// SQLSTATEs with which the server says a statement did not happen and may
-/// succeed if run again.
-fn transient_sqlstate(code: &str) -> bool {
-    match code {
-        // serialization_failure, deadlock_detected; admin_shutdown,
-        // crash_shutdown, cannot_connect_now, too_many_connections
-        "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "53300" => true,
-        // transaction_resolution_unknown: it may have committed;
-        // protocol_violation: a bug, not a passing state.
-        "08007" | "08P01" => false,
-        c => c.starts_with("08"),
-    }
-}
+/// The SQLSTATE the store gives a call whose outcome is unknown:
+/// `transaction_resolution_unknown`.
+pub(crate) const OUTCOME_UNKNOWN: &str = "08007";
 
-/// Whether a call in `mode` that failed with `class` may run again;
-/// `committing` tells whether it had sent its `COMMIT`.
-pub(crate) fn may_retry(mode: Mode, class: Class, committing: bool) -> bool {
-    match class {
-        Class::NotApplied => true,
-        Class::Lost => match mode {
-            Mode::Read => true,
-            Mode::Tx => !committing,
-            Mode::Statement => false,
-        },
-        Class::Other => false,
+/// `e`, a connection that went once the call was [`Phase::Committing`], as
+/// the call's error: SQLSTATE [`OUTCOME_UNKNOWN`], a message that says the
+/// call may have committed (with the original error's own words and
+/// SQLSTATE), the client's error as its source.
+pub(crate) fn outcome_unknown(e: Error) -> Error {
+    let Error::Postgres {
+        code,
+        message,
+        source,
+    } = e
+    else {
+        return e;
+    };
+    let was = match code {
+        Some(code) => format!("{message} (SQLSTATE {code})"),
+        None => message,
+    };
+    Error::Postgres {
+        code: Some(OUTCOME_UNKNOWN.to_owned()),
+        message: format!(
+            "the connection failed once the call's commit was sent, so whether it committed \
+             is unknown: {was}"
+        ),
+        source,
     }
 }
 
@@ -321,6 +415,7 @@ pub(super) fn checkout(
     for _ in 0..=pool.max_size() {
         let mut conn = pool.get().map_err(super::errors::pool)?;
         conn.committing = false;
+        conn.sent = false;
         if conn.epoch >= now {
             return Ok(conn);
         }
@@ -332,6 +427,7 @@ pub(super) fn checkout(
     }
     let mut conn = pool.get().map_err(super::errors::pool)?;
     conn.committing = false;
+    conn.sent = false;
     Ok(conn)
 }
 
@@ -343,16 +439,23 @@ pub(super) fn note_failure(epoch: &AtomicU64, e: &Error) {
     let connection = match e {
         Error::Postgres { code: Some(c), .. } => c.starts_with("57P") || c.starts_with("08"),
         // No answer: the connection failed underneath.
-        _ => classify(e) != Class::Other,
+        _ => matches!(classify(e), Class::Connection | Class::NotSent),
     };
     if connection {
         epoch.fetch_add(1, Ordering::AcqRel);
     }
 }
 
-/// Whether the call holding `conn` had sent its `COMMIT`.
-pub(super) fn committing(conn: &PgConn) -> bool {
-    conn.committing
+/// How far the call holding `conn`, in `mode`, had gone: a `COMMIT` sent,
+/// or for a [`Mode::Statement`] call a statement sent, is
+/// [`Phase::Committing`]. (A [`Mode::Tx`] call's statements outside its
+/// transaction are its own to make safe to run again.)
+pub(super) fn phase(conn: &PgConn, mode: Mode) -> Phase {
+    if conn.committing || (mode == Mode::Statement && conn.sent) {
+        Phase::Committing
+    } else {
+        Phase::Open
+    }
 }
 
 #[cfg(test)]
@@ -375,19 +478,30 @@ mod tests {
     }
 
     #[test]
-    fn a_request_that_could_not_be_written_was_not_applied() {
+    fn a_connection_that_went_is_a_connection_failure() {
+        // A request that could not be written.
         let pipe = Arc::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
-        assert_eq!(classify(&pg(None, pipe)), Class::NotApplied);
-        let eof = Arc::new(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
-        assert_eq!(classify(&pg(None, eof)), Class::Lost);
+        assert_eq!(classify(&pg(None, pipe)), Class::NotSent);
+        // A connection reset, the end of the stream: the connection went.
+        for kind in [
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            let e = Arc::new(std::io::Error::from(kind));
+            assert_eq!(classify(&pg(None, e)), Class::Connection, "{kind:?}");
+        }
+        // The server said it was going, or refused the connection.
+        for code in [
+            "57P01", "57P02", "57P03", "53300", "08000", "08003", "08006",
+        ] {
+            assert_eq!(classify(&pg(Some(code), io())), Class::Connection, "{code}");
+        }
     }
 
     #[test]
-    fn the_servers_transient_answers_are_not_applied() {
-        for code in [
-            "40001", "40P01", "57P01", "57P02", "57P03", "53300", "08000", "08003", "08006",
-        ] {
-            assert_eq!(classify(&pg(Some(code), io())), Class::NotApplied, "{code}");
+    fn only_a_serialization_failure_or_a_deadlock_is_rolled_back() {
+        for code in ["40001", "40P01"] {
+            assert_eq!(classify(&pg(Some(code), io())), Class::RolledBack, "{code}");
         }
     }
 
@@ -404,7 +518,7 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_lost_without_an_answer_is_lost() {
+    fn a_connection_lost_without_an_answer_is_a_connection_failure() {
         #[derive(Debug)]
         struct Wrap(std::io::Error);
         impl std::fmt::Display for Wrap {
@@ -417,10 +531,10 @@ mod tests {
                 Some(&self.0)
             }
         }
-        assert_eq!(classify(&pg(None, io())), Class::Lost);
+        assert_eq!(classify(&pg(None, io())), Class::Connection);
         // Deeper in the chain too.
         let deep = Wrap(std::io::Error::other("broken pipe"));
-        assert_eq!(classify(&pg(None, Arc::new(deep))), Class::Lost);
+        assert_eq!(classify(&pg(None, Arc::new(deep))), Class::Connection);
     }
 
     #[test]
@@ -432,23 +546,73 @@ mod tests {
     }
 
     #[test]
-    fn what_may_run_again() {
-        use Class::{Lost, NotApplied, Other};
+    fn once_committing_only_a_rollback_the_server_answered_runs_again() {
+        use Class::{Connection, NotSent, Other, RolledBack};
+        use Decision::{Fail, Retry, Unknown};
         use Mode::{Read, Statement, Tx};
-        // Nothing happened: every call may run again.
+        use Phase::{Committing, Open};
+        // The server rolled it back, or never got it: every call may run
+        // again.
         for mode in [Read, Tx, Statement] {
-            for committing in [false, true] {
-                assert!(may_retry(mode, NotApplied, committing));
-                assert!(!may_retry(mode, Other, committing));
+            for phase in [Open, Committing] {
+                assert_eq!(decide(mode, phase, RolledBack), Retry);
+                assert_eq!(decide(mode, phase, NotSent), Retry);
+                assert_eq!(decide(mode, phase, Other), Fail);
             }
         }
-        // A lost connection: a read, or a transaction before its COMMIT.
-        assert!(may_retry(Read, Lost, false));
-        assert!(may_retry(Read, Lost, true));
-        assert!(may_retry(Tx, Lost, false));
-        assert!(!may_retry(Tx, Lost, true));
-        // A one-statement write may have committed.
-        assert!(!may_retry(Statement, Lost, false));
+        // A read may always run again.
+        assert_eq!(decide(Read, Open, Connection), Retry);
+        assert_eq!(decide(Read, Committing, Connection), Retry);
+        // A write whose commit was not handed over yet rolled back with
+        // the connection.
+        assert_eq!(decide(Tx, Open, Connection), Retry);
+        assert_eq!(decide(Statement, Open, Connection), Retry);
+        // Once it was, whatever the connection's end said (the server
+        // shutting down, a reset, no answer), it may have committed.
+        assert_eq!(decide(Tx, Committing, Connection), Unknown);
+        assert_eq!(decide(Statement, Committing, Connection), Unknown);
+    }
+
+    #[test]
+    fn the_rule_over_the_errors_a_commit_meets() {
+        let pipe = || Arc::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        let cases: [(Error, Decision, Decision); 6] = [
+            (pg(Some("57P01"), io()), Decision::Retry, Decision::Unknown),
+            (pg(Some("08006"), io()), Decision::Retry, Decision::Unknown),
+            (pg(None, pipe()), Decision::Retry, Decision::Retry),
+            (pg(None, io()), Decision::Retry, Decision::Unknown),
+            (pg(Some("40001"), io()), Decision::Retry, Decision::Retry),
+            (pg(Some("23505"), io()), Decision::Fail, Decision::Fail),
+        ];
+        for (e, open, committing) in cases {
+            for mode in [Mode::Tx, Mode::Statement] {
+                assert_eq!(decide(mode, Phase::Open, classify(&e)), open, "{e}");
+                assert_eq!(
+                    decide(mode, Phase::Committing, classify(&e)),
+                    committing,
+                    "{e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_unknown_outcome_says_so_and_keeps_the_original() {
+        let e = outcome_unknown(pg(Some("57P01"), io()));
+        let Error::Postgres { code, message, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(code.as_deref(), Some(OUTCOME_UNKNOWN));
+        assert!(
+            message.contains("unknown") && message.contains("57P01"),
+            "{message}"
+        );
+        assert!(std::error::Error::source(&e).is_some());
+        // Not run again by anything that sorts it.
+        assert_eq!(classify(&e), Class::Other);
+        let shown = e.to_string();
+        assert!(shown.contains("may have committed"), "{shown}");
+        assert!(!shown.contains("rolled back"), "{shown}");
     }
 
     #[test]

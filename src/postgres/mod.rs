@@ -48,21 +48,41 @@
 //! - **Errors of the server** (a lost connection, a restart, a
 //!   serialization failure) are [`Error::Postgres`], with the server's
 //!   message and SQLSTATE. A call runs again on a fresh connection, at most
-//!   three times in all, when that is safe: a read, a transaction whose
-//!   `COMMIT` was not sent, or a statement the server says did not happen
-//!   (`40001`, `40P01`, `57P01`, …); your closures (an effect of
-//!   `claim_with`, a [`PgStore::write`]) never run twice, and a
-//!   one-statement write whose answer was lost (it may have committed)
-//!   reaches you as the error.
-//! - **A call that returns `Err` wrote nothing**, with one exception: the
-//!   connection was lost once the call's `COMMIT` (or its one statement)
-//!   was sent: the server may have committed, and the error cannot tell. A
-//!   claim or an enqueue made again then answers as a duplicate; entries
-//!   a `claim_due` took stay `Dispatching` until
-//!   [`PgOutbox::release_expired_claims`] hands them back. After such an error inside a
-//!   [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
+//!   three times in all, when that is safe: a read; a write that had not
+//!   yet handed the server what commits (its `COMMIT`, or its one
+//!   statement outside a transaction) when the connection went; a request
+//!   that could not be written at all (a broken pipe); a transaction the
+//!   server answered it rolled back (`40001`, `40P01`). Your closures (an
+//!   effect of `claim_with`, a [`PgStore::write`]) never run twice.
+//! - **A call that returns `Err` wrote nothing**, with one exception,
+//!   which says so: the connection went once the call had handed over
+//!   what commits. The server may have committed, so the call is not run
+//!   again (a second run would answer as if someone else had done the
+//!   first: a claim `false`, a `begin` in flight); its error has SQLSTATE
+//!   `08007` (`transaction_resolution_unknown`) and a message that says the
+//!   call may have committed. Look before running it again: `seen`, `get`,
+//!   [`PgOutbox::counts`]; entries a `claim_due` took stay `Dispatching`
+//!   until [`PgOutbox::release_expired_claims`] hands them back. The same
+//!   error may meet a one-statement write (a `claim`, an `enqueue`) that is
+//!   the first to use a connection the server ended while it sat in the
+//!   pool (a restart, `pg_terminate_backend`): the server's farewell reads
+//!   the same before the statement as after its commit. The calls after it
+//!   check the other pooled connections first. After such an error inside
+//!   a [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error. A closure that swallows it and returns `Ok` commits
 //!   nothing either: the call returns the server's `25P02` error.
+//! - **Calls from async code do not panic.** The client blocks on a tokio
+//!   runtime of its own, which tokio refuses on a thread that drives a
+//!   runtime. So on a multi-thread runtime (`#[tokio::main]`) every call,
+//!   [`PgStoreBuilder::connect`] included, runs inside
+//!   `tokio::task::block_in_place`; on the thread of a current-thread
+//!   runtime the store's own calls run on a helper thread while it waits,
+//!   and a call that runs your closure there ([`PgStore::write`],
+//!   `claim_with`) returns [`Error::InvalidInput`] for the field `runtime`
+//!   (your closure cannot move to another thread). Either way a call
+//!   blocks the task that makes it for its round trips, as the embedded
+//!   store's calls do: in async code, make them in
+//!   `tokio::task::spawn_blocking`, where every call runs as on any thread.
 //! - **Calls that counted rows in the embedded store count them here**
 //!   ([`PgInbox::len`], [`PgOutbox::counts`]): they read an index, in time
 //!   proportional to the rows, for inspection and monitoring at a modest
@@ -84,6 +104,7 @@ mod import;
 mod inbox;
 mod listen;
 mod outbox;
+mod runtime;
 mod schema;
 
 use std::cell::{Cell, RefCell};
@@ -178,33 +199,40 @@ impl Shared {
 
     /// Runs `op` on a pooled connection, again on another one (at most
     /// [`conn::MAX_TRIES`] times in all) when it failed in a way that `mode`
-    /// makes safe to run again (`conn.rs`).
-    fn run<T>(&self, mode: Mode, mut op: impl FnMut(&mut PgConn) -> Result<T>) -> Result<T> {
-        let mut tries = 1;
-        loop {
-            let mut conn = self.conn()?;
-            let e = match op(&mut conn) {
-                Ok(v) => return Ok(v),
-                Err(e) => e,
-            };
-            let class = conn::classify(&e);
-            let committing = conn::committing(&conn);
-            drop(conn);
-            conn::note_failure(&self.epoch, &e);
-            if tries >= conn::MAX_TRIES || !conn::may_retry(mode, class, committing) {
-                return Err(e);
+    /// and how far it had gone make safe to run again ([`conn::decide`]);
+    /// an error that leaves its outcome unknown says so
+    /// ([`conn::outcome_unknown`]). On a thread that drives a tokio
+    /// runtime, it runs where it may block (`runtime.rs`).
+    fn run<T: Send>(
+        &self,
+        mode: Mode,
+        mut op: impl FnMut(&mut PgConn) -> Result<T> + Send,
+    ) -> Result<T> {
+        runtime::off_runtime(|| {
+            let mut tries = 1;
+            loop {
+                let mut conn = self.conn()?;
+                let e = match op(&mut conn) {
+                    Ok(v) => return Ok(v),
+                    Err(e) => e,
+                };
+                let phase = conn::phase(&conn, mode);
+                drop(conn);
+                self.retry_after(e, mode, phase, tries)?;
+                tries += 1;
             }
-            tries += 1;
-            std::thread::sleep(conn::backoff(tries));
-        }
+        })
     }
 
     /// Runs `first`, then `f` once, in one transaction on a pooled
     /// connection, and commits if `f` says so: the calls that run a
-    /// caller's closure ([`PgStore::write`], `claim_with`). `BEGIN` and
-    /// `first` run again on another connection when that is safe ([`Mode::Tx`]:
-    /// nothing has committed); `f` never runs twice. While `f` runs, the
-    /// thread is inside a write ([`WriteScope`]).
+    /// caller's closure ([`PgStore::write`], `claim_with`).
+    /// `BEGIN` and `first` run again on another connection when that is
+    /// safe (nothing has committed); `f` never runs twice. While `f` runs,
+    /// the thread is inside a write ([`WriteScope`]). `f` runs on the
+    /// calling thread; on the thread of a current-thread tokio runtime,
+    /// where the client cannot block, nothing runs and the call returns
+    /// [`Error::InvalidInput`] for the field `runtime` (`runtime.rs`).
     ///
     /// `f` returning `Err` or panicking rolls back. Before the `COMMIT`, the
     /// transaction is checked: a statement that failed inside `f` aborted
@@ -222,68 +250,80 @@ impl Shared {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
-        let mut tries = 1;
-        loop {
-            let mut conn = self.conn()?;
-            let conn = &mut *conn;
-            let e = match conn.client.transaction() {
-                Ok(mut tx) => {
-                    let mut db = Db {
-                        client: &mut tx,
-                        stmts: Some(&mut conn.stmts),
-                    };
-                    match first(&mut db) {
-                        Ok(p) => {
-                            let out = f(p, &mut tx);
-                            let hooks = take_hooks();
-                            drop(scope);
-                            return match out? {
-                                // Dropping the transaction rolls it back.
-                                Finish::Rollback(v) => Ok(v),
-                                Finish::Commit(v) => {
-                                    self.commit(tx)?;
-                                    run_hooks(hooks);
-                                    Ok(v)
-                                }
-                            };
+        runtime::on_this_thread(move || {
+            let mut tries = 1;
+            loop {
+                let mut conn = self.conn()?;
+                let conn = &mut *conn;
+                let e = match conn.client.transaction() {
+                    Ok(mut tx) => {
+                        let mut db = Db {
+                            client: &mut tx,
+                            stmts: Some(&mut conn.stmts),
+                            sent: None,
+                        };
+                        match first(&mut db) {
+                            Ok(p) => {
+                                let out = f(p, &mut tx);
+                                let hooks = take_hooks();
+                                drop(scope);
+                                return match out? {
+                                    // Dropping the transaction rolls it back.
+                                    Finish::Rollback(v) => Ok(v),
+                                    Finish::Commit(v) => {
+                                        self.commit(tx)?;
+                                        run_hooks(hooks);
+                                        Ok(v)
+                                    }
+                                };
+                            }
+                            Err(e) => e,
                         }
-                        Err(e) => e,
                     }
-                }
-                Err(e) => Error::from(e),
-            };
-            if !self.retry_after(&e, Mode::Tx, false, tries) {
-                return Err(e.into());
+                    Err(e) => Error::from(e),
+                };
+                self.retry_after(e, Mode::Tx, conn::Phase::Open, tries)?;
+                tries += 1;
             }
-            tries += 1;
-        }
+        })
     }
 
     /// Commits `tx` unless a statement in it failed (see
     /// [`Shared::write_once`]); a failure is noted as [`Shared::run`] notes
-    /// one. Not run again: the closure that wrote `tx` runs once.
+    /// one, and one once the `COMMIT` was sent is
+    /// [`conn::outcome_unknown`] when it may have committed. Not run again:
+    /// the closure that wrote `tx` runs once.
     fn commit(&self, mut tx: Transaction<'_>) -> Result<()> {
-        // In an aborted transaction every statement fails with 25P02; the
-        // dropped transaction then rolls back.
-        let out = tx.batch_execute("SELECT 1").and_then(|()| tx.commit());
-        out.map_err(|e| {
+        let failed = |e: ::postgres::Error| {
             let e = Error::from(e);
             conn::note_failure(&self.epoch, &e);
             e
+        };
+        // In an aborted transaction every statement fails with 25P02; the
+        // dropped transaction then rolls back.
+        tx.batch_execute("SELECT 1").map_err(failed)?;
+        tx.commit().map_err(failed).map_err(|e| {
+            match conn::decide(Mode::Tx, conn::Phase::Committing, conn::classify(&e)) {
+                conn::Decision::Unknown => conn::outcome_unknown(e),
+                conn::Decision::Retry | conn::Decision::Fail => e,
+            }
         })
     }
 
-    /// After a failure outside [`Shared::run`]: notes a lost connection;
-    /// `true` if the call may run again (try `tries` of at most
-    /// [`conn::MAX_TRIES`] failed).
-    fn retry_after(&self, e: &Error, mode: Mode, committing: bool, tries: u32) -> bool {
-        let class = conn::classify(e);
-        conn::note_failure(&self.epoch, e);
-        let again = tries < conn::MAX_TRIES && conn::may_retry(mode, class, committing);
-        if again {
-            std::thread::sleep(conn::backoff(tries + 1));
+    /// After a failure `e` of a call in `mode` that had gone as far as
+    /// `phase`, on try `tries` (of at most [`conn::MAX_TRIES`]): notes a
+    /// lost connection, and answers `Ok` if the call may run again (after
+    /// a short pause), else the error to return.
+    fn retry_after(&self, e: Error, mode: Mode, phase: conn::Phase, tries: u32) -> Result<()> {
+        conn::note_failure(&self.epoch, &e);
+        match conn::decide(mode, phase, conn::classify(&e)) {
+            conn::Decision::Retry if tries < conn::MAX_TRIES => {
+                std::thread::sleep(conn::backoff(tries + 1));
+                Ok(())
+            }
+            conn::Decision::Unknown => Err(conn::outcome_unknown(e)),
+            conn::Decision::Retry | conn::Decision::Fail => Err(e),
         }
-        again
     }
 }
 
@@ -441,7 +481,14 @@ impl PgStoreBuilder {
     ///
     /// Connections are plain (no TLS): use a unix socket or a trusted
     /// network.
+    ///
+    /// Safe to call from async code (`#[tokio::main] async fn main`), as
+    /// every call of the store is (see [the module docs](self)).
     pub fn connect(self, url: &str) -> Result<PgStore> {
+        runtime::off_runtime(|| self.connect_here(url))
+    }
+
+    fn connect_here(self, url: &str) -> Result<PgStore> {
         schema::check_schema_name(&self.schema)?;
         let mut config: Config = url
             .parse()
@@ -486,7 +533,8 @@ impl PgStoreBuilder {
 /// one connection pool.
 ///
 /// All calls block the calling thread (network I/O): from async code, call
-/// them from a blocking-friendly context such as `spawn_blocking`.
+/// them from a blocking-friendly context such as `spawn_blocking`. Called
+/// on a runtime's thread they do not panic (see [the module docs](self)).
 #[derive(Clone, Debug)]
 pub struct PgStore {
     shared: Arc<Shared>,
@@ -536,7 +584,10 @@ impl PgStore {
     ///
     /// A call that returns `Err` wrote nothing, except when the connection
     /// is lost after the `COMMIT` was sent: then the transaction may have
-    /// committed, and the error cannot tell.
+    /// committed, and the error says so (SQLSTATE `08007`). On the thread
+    /// of a current-thread tokio runtime, `f` does not run and the call
+    /// returns [`Error::InvalidInput`] for the field `runtime`: make it in
+    /// `tokio::task::spawn_blocking`.
     pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
     where
         E: From<Error>,
