@@ -33,8 +33,8 @@
 //! Waiting on the runtime's thread stalls its other tasks for a round trip,
 //! as every call of the embedded store does: in async code,
 //! `spawn_blocking` stays the way to call a store. The tests in
-//! `tests/pg_runtime.rs` hold each case to account, the way the yield asks
-//! to be woken included.
+//! `tests/pg_client.rs` and this module's unit tests hold each case to
+//! account, the way the yield asks to be woken included.
 //!
 //! The one place left where a call still meets tokio's panic is a
 //! `LocalSet` run by `LocalSet::block_on` on a multi-thread runtime
