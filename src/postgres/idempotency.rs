@@ -645,6 +645,11 @@ impl PgIdempotencyKeys {
     /// Returns one human-readable line per problem; empty when consistent.
     /// Reads every row: for tests and offline checks.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
+        // It uses a pooled connection directly: where it may block.
+        super::runtime::off_runtime(|| self.check_indexes_here())
+    }
+
+    fn check_indexes_here(&self) -> Result<Vec<String>> {
         let s = self.s();
         let mut conn = self.shared.conn()?;
         let conn = &mut conn.client;

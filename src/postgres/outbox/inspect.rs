@@ -145,6 +145,11 @@ impl PgOutbox {
     /// Returns one human-readable finding per violation, none if the outbox
     /// is consistent. Reads every row: for tests and offline checks.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
+        // It uses a pooled connection directly: where it may block.
+        crate::postgres::runtime::off_runtime(|| self.check_indexes_here())
+    }
+
+    fn check_indexes_here(&self) -> Result<Vec<String>> {
         let mut findings = Vec::new();
         let mut conn = self.shared.conn()?;
         let conn = &mut conn.client;
