@@ -10,10 +10,9 @@ mod common;
 #[path = "middleware/mod.rs"]
 mod suite;
 
-use std::future::Future;
+use common::block_on;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
@@ -52,26 +51,6 @@ async fn a_store_error_is_503_and_the_handler_does_not_run() -> TestResult {
     assert!(std::str::from_utf8(&body)?.contains("\"idempotency_key\":\"k-down\""));
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     Ok(())
-}
-
-/// Runs `fut` to its end on this thread, parking it while the future
-/// waits: an executor that is not tokio, with no runtime around.
-fn block_on<F: Future>(fut: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut fut = std::pin::pin!(fut);
-    loop {
-        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-            return out;
-        }
-        std::thread::park();
-    }
 }
 
 #[test]

@@ -599,10 +599,6 @@ fn a_completion_counts_once_committed_and_a_repeat_is_not_fenced_out() -> Result
 /// its failures (`error`, counted in `idemstore_errors_total`).
 #[cfg(feature = "middleware")]
 mod layer {
-    use std::future::Future;
-    use std::sync::Arc;
-    use std::task::{Context, Poll, Wake, Waker};
-
     use bytes::Bytes;
     use http_body_util::Full;
     use idemstore::middleware::{IdempotencyLayer, ResponseBody};
@@ -610,6 +606,7 @@ mod layer {
     use tower::{ServiceExt as _, service_fn};
     use tracing::Level;
 
+    use super::common::block_on;
     use super::{FaultyDisk, observe, t, the_event};
 
     type Svc = tower::util::BoxCloneService<
@@ -642,25 +639,6 @@ mod layer {
             .expect("an answer")
             .status()
             .as_u16()
-    }
-
-    /// Runs `fut` on this thread with no runtime around.
-    fn block_on<F: Future>(fut: F) -> F::Output {
-        struct Unpark(std::thread::Thread);
-        impl Wake for Unpark {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-                return out;
-            }
-            std::thread::park();
-        }
     }
 
     #[test]

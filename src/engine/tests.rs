@@ -183,34 +183,19 @@ fn a_panicking_after_commit_hook_changes_no_answer_and_keeps_the_store_working()
 const BOUND: Duration = Duration::from_secs(20);
 
 /// Queues `n` callers behind a held batch, each putting its own key; the
-/// first one's operation registers `hook`. Returns the holder and the
-/// callers' answers, once all of them are queued.
+/// first one's operation registers `hook`. Returns the holder, its release
+/// and the callers' answers, once all of them are queued.
 #[expect(clippy::type_complexity, reason = "a test's plumbing")]
 fn queue_callers_behind_a_held_batch(
     engine: &Arc<Engine>,
     n: usize,
     hook: impl Fn() + Send + Sync + 'static,
 ) -> (
-    JoinHandle<std::thread::Result<Result<()>>>,
+    JoinHandle<Result<()>>,
     mpsc::Sender<()>,
     mpsc::Receiver<(usize, std::thread::Result<Result<()>>)>,
 ) {
-    let (started, is_started) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let released = Arc::new(parking_lot::Mutex::new(released));
-    let holder = {
-        let engine = engine.clone();
-        std::thread::spawn(move || {
-            catch_unwind(AssertUnwindSafe(|| {
-                engine.execute(move |_| {
-                    let _ = started.send(());
-                    let _ = released.lock().recv();
-                    Ok(())
-                })
-            }))
-        })
-    };
-    is_started.recv().unwrap();
+    let (holder, release) = hold_a_batch(engine);
     let hook = Arc::new(hook);
     let (answers, answered) = mpsc::channel();
     for i in 0..n {
@@ -249,7 +234,7 @@ fn a_hook_panic_on_the_leader_leaves_no_caller_of_its_batch_waiting() {
             .expect("every caller of the batch is answered");
         assert!(matches!(out, Ok(Ok(()))), "caller {i}: {out:?}");
     }
-    let led = holder.join().unwrap();
+    let led = holder.join();
     assert!(
         matches!(led, Ok(Ok(()))),
         "the leader's own answer: {led:?}"
@@ -284,7 +269,7 @@ fn hooks_run_once_every_caller_of_their_batch_is_answered() {
     release.send(()).unwrap();
     let got = seen.recv_timeout(BOUND).expect("the hook ran");
     assert_eq!(got, 7, "the hook ran before every caller was answered");
-    assert!(matches!(holder.join().unwrap(), Ok(Ok(()))));
+    assert!(matches!(holder.join(), Ok(Ok(()))));
 }
 
 #[test]

@@ -535,16 +535,19 @@ mod tests {
         tx.abort().unwrap();
     }
 
+    /// A store on `dir`'s one file, shared as between processes, merging
+    /// its journal every `journal_size` claims.
+    fn open_shared(dir: &std::path::Path, journal_size: u64) -> crate::Result<crate::Store> {
+        crate::Store::builder()
+            .shared(true)
+            .journal_size(journal_size)
+            .open(dir.join("shared.idem"))
+    }
+
     #[test]
     fn entries_of_rows_another_process_merged_go_at_the_next_write() -> crate::Result<()> {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("shared.idem");
-        let open = || {
-            crate::Store::builder()
-                .shared(true)
-                .journal_size(4)
-                .open(&path)
-        };
+        let open = || open_shared(dir.path(), 4);
         let (a, b) = (open()?, open()?);
         let (a_in, b_in) = (a.inbox("in")?, b.inbox("in")?);
         for key in ["a1", "a2", "a3"] {
@@ -569,13 +572,7 @@ mod tests {
     #[test]
     fn a_process_that_only_reads_forgets_what_others_merged() -> crate::Result<()> {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("shared.idem");
-        let open = || {
-            crate::Store::builder()
-                .shared(true)
-                .journal_size(4)
-                .open(&path)
-        };
+        let open = || open_shared(dir.path(), 4);
         let (reader, writer) = (open()?, open()?);
         let (r_in, w_in) = (reader.inbox("in")?, writer.inbox("in")?);
         let mut most = 0;
