@@ -203,7 +203,8 @@ pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox,
     OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
-    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
+    ParseOutboxStatusError, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED,
+    SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,

@@ -142,7 +142,8 @@ pub(crate) use types::check_field;
 pub use types::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,
     OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
-    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
+    ParseOutboxStatusError, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED,
+    SettledAndClaimed, Settlement,
 };
 
 /// Entries released or purged per commit by

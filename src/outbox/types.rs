@@ -107,6 +107,93 @@ impl OutboxStatus {
     pub fn is_finished(self) -> bool {
         matches!(self, OutboxStatus::Completed | OutboxStatus::Failed)
     }
+
+    /// The status's name: `pending`, `dispatching`, `completed`, `failed`,
+    /// `outcome_unknown`. The one table of names: the PostgreSQL `status`
+    /// column stores it, the operator CLI prints it, the
+    /// `idemstore_outbox_entries` gauge's `status` label carries it, and
+    /// [`FromStr`](std::str::FromStr) reads it back. [`Display`](fmt::Display)
+    /// writes it too.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutboxStatus::Pending => "pending",
+            OutboxStatus::Dispatching => "dispatching",
+            OutboxStatus::Completed => "completed",
+            OutboxStatus::Failed => "failed",
+            OutboxStatus::OutcomeUnknown => "outcome_unknown",
+        }
+    }
+}
+
+impl fmt::Display for OutboxStatus {
+    /// The status's name ([`OutboxStatus::as_str`]); padding and alignment
+    /// apply (`{:<15}`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+/// Reads a status's name, exactly as [`OutboxStatus::as_str`] writes it
+/// (lowercase, `outcome_unknown` with an underscore); anything else is a
+/// [`ParseOutboxStatusError`].
+///
+/// ```
+/// use idemstore::OutboxStatus;
+///
+/// assert_eq!("outcome_unknown".parse(), Ok(OutboxStatus::OutcomeUnknown));
+/// assert!("Pending".parse::<OutboxStatus>().is_err());
+/// ```
+impl std::str::FromStr for OutboxStatus {
+    type Err = ParseOutboxStatusError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        OutboxStatus::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or_else(|| ParseOutboxStatusError { name: s.to_owned() })
+    }
+}
+
+/// A name that is not an outbox status's: what parsing an
+/// [`OutboxStatus`] from text returns for it.
+///
+/// Its message names the text and the five names accepted. Where a call
+/// answers [`Error`], `?` turns it into [`Error::InvalidInput`] for the
+/// field `status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseOutboxStatusError {
+    name: String,
+}
+
+impl ParseOutboxStatusError {
+    /// The text that was not a status's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl fmt::Display for ParseOutboxStatusError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown outbox status {:?}; expected one of ", self.name)?;
+        for (i, status) in OutboxStatus::ALL.into_iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(status.as_str())?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ParseOutboxStatusError {}
+
+impl From<ParseOutboxStatusError> for crate::error::Error {
+    fn from(e: ParseOutboxStatusError) -> Self {
+        crate::error::Error::InvalidInput {
+            field: "status",
+            reason: e.to_string(),
+        }
+    }
 }
 
 /// An effect to enqueue.
@@ -525,5 +612,63 @@ impl OutboxCounts {
             failed: count(OutboxStatus::Failed),
             outcome_unknown: count(OutboxStatus::OutcomeUnknown),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_reads_back_from_its_name() {
+        for status in OutboxStatus::ALL {
+            assert_eq!(status.as_str().parse::<OutboxStatus>(), Ok(status));
+            assert_eq!(status.to_string(), status.as_str());
+        }
+        assert_eq!(format!("{:>9}|", OutboxStatus::Failed), "   failed|");
+        let names: Vec<&str> = OutboxStatus::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "pending",
+                "dispatching",
+                "completed",
+                "failed",
+                "outcome_unknown"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_name_that_is_not_a_status_is_refused_with_its_text() {
+        for bad in [
+            "",
+            "Pending",
+            "PENDING",
+            " pending",
+            "outcome-unknown",
+            "OutcomeUnknown",
+            "unknown",
+        ] {
+            let e = bad.parse::<OutboxStatus>().unwrap_err();
+            assert_eq!(e.name(), bad);
+            let shown = e.to_string();
+            assert!(
+                shown.contains(&format!("{bad:?}")) && shown.contains("outcome_unknown"),
+                "{shown}"
+            );
+            let e = crate::error::Error::from(e);
+            assert!(
+                matches!(&e, crate::error::Error::InvalidInput { field: "status", reason }
+                    if reason.contains("expected one of pending, dispatching")),
+                "{e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_parse_error_can_cross_threads() {
+        fn check<T: Send + Sync + 'static>() {}
+        check::<ParseOutboxStatusError>();
     }
 }

@@ -80,22 +80,18 @@ fn history() -> i64 {
     i64::try_from(crate::outbox::MAX_ATTEMPT_HISTORY).unwrap_or(i64::MAX)
 }
 
-/// A status as stored in the `status` column.
+/// A status as stored in the `status` column: its name
+/// ([`OutboxStatus::as_str`]).
 pub(super) fn status_name(s: OutboxStatus) -> &'static str {
-    match s {
-        OutboxStatus::Pending => "pending",
-        OutboxStatus::Dispatching => "dispatching",
-        OutboxStatus::Completed => "completed",
-        OutboxStatus::Failed => "failed",
-        OutboxStatus::OutcomeUnknown => "outcome_unknown",
-    }
+    s.as_str()
 }
 
+/// The status stored as `name` in the row of entry `id`; a name that is not
+/// a status's is [`Error::Corrupted`] (the row was edited by something
+/// else).
 fn parse_status(id: u64, name: &str) -> Result<OutboxStatus> {
-    OutboxStatus::ALL
-        .into_iter()
-        .find(|s| status_name(*s) == name)
-        .ok_or_else(|| corrupted(TABLE, &id, format!("unknown status {name:?}")))
+    name.parse()
+        .map_err(|_| corrupted(TABLE, &id, format!("unknown status {name:?}")))
 }
 
 /// An id as the caller gives it, as stored; `None` for one no row can have.

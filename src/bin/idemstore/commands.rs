@@ -11,8 +11,8 @@ use idemstore::{
 use serde_json::{Value, json};
 
 use crate::output::{
-    bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner,
-    status_name, ts, ts_opt, when, when_opt, write_record,
+    bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner, ts,
+    ts_opt, when, when_opt, write_record,
 };
 use crate::{
     Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
@@ -111,7 +111,7 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
     if json {
         let per_status: serde_json::Map<String, Value> = OutboxStatus::ALL
             .iter()
-            .map(|st| (status_name(*st).to_owned(), json!(counts.get(*st))))
+            .map(|st| (st.as_str().to_owned(), json!(counts.get(*st))))
             .collect();
         print_json(&json!({
             "file": file.display().to_string(),
@@ -162,7 +162,7 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
     }
     let parts: Vec<String> = OutboxStatus::ALL
         .iter()
-        .map(|st| format!("{} {}", counts.get(*st), status_name(*st)))
+        .map(|st| format!("{} {}", counts.get(*st), st.as_str()))
         .collect();
     out!(
         "outbox     {} entries: {}",
@@ -328,7 +328,7 @@ fn outbox_list(
         out!(
             "{:>8}  {:<15}  {:>8}  {:<20}  {:<20}  {:<24}  {}",
             e.id.0,
-            status_name(e.status),
+            e.status.as_str(),
             e.attempt_count,
             at.format("%Y-%m-%dT%H:%M:%SZ"),
             e.destination,
@@ -344,7 +344,7 @@ fn print_record(r: &idemstore::OutboxRecord) {
     let now = Utc::now();
     let e = &r.entry;
     out!("id               {}", e.id);
-    out!("status           {}", status_name(e.status));
+    out!("status           {}", e.status.as_str());
     out!("command          {}", e.command_id);
     out!("destination      {}", e.destination);
     out!("idempotency key  {}", e.idempotency_key);
@@ -427,10 +427,10 @@ fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
                     if already {
                         out!("{id}: already cancelled");
                     } else {
-                        out!("{id}: {} -> failed (cancelled)", status_name(was));
+                        out!("{id}: {} -> failed (cancelled)", was.as_str());
                     }
                 }
-                done.push(json!({"id": id, "was": status_name(was), "already": already}));
+                done.push(json!({"id": id, "was": was.as_str(), "already": already}));
             }
             Err(e) => {
                 eprintln!("idemstore: error: entry {id}: {e}");
@@ -464,9 +464,9 @@ fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
         match attempt {
             Ok(was) => {
                 if !json {
-                    out!("{id}: {} -> pending, due now", status_name(was));
+                    out!("{id}: {} -> pending, due now", was.as_str());
                 }
-                done.push(json!({"id": id, "was": status_name(was)}));
+                done.push(json!({"id": id, "was": was.as_str()}));
             }
             Err(e) => {
                 eprintln!("idemstore: error: entry {id}: {e}");
@@ -498,7 +498,7 @@ fn resolve(
         return Err(Failure(format!(
             "entry {id} is {}, not outcome_unknown; resolve settles only entries whose \
              outcome is unknown (use retry for failed ones)",
-            status_name(before.entry.status)
+            before.entry.status.as_str()
         )));
     }
     let now = Utc::now();
@@ -513,11 +513,11 @@ fn resolve(
     };
     report(
         json,
-        &json!({"id": id.0, "was": status_name(before.entry.status), "now": status_name(to),
+        &json!({"id": id.0, "was": before.entry.status.as_str(), "now": to.as_str(),
                 "reason": failed, "finished_at": ts(now)}),
         || {
             let why = failed.map(|r| format!(" ({r})")).unwrap_or_default();
-            format!("{id}: outcome_unknown -> {}{why}", status_name(to))
+            format!("{id}: outcome_unknown -> {}{why}", to.as_str())
         },
     )
 }

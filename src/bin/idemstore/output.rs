@@ -7,24 +7,11 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, SecondsFormat, Utc};
-use idemstore::{
-    AttemptRecord, KeyEntry, KeyState, OutboxClaim, OutboxRecord, OutboxStatus, ResponseRecord,
-};
+use idemstore::{AttemptRecord, KeyEntry, KeyState, OutboxClaim, OutboxRecord, ResponseRecord};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
 use crate::Failure;
-
-/// A status as scripts and people read it.
-pub(crate) fn status_name(s: OutboxStatus) -> &'static str {
-    match s {
-        OutboxStatus::Pending => "pending",
-        OutboxStatus::Dispatching => "dispatching",
-        OutboxStatus::Completed => "completed",
-        OutboxStatus::Failed => "failed",
-        OutboxStatus::OutcomeUnknown => "outcome_unknown",
-    }
-}
 
 /// An instant for scripts: RFC 3339 with microseconds (the store's
 /// precision), so it reads back exactly.
@@ -117,7 +104,7 @@ pub(crate) fn outbox_json(r: &OutboxRecord, whole: bool) -> Value {
         "command_id": e.command_id,
         "destination": e.destination,
         "idempotency_key": e.idempotency_key,
-        "status": status_name(e.status),
+        "status": e.status.as_str(),
         "attempt_count": e.attempt_count,
         "next_attempt_at": ts_opt(e.next_attempt_at),
         "created_at": ts(e.created_at),
