@@ -4,6 +4,10 @@
 //! response, a key in flight) are *values* in `Ok`, never errors. An `Err`
 //! always means the call did not do what it was asked, and that nothing it was
 //! asked to write was acknowledged.
+//!
+//! What to do about an `Err` is told by [`Error::kind`] and
+//! [`Error::is_retryable`], not by matching variants or SQLSTATEs: see
+//! [`ErrorKind`].
 
 use std::fmt;
 use std::path::PathBuf;
@@ -14,7 +18,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong in a store call.
 ///
 /// The enum is `#[non_exhaustive]`: match the variants you act on and keep a
-/// wildcard arm.
+/// wildcard arm. To decide what to do about one — run the call again, look
+/// first, fix the input, reopen the store — ask [`Error::is_retryable`] and
+/// [`Error::kind`].
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
@@ -143,6 +149,128 @@ pub enum Error {
         /// The client's error, for [`source`](std::error::Error::source).
         source: std::sync::Arc<dyn std::error::Error + Send + Sync>,
     },
+}
+
+/// The kind of an [`Error`]: what the failure means for the caller's next
+/// step, like [`std::io::ErrorKind`] for an I/O error. [`Error::kind`] gives
+/// it; [`Error::is_retryable`] answers the question most callers have.
+///
+/// Every variant of [`Error`] has one kind, except [`Error::Postgres`],
+/// whose kind comes from what the server answered (its SQLSTATE) or from
+/// its silence: [`Unavailable`](ErrorKind::Unavailable),
+/// [`Transient`](ErrorKind::Transient),
+/// [`OutcomeUnknown`](ErrorKind::OutcomeUnknown), or else
+/// [`Storage`](ErrorKind::Storage).
+///
+/// # The retry rule
+///
+/// [`Error::is_retryable`] is `true` for the kinds
+/// [`Unavailable`](ErrorKind::Unavailable) and
+/// [`Transient`](ErrorKind::Transient) only: the call did not happen (its
+/// transaction rolled back, or nothing of it reached the server) and the
+/// same call, run again as it is, may succeed. Back off between tries: the
+/// store has already run such a call again on another connection a few
+/// times before answering. A call made in your own transaction (the
+/// `*_in` calls) is retried by running the whole transaction again from its
+/// start: the failed one is gone.
+///
+/// It is `false` for everything else, among them:
+///
+/// - [`OutcomeUnknown`](ErrorKind::OutcomeUnknown): the call may have
+///   committed. Look before running it again.
+/// - [`InvalidInput`](ErrorKind::InvalidInput),
+///   [`TooLarge`](ErrorKind::TooLarge), [`Conflict`](ErrorKind::Conflict),
+///   [`NotFound`](ErrorKind::NotFound), [`Reentrant`](ErrorKind::Reentrant):
+///   the same call answers the same again; change the call.
+/// - [`Storage`](ErrorKind::Storage), [`Panicked`](ErrorKind::Panicked),
+///   [`Closed`](ErrorKind::Closed): the store may be broken or gone; after
+///   a failed or panicked commit it refuses every write until it is
+///   reopened.
+/// - [`Corrupted`](ErrorKind::Corrupted),
+///   [`IncompatibleFormat`](ErrorKind::IncompatibleFormat),
+///   [`NotAStore`](ErrorKind::NotAStore),
+///   [`AlreadyOpen`](ErrorKind::AlreadyOpen), [`Io`](ErrorKind::Io): a
+///   person has something to fix first.
+///
+/// ```
+/// use idemstore::{Error, ErrorKind};
+///
+/// let e = Error::NotFound;
+/// assert_eq!(e.kind(), ErrorKind::NotFound);
+/// assert!(!e.is_retryable());
+/// ```
+///
+/// The enum is `#[non_exhaustive]`: later versions may split a kind into
+/// finer ones; keep a wildcard arm, and prefer [`Error::is_retryable`] to a
+/// list of kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The storage engine (redb) failed ([`Error::Storage`]: an I/O error, a
+    /// failed commit, a full disk, a caller's table opened with other
+    /// types), or the PostgreSQL server refused the call for a reason no
+    /// other kind names (a constraint, a statement it rejected, a full
+    /// disk, a protocol violation), or the client failed (a bad connection
+    /// string, a column that does not decode). Not retryable: after a
+    /// failed commit the embedded store refuses writes until it is reopened
+    /// (the reopen repairs the file).
+    Storage,
+    /// [`Error::NotFound`]: no such record. Not retryable.
+    NotFound,
+    /// [`Error::Conflict`]: the record's state refuses the operation (a
+    /// stale claim, an illegal status change). Not retryable: read the
+    /// record again and decide.
+    Conflict,
+    /// [`Error::InvalidInput`]: a malformed argument. Not retryable.
+    InvalidInput,
+    /// [`Error::TooLarge`]: an argument over its limit. Not retryable.
+    TooLarge,
+    /// [`Error::Corrupted`]: stored bytes that do not decode (or, on
+    /// PostgreSQL, a row edited by something else). Not retryable.
+    Corrupted,
+    /// [`Error::IncompatibleFormat`]: a file from a newer version, or a
+    /// redb file that is not a store. Not retryable.
+    IncompatibleFormat,
+    /// [`Error::NotAStore`]: a file that cannot be opened as a store. Not
+    /// retryable.
+    NotAStore,
+    /// [`Error::AlreadyOpen`]: another `Store` holds the file. Not
+    /// retryable: share the `Store`, or stop the other process.
+    AlreadyOpen,
+    /// [`Error::Reentrant`]: a store write called inside a write closure
+    /// on the same thread. Not retryable: use the `*_in` call.
+    Reentrant,
+    /// [`Error::Closed`]: the store is closed. Not retryable: reopen it.
+    Closed,
+    /// [`Error::Io`]: an I/O error outside the storage engine (starting a
+    /// thread, reading a file's metadata). Not retryable.
+    Io,
+    /// [`Error::Panicked`]: code running on the store's behalf panicked.
+    /// Not retryable: a store whose commit panicked refuses writes until it
+    /// is reopened.
+    Panicked,
+    /// The PostgreSQL server could not be reached, or went away, before the
+    /// call had sent what commits it: no pooled connection came free (or
+    /// could be opened) before the pool's timeout, a connection failed or
+    /// closed without an answer, the server is shutting down or starting
+    /// (`57P01`, `57P02`, `57P03`), has too many connections (`53300`), or
+    /// reported a connection failure (class `08`, but `08007` and
+    /// `08P01`). Nothing of the call committed. Retryable, once the server
+    /// is back.
+    Unavailable,
+    /// The PostgreSQL server rolled the call's transaction back for a
+    /// reason that passes: a serialization failure (`40001`) or a deadlock
+    /// (`40P01`). Nothing of the call committed. Retryable.
+    Transient,
+    /// A PostgreSQL call whose outcome is unknown: the connection failed
+    /// once the call's commit was sent, so it may have committed (SQLSTATE
+    /// `08007`, `transaction_resolution_unknown`, which the store gives
+    /// such a call; or `40003`, `statement_completion_unknown`). Not
+    /// retryable: run blindly again, a claim or an enqueue that did commit
+    /// answers as a duplicate and the work after it would be skipped.
+    /// Look first (`seen`, `get`, `counts`), or hand entries a `claim_due`
+    /// may have taken back with `release_expired_claims`.
+    OutcomeUnknown,
 }
 
 impl fmt::Display for Error {
@@ -283,6 +411,42 @@ impl Error {
         }
     }
 
+    /// What kind of failure this is: what it means for the caller's next
+    /// step (see [`ErrorKind`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Storage(_) => ErrorKind::Storage,
+            Error::NotFound => ErrorKind::NotFound,
+            Error::Conflict { .. } => ErrorKind::Conflict,
+            Error::InvalidInput { .. } => ErrorKind::InvalidInput,
+            Error::TooLarge { .. } => ErrorKind::TooLarge,
+            Error::Corrupted { .. } => ErrorKind::Corrupted,
+            Error::IncompatibleFormat { .. } => ErrorKind::IncompatibleFormat,
+            Error::NotAStore { .. } => ErrorKind::NotAStore,
+            Error::AlreadyOpen { .. } => ErrorKind::AlreadyOpen,
+            Error::Reentrant => ErrorKind::Reentrant,
+            Error::Closed => ErrorKind::Closed,
+            Error::Io(_) => ErrorKind::Io,
+            Error::Panicked { .. } => ErrorKind::Panicked,
+            #[cfg(feature = "postgres")]
+            Error::Postgres { code, source, .. } => postgres_kind(code.as_deref(), &**source),
+        }
+    }
+
+    /// Whether running the same call again, as it is, is safe and may
+    /// succeed: `true` only for the kinds
+    /// [`Unavailable`](ErrorKind::Unavailable) (the PostgreSQL server could
+    /// not be reached or went away before the call committed, no pooled
+    /// connection came free in time) and
+    /// [`Transient`](ErrorKind::Transient) (a serialization failure or a
+    /// deadlock rolled the call back). `false` for a call whose outcome is
+    /// unknown (look first), for bad input, conflicts, missing records,
+    /// damaged files, and a store that failed or panicked while committing
+    /// (reopen it first). See [`ErrorKind`] for the rule in full.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.kind(), ErrorKind::Unavailable | ErrorKind::Transient)
+    }
+
     /// A copy of this error, for each caller of a batch that failed as a
     /// whole. redb's and the file system's errors are not `Clone`: their
     /// copies keep the kind and the message, and any other redb error
@@ -342,6 +506,48 @@ impl Error {
             },
         }
     }
+}
+
+/// The kind of an [`Error::Postgres`] with SQLSTATE `code` (if the server
+/// answered) and the client's error `source` (see [`ErrorKind`]).
+#[cfg(feature = "postgres")]
+fn postgres_kind(code: Option<&str>, source: &(dyn std::error::Error + 'static)) -> ErrorKind {
+    if let Some(code) = code {
+        return match code {
+            // transaction_resolution_unknown (the store's word for a call
+            // whose commit was sent when the connection failed),
+            // statement_completion_unknown.
+            "08007" | "40003" => ErrorKind::OutcomeUnknown,
+            // serialization_failure, deadlock_detected.
+            "40001" | "40P01" => ErrorKind::Transient,
+            // admin_shutdown, crash_shutdown, cannot_connect_now,
+            // too_many_connections; the connection exceptions but
+            // protocol_violation (a bug, not a passing state).
+            "57P01" | "57P02" | "57P03" | "53300" => ErrorKind::Unavailable,
+            "08P01" => ErrorKind::Storage,
+            c if c.starts_with("08") => ErrorKind::Unavailable,
+            _ => ErrorKind::Storage,
+        };
+    }
+    // No answer: no pooled connection before the pool's timeout, a closed
+    // connection, or an I/O error anywhere in the chain (the socket failed
+    // underneath).
+    if source.is::<r2d2::Error>() {
+        return ErrorKind::Unavailable;
+    }
+    if let Some(pg) = source.downcast_ref::<::postgres::Error>()
+        && pg.is_closed()
+    {
+        return ErrorKind::Unavailable;
+    }
+    let mut next = Some(source);
+    while let Some(e) = next {
+        if e.is::<std::io::Error>() {
+            return ErrorKind::Unavailable;
+        }
+        next = e.source();
+    }
+    ErrorKind::Storage
 }
 
 /// Checks a key-like argument: 1..=max bytes.
@@ -424,5 +630,225 @@ mod tests {
         let table = Error::from(redb::TableError::TableDoesNotExist("app.t".into())).to_string();
         assert!(table.contains("Table 'app.t' does not exist"), "{table}");
         assert!(!table.contains("reopen"), "{table}");
+    }
+
+    #[test]
+    fn every_variant_has_its_kind_and_none_of_the_stores_own_is_retryable() {
+        let cases = [
+            (Error::Storage(redb::Error::PreviousIo), ErrorKind::Storage),
+            (
+                Error::Storage(redb::Error::Io(std::io::Error::other("disk full"))),
+                ErrorKind::Storage,
+            ),
+            (
+                Error::from(redb::TableError::TableDoesNotExist("app.t".into())),
+                ErrorKind::Storage,
+            ),
+            (Error::NotFound, ErrorKind::NotFound),
+            (Error::conflict("stale claim"), ErrorKind::Conflict),
+            (Error::invalid("key", "empty"), ErrorKind::InvalidInput),
+            (
+                Error::TooLarge {
+                    field: "key",
+                    len: 2000,
+                    max: 1024,
+                },
+                ErrorKind::TooLarge,
+            ),
+            (
+                Error::Corrupted {
+                    table: "t",
+                    key: "1".into(),
+                    reason: "bad bytes".into(),
+                },
+                ErrorKind::Corrupted,
+            ),
+            (
+                Error::IncompatibleFormat {
+                    found: "format 9".into(),
+                    supported: 1,
+                },
+                ErrorKind::IncompatibleFormat,
+            ),
+            (
+                Error::NotAStore {
+                    path: "f".into(),
+                    reason: "truncated".into(),
+                },
+                ErrorKind::NotAStore,
+            ),
+            (
+                Error::AlreadyOpen {
+                    path: "f".into(),
+                    shared: false,
+                },
+                ErrorKind::AlreadyOpen,
+            ),
+            (
+                Error::AlreadyOpen {
+                    path: "f".into(),
+                    shared: true,
+                },
+                ErrorKind::AlreadyOpen,
+            ),
+            (Error::Reentrant, ErrorKind::Reentrant),
+            (Error::Closed, ErrorKind::Closed),
+            (
+                Error::Io(std::io::Error::from(std::io::ErrorKind::WouldBlock)),
+                ErrorKind::Io,
+            ),
+            (
+                Error::Panicked {
+                    during: "commit",
+                    message: "boom".into(),
+                },
+                ErrorKind::Panicked,
+            ),
+        ];
+        for (e, kind) in cases {
+            assert_eq!(e.kind(), kind, "{e:?}");
+            assert!(!e.is_retryable(), "{e:?}");
+            // A copy made for each caller of a failed batch keeps both.
+            assert_eq!(e.lossy_clone().kind(), kind, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn the_kind_can_cross_threads() {
+        fn check<T: Send + Sync + 'static>() {}
+        check::<ErrorKind>();
+    }
+
+    #[cfg(feature = "postgres")]
+    mod postgres {
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        use super::super::{Error, ErrorKind};
+
+        type Source = Arc<dyn std::error::Error + Send + Sync>;
+
+        fn pg(code: Option<&str>, source: Source) -> Error {
+            Error::Postgres {
+                code: code.map(str::to_owned),
+                message: "m".into(),
+                source,
+            }
+        }
+
+        fn io(kind: std::io::ErrorKind) -> Source {
+            Arc::new(std::io::Error::from(kind))
+        }
+
+        /// A client error with no I/O error under it: a bad connection
+        /// string.
+        fn client() -> Source {
+            Arc::new("port=notaport".parse::<::postgres::Config>().unwrap_err())
+        }
+
+        /// The pool's error when no connection came free before its
+        /// timeout.
+        fn pool_timeout() -> Source {
+            struct Down;
+            impl r2d2::ManageConnection for Down {
+                type Connection = ();
+                type Error = std::io::Error;
+                fn connect(&self) -> std::io::Result<()> {
+                    Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+                }
+                fn is_valid(&self, (): &mut ()) -> std::io::Result<()> {
+                    Ok(())
+                }
+                fn has_broken(&self, (): &mut ()) -> bool {
+                    false
+                }
+            }
+            let pool = r2d2::Pool::builder()
+                .connection_timeout(Duration::from_millis(1))
+                .build_unchecked(Down);
+            Arc::new(pool.get().err().unwrap())
+        }
+
+        /// An error with an I/O error under it.
+        #[derive(Debug)]
+        struct Wrap(std::io::Error);
+
+        impl std::fmt::Display for Wrap {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("wrapped")
+            }
+        }
+
+        impl std::error::Error for Wrap {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+
+        #[test]
+        fn a_call_whose_commit_may_have_happened_is_not_retryable() {
+            for code in ["08007", "40003"] {
+                for source in [io(std::io::ErrorKind::ConnectionReset), client()] {
+                    let e = pg(Some(code), source);
+                    assert_eq!(e.kind(), ErrorKind::OutcomeUnknown, "{code}");
+                    assert!(!e.is_retryable(), "{code}");
+                    assert!(e.is_storage());
+                }
+            }
+        }
+
+        #[test]
+        fn a_rolled_back_serialization_failure_or_deadlock_is_retryable() {
+            for code in ["40001", "40P01"] {
+                let e = pg(Some(code), client());
+                assert_eq!(e.kind(), ErrorKind::Transient, "{code}");
+                assert!(e.is_retryable(), "{code}");
+            }
+        }
+
+        #[test]
+        fn a_server_out_of_reach_before_the_commit_is_retryable() {
+            // The server's word that it is going, or refusing connections;
+            // a connection failure it reported.
+            for code in [
+                "57P01", "57P02", "57P03", "53300", "08000", "08001", "08003", "08004", "08006",
+            ] {
+                let e = pg(Some(code), client());
+                assert_eq!(e.kind(), ErrorKind::Unavailable, "{code}");
+                assert!(e.is_retryable(), "{code}");
+            }
+            // No answer: the socket failed (at the top of the chain or
+            // under the client's error), or no pooled connection came free.
+            for source in [
+                io(std::io::ErrorKind::ConnectionReset),
+                io(std::io::ErrorKind::BrokenPipe),
+                io(std::io::ErrorKind::UnexpectedEof),
+                Arc::new(Wrap(std::io::Error::other("reset"))),
+                pool_timeout(),
+            ] {
+                let e = pg(None, source);
+                assert_eq!(e.kind(), ErrorKind::Unavailable, "{e:?}");
+                assert!(e.is_retryable(), "{e:?}");
+            }
+        }
+
+        #[test]
+        fn other_server_answers_and_client_errors_are_storage_and_not_retryable() {
+            // unique_violation, check_violation, query_canceled,
+            // undefined_table, protocol_violation, disk_full,
+            // invalid_password, in_failed_sql_transaction,
+            // transaction_integrity_constraint_violation.
+            for code in [
+                "23505", "23514", "57014", "42P01", "08P01", "53100", "28P01", "25P02", "40002",
+            ] {
+                let e = pg(Some(code), io(std::io::ErrorKind::ConnectionReset));
+                assert_eq!(e.kind(), ErrorKind::Storage, "{code}");
+                assert!(!e.is_retryable(), "{code}");
+            }
+            let e = pg(None, client());
+            assert_eq!(e.kind(), ErrorKind::Storage);
+            assert!(!e.is_retryable());
+            assert_eq!(e.lossy_clone().kind(), ErrorKind::Storage);
+        }
     }
 }

@@ -191,7 +191,7 @@ pub use dispatch::{
     REASON_MAX_ATTEMPTS, REASON_PANIC, RetryPolicy, SystemClock,
 };
 pub use engine::Durability;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use idempotency::{
     Begin, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyKeys, IdempotencyStats, KeyEntry, KeyState,
     KeySummary, MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN,
