@@ -1,8 +1,8 @@
 //! Batching and leadership: the queue of operations, the caller that leads
 //! a batch, and the batch it runs.
 //!
-//! A caller queues its operation ([`Shared::submit`]); if no batch is being
-//! led, it leads one itself ([`Shared::lead`]): it takes the queued
+//! A caller queues its operation ([`Inner::submit`]); if no batch is being
+//! led, it leads one itself ([`Inner::lead`]): it takes the queued
 //! operations, runs them in one write transaction ([`run_batch`]), hands the
 //! lead to the first caller still queued, and then answers its batch's
 //! callers. [`run_batch`] goes through five phases: begin or resume the
@@ -27,7 +27,7 @@
 //! - Every job drained into a batch is answered exactly once: a job kept in
 //!   the open transaction at once, every other one through
 //!   [`Batch::answers`] after the lead is handed on, including when
-//!   something panics while the batch runs ([`Shared::lead`] catches it and
+//!   something panics while the batch runs ([`Inner::lead`] catches it and
 //!   fails the jobs still without an outcome).
 //! - A failed job (one that returned `Err` or panicked) never commits: the
 //!   transaction is rolled back and the other jobs run again without it. It
@@ -41,7 +41,7 @@
 //!   to its callers, nor under a lock: a batch's after-commit hooks and its
 //!   reports ([`Batch::after`]) run on the leader's thread once every caller
 //!   of the batch is answered, the lead handed on, and the leader's own
-//!   children in the wake tree woken ([`Shared::submit`]), each under
+//!   children in the wake tree woken ([`Inner::submit`]), each under
 //!   `catch_unwind`. A panic there is dropped: it changes no answer, leaves
 //!   no caller waiting and does not break the engine.
 //! - A batch takes in late arrivals up to `max_batch` jobs (a caller
@@ -56,7 +56,7 @@
 //! until it commits, keeps or loses it; under them it takes `sync` and
 //! `queue` briefly, one at a time, answers the jobs it keeps open (their
 //! slots' mutexes), and nothing else: no hook, no report. `queue` is otherwise taken alone, except in
-//! [`Shared::hand_on_lead`], which holds it while it sends `Lead` to the
+//! [`Inner::hand_on_lead`], which holds it while it sends `Lead` to the
 //! promoted caller's slot. The callers of a finished batch are woken with no
 //! lock held.
 
@@ -67,9 +67,9 @@ use std::sync::atomic::Ordering;
 use redb::{Database, WriteTransaction};
 
 use super::Durability;
+use super::inner::Inner;
 use super::open_tx::{OpenTx, replay_log};
 use super::scope::{Hook, HookFrame, run_hooks};
-use super::shared::Shared;
 use super::wake::{Notify, Reply, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
 use crate::observe;
@@ -187,7 +187,7 @@ pub(super) struct Queue {
     pub(super) leading: bool,
 }
 
-impl Shared {
+impl Inner {
     /// Queues `op` and waits for its batch, leading batches when asked to.
     pub(super) fn submit<T, F>(&self, op: F, needs: Needs) -> Result<T>
     where
@@ -242,7 +242,7 @@ impl Shared {
     /// the next waiting caller, if any, and answers the batch's callers.
     /// Returns the batch's after-commit hooks and reports, for the leader to
     /// run once it has taken its own answer and woken its children
-    /// ([`Shared::after_answers`]).
+    /// ([`Inner::after_answers`]).
     ///
     /// Unwind-safe: whatever panics while the batch runs (an operation,
     /// redb itself or its storage backend), every caller drained into the
@@ -367,27 +367,27 @@ impl Batch {
 /// failed operation is answered with its own error, and the others run
 /// again without it. A failed call therefore wrote nothing, whatever the
 /// operation did before it failed.
-fn run_batch(shared: &Shared, batch: &mut Batch) {
-    let db = shared.db.read_recursive();
-    let mut open = shared.open.lock();
-    if let Some(refusal) = shared.refusal() {
+fn run_batch(inner: &Inner, batch: &mut Batch) {
+    let db = inner.db.read_recursive();
+    let mut open = inner.open.lock();
+    if let Some(refusal) = inner.refusal() {
         // A commit failed, or answered writes were lost: nothing more is
         // answered on top of that.
         batch.fail_rest(&refusal);
         return;
     }
-    let Some(work) = begin_or_resume(shared, &db, open.take(), batch) else {
+    let Some(work) = begin_or_resume(inner, &db, open.take(), batch) else {
         return;
     };
     let frame = HookFrame::push();
-    let Ok(work) = run_jobs(shared, &db, work, batch, &frame) else {
+    let Ok(work) = run_jobs(inner, &db, work, batch, &frame) else {
         return;
     };
-    match decide(shared, &work, batch) {
+    match decide(inner, &work, batch) {
         Fate::KeepOpen => *open = Some(answer_and_keep(work, batch, &frame)),
         Fate::Commit { durable } => {
             // The outcome is in the batch's answers.
-            let _ = commit_and_answer(shared, work, frame, batch, durable);
+            let _ = commit_and_answer(inner, work, frame, batch, durable);
         }
     }
 }
@@ -397,7 +397,7 @@ fn run_batch(shared: &Shared, batch: &mut Batch) {
 /// later can be made durable: the engine is marked broken and the batch
 /// fails.
 fn begin_or_resume(
-    shared: &Shared,
+    inner: &Inner,
     db: &Database,
     open: Option<OpenTx>,
     batch: &mut Batch,
@@ -405,7 +405,7 @@ fn begin_or_resume(
     if let Some(open) = open {
         return Some(open);
     }
-    match shared.begin_batch_write(db) {
+    match inner.begin_batch_write(db) {
         Ok(tx) => Some(OpenTx::new(tx)),
         Err(e) => {
             batch.fail_rest(&e);
@@ -419,7 +419,7 @@ fn begin_or_resume(
 /// operations queued meanwhile until none are left to take. `Err` if the
 /// batch failed as a whole (its transaction lost): the error its jobs got.
 pub(super) fn run_jobs(
-    shared: &Shared,
+    inner: &Inner,
     db: &Database,
     mut work: OpenTx,
     batch: &mut Batch,
@@ -429,11 +429,11 @@ pub(super) fn run_jobs(
     loop {
         if let Some(failed) = batch.run_from(ran, &work.tx) {
             ran = 0;
-            work = roll_back_without(shared, db, work, batch, frame, failed)?;
+            work = roll_back_without(inner, db, work, batch, frame, failed)?;
             continue;
         }
         ran = batch.jobs.len();
-        if !take_in_late_arrivals(shared, batch) {
+        if !take_in_late_arrivals(inner, batch) {
             return Ok(work);
         }
     }
@@ -446,7 +446,7 @@ pub(super) fn run_jobs(
 /// anew. `Err` if the transaction cannot be rebuilt: the batch fails, and
 /// the engine is broken if answered writes are lost with it.
 fn roll_back_without(
-    shared: &Shared,
+    inner: &Inner,
     db: &Database,
     work: OpenTx,
     batch: &mut Batch,
@@ -459,15 +459,15 @@ fn roll_back_without(
     frame.discard();
     let job = batch.jobs.remove(failed);
     batch.answers.push((job, Ok(())));
-    let tx = match shared.begin_batch_write(db) {
+    let tx = match inner.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
             // Answered writes in the log are lost. With none (always so in
             // a shared store, which keeps nothing open), redb refusing to
             // begin has marked the engine broken already, and a refresh
             // that failed fails this batch alone.
-            if !log.is_empty() || !shared.config.shared {
-                shared.lose_open("a batch rollback", &e);
+            if !log.is_empty() || !inner.config.shared {
+                inner.lose_open("a batch rollback", &e);
             }
             batch.fail_rest(&e);
             return Err(e);
@@ -477,7 +477,7 @@ fn roll_back_without(
         // An operation answered earlier cannot be run again: what the
         // log held is lost, as a crash would have lost it.
         let _ = tx.abort();
-        let e = shared.lose_open(
+        let e = inner.lose_open(
             "a batch rollback",
             &Error::Storage(redb::Error::Io(std::io::Error::other(
                 "an answered operation failed when run again after a rollback: \
@@ -493,19 +493,19 @@ fn roll_back_without(
 /// Phase 3: takes in what was queued while the batch ran, so that callers
 /// woken from the last batch still share this one's fsync; `false` if
 /// there was nothing to take.
-fn take_in_late_arrivals(shared: &Shared, batch: &mut Batch) -> bool {
-    if absorb(shared, batch) {
+fn take_in_late_arrivals(inner: &Inner, batch: &mut Batch) -> bool {
+    if absorb(inner, batch) {
         return true;
     }
-    shared.config.durability == Durability::Immediate && absorb_after_yielding(shared, batch)
+    inner.config.durability == Durability::Immediate && absorb_after_yielding(inner, batch)
 }
 
 /// Moves queued operations into the running batch, up to the batch limit
 /// (which counts its reserved places); `false` if there were none.
-fn absorb(shared: &Shared, batch: &mut Batch) -> bool {
-    let mut q = shared.queue.lock();
+fn absorb(inner: &Inner, batch: &mut Batch) -> bool {
+    let mut q = inner.queue.lock();
     let taken = batch.jobs.len() + batch.reserved;
-    let n = batch_end(&q.jobs, shared.config.max_batch.saturating_sub(taken));
+    let n = batch_end(&q.jobs, inner.config.max_batch.saturating_sub(taken));
     batch.jobs.extend(q.jobs.drain(..n));
     n > 0
 }
@@ -516,10 +516,10 @@ fn absorb(shared: &Shared, batch: &mut Batch) -> bool {
 /// one (measured at 64 threads: ≈ 42 operations per fsync instead of ≈ 57,
 /// and 18% fewer claims per second). A yield with nobody to run costs about
 /// a microsecond, against an fsync's hundreds.
-fn absorb_after_yielding(shared: &Shared, batch: &mut Batch) -> bool {
+fn absorb_after_yielding(inner: &Inner, batch: &mut Batch) -> bool {
     for _ in 0..3 {
         std::thread::yield_now();
-        if absorb(shared, batch) {
+        if absorb(inner, batch) {
             return true;
         }
     }
@@ -539,17 +539,17 @@ enum Fate {
 /// without fsync when a job needs a commit, when the open transaction
 /// would hold `max_batch` operations, or when a caller waits to begin a
 /// transaction of its own; else it keeps the transaction open.
-fn decide(shared: &Shared, work: &OpenTx, batch: &Batch) -> Fate {
+fn decide(inner: &Inner, work: &OpenTx, batch: &Batch) -> Fate {
     let needs = batch.needs();
-    if shared.config.durability == Durability::Immediate || needs == Needs::Durable {
+    if inner.config.durability == Durability::Immediate || needs == Needs::Durable {
         return Fate::Commit { durable: true };
     }
-    let full = work.log.len() + batch.jobs.len() >= shared.config.max_batch;
+    let full = work.log.len() + batch.jobs.len() >= inner.config.max_batch;
     if needs == Needs::Commit || full {
         return Fate::Commit { durable: false };
     }
     // Marks the transaction pending before it looks for waiting writers.
-    if shared.keep_open() {
+    if inner.keep_open() {
         Fate::KeepOpen
     } else {
         Fate::Commit { durable: false }
@@ -572,7 +572,7 @@ fn answer_and_keep(mut work: OpenTx, batch: &mut Batch, frame: &HookFrame) -> Op
 /// the answers if it committed, and gives every operation left the outcome,
 /// which it returns.
 pub(super) fn commit_and_answer(
-    shared: &Shared,
+    inner: &Inner,
     work: OpenTx,
     frame: HookFrame,
     batch: &mut Batch,
@@ -583,9 +583,9 @@ pub(super) fn commit_and_answer(
     drop(frame);
     let ops = log.len() + batch.jobs.len();
     let commit = observe::Stopwatch::start();
-    let outcome = shared.commit(tx, durable);
+    let outcome = inner.commit(tx, durable);
     // Committed or lost: nothing is open any more.
-    shared.pending.store(false, Ordering::SeqCst);
+    inner.pending.store(false, Ordering::SeqCst);
     drop(log);
     match outcome {
         Ok(()) => {

@@ -4,10 +4,10 @@
 //!
 //! # Invariants
 //!
-//! - Every commit takes its sequence number ([`Shared::next_seq`]) while its
+//! - Every commit takes its sequence number ([`Inner::next_seq`]) while its
 //!   transaction holds redb's writer lock, just before it commits, so the
 //!   numbers follow commit order, and every commit a read transaction can
-//!   see has a number no larger than [`Shared::current_seq`] read after the
+//!   see has a number no larger than [`Inner::current_seq`] read after the
 //!   read transaction began.
 //! - `durable` never decreases. A durable commit persists every commit
 //!   before it, so `durable >= n` means commit `n` is on disk.
@@ -18,24 +18,24 @@
 //!   redb's `PreviousIo`. Only the store's own failures break it: a panic
 //!   in code the store does not own (a hook, a recorder) never does.
 //! - The first cause is reported ([`observe::engine_broken`]) once, by
-//!   [`Shared::report_broken`], which callers run after their answers are
+//!   [`Inner::report_broken`], which callers run after their answers are
 //!   out and with no lock held, never by the code that marks it.
 //! - `committing` is one slot, not a set: durable commits are made only by
-//!   batch leaders ([`Shared::commit`]; caller closures commit without
+//!   batch leaders ([`Inner::commit`]; caller closures commit without
 //!   fsync), one leader at a time, and each holds redb's writer lock from
-//!   [`Shared::begin_durable`] until its commit ends, so at most one durable
+//!   [`Inner::begin_durable`] until its commit ends, so at most one durable
 //!   commit is under way. 0 means none.
 //! - `committing >= n` means a durable commit under way covers commit `n`;
 //!   a waiter that no commit under way covers queues an empty durable batch.
 //! - [`SyncState`] changes only under `sync`, and `synced` is notified after
-//!   every end of a durable commit, good ([`Shared::mark_durable`]) or bad
-//!   ([`Shared::mark_broken`]).
+//!   every end of a durable commit, good ([`Inner::mark_durable`]) or bad
+//!   ([`Inner::mark_broken`]).
 //!
 //! # Locks
 //!
 //! `sync` is a leaf: taken alone by callers, or under `db` and `open` by a
 //! leader; nothing is taken while it is held, and waiting on `synced`
-//! releases it. [`Shared::wait_durable`] and [`Shared::sync_all`] may queue
+//! releases it. [`Inner::wait_durable`] and [`Inner::sync_all`] may queue
 //! (and lead) a batch, with no lock held.
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -44,7 +44,7 @@ use std::sync::atomic::Ordering;
 use redb::WriteTransaction;
 
 use super::batch::Needs;
-use super::shared::Shared;
+use super::inner::Inner;
 use crate::error::{Error, Result};
 use crate::observe;
 
@@ -86,7 +86,7 @@ fn refusal_after(cause: &Error) -> Error {
     }
 }
 
-impl Shared {
+impl Inner {
     /// Takes the sequence number of a commit about to start. Called with
     /// redb's writer lock held.
     pub(super) fn next_seq(&self) -> u64 {
@@ -119,7 +119,7 @@ impl Shared {
     /// Nothing more can be promised: a commit failed or its fate is unknown,
     /// or answered writes were lost, while `during`, because of `cause`.
     /// The first cause sets what every later call is told; it is reported
-    /// later, by [`Shared::report_broken`].
+    /// later, by [`Inner::report_broken`].
     /// Returns what every call is told from now on.
     pub(super) fn mark_broken(&self, during: &'static str, cause: &Error) -> Error {
         let mut s = self.sync.lock();

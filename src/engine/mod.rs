@@ -22,7 +22,7 @@
 //!   call therefore wrote nothing, by mechanism, whatever the operation did.
 //!   A panic anywhere else while leading (an after-commit hook, redb's
 //!   commit, the storage backend) never leaves a caller waiting: see
-//!   `Shared::lead`.
+//!   `Inner::lead`.
 //! - **Caller closures** ([`Engine::write`]: `Store::write`, `claim_with`
 //!   effects) are `FnOnce` and need not be `Send`. Each runs on its caller's
 //!   own thread in a write transaction of its own, committed with
@@ -81,7 +81,7 @@
 //!   waiting, and does not mark the engine broken;
 //! - what breaks the engine (a failed commit, a panic of redb or of the
 //!   storage backend) is recorded where it happens and reported later, by
-//!   whoever next finishes answering (`Shared::after_answers`).
+//!   whoever next finishes answering (`Inner::after_answers`).
 //!
 //! A store broken by a panic says [`Error::Panicked`] to every later call;
 //! one broken by a failed commit, redb's `PreviousIo`. Caller closures are
@@ -103,7 +103,7 @@
 //!   reads need not wait.
 //! - `scope`: the thread-local scopes: inside a caller closure, and the
 //!   after-commit hooks of the transactions a thread runs.
-//! - `shared`: the state all of them share.
+//! - `inner`: the state all of them share (`Inner`; "shared" names only the several-processes mode).
 //!
 //! # Locks
 //!
@@ -141,19 +141,19 @@ use crate::error::{Error, Result};
 
 mod batch;
 mod durability;
+mod inner;
 mod open_tx;
 mod processes;
 mod scope;
-mod shared;
 #[cfg(test)]
 mod tests;
 mod wake;
 
 use batch::Needs;
+use inner::Inner;
 use open_tx::Flusher;
 pub(crate) use scope::after_commit;
 use scope::{ReadScope, WriteScope, in_read, in_write};
-use shared::Shared;
 
 /// How durable a store's commits are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -190,7 +190,7 @@ pub(crate) struct EngineConfig {
 /// The store's database, its batch queue and, under [`Durability::None`],
 /// its flusher thread.
 pub(crate) struct Engine {
-    shared: Arc<Shared>,
+    inner: Arc<Inner>,
     flusher: Option<Flusher>,
     path: Option<PathBuf>,
 }
@@ -199,7 +199,7 @@ impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("path", &self.path)
-            .field("config", &self.shared.config)
+            .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
@@ -210,14 +210,14 @@ impl Engine {
         config: EngineConfig,
         path: Option<PathBuf>,
     ) -> Result<Engine> {
-        let shared = Arc::new(Shared::new(db, config));
-        let flusher = if shared.config.durability == Durability::None {
-            Some(Flusher::start(&shared)?)
+        let inner = Arc::new(Inner::new(db, config));
+        let flusher = if inner.config.durability == Durability::None {
+            Some(Flusher::start(&inner)?)
         } else {
             None
         };
         Ok(Engine {
-            shared,
+            inner,
             flusher,
             path,
         })
@@ -228,7 +228,7 @@ impl Engine {
     }
 
     pub(crate) fn durability(&self) -> Durability {
-        self.shared.config.durability
+        self.inner.config.durability
     }
 
     /// Runs a store operation in the next batch and returns its result once
@@ -247,14 +247,14 @@ impl Engine {
         if in_write() {
             return Err(Error::Reentrant);
         }
-        self.shared.submit(op, Needs::Default)
+        self.inner.submit(op, Needs::Default)
     }
 
     /// Whether a batch is being run right now or a transaction is kept open
     /// (a hint: it may change at once). A write queued now will not commit
     /// on its own.
     pub(crate) fn is_busy(&self) -> bool {
-        self.shared.pending.load(Ordering::Relaxed) || self.shared.queue.lock().leading
+        self.inner.pending.load(Ordering::Relaxed) || self.inner.queue.lock().leading
     }
 
     /// Runs a caller closure in a write transaction of its own on this
@@ -269,11 +269,11 @@ impl Engine {
         E: From<Error>,
     {
         let scope = WriteScope::enter()?;
-        if self.shared.config.shared {
-            return self.shared.write_leading(scope, f);
+        if self.inner.config.shared {
+            return self.inner.write_leading(scope, f);
         }
-        let db = self.shared.db.read_recursive();
-        let mut tx = self.shared.begin_own_write()?;
+        let db = self.inner.db.read_recursive();
+        let mut tx = self.inner.begin_own_write()?;
         tx.set_durability(redb::Durability::None)
             .map_err(Error::from)?;
         match catch_unwind(AssertUnwindSafe(|| f(&tx))) {
@@ -292,7 +292,7 @@ impl Engine {
             Ok(Ok(value)) => {
                 let mut hooks = scope.take_hooks();
                 drop(scope);
-                let committed = self.shared.commit_own_write(tx);
+                let committed = self.inner.commit_own_write(tx);
                 drop(db);
                 let (seq, took) = committed?;
                 self.wait_durable(seq)?;
@@ -301,7 +301,7 @@ impl Engine {
                 if crate::observe::ENABLED {
                     hooks.push(Box::new(move || crate::observe::own_write_committed(took)));
                 }
-                self.shared.after_answers(hooks);
+                self.inner.after_answers(hooks);
                 Ok(value)
             }
         }
@@ -321,9 +321,9 @@ impl Engine {
         E: From<Error>,
     {
         self.commit_pending()?;
-        let db = self.shared.db.read_recursive();
+        let db = self.inner.db.read_recursive();
         let tx = db.begin_read().map_err(Error::from)?;
-        let seen = self.shared.current_seq();
+        let seen = self.inner.current_seq();
         let out = {
             let _scope = ReadScope::enter();
             f(&tx)
@@ -345,7 +345,7 @@ impl Engine {
             // Inside a caller closure no batch can hold a transaction open.
             return Ok(());
         }
-        self.shared.commit_pending()
+        self.inner.commit_pending()
     }
 
     /// Runs `f` in a read transaction begun now (after
@@ -357,9 +357,9 @@ impl Engine {
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T>,
     ) -> Result<(Result<T>, u64)> {
-        let db = self.shared.db.read_recursive();
+        let db = self.inner.db.read_recursive();
         let tx = db.begin_read()?;
-        let seen = self.shared.current_seq();
+        let seen = self.inner.current_seq();
         let _scope = ReadScope::enter();
         Ok((f(&tx), seen))
     }
@@ -372,11 +372,11 @@ impl Engine {
     /// In a store shared between processes it does not wait either: every
     /// commit there is durable before anyone can see it.
     pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
-        if self.shared.config.durability == Durability::Immediate
-            && !self.shared.config.shared
+        if self.inner.config.durability == Durability::Immediate
+            && !self.inner.config.shared
             && !in_write()
         {
-            self.shared.wait_durable(seq)?;
+            self.inner.wait_durable(seq)?;
         }
         Ok(())
     }
@@ -386,7 +386,7 @@ impl Engine {
         if in_write() {
             return Err(Error::Reentrant);
         }
-        self.shared.sync_all()
+        self.inner.sync_all()
     }
 
     /// Runs `f` with the database to itself: no transaction of this store is
@@ -398,8 +398,8 @@ impl Engine {
             return Err(Error::Reentrant);
         }
         self.sync()?;
-        self.shared.without_open(|| {
-            let mut db = self.shared.db.write();
+        self.inner.without_open(|| {
+            let mut db = self.inner.db.write();
             f(&mut db)
         })
     }
@@ -412,7 +412,7 @@ impl Engine {
         f: impl FnOnce(&WriteTransaction) -> Result<T>,
     ) -> Result<T> {
         let scope = WriteScope::enter()?;
-        let tx = self.shared.begin_own_write()?;
+        let tx = self.inner.begin_own_write()?;
         let out = f(&tx);
         tx.abort()?;
         drop(scope);
@@ -427,19 +427,19 @@ impl Engine {
         &self,
         refresh: impl Fn(&WriteTransaction) -> Result<()> + Send + Sync + 'static,
     ) {
-        self.shared.refreshes.write().push(Box::new(refresh));
+        self.inner.refreshes.write().push(Box::new(refresh));
     }
 
     /// Whether other processes may share the file.
     pub(crate) fn is_shared(&self) -> bool {
-        self.shared.config.shared
+        self.inner.config.shared
     }
 
     /// Commit counters: `(all commits, durable commits)`.
     pub(crate) fn commit_counts(&self) -> (u64, u64) {
         (
-            self.shared.commits.load(Ordering::Relaxed),
-            self.shared.durable_commits.load(Ordering::Relaxed),
+            self.inner.commits.load(Ordering::Relaxed),
+            self.inner.durable_commits.load(Ordering::Relaxed),
         )
     }
 }
@@ -451,6 +451,6 @@ impl Drop for Engine {
         }
         // Under Durability::None, what is still only in memory reaches the
         // disk now; a failure here has nobody left to tell.
-        let _ = self.shared.sync_all();
+        let _ = self.inner.sync_all();
     }
 }

@@ -1,7 +1,7 @@
 //! Under [`Durability::None`]: the write transaction batches keep open
 //! between commits ([`OpenTx`]), with the answered operations it holds
 //! (its replay log); how callers get it committed before they read or
-//! write on their own ([`Shared::commit_pending`], [`Shared::without_open`]);
+//! write on their own ([`Inner::commit_pending`], [`Inner::without_open`]);
 //! and the flusher thread that makes it durable on the flush interval.
 //!
 //! [`Durability::None`]: super::Durability::None
@@ -13,7 +13,7 @@
 //!   kept. Under [`Durability::Immediate`](super::Durability::Immediate)
 //!   `open` is always empty: only a batch that need not be durable is kept.
 //! - Outside a running batch, `open` holds a transaction only if `pending`
-//!   is set: [`Shared::keep_open`] sets it before a transaction is parked,
+//!   is set: [`Inner::keep_open`] sets it before a transaction is parked,
 //!   and it is cleared only once that transaction is committed or lost.
 //!   (`pending` may be set with nothing open: it is a "may hold".)
 //! - No transaction is kept open while a caller waits to begin its own
@@ -24,17 +24,17 @@
 //! - Every operation in the log has been answered `Ok`, and the hooks are
 //!   theirs. After a rollback they are run again in the new transaction; if
 //!   one fails, what the log held is lost as a crash would lose it, and the
-//!   engine is marked broken ([`Shared::lose_open`]) so that nothing more is
+//!   engine is marked broken ([`Inner::lose_open`]) so that nothing more is
 //!   answered on top of it.
 //! - An open transaction holds fewer than `max_batch` operations.
 //!
 //! # Locks
 //!
 //! `open` is taken only by a leader, after `db` (see `batch`);
-//! `pending` and `writers_waiting` are atomics. [`Shared::begin_own_write`]
+//! `pending` and `writers_waiting` are atomics. [`Inner::begin_own_write`]
 //! may lead a batch (`db` → `open` → …) before it takes `db` and then
 //! redb's writer lock. The flusher thread takes what
-//! [`Shared::sync_all`] takes, holding nothing.
+//! [`Inner::sync_all`] takes, holding nothing.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -44,8 +44,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use redb::WriteTransaction;
 
 use super::batch::{Job, Needs};
+use super::inner::Inner;
 use super::scope::Hook;
-use super::shared::Shared;
 use crate::error::{Error, Result};
 
 /// A batch's write transaction, with what it holds from earlier batches:
@@ -81,10 +81,10 @@ pub(super) fn replay_log(log: &[Box<dyn Job>], tx: &WriteTransaction) -> bool {
     true
 }
 
-impl Shared {
+impl Inner {
     /// Whether a leader may keep its transaction open: marks it pending,
     /// then checks that nobody is waiting to write (see
-    /// [`Shared::without_open`]).
+    /// [`Inner::without_open`]).
     pub(super) fn keep_open(&self) -> bool {
         self.pending.store(true, Ordering::SeqCst);
         self.writers_waiting.load(Ordering::SeqCst) == 0
@@ -93,7 +93,7 @@ impl Shared {
     /// The open transaction was rolled back and cannot be rebuilt: the
     /// writes it held, already answered, are gone. The engine is marked
     /// broken so that nothing more is answered on top of them.
-    /// `during` and `cause` say why (see [`Shared::mark_broken`]); returns
+    /// `during` and `cause` say why (see [`Inner::mark_broken`]); returns
     /// what every call is told from now on.
     pub(super) fn lose_open(&self, during: &'static str, cause: &Error) -> Error {
         let refusal = self.mark_broken(during, cause);
@@ -140,12 +140,12 @@ pub(super) struct Flusher {
 }
 
 impl Flusher {
-    pub(super) fn start(shared: &Arc<Shared>) -> Result<Flusher> {
+    pub(super) fn start(inner: &Arc<Inner>) -> Result<Flusher> {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
-        let thread_shared = shared.clone();
+        let thread_inner = inner.clone();
         let thread = std::thread::Builder::new()
             .name("idemstore-flush".into())
-            .spawn(move || flush_loop(&thread_shared, &stopped))
+            .spawn(move || flush_loop(&thread_inner, &stopped))
             .map_err(Error::Io)?;
         Ok(Flusher { stop, thread })
     }
@@ -158,11 +158,11 @@ impl Flusher {
 }
 
 /// Flushes dirty state every flush interval until `stop` closes.
-fn flush_loop(shared: &Shared, stop: &Receiver<()>) {
+fn flush_loop(inner: &Inner, stop: &Receiver<()>) {
     loop {
-        match stop.recv_timeout(shared.config.flush_interval) {
+        match stop.recv_timeout(inner.config.flush_interval) {
             Err(RecvTimeoutError::Timeout) => {
-                let _ = shared.sync_all();
+                let _ = inner.sync_all();
             }
             _ => return,
         }

@@ -10,7 +10,7 @@
 //!   fsync and wait for the next durable commit, as it does in a store it
 //!   holds alone. Instead its caller queues a *seat* ([`Seat`]); once the
 //!   seat is first in the queue, the caller leads a batch on its own thread
-//!   ([`Shared::write_leading`]): it begins a write transaction, runs the
+//!   ([`Inner::write_leading`]): it begins a write transaction, runs the
 //!   operations queued behind its seat, then its closure, and commits all
 //!   of them durably, once. Operations run first because they can be run
 //!   again: should one fail, the transaction is rolled back and the others
@@ -55,9 +55,9 @@ use std::sync::Arc;
 use redb::{Database, WriteTransaction};
 
 use super::batch::{Batch, Job, Needs, batch_end, commit_and_answer, run_jobs};
+use super::inner::Inner;
 use super::open_tx::OpenTx;
 use super::scope::{HookFrame, WriteScope};
-use super::shared::Shared;
 use super::wake::{Notify, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
 
@@ -109,7 +109,7 @@ impl Job for Seat {
     }
 }
 
-impl Shared {
+impl Inner {
     /// Begins a batch's write transaction and, in a shared store, brings
     /// what the store keeps in memory up to date with the file. If redb
     /// refuses to begin one (after a failed commit) the engine is marked
@@ -249,19 +249,19 @@ enum Outcome<T, E> {
 /// commits it durably; if `f` fails, rolls back and commits the operations
 /// alone. Leaves what became of `f` in `outcome`.
 fn run_closure_batch<T, E>(
-    shared: &Shared,
+    inner: &Inner,
     batch: &mut Batch,
     f: impl FnOnce(&WriteTransaction) -> Result<T, E>,
     outcome: &mut Option<Outcome<T, E>>,
 ) {
-    let db = shared.db.read_recursive();
-    let _open = shared.open.lock();
-    if let Some(e) = shared.refusal() {
+    let db = inner.db.read_recursive();
+    let _open = inner.open.lock();
+    if let Some(e) = inner.refusal() {
         batch.fail_rest(&e);
         *outcome = Some(Outcome::Failed(e));
         return;
     }
-    let tx = match shared.begin_batch_write(&db) {
+    let tx = match inner.begin_batch_write(&db) {
         Ok(tx) => tx,
         Err(e) => {
             batch.fail_rest(&e);
@@ -270,7 +270,7 @@ fn run_closure_batch<T, E>(
         }
     };
     let frame = HookFrame::push();
-    let work = match run_jobs(shared, &db, OpenTx::new(tx), batch, &frame) {
+    let work = match run_jobs(inner, &db, OpenTx::new(tx), batch, &frame) {
         Ok(work) => work,
         Err(e) => {
             *outcome = Some(Outcome::Failed(e));
@@ -281,7 +281,7 @@ fn run_closure_batch<T, E>(
     // commit, with the operations' hooks.
     let failed = match catch_unwind(AssertUnwindSafe(|| f(&work.tx))) {
         Ok(Ok(value)) => {
-            *outcome = Some(match commit_and_answer(shared, work, frame, batch, true) {
+            *outcome = Some(match commit_and_answer(inner, work, frame, batch, true) {
                 Ok(()) => Outcome::Committed(value),
                 Err(e) => Outcome::Failed(e),
             });
@@ -295,24 +295,24 @@ fn run_closure_batch<T, E>(
     // would flag the file for a full repair.
     let _ = work.tx.abort();
     frame.discard();
-    commit_without_closure(shared, &db, batch, frame);
+    commit_without_closure(inner, &db, batch, frame);
 }
 
 /// After a caller closure failed: runs the batch's operations again in a
 /// new transaction and commits them durably.
-fn commit_without_closure(shared: &Shared, db: &Database, batch: &mut Batch, frame: HookFrame) {
+fn commit_without_closure(inner: &Inner, db: &Database, batch: &mut Batch, frame: HookFrame) {
     if batch.jobs.is_empty() {
         return;
     }
-    let tx = match shared.begin_batch_write(db) {
+    let tx = match inner.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
             batch.fail_rest(&e);
             return;
         }
     };
-    if let Ok(work) = run_jobs(shared, db, OpenTx::new(tx), batch, &frame) {
+    if let Ok(work) = run_jobs(inner, db, OpenTx::new(tx), batch, &frame) {
         // The outcome is in the batch's answers.
-        let _ = commit_and_answer(shared, work, frame, batch, true);
+        let _ = commit_and_answer(inner, work, frame, batch, true);
     }
 }

@@ -17,7 +17,7 @@
 //!   [`WriteScope`] (which holds a frame) may hold a batch's frame: before
 //!   its transaction begins, its thread commits the transaction kept open
 //!   under `Durability::None` by queuing an empty operation, and may lead
-//!   that batch (see `Shared::without_open`). A batch's frame never holds a
+//!   that batch (see `Inner::without_open`). A batch's frame never holds a
 //!   write scope or another batch's frame: operations and hooks never call
 //!   the engine (one that queued an operation would wait for its own batch;
 //!   one that began a transaction would wait for its own writer lock).

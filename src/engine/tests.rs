@@ -43,7 +43,7 @@ fn engine_with(durability: Durability, max_batch: usize, shared: bool) -> Arc<En
 /// Waits until `n` jobs are queued.
 fn wait_queued(engine: &Engine, n: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while engine.shared.queue.lock().jobs.len() < n {
+    while engine.inner.queue.lock().jobs.len() < n {
         assert!(
             std::time::Instant::now() < deadline,
             "{n} jobs never queued"

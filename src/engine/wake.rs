@@ -23,7 +23,7 @@
 //! # Locks
 //!
 //! A slot's mutex is a leaf: taken alone, under `queue` while a leader
-//! promotes the next caller (`Shared::hand_on_lead`), or under `db` and
+//! promotes the next caller (`Inner::hand_on_lead`), or under `db` and
 //! `open` while a leader answers the jobs it keeps in the open transaction.
 //! Condition variables are notified after the mutex is released. [`wake`]
 //! is called with no lock held.

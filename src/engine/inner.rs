@@ -1,5 +1,5 @@
-//! [`Shared`]: the state of one engine, which every mechanism touches. Each
-//! mechanism adds its own `impl Shared` block in its file and owns the
+//! [`Inner`]: the state of one engine, which every mechanism touches. Each
+//! mechanism adds its own `impl Inner` block in its file and owns the
 //! fields named there; this file only gathers them.
 //!
 //! # Invariants
@@ -26,8 +26,8 @@ use super::processes::Refresh;
 /// the flusher. Fields drop in the order declared: `db` before a
 /// transaction `open` may still hold (after a close that could not commit
 /// it).
-pub(super) struct Shared {
-    /// Shared (always `read_recursive`) by every transaction this store
+pub(super) struct Inner {
+    /// Inner (always `read_recursive`) by every transaction this store
     /// opens; exclusive only in `Engine::exclusive`.
     pub(super) db: RwLock<Database>,
     pub(super) config: EngineConfig,
@@ -58,9 +58,9 @@ pub(super) struct Shared {
     pub(super) refreshes: RwLock<Vec<Refresh>>,
 }
 
-impl Shared {
-    pub(super) fn new(db: Database, config: EngineConfig) -> Shared {
-        Shared {
+impl Inner {
+    pub(super) fn new(db: Database, config: EngineConfig) -> Inner {
+        Inner {
             db: RwLock::new(db),
             config,
             seq: AtomicU64::new(0),
