@@ -159,16 +159,16 @@ struct ReadmeDoctests;
 
 mod backend;
 mod codec;
-mod dispatch;
+pub mod dispatch;
 mod engine;
 mod error;
-mod idempotency;
-mod inbox;
+pub mod idempotency;
+pub mod inbox;
 #[cfg(feature = "middleware")]
 #[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
 mod observe;
-mod outbox;
+pub mod outbox;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
