@@ -108,13 +108,14 @@
 //! and earliest due time, and signals if an entry was enqueued or work
 //! became due sooner. A dispatcher then sends an entry another process
 //! enqueued about half the interval plus one commit later than one
-//! enqueued in its own process (measured: p50 ≈ 12 ms against ≈ 7 ms on a
-//! busy 2-core VM), not at its one-minute safety timer. What a process
+//! enqueued in its own process (the figures, per interval, are in the
+//! repository's `docs/design.md`), not at its one-minute safety timer. What a process
 //! can expect:
 //!
 //! - **Idle cost**: one timed wake-up and one header read per interval,
 //!   only while someone subscribes (a process that runs no dispatcher does
-//!   not look at all); ≈ 1 % of a core at 5 ms on that VM.
+//!   not look at all); about 1 % of a core at the default 5 ms on a
+//!   2-core VM.
 //! - **No ping-pong**: commits that make nothing due sooner (claims,
 //!   completions, final failures) signal nobody, so idle dispatchers in
 //!   several processes never keep each other committing.
