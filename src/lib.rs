@@ -21,7 +21,7 @@
 //!
 //! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
 //!
-//! # let dir = tempfile::tempdir().unwrap();
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! let store = Store::open(dir.path().join("app.idem"))?;
 //! let webhooks = store.inbox("webhooks")?;
 //!
@@ -56,7 +56,7 @@
 //! running program.
 //!
 //! ```
-//! # let dir = tempfile::tempdir()?;
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! # let path = dir.path().join("app.idem");
 //! use idemstore::chrono::Utc;
 //!

@@ -10,7 +10,7 @@
 //! use idemstore::chrono::Utc;
 //! use idemstore::{Delivery, Dispatcher, NewEntry, RetryPolicy, Store};
 //!
-//! # let dir = tempfile::tempdir()?;
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! let store = Store::open(dir.path().join("app.idem"))?;
 //! let inbox = store.inbox("orders")?;
 //! let outbox = store.outbox();

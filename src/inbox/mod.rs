@@ -15,7 +15,7 @@
 //! // Your own tables live in the same file, through the re-exported redb.
 //! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
 //!
-//! # let dir = tempfile::tempdir()?;
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! let store = Store::open(dir.path().join("app.idem"))?;
 //! let payments = store.inbox("payments")?;
 //! for delivery in ["evt_1", "evt_1", "evt_2"] {
@@ -32,7 +32,7 @@
 //!     }
 //! }
 //! assert_eq!(payments.len()?, 2);
-//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # Ok::<_, idemstore::Error>(())
 //! ```
 //!
 //! # Claims

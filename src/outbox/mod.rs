@@ -14,7 +14,7 @@
 //! use idemstore::chrono::{Duration, Utc};
 //! use idemstore::{Enqueued, NewEntry, OutboxStatus, Settlement, Store};
 //!
-//! # let dir = tempfile::tempdir()?;
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! let store = Store::open(dir.path().join("app.idem"))?;
 //! let outbox = store.outbox();
 //! let now = Utc::now();
