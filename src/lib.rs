@@ -11,8 +11,9 @@
 //!
 //! Each has a chapter: [`inbox`], [`outbox`] and its [`dispatch`]er,
 //! [`idempotency`]; the HTTP layer is `middleware` and the same store on
-//! PostgreSQL is `postgres` (cargo features of those names). Every item is
-//! also at the crate root (`idemstore::Inbox`, `idemstore::inbox::Inbox`).
+//! PostgreSQL is `postgres` (cargo features of those names). Every item of
+//! the four chapters is also re-exported at the crate root:
+//! `idemstore::Inbox` is `idemstore::inbox::Inbox`.
 //!
 //! ```
 //! use idemstore::chrono::Utc;

@@ -100,8 +100,9 @@
 //! ([`OutboxBackend::next_due`]) or until a commit that made work due wakes
 //! it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
 //! once; async waiters are signalled by the same commits; on PostgreSQL,
-//! the commits of every process). Never holds a read transaction while
-//! waiting.
+//! the commits of every process on every machine, by `LISTEN/NOTIFY`, or
+//! by polling once a second on engines without `LISTEN`). Never holds a
+//! read transaction while waiting.
 //!
 //! # The janitor
 //!
