@@ -9,6 +9,12 @@
 //! - a transactional [`Outbox`]: side effects awaiting dispatch;
 //! - [`IdempotencyKeys`]: an HTTP `Idempotency-Key` response store.
 //!
+//! Each has a chapter: [`inbox`], [`outbox`] and its [`dispatch`]er,
+//! [`idempotency`]; the HTTP layer is `middleware` and the same store on
+//! PostgreSQL is `postgres` (cargo features of those names). Every item of
+//! the four chapters is also re-exported at the crate root:
+//! `idemstore::Inbox` is `idemstore::inbox::Inbox`.
+//!
 //! ```
 //! use idemstore::chrono::Utc;
 //! use idemstore::{Claim, Store};
@@ -16,7 +22,7 @@
 //!
 //! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
 //!
-//! # let dir = tempfile::tempdir().unwrap();
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
 //! let store = Store::open(dir.path().join("app.idem"))?;
 //! let webhooks = store.inbox("webhooks")?;
 //!
@@ -37,18 +43,52 @@
 //!
 //! Every `Ok` is durable when it returns (under the default
 //! [`Durability::Immediate`]), and no call answers from state that is not yet
-//! durable. Concurrent calls share fsyncs: see the `engine` notes in the
-//! README for how group commit keeps those promises.
+//! durable. Concurrent calls share fsyncs (group commit): how that keeps
+//! those promises, with the figures, is argued in the repository's
+//! `docs/design.md`.
 //!
 //! # Several processes, one file
 //!
-//! By default a store file belongs to one process. Opened with
-//! [`StoreBuilder::shared(true)`](StoreBuilder::shared) in every process
-//! that uses it, one file serves several: a webhook receiver and a
-//! dispatcher as two services, an app and its sync daemon, the `idemstore`
-//! CLI beside a running program. Claims, reservations and outbox claims are
-//! exactly-once across all of them; each commit is durable and costs about
-//! twice an exclusive one; dispatchers wake when another process enqueues.
+//! By default a store file belongs to one process: a second open, from another
+//! process or another `Store` in this one, is [`Error::AlreadyOpen`]. Opened
+//! with [`StoreBuilder::shared(true)`](StoreBuilder::shared) in every process
+//! that uses it, one file serves several: a webhook receiver and a dispatcher
+//! as two services, an app and its sync daemon, the `idemstore` CLI beside a
+//! running program.
+//!
+//! ```
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
+//! # let path = dir.path().join("app.idem");
+//! use idemstore::chrono::Utc;
+//!
+//! let receiver = idemstore::Store::builder().shared(true).open(&path)?;
+//! let dispatcher = idemstore::Store::builder().shared(true).open(&path)?; // another process, in real life
+//! assert!(receiver.inbox("webhooks")?.claim("evt_1", Utc::now())?);
+//! assert!(!dispatcher.inbox("webhooks")?.claim("evt_1", Utc::now())?);
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! (Two `Store`s opened shared in one process behave as two processes do,
+//! which is how most of `tests/shared.rs` tests it; the rest runs real
+//! processes.)
+//!
+//! What it promises: everything the store promises, across processes. A key is
+//! claimed once and its effect runs once; an outbox entry is claimed by one
+//! dispatcher at a time, and a dispatcher's reaper in one process releases the
+//! claims of a dispatcher killed in another; a reservation holds its key
+//! against every process; every `Ok` is durable and no process answers from a
+//! commit that is not on disk. Dispatchers wake when another process enqueues
+//! (see [the outbox's wake-ups](outbox#wake-ups)).
+//!
+//! What it costs: one write transaction at a time across all processes (file
+//! locks), and two fsyncs per commit instead of one, so a commit costs about
+//! twice an exclusive one; group commit still shares them among each
+//! process's callers. [`Durability::None`] is refused
+//! ([`Error::InvalidInput`] at open). A process that sees another's commit
+//! starts its next transaction from cold caches. Counters (`commit_stats`,
+//! dispatcher and key stats, metrics) are per process.
+//! [`Store::compact`] needs the other processes stopped. The figures are in
+//! `docs/design.md`.
 //!
 //! # Calls block; from async code, use the blocking pool
 //!
@@ -96,10 +136,13 @@
 //! }
 //! ```
 //!
-//! The README shows an axum handler that claims a webhook, applies its effect
-//! and enqueues an outbox entry in one commit this way. The [`Dispatcher`]
-//! runs on threads of its own, and the HTTP middleware makes its store calls
-//! on the blocking pool itself.
+//! The [`inbox`] chapter shows an axum handler that claims a webhook, applies
+//! its effect and enqueues an outbox entry in one commit this way. The
+//! [`Dispatcher`] needs none of this: it runs on threads of its own
+//! ([`DispatcherBuilder::start`]) or, with feature `tokio`, as tasks on your
+//! runtime that make their store calls on the blocking pool themselves
+//! (`DispatcherBuilder::start_async`); the HTTP middleware also makes its
+//! store calls on the blocking pool.
 //!
 //! # Re-exported crates
 //!
@@ -137,12 +180,86 @@
 //! - `middleware`: `middleware::IdempotencyLayer`, a tower layer that puts
 //!   the idempotency keys in front of any tower 0.5 service over `http` 1
 //!   types (axum 0.8, hyper 1).
-//! - `tokio`: the async dispatcher, on the caller's tokio runtime.
-//! - `tracing`, `metrics`: spans and events, counters and histograms, through
-//!   the facade crates; the application picks the subscriber or recorder.
+//! - `tokio`: the async dispatcher, as tasks on the caller's tokio runtime
+//!   (see [`dispatch`]).
+//! - `tracing`, `metrics`: events, counters and histograms, through the
+//!   facade crates (see [Observability](#observability)).
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
-//!   keys on a PostgreSQL server, for programs that outgrow one process.
-//! - `cli`: the `idemstore` operator binary.
+//!   keys on a PostgreSQL server, for programs that outgrow one machine.
+//! - `cli`: the `idemstore` operator binary (the repository's `docs/cli.md`).
+//!
+//! # Observability
+//!
+//! Two cargo features report what the store and the dispatcher do, through the
+//! usual facades; your program picks the subscriber and the recorder (for
+//! example `tracing-subscriber` and `metrics-exporter-prometheus`):
+//!
+//! ```toml
+//! idemstore = { version = "0.1", features = ["tracing", "metrics"] }
+//! ```
+//!
+//! - `tracing`: events of the [`tracing`](https://docs.rs/tracing/0.1) crate,
+//!   under the targets below.
+//! - `metrics`: counters, gauges and histograms of the
+//!   [`metrics`](https://docs.rs/metrics/0.24) crate, named `idemstore_*`.
+//!
+//! Without the features nothing is compiled in: each report is an empty
+//! function. With them, label values are static strings or the inbox name the
+//! inbox already holds, so a report allocates nothing beyond what the facades
+//! do. A claim or a completion made inside your own `Store::write`
+//! (`Inbox::claim_in`, `IdempotencyKeys::complete_in`) is counted once that
+//! transaction commits, never if it rolls back, in the metrics and in
+//! `IdempotencyStats` alike. On PostgreSQL the same holds inside
+//! `PgStore::write` (and a `claim_with` effect); a `*_in` call on a
+//! transaction of a client of your own, whose commit the store cannot see, is
+//! counted when the call returns. Both backends report the same metrics with
+//! the same meanings, with two differences: the engine's own
+//! (`idemstore_commits_total`, `idemstore_commit_seconds`,
+//! `idemstore_batch_ops`, and the `during` values of a store that refuses
+//! writes) are the embedded store's only, since on PostgreSQL the server
+//! commits (see its own statistics, `pg_stat_database`); and the outbox gauge
+//! comes from a count query there (see its row).
+//!
+//! Every metric is described (`# HELP` text and unit, as a Prometheus exporter
+//! shows them) each time a store is opened (`Store::open`, `StoreBuilder`,
+//! `PgStore::connect`): install the recorder first, as usual, and there is
+//! nothing more to do. If your recorder is installed after the stores are
+//! open, call [`describe_metrics`] once it is; calling it again is
+//! harmless.
+//!
+//! | metric | type | labels | what it measures |
+//! |---|---|---|---|
+//! | `idemstore_commits_total` | counter | `durable` (`true`, `false`) | write transactions committed: durable (fsynced) batches, and the caller's own transactions (`Store::write`, `claim_with` effects), which commit without fsync and are made durable by the next durable batch. Matches `Store::commit_stats` |
+//! | `idemstore_commit_seconds` | histogram | `durable` | time of each commit, the fsync included for a durable one |
+//! | `idemstore_batch_ops` | histogram | — | store operations per batch commit (group commit at work: above 1 under load) |
+//! | `idemstore_inbox_claims_total` | counter | `inbox` | first deliveries claimed |
+//! | `idemstore_inbox_duplicates_total` | counter | `inbox` | deliveries found claimed already (their effect did not run) |
+//! | `idemstore_idempotency_begins_total` | counter | `outcome`: `proceed`, `takeover`, `replay`, `in_flight`, `mismatch` | answers of `IdempotencyKeys::begin` (`takeover`: a `Proceed` that replaced a reservation whose lease ended; `in_flight` is the 409, `mismatch` the 422) |
+//! | `idemstore_idempotency_completions_total` | counter | `outcome`: `stored`, `fenced_out` | `complete` / `complete_in` calls: response stored, or refused because another request took the key over once the lease ended (raise the lease if these grow). A `complete` that finds the response its own reservation already stored (the `IdempotencyLayer`'s, after a handler's `complete_in`) counts nothing: it is neither |
+//! | `idemstore_outbox_entries` | gauge | `status`: `pending`, `dispatching`, `completed`, `failed`, `outcome_unknown` | outbox entries in each status. Embedded: set from the outbox's status counters after every commit that writes the outbox, exact. PostgreSQL: the server keeps no such counters (one row that every write of every process updates would serialize them all), so the gauge is set from `PgOutbox::counts` (`SELECT status, count(*) … GROUP BY status`, which reads every row): by each `counts` call, and by this process's outbox writes (enqueue, claim, settle, operator calls) at most once every 5 s per store; it counts every process's entries and may lag by that much. One gauge set per process: with several stores, the last one set |
+//! | `idemstore_dispatch_outcomes_total` | counter | `outcome`: `delivered`, `retried`, `failed`, `outcome_unknown`, `returned` | how dispatchers settled each attempt (`returned`: given back unsent at shutdown); the same counts as `DispatchStats` |
+//! | `idemstore_dispatch_send_seconds` | histogram | `outcome` | how long each `send` took |
+//! | `idemstore_dispatch_latency_seconds` | histogram | — | enqueue → start of the first send, for entries due at once (`DispatchStats::latency`) |
+//! | `idemstore_dispatch_fenced_total` | counter | — | settlements refused because the claim had expired and the entry moved on |
+//! | `idemstore_dispatch_panics_total` | counter | — | sends that panicked (retried as failures with reason `panic`) |
+//! | `idemstore_reaper_released_total` | counter | — | expired claims the reaper released (a dispatcher died, or its sends outlasted the lease) |
+//! | `idemstore_janitor_removed_total` | counter | `what`: `outbox`, `inbox`, `keys` | rows removed by janitor runs |
+//! | `idemstore_errors_total` | counter | `during` | errors reported below: a dispatcher's failed store call (`claim`, `settle`, `next_due`, `reaper`, `janitor`), a shared store's failed look at other processes' commits (`watch`), a dispatcher thread stopped by a panic (`a dispatcher worker thread`, `the dispatcher's reaper thread`, `the dispatcher's janitor thread`), a store that refuses writes until reopened (`a batch commit`, `beginning a batch`, `a batch rollback`, `a caller's commit`), the `IdempotencyLayer`'s failed store calls (`idempotency_begin`: answered 503; `idempotency_complete`, `idempotency_release`: after the handler ran) and requests it got outside a tokio runtime (`middleware_runtime`: answered 500) |
+//!
+//! Durations are in seconds in histograms and in whole microseconds (`*_us`)
+//! in events.
+//!
+//! | target | level | event (message) and fields |
+//! |---|---|---|
+//! | `idemstore::engine` | `trace` | `batch committed`: `ops`, `durable`, `commit_us`; `caller transaction committed`: `durable`, `commit_us` |
+//! | `idemstore::engine` | `error` | `the store refuses writes until it is reopened`: `during`, `error` (a failed commit or a panic while committing; once per store) |
+//! | `idemstore::dispatch` | `debug` / `info` / `warn` | `attempt`: `id`, `destination`, `attempt`, `outcome`, `reason` (failures), `latency_us` (the send's time); `debug` when delivered or returned, `info` when retried, `warn` when failed for good or outcome unknown |
+//! | `idemstore::dispatch` | `warn` | `store call failed; backing off`: `during`, `error`; `reaper released expired claims: …`: `released`; `settlement refused: …`: `settlements`; `send panicked; retried as a failure`: `sends` |
+//! | `idemstore::dispatch` | `error` | `thread stopped by a panic`: `during`, `error` |
+//! | `idemstore::janitor` | `info` | `janitor run`: `outbox_purged`, `inbox_pruned`, `keys_purged`, `run_us` (runs by a dispatcher and by hand) |
+//! | `idemstore::middleware` | `debug` | answers the `IdempotencyLayer` made from the store: `stored response replayed`: `key`; `request in flight; answered 409`: `key`, `retry_after_s`; `key reused for another request; answered 422`: `key` |
+//! | `idemstore::middleware` | `error` | `idempotency store failed; answered 503`: `during` (`idempotency_begin`), `key`, `error`; `no tokio runtime: …; answered 500`: `during` (`middleware_runtime`), `key` |
+//! | `idemstore::middleware` | `warn` | `idempotency store failed after the handler ran`: `during` (`idempotency_complete`, `idempotency_release`), `key`, `error` (the client got the handler's response; the key is left to its lease) |
 
 // Storage code answers bad bytes and bad input with an `Error`, never a
 // panic: no unwrap, no expect (the codec's one, which cannot fire, is
@@ -159,16 +276,16 @@ struct ReadmeDoctests;
 
 mod backend;
 mod codec;
-mod dispatch;
+pub mod dispatch;
 mod engine;
 mod error;
-mod idempotency;
-mod inbox;
+pub mod idempotency;
+pub mod inbox;
 #[cfg(feature = "middleware")]
 #[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
 mod observe;
-mod outbox;
+pub mod outbox;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;

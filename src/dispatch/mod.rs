@@ -1,12 +1,75 @@
-//! The runtime that drives the outbox: [`Dispatcher`] workers that claim due
-//! entries and call your `send`, a reaper for crashed deliveries, and an
-//! optional [`Janitor`].
+//! The dispatcher: the runtime that drives the [outbox](crate::outbox).
+//! [`Dispatcher`] workers claim due entries (skip-locked: two workers never
+//! get the same entry), call your `send`, and settle each attempt with its
+//! [fence](crate::outbox#fencing), so a worker whose claim expired cannot
+//! overwrite a newer attempt; a reaper hands back the claims of crashed
+//! deliveries; an optional [`Janitor`] keeps the file small.
 //!
-//! Two runtimes share one set of steps (`worker.rs`: claim and settle,
-//! retry, fencing, stats, reaper, janitor): worker threads
-//! ([`DispatcherBuilder::start`], a blocking `send`) and, with feature
-//! `tokio`, tasks on the caller's runtime
-//! (`DispatcherBuilder::start_async`, an async `send`).
+//! ```
+//! use std::time::Duration;
+//! use idemstore::chrono::Utc;
+//! use idemstore::{Delivery, Dispatcher, NewEntry, RetryPolicy, Store};
+//!
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
+//! let store = Store::open(dir.path().join("app.idem"))?;
+//! let inbox = store.inbox("orders")?;
+//! let outbox = store.outbox();
+//!
+//! // The order's claim and its receipt e-mail commit together.
+//! inbox.claim_with("order-42", Utc::now(), |tx| {
+//!     let receipt = NewEntry::new("order-42", "mailer", "order-42/receipt", b"Thanks!".to_vec());
+//!     outbox.enqueue_in(tx, receipt, Utc::now())
+//! })?;
+//!
+//! let dispatcher = Dispatcher::builder(outbox.clone())
+//!     .workers(2)
+//!     .retry(RetryPolicy::exponential(Duration::from_secs(1), Duration::from_secs(600)).max_attempts(10))
+//!     .start(|entry| {
+//!         // Send entry.payload to entry.destination, passing entry.idempotency_key along.
+//!         Delivery::Delivered
+//!     })?;
+//! // A program would go on with its work; this one waits for the receipt.
+//! while outbox.counts()?.completed < 1 {
+//!     std::thread::sleep(Duration::from_millis(1));
+//! }
+//! dispatcher.shutdown()?; // lets sends in flight finish; leaves nothing claimed
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! # What `send` answers
+//!
+//! `send` returns a [`Delivery`]: `Delivered`; `Retry { reason }` (back-off
+//! from the [`RetryPolicy`]: exponential, capped, with jitter; `Failed`
+//! with reason `max_attempts` when the attempts run out); `RetryAt {
+//! next_attempt_at, reason }` (the time the remote asked for); `Failed {
+//! reason }`; or `OutcomeUnknown { remote_ref }` (the request may have
+//! happened: the entry is left for reconciliation). A panicking `send`
+//! counts as a retryable failure with reason `panic`. Each attempt that
+//! fails, is given back or ends in doubt is kept in the entry's [attempt
+//! history](crate::outbox#attempt-history).
+//!
+//! # Two runtimes
+//!
+//! Both share one set of steps (claim and settle, retry, fencing, stats,
+//! reaper, janitor):
+//!
+//! - **Threads**: [`DispatcherBuilder::start`] runs `workers(n)` threads of
+//!   its own with a blocking `send`. [`DispatcherHandle::shutdown`] lets the
+//!   sends in flight finish and gives back what was claimed but not sent.
+//! - **Tasks** (cargo feature `tokio`): `DispatcherBuilder::start_async`
+//!   runs the same dispatcher as tasks on the caller's runtime,
+//!   `current_thread` or multi-thread, with an async `send`:
+//!   `Fn(OutboxEntry) -> impl Future<Output = Delivery> + Send + 'static`
+//!   (the entry by value, so that the future of an async client such as
+//!   hyper or reqwest owns it). One task claims and settles, each send is a
+//!   task, and `workers(n)` bounds the sends in flight — async sends are
+//!   cheap, so set it well above the thread count when sends wait on the
+//!   network. Store calls run on tokio's blocking pool, and an idle
+//!   dispatcher waits for a wake-up or its next due time without holding a
+//!   thread. `handle.shutdown().await` lets the sends in flight finish,
+//!   settles them and gives back what was claimed but not sent; dropping
+//!   the handle never blocks the runtime (the tasks stop on their own).
+//!   Called outside a tokio runtime, `start_async` returns an `Error`.
 //!
 //! An async client (hyper, reqwest) belongs in `start_async`. Driven from a
 //! `start` thread with `Handle::block_on`, its futures must be built inside
@@ -23,34 +86,47 @@
 //! the reaper of the next dispatcher on that store releases it and it is sent
 //! again. Make `send` idempotent towards the remote (pass the entry's
 //! `idempotency_key` along — that is what it is for), or accept duplicates.
+//! A send slower than the lease may also be sent twice.
 //!
 //! The dispatcher uses only the outbox's public, fenced calls: a worker whose
 //! claim expired and was taken over cannot overwrite the newer attempt's
 //! outcome (its settlement is refused and counted in
-//! [`DispatchStats::fenced`]).
-//!
-//! # Errors
-//!
-//! A failed store call never stops a thread: the worker, the reaper or the
-//! janitor backs off and tries again. Each failure is counted in
-//! [`DispatchStats::store_errors`] and kept, with its time by the
-//! dispatcher's clock and what failed, in [`DispatchStats::last_error`]; the
-//! janitor's runs and its last error are in [`DispatchStats::janitor`]. A
-//! thread that panics (a [`Clock`] that panicked: a panicking `send` is
-//! caught and retried) is kept there too, and its join in
-//! [`DispatcherHandle::shutdown`] returns [`Error::Panicked`]. So does a
-//! task of the async dispatcher, at its `shutdown().await`; if the task
-//! that panicked is the one that claims, the sends it had in flight end
-//! with it and their claims wait for a reaper, as a panicked worker
-//! thread's do.
+//! [`DispatchStats::fenced`]). Workers settle a batch and claim the next in
+//! one commit ([`Outbox::settle_and_claim`](crate::Outbox::settle_and_claim)).
 //!
 //! # Wake-ups
 //!
 //! No polling: an idle worker sleeps until the earliest due entry
 //! ([`OutboxBackend::next_due`]) or until a commit that made work due wakes
-//! it ([`OutboxBackend::subscribe`]; async waiters are signalled by the same
-//! commits; on PostgreSQL, the commits of every process). Never holds a read
-//! transaction while waiting.
+//! it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
+//! once; async waiters are signalled by the same commits; on PostgreSQL,
+//! the commits of every process on every machine, by `LISTEN/NOTIFY`, or
+//! by polling once a second on engines without `LISTEN`). Never holds a
+//! read transaction while waiting.
+//!
+//! # The janitor
+//!
+//! A [`Janitor`], run by a dispatcher ([`DispatcherBuilder::janitor`]) or
+//! by hand ([`Janitor::run_once`]), prunes inboxes, purges finished outbox
+//! entries and expired idempotency keys on a schedule. Its tasks and the
+//! reaper commit at most 1024 rows per transaction, so even the first run
+//! over a large backlog never holds the writer (and the claims behind it)
+//! for long; a run cut short leaves whole chunks done.
+//!
+//! # Errors
+//!
+//! No error is swallowed, and a failed store call never stops a thread: the
+//! worker, the reaper or the janitor backs off and tries again. Each failure
+//! is counted in [`DispatchStats::store_errors`] and kept, with its time by
+//! the dispatcher's clock and what failed, in [`DispatchStats::last_error`];
+//! the janitor's runs, last report and last error are in
+//! [`DispatchStats::janitor`]. A thread that panics (a [`Clock`] that
+//! panicked: a panicking `send` is caught and retried) is kept there too,
+//! and its join in [`DispatcherHandle::shutdown`] returns
+//! [`Error::Panicked`]. So does a task of the async dispatcher, at its
+//! `shutdown().await`; if the task that panicked is the one that claims,
+//! the sends it had in flight end with it and their claims wait for a
+//! reaper, as a panicked worker thread's do.
 //!
 //! # Backends
 //!
@@ -100,7 +176,7 @@ pub enum Delivery {
     /// (or fail for good with reason `max_attempts` when they are used up).
     ///
     /// Reasons and remote refs are stored as given, cut to
-    /// [`MAX_OUTBOX_FIELD_LEN`](crate::MAX_OUTBOX_FIELD_LEN) bytes; an
+    /// [`MAX_OUTBOX_FIELD_LEN`] bytes; an
     /// empty reason is stored as `unspecified`.
     Retry {
         /// A stable failure code, stored on the entry.

@@ -1,4 +1,5 @@
-//! [`IdempotencyKeys`]: the HTTP `Idempotency-Key` response store.
+//! Idempotency keys: the HTTP `Idempotency-Key` response store, so that a
+//! retried request is answered from the store instead of running twice.
 //!
 //! A request carrying an idempotency key calls [`IdempotencyKeys::begin`]
 //! with its [`fingerprint`]. The first one gets [`Begin::Proceed`] with a
@@ -9,6 +10,40 @@
 //! with that key gets the stored response ([`Begin::Replay`]), is told the
 //! first one is still running ([`Begin::InFlight`], HTTP 409), or that it
 //! reuses the key for another request ([`Begin::Mismatch`], HTTP 422).
+//! Keys are kept per tenant. With the `middleware` feature,
+//! `middleware::IdempotencyLayer` does all of this in front of any tower
+//! service.
+//!
+//! ```
+//! use idemstore::chrono::Utc;
+//! use idemstore::{Begin, Store, fingerprint};
+//!
+//! let store = Store::in_memory()?;
+//! let keys = store.idempotency_keys(); // TTL 24 h, lease 60 s: .with_ttl(..), .with_lease(..)
+//! let fp = fingerprint("POST", "/payments", br#"{"amount":42}"#);
+//! match keys.begin("tenant-a", "7c1f-key", &fp, Utc::now())? {
+//!     Begin::Proceed(reservation) => {
+//!         // Run the handler, then store its response (or `release` on failure).
+//!         let response = reservation.response(201, br#"{"id":"pay_1"}"#.to_vec(), Utc::now());
+//!         keys.complete(&reservation, response, Utc::now())?;
+//!     }
+//!     Begin::Replay(_stored) => { /* answer with the stored response */ }
+//!     Begin::InFlight { lease_until: _ } => { /* 409, Retry-After */ }
+//!     Begin::Mismatch { .. } => { /* 422: the key was used for another request */ }
+//! }
+//! // The same request again is answered from the store.
+//! assert!(matches!(keys.begin("tenant-a", "7c1f-key", &fp, Utc::now())?, Begin::Replay(_)));
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! # In the handler's transaction
+//!
+//! [`IdempotencyKeys::complete_in`] stores the response inside the
+//! handler's own [`Store::write`](crate::Store::write), with its rows: a
+//! response exists if and only if the handler's writes committed, so a
+//! crash between the two cannot make a retry run the handler again. A
+//! handler that crashed does not block its key past its lease; the request
+//! that takes it over [fences](#fencing) the old holder out.
 //!
 //! # Layout
 //!

@@ -1,19 +1,164 @@
-//! [`Inbox`]: a dedup ledger of external event ids.
+//! The inbox: a dedup ledger of external event ids, so that each delivery's
+//! effect runs once.
 //!
-//! Each event key is recorded once per inbox. The first delivery of a key
-//! claims it (`true`, or [`Claim::Applied`] with the effect's result); every
-//! later delivery — a duplicate, a replay, a concurrent retry — is told so and
-//! its effect does not run. With [`Inbox::claim_with`] and [`Inbox::claim_in`]
-//! the claim and the effect commit in one write transaction, or neither does.
+//! Each event key (a webhook id, a message id) is recorded once per
+//! [`Inbox`]. The first delivery of a key claims it; every later delivery —
+//! a duplicate, a replay, a concurrent retry, an out-of-order one — is told
+//! so, and its effect does not run. An inbox is a name inside the store file
+//! ([`Store::inbox`](crate::Store::inbox)); a store holds any number of them.
 //!
-//! Layout: the ledger `(inbox, key) → seen_at` in [`INBOX`], its prune index
-//! `(inbox, seen_at, key)` in [`INBOX_SEEN`](crate::schema::INBOX_SEEN) and
-//! the per-inbox count of its rows in [`INBOX_COUNT`]. A durable store's
-//! claims first go to the journal of recent claims [`INBOX_JOURNAL`] and
-//! reach those three tables in bulk (see [`journal`]); under
-//! `Durability::None` a claim writes all three at once. The operations on
-//! one write transaction are in [`ops`]; listing and checking in
-//! [`inspect`].
+//! ```
+//! use idemstore::chrono::Utc;
+//! use idemstore::redb::{ReadableTable as _, TableDefinition};
+//! use idemstore::{Claim, Store};
+//!
+//! // Your own tables live in the same file, through the re-exported redb.
+//! const BALANCES: TableDefinition<&str, i64> = TableDefinition::new("app.balances");
+//!
+//! # let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
+//! let store = Store::open(dir.path().join("app.idem"))?;
+//! let payments = store.inbox("payments")?;
+//! for delivery in ["evt_1", "evt_1", "evt_2"] {
+//!     let outcome = payments.claim_with(delivery, Utc::now(), |tx| {
+//!         // Runs once per event id; commits together with the claim, or not at all.
+//!         let mut balances = tx.open_table(BALANCES)?;
+//!         let old = balances.get("alice")?.map_or(0, |v| v.value());
+//!         balances.insert("alice", old + 10)?;
+//!         Ok::<_, idemstore::Error>(old + 10)
+//!     })?;
+//!     match outcome {
+//!         Claim::Applied(balance) => println!("{delivery}: credited, balance {balance}"),
+//!         Claim::Duplicate => println!("{delivery}: seen before; nothing done"),
+//!     }
+//! }
+//! assert_eq!(payments.len()?, 2);
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! # Claims
+//!
+//! - [`Inbox::claim`]`(key, now)`: `true` the first time, `false` ever
+//!   after, concurrent deliveries included.
+//! - [`Inbox::claim_with`]`(key, now, effect)`: the claim and the effect
+//!   commit in one write transaction, or neither does. An effect that
+//!   returns `Err` or panics leaves the key unclaimed and nothing written
+//!   (a later delivery runs it again; a panic reaches you and the file is
+//!   left clean). The effect runs on your thread, at most once.
+//! - [`Inbox::claim_in`]`(tx, key, now)`, inside your own
+//!   [`Store::write`](crate::Store::write): claims, your own tables and
+//!   outbox entries ([`Outbox::enqueue_in`](crate::Outbox::enqueue_in))
+//!   compose in one commit.
+//! - [`Inbox::claim_many`]`(keys, now)`: many keys in one commit.
+//!
+//! Each returns once the claim, or the claim it collided with, is durable:
+//! a `false` or a [`Claim::Duplicate`] is never answered from a claim a
+//! crash could still undo. Times are passed in by the caller: storage calls
+//! never read the clock, so tests are deterministic.
+//!
+//! # Composing a claim in one commit, from async code
+//!
+//! An axum handler that claims a webhook, applies its effect and enqueues
+//! an outbox entry in one commit, without blocking the runtime: the store
+//! call runs on tokio's blocking pool (see [the crate
+//! docs](crate#calls-block-from-async-code-use-the-blocking-pool)). It needs
+//! no feature of idemstore, only `axum`, `tokio` and `tower` of your own.
+//!
+//! ```
+//! use axum::body::{Body, Bytes};
+//! use axum::extract::State;
+//! use axum::http::{HeaderMap, Request, StatusCode};
+//! use axum::{Router, routing::post};
+//! use idemstore::chrono::Utc;
+//! use idemstore::redb::TableDefinition;
+//! use idemstore::{Inbox, NewEntry, Outbox, Store};
+//! use tower::ServiceExt as _; // `oneshot`, to call the router without a socket
+//!
+//! const ORDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("app.orders");
+//!
+//! #[derive(Clone)]
+//! struct App {
+//!     store: Store,
+//!     webhooks: Inbox,
+//!     outbox: Outbox,
+//! }
+//!
+//! async fn webhook(State(app): State<App>, headers: HeaderMap, body: Bytes) -> StatusCode {
+//!     let Some(event_id) = headers.get("webhook-id").and_then(|v| v.to_str().ok()) else {
+//!         return StatusCode::BAD_REQUEST;
+//!     };
+//!     let event_id = event_id.to_owned(); // owned: the closure below is `Send + 'static`
+//!     let outcome = tokio::task::spawn_blocking(move || {
+//!         let now = Utc::now();
+//!         app.store.write(|tx| {
+//!             if !app.webhooks.claim_in(tx, &event_id, now)? {
+//!                 return Ok(false); // seen before: nothing is written
+//!             }
+//!             // The claim, the effect and the outbox entry commit together, or not at all.
+//!             let mut orders = tx.open_table(ORDERS)?;
+//!             orders.insert(event_id.as_str(), body.as_ref())?;
+//!             let receipt = NewEntry::new(&event_id, "mailer", format!("{event_id}/receipt"), body.to_vec());
+//!             app.outbox.enqueue_in(tx, receipt, now)?;
+//!             Ok::<_, idemstore::Error>(true)
+//!         })
+//!     })
+//!     .await;
+//!     match outcome {
+//!         Ok(Ok(true)) => StatusCode::CREATED,
+//!         Ok(Ok(false)) => StatusCode::OK, // a duplicate delivery, acknowledged again
+//!         // A store error, or a panic in the closure (its transaction rolled back):
+//!         // not acknowledged, so the sender retries.
+//!         Ok(Err(_)) | Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+//!     }
+//! }
+//!
+//! fn router(store: Store) -> idemstore::Result<Router> {
+//!     let app = App { webhooks: store.inbox("webhooks")?, outbox: store.outbox(), store };
+//!     Ok(Router::new().route("/webhooks", post(webhook)).with_state(app))
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//!     let dir = tempfile::tempdir()?;
+//!     let store = Store::open(dir.path().join("app.idem"))?; // once, at start-up
+//!     let app = router(store.clone())?;
+//!     // A server would run `axum::serve(listener, app).await`; here the same
+//!     // delivery goes to the router twice.
+//!     for expected in [StatusCode::CREATED, StatusCode::OK] {
+//!         let delivery = Request::post("/webhooks").header("webhook-id", "evt_1").body(Body::from("{}"))?;
+//!         assert_eq!(app.clone().oneshot(delivery).await?.status(), expected);
+//!     }
+//!     let outbox = store.outbox();
+//!     let counts = tokio::task::spawn_blocking(move || outbox.counts()).await??;
+//!     assert_eq!(counts.pending, 1); // one receipt, for the dispatcher to send
+//!     Ok(())
+//! }
+//! ```
+//!
+//! A panic in the closure reaches the `.await` as a `JoinError`
+//! (`std::panic::resume_unwind(e.into_panic())` resumes it, if you would
+//! rather crash the task); the transaction it was in is rolled back and the
+//! file left clean. `tests/async_handlers.rs` holds this to account on a
+//! `current_thread` runtime: a ticking task keeps ticking while 200 claims
+//! with effects run, and concurrent handlers delivering one webhook id
+//! apply its effect once.
+//!
+//! # Forgetting old keys
+//!
+//! [`Inbox::prune`]`(before)` forgets the keys claimed before `before`, in
+//! time proportional to what it removes, committing 1024 keys at a time so
+//! that claims go on between the chunks. A pruned key can be claimed again:
+//! prune only past the window in which duplicates can still arrive (a
+//! [`Janitor`](crate::Janitor) can do it on a schedule).
+//!
+//! # Layout
+//!
+//! The ledger `(inbox, key) → seen_at`, its prune index
+//! `(inbox, seen_at, key)` and the per-inbox count of its rows. A durable
+//! store's claims first go to a journal of recent claims that grows at its
+//! end, and reach those three tables in bulk every
+//! [`journal_size`](crate::StoreBuilder::journal_size) claims; under
+//! `Durability::None` a claim writes all three at once. Why the journal
+//! pays is argued, with its figures, in the repository's `docs/design.md`.
 
 mod inspect;
 mod journal;

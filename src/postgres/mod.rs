@@ -71,6 +71,13 @@
 //!   a [`PgStore::write`] closure, PostgreSQL has aborted the transaction:
 //!   return the error. A closure that swallows it and returns `Ok` commits
 //!   nothing either: the call returns the server's `25P02` error.
+//!   To decide what to do, ask the error rather than its SQLSTATE:
+//!   [`Error::is_retryable`](crate::Error::is_retryable) is `true` only
+//!   when the same call may simply run again (the server out of reach or
+//!   going away before the commit, no pooled connection in time, `40001`,
+//!   `40P01`), and [`Error::kind`](crate::Error::kind) names the rest
+//!   ([`ErrorKind::OutcomeUnknown`](crate::ErrorKind::OutcomeUnknown) for
+//!   `08007`).
 //! - **Calls from async code do not panic.** The client blocks on a tokio
 //!   runtime of its own, which tokio refuses on a thread that drives a
 //!   runtime. So on a multi-thread runtime (`#[tokio::main]`) every call,
