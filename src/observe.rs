@@ -7,9 +7,10 @@
 //! site costs nothing, so call sites carry no `cfg` of their own.
 //!
 //! The application installs the subscriber or the recorder; this module only
-//! emits. The README's "Observability" section lists every metric (name,
-//! type, labels) and every tracing target with its levels; this file is
-//! where they are emitted, and a change to one is a change to the other.
+//! emits. The crate docs' "Observability" section (in `lib.rs`) lists
+//! every metric (name, type, labels) and every tracing target with its
+//! levels; this file is where they are emitted, and a change to one is a
+//! change to the other.
 //!
 //! # Rules
 //!

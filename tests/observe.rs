@@ -1,5 +1,5 @@
 //! What the store reports with the features `tracing` and `metrics`: the
-//! metrics and the events the README's "Observability" section lists, with
+//! metrics and the events the crate docs' "Observability" section lists, with
 //! their labels and values, read back from a recorder and a subscriber
 //! installed for the whole test binary.
 //!
@@ -450,7 +450,7 @@ fn released_claims_and_janitor_runs_are_reported() -> Result<()> {
     Ok(())
 }
 
-/// Every metric the README lists, with its kind and unit.
+/// Every metric the crate docs list, with its kind and unit.
 const DESCRIBED: &[(&str, &str, metrics::Unit)] = &[
     ("idemstore_commits_total", "counter", metrics::Unit::Count),
     (

@@ -149,7 +149,7 @@ async fn on_a_current_thread_runtime_a_closure_runs_on_its_blocking_pool_only() 
         "{e:?}"
     );
     assert!(!inbox.seen("w-2")?);
-    // On its blocking pool, as the README says: both work.
+    // On its blocking pool, as the `postgres` module docs say: both work.
     let pooled = store.clone();
     tokio::task::spawn_blocking(move || closure_calls(&pooled, "")).await??;
     assert!(inbox.seen("w-1")? && inbox.seen("w-2")?);

@@ -217,7 +217,7 @@
 //! # Observability
 //!
 //! With the `tracing` and `metrics` features the layer reports under the
-//! target `idemstore::middleware` (the README's "Observability" section
+//! target `idemstore::middleware` (the crate docs' "Observability" section
 //! lists every event and metric):
 //!
 //! - `debug` events for the answers it makes from the store: `stored

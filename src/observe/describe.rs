@@ -1,6 +1,6 @@
 //! The `# HELP` text and unit of every metric the store reports, given to
 //! the recorder by [`describe_metrics`](super::describe_metrics). One
-//! entry per name the README's "Observability" section lists; a metric
+//! entry per name the crate docs' "Observability" section lists; a metric
 //! added there is described here.
 
 pub(super) fn all() {
