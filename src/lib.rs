@@ -188,6 +188,35 @@
 //!   keys on a PostgreSQL server, for programs that outgrow one machine.
 //! - `cli`: the `idemstore` operator binary (the repository's `docs/cli.md`).
 //!
+//! # Glossary
+//!
+//! One word for each thing, in these docs and in the code:
+//!
+//! - **claim** — recording an event key in an [`inbox`] for the first time
+//!   (`Inbox::claim`); also the hold a dispatcher takes on an outbox entry
+//!   while it sends it (`Outbox::claim_due`, [`OutboxClaim`]). A *duplicate*
+//!   is a later delivery of a claimed key.
+//! - **effect** — the caller's closure that commits with a claim
+//!   (`Inbox::claim_with`).
+//! - **entry** — one side effect in the [`outbox`]; its **due time** is
+//!   `next_attempt_at` (or `created_at` when absent).
+//! - **settle** — end a dispatcher's attempt: completed, retried, failed or
+//!   outcome unknown ([`Settlement`]); a **fence** (the attempt number)
+//!   keeps a stale dispatcher from settling an entry claimed again.
+//! - **reservation** — the hold a request's `begin` takes on an
+//!   idempotency key for the lease ([`Reservation`]); **complete** stores
+//!   its response, **release** lets a retry run.
+//! - **operation** — one of the store's own calls, queued and run by the
+//!   engine in a batch with others (group commit); a **caller closure**
+//!   (`Store::write`, an effect) runs on its caller's thread instead.
+//! - **durable** — on disk: survives a crash or a power loss (D1, D2).
+//! - **shared** — only the several-processes mode of a file
+//!   (`StoreBuilder::shared`); nothing else is called shared.
+//! - **cutoff** — a time parameter named by the time it is compared with:
+//!   `seen_before` (an inbox key's claim time), `claimed_before` (an
+//!   entry's claim time), `expired_before` (an idempotency record's
+//!   creation time, against its TTL).
+//!
 //! # Observability
 //!
 //! Two cargo features report what the store and the dispatcher do, through the
