@@ -58,10 +58,13 @@ use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
+use crate::outbox::rules::{
+    Change, FencedChange, Row, check_entry, mark_failed_change, mark_outcome_unknown_change, plan,
+    plan_settle_and_claim, plan_settlements,
+};
 use crate::outbox::{
-    AttemptRecord, Change, Enqueued, Fence, FencedChange, NewEntry, Notifier, OutboxEntry,
-    OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed, Settlement, check_entry,
-    check_field, plan, plan_settlements,
+    AttemptRecord, Enqueued, Fence, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord,
+    OutboxStatus, SettledAndClaimed, Settlement, check_field,
 };
 
 mod inspect;
@@ -121,7 +124,7 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
         destination: text(2)?,
         idempotency_key: text(3)?,
         payload: r.try_get(4)?,
-        status: status.code(),
+        status,
         attempt_count: unsigned(TABLE, &id, "attempt_count", r.try_get(6)?)?,
         next_attempt_at: r.try_get(7)?,
         created_at: r.try_get(8)?,
@@ -496,10 +499,10 @@ impl PgOutbox {
         let Some(new) = plan(id, old, change, fence)? else {
             return Ok(old.clone());
         };
-        let attempt = change.attempt_row(old, old.status(id)?);
+        let attempt = change.attempt_row(old, old.status);
         let s = self.s();
         let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
-        let status = status_name(new.status(id)?);
+        let status = status_name(new.status);
         let (worker, claimed_at) = match &new.attempt {
             Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
             None => (None, None),
@@ -737,8 +740,7 @@ impl PgOutbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        check_field("worker_id", worker_id)?;
-        let (changes, _) = plan_settlements(settlements, now)?;
+        let (changes, _) = plan_settle_and_claim(settlements, now, worker_id)?;
         refuse_reentrant()?;
         let now = micros(now);
         let (settled, claimed) = self.shared.run(Mode::Tx, |conn| {
@@ -788,13 +790,7 @@ impl PgOutbox {
         retry_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        check_field("reason", reason)?;
-        let change = Change::Failed {
-            reason: reason.to_owned(),
-            next_attempt_at: retry_at.map(micros),
-            now: micros(now),
-        };
-        self.change(id, &change, None)
+        self.change(id, &mark_failed_change(reason, retry_at, now)?, None)
     }
 
     /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
@@ -802,14 +798,7 @@ impl PgOutbox {
     /// the remote reference only if none is stored yet. Otherwise
     /// [`Error::Conflict`].
     pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
-        if let Some(r) = remote_ref {
-            check_field("remote_ref", r)?;
-        }
-        let change = Change::OutcomeUnknown {
-            remote_ref: remote_ref.map(str::to_owned),
-            now: None,
-        };
-        self.change(id, &change, None)
+        self.change(id, &mark_outcome_unknown_change(remote_ref)?, None)
     }
 
     /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
