@@ -7,8 +7,9 @@ use redb::{ReadableTable, TableHandle as _};
 
 use super::IdempotencyKeys;
 use super::ops::stored_next_fence;
-use super::record::{Row, check_tenant, check_tenant_key, decode_row, key_name};
-use super::types::{KeyEntry, ResponseRecord, key_entry, to_response};
+use super::record::decode_row;
+use super::rules::{Row, check_tenant, check_tenant_key, key_entry, key_name, to_response};
+use super::types::{KeyEntry, ResponseRecord};
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, open_read};

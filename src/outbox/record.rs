@@ -407,6 +407,13 @@ mod tests {
     }
 
     #[test]
+    fn errors_name_the_tables_the_records_are_in() {
+        use crate::outbox::rules::{ATTEMPT_RECORDS, RECORDS};
+        assert_eq!(RECORDS, OUTBOX.name());
+        assert_eq!(ATTEMPT_RECORDS, OUTBOX_ATTEMPTS.name());
+    }
+
+    #[test]
     fn status_codes_round_trip() {
         for s in OutboxStatus::ALL {
             assert_eq!(OutboxStatus::from_code(s.code()), Some(s));

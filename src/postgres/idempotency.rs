@@ -32,12 +32,13 @@ use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, after_commit, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
+use crate::idempotency::rules::{
+    Completion, Look, Row, Spans, check_fingerprint, check_record, check_tenant, check_tenant_key,
+    decide, into_row, key_entry, key_name, reservation_row, row_time, to_response,
+};
 use crate::idempotency::{
-    Begin, Completion, Counters, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyStats, KeyEntry,
-    KeySummary, Look, PURGE_CHUNK, Reservation, ResponseRecord, Row, answer, bump,
-    check_fingerprint, check_record, check_tenant, check_tenant_key, count_completion,
-    count_reserved, decide, into_row, key_entry, key_name, reservation_row, row_time, span_micros,
-    time, to_response,
+    Begin, Counters, IdempotencyStats, KeyEntry, KeySummary, PURGE_CHUNK, Reservation,
+    ResponseRecord, answer, bump, count_completion, count_reserved,
 };
 
 const TABLE: &str = "idempotency";
@@ -100,8 +101,7 @@ enum Began {
 #[derive(Clone, Debug)]
 pub struct PgIdempotencyKeys {
     shared: Arc<Shared>,
-    ttl: Duration,
-    lease: Duration,
+    spans: Spans,
     counters: Arc<Counters>,
 }
 
@@ -109,8 +109,7 @@ impl PgIdempotencyKeys {
     pub(super) fn new(shared: Arc<Shared>, counters: Arc<Counters>) -> PgIdempotencyKeys {
         PgIdempotencyKeys {
             shared,
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
+            spans: Spans::default(),
             counters,
         }
     }
@@ -124,7 +123,7 @@ impl PgIdempotencyKeys {
     /// years.
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.spans.ttl = ttl;
         self
     }
 
@@ -133,18 +132,18 @@ impl PgIdempotencyKeys {
     /// are cut to 100 years.
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.spans.lease = lease;
         self
     }
 
     /// The TTL `begin` applies.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.spans.ttl
     }
 
     /// The lease `begin` grants.
     pub fn lease(&self) -> Duration {
-        self.lease
+        self.spans.lease
     }
 
     /// The counters of every handle of this store (in this process) since
@@ -301,7 +300,7 @@ impl PgIdempotencyKeys {
         refuse_reentrant()?;
         let row = into_row(record.clone(), 0, record.created_at);
         let now = row.created_at();
-        let expired_before = now.saturating_sub(span_micros(self.ttl));
+        let expired_before = self.spans.expired_before(now);
         let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
         let stored = self.shared.run(Mode::Tx, |conn| {
             conn.in_transaction(|tx| {
@@ -376,9 +375,7 @@ impl PgIdempotencyKeys {
         check_tenant_key(tenant, key)?;
         check_fingerprint(fingerprint)?;
         let now_us = micros(now);
-        let expired_before = now_us.saturating_sub(span_micros(self.ttl));
-        let lease_until_us = now_us.saturating_add(span_micros(self.lease));
-        let lease_until = time("now", lease_until_us)?;
+        let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = self.shared.run(Mode::Read, |conn| {
             self.read(&mut conn.db(), tenant, key, false)
         })?;
