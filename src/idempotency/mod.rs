@@ -65,7 +65,7 @@ pub use inspect::KeySummary;
 use ops::Began;
 use record::read_row;
 use rules::{
-    Completion, Look, Row, Spans, check_fingerprint, check_record, check_tenant_key, into_row,
+    Completion, Look, Row, Spans, check_begin, check_put, check_tenant_key, into_row,
     reservation_row, to_response,
 };
 pub use rules::{
@@ -221,9 +221,7 @@ impl IdempotencyKeys {
     /// ended reservation and fences its holder out. For responses produced
     /// under a reservation, use [`complete`](Self::complete) instead.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_tenant_key(&record.tenant, &record.idempotency_key)?;
-        check_fingerprint(&record.request_fingerprint)?;
-        self.check_record(record)?;
+        check_put(record, self.max_body)?;
         let row = into_row(record.clone(), 0, record.created_at);
         let expired_before = self.spans.expired_before(row.created_at());
         let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
@@ -281,8 +279,7 @@ impl IdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
-        check_tenant_key(tenant, key)?;
-        check_fingerprint(fingerprint)?;
+        check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = self.read_row(tenant, key)?;
@@ -409,10 +406,5 @@ impl IdempotencyKeys {
         now: DateTime<Utc>,
     ) -> Result<Row> {
         reservation_row(r, response, now, self.max_body)
-    }
-
-    /// Checks a response's status, headers and body against the limits.
-    fn check_record(&self, record: &ResponseRecord) -> Result<()> {
-        check_record(record, self.max_body)
     }
 }

@@ -402,6 +402,21 @@ pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
     out
 }
 
+/// Checks what `begin` is given: the `(tenant, key)` and the request's
+/// fingerprint.
+pub(crate) fn check_begin(tenant: &str, key: &str, fingerprint: &str) -> Result<()> {
+    check_tenant_key(tenant, key)?;
+    check_fingerprint(fingerprint)
+}
+
+/// Checks the record `put` is given: its `(tenant, key)`, its fingerprint,
+/// and its response against the limits (a body up to `max_body`).
+pub(crate) fn check_put(record: &ResponseRecord, max_body: usize) -> Result<()> {
+    check_tenant_key(&record.tenant, &record.idempotency_key)?;
+    check_fingerprint(&record.request_fingerprint)?;
+    check_record(record, max_body)
+}
+
 /// Checks the `(tenant, key)` a call names.
 pub(crate) fn check_tenant_key(tenant: &str, key: &str) -> Result<()> {
     check_tenant(tenant)?;

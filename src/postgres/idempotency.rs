@@ -33,8 +33,8 @@ use super::{Shared, after_commit, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::rules::{
-    Completion, Look, Row, Spans, check_fingerprint, check_record, check_tenant, check_tenant_key,
-    decide, into_row, key_entry, key_name, reservation_row, row_time, to_response,
+    Completion, Look, Row, Spans, check_begin, check_put, check_tenant, check_tenant_key, decide,
+    into_row, key_entry, key_name, reservation_row, row_time, to_response,
 };
 use crate::idempotency::{
     Begin, Counters, IdempotencyStats, KeyEntry, KeySummary, PURGE_CHUNK, Reservation,
@@ -294,9 +294,7 @@ impl PgIdempotencyKeys {
     /// a row expired as of `record.created_at`: a response older than the
     /// handle's TTL, or a reservation whose lease ended.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_tenant_key(&record.tenant, &record.idempotency_key)?;
-        check_fingerprint(&record.request_fingerprint)?;
-        check_record(record, self.shared.max_body)?;
+        check_put(record, self.shared.max_body)?;
         refuse_reentrant()?;
         let row = into_row(record.clone(), 0, record.created_at);
         let now = row.created_at();
@@ -372,8 +370,7 @@ impl PgIdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
-        check_tenant_key(tenant, key)?;
-        check_fingerprint(fingerprint)?;
+        check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = self.shared.run(Mode::Read, |conn| {
