@@ -1,10 +1,10 @@
 //! [`PgIdempotencyKeys`]: the HTTP idempotency keys in `S.idempotency`.
 //!
-//! A row is the embedded store's row in columns: a reservation
+//! A row is the rules' row (`src/idempotency/rules.rs`) in columns: a reservation
 //! (`lease_until` set; `created_at` is its reservation time) or a
 //! completed response (`status`, `content_type`, the headers as two
 //! arrays, `body`). `begin`, `put` and `get` read the row, take the
-//! embedded store's own decision on it, and only when it says to write
+//! decision both backends share on it, and only when it says to write
 //! they read it again `FOR UPDATE` in a transaction and decide again on
 //! what they find there. Fence tokens come from the store-wide sequence
 //! `S.idempotency_fence`, so they are never handed out twice.

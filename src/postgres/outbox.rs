@@ -1,7 +1,9 @@
 //! [`PgOutbox`]: the outbox in `S.outbox` and `S.outbox_attempts`.
 //!
-//! Most status changes go through the embedded store's own status machine:
-//! the row is read `FOR UPDATE`, the same pure function decides (the new
+//! Most status changes go through the outbox's status machine, the pure
+//! rules both backends share (`src/outbox/rules.rs`, which knows nothing of
+//! either backend's storage): the row is read `FOR UPDATE` as the rules'
+//! value, the same function the embedded store calls decides (the new
 //! row, an accepted no-op, or a `Conflict`), and the new row and the
 //! attempt record it calls for are written back in the same transaction.
 //! Three changes run as statements whose SQL is that function's cell,
