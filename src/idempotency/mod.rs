@@ -58,6 +58,8 @@ use redb::WriteTransaction;
 
 use crate::codec::micros;
 use crate::engine::{Engine, after_commit};
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::schema::{IDEM, open_read};
 

@@ -35,6 +35,7 @@ pub const MAX_HEADERS: usize = 64;
 
 /// Longest TTL or lease accepted (longer ones are cut to it): 100 years.
 pub(crate) const MAX_SPAN_MICROS: i64 = 100 * 366 * 24 * 60 * 60 * 1_000_000;
+
 /// One row of the idempotency store, as the rules see it (times µs). How a
 /// backend stores it is its own business (the embedded store's encoding is
 /// in `record.rs`). The tenant and the key are the row's key and are not
@@ -215,10 +216,13 @@ pub(crate) fn with_fence(row: &Row, new: u64) -> Row {
     row
 }
 
+/// A TTL or a lease in µs, cut to [`MAX_SPAN_MICROS`].
 pub(crate) fn span_micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).map_or(MAX_SPAN_MICROS, |us| us.min(MAX_SPAN_MICROS))
 }
 
+/// A time `begin` computed (µs) as a `DateTime`; one past the end of
+/// representable time is [`Error::InvalidInput`] about `field`.
 pub(crate) fn time(field: &'static str, at: i64) -> Result<DateTime<Utc>> {
     DateTime::from_timestamp_micros(at)
         .ok_or_else(|| Error::invalid(field, "is too close to the end of representable time"))
@@ -310,6 +314,8 @@ pub(crate) fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) ->
     }
 }
 
+/// The response a completed `row` at `(tenant, key)` holds; a reservation
+/// is [`Error::Conflict`].
 pub(crate) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseRecord> {
     match row {
         Row::Completed {
@@ -336,6 +342,7 @@ pub(crate) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseR
     }
 }
 
+/// How the listing shows `row` at `(tenant, key)`.
 pub(crate) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
     let at = |us| row_time(tenant, key, us);
     let fence = row.fence();
