@@ -63,7 +63,6 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::schema::{IDEM, open_read};
 
-pub use inspect::KeySummary;
 use ops::Began;
 use record::read_row;
 use rules::{
@@ -74,7 +73,9 @@ pub use rules::{
     MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
     MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, fingerprint,
 };
-pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
+pub use types::{
+    Begin, IdempotencyStats, KeyEntry, KeyState, KeySummary, Reservation, ResponseRecord,
+};
 pub(crate) use types::{Counters, answer, bump, count_completion, count_reserved};
 
 /// Default time a completed response is kept and replayed: 24 hours.

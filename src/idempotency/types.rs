@@ -151,6 +151,19 @@ impl Reservation {
     }
 }
 
+/// Rows of the idempotency-key store by kind ([`IdempotencyKeys::summary`](crate::IdempotencyKeys::summary)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KeySummary {
+    /// Stored responses.
+    pub completed: u64,
+    /// Reservations: handlers in flight, or whose holder died before its
+    /// lease ended.
+    pub reserved: u64,
+    /// The oldest row's `created_at` (a reservation's is its reservation
+    /// time), `None` when there are no rows.
+    pub oldest: Option<DateTime<Utc>>,
+}
+
 /// Counters since the store was opened, shared by every
 /// [`IdempotencyKeys`](crate::IdempotencyKeys) handle of one store. For metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
