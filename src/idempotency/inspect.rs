@@ -2,13 +2,13 @@
 
 use std::ops::Bound;
 
-use chrono::{DateTime, Utc};
 use redb::{ReadableTable, TableHandle as _};
 
 use super::IdempotencyKeys;
 use super::ops::stored_next_fence;
-use super::record::{Row, check_tenant, check_tenant_key, decode_row, key_name};
-use super::types::{KeyEntry, ResponseRecord, key_entry, to_response};
+use super::record::decode_row;
+use super::rules::{Row, check_tenant, check_tenant_key, key_entry, key_name, to_response};
+use super::types::{KeyEntry, KeySummary, ResponseRecord};
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, open_read};
@@ -186,17 +186,4 @@ impl IdempotencyKeys {
             Ok(findings)
         })
     }
-}
-
-/// Rows of the idempotency-key store by kind ([`IdempotencyKeys::summary`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct KeySummary {
-    /// Stored responses.
-    pub completed: u64,
-    /// Reservations: handlers in flight, or whose holder died before its
-    /// lease ended.
-    pub reserved: u64,
-    /// The oldest row's `created_at` (a reservation's is its reservation
-    /// time), `None` when there are no rows.
-    pub oldest: Option<DateTime<Utc>>,
 }

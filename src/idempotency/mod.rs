@@ -82,6 +82,7 @@
 mod inspect;
 mod ops;
 mod record;
+pub(crate) mod rules;
 mod types;
 
 use std::sync::Arc;
@@ -92,38 +93,30 @@ use redb::WriteTransaction;
 
 use crate::codec::micros;
 use crate::engine::{Engine, after_commit};
-use crate::error::{Error, Result};
-use crate::observe::{self, Idempotency as Outcome};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::schema::{IDEM, open_read};
 
-pub use inspect::KeySummary;
 use ops::Began;
-pub(crate) use ops::Look;
-// The PostgreSQL backend takes the same decisions on its rows.
-#[cfg(feature = "postgres")]
-pub(crate) use ops::decide;
-#[cfg(feature = "postgres")]
-pub(crate) use record::check_tenant;
 use record::read_row;
-pub use record::{
+use rules::{
+    Completion, Look, Row, Spans, check_begin, check_put, check_tenant_key, into_row,
+    reservation_row, to_response,
+};
+pub use rules::{
     MAX_CONTENT_TYPE_LEN, MAX_FINGERPRINT_LEN, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN,
     MAX_HEADERS, MAX_IDEMPOTENCY_KEY_LEN, MAX_TENANT_LEN, fingerprint,
 };
-pub(crate) use record::{
-    Row, check_fingerprint, check_response, check_tenant_key, key_name, row_time,
+pub use types::{
+    Begin, IdempotencyStats, KeyEntry, KeyState, KeySummary, Reservation, ResponseRecord,
 };
-#[cfg(feature = "postgres")]
-pub(crate) use types::key_entry;
-pub use types::{Begin, IdempotencyStats, KeyEntry, KeyState, Reservation, ResponseRecord};
-pub(crate) use types::{Completion, Counters};
-pub(crate) use types::{bump, to_response};
+pub(crate) use types::{Counters, answer, bump, count_completion, count_reserved};
 
 /// Default time a completed response is kept and replayed: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default time a reservation holds a key: 60 seconds.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
-/// Longest TTL or lease accepted (longer ones are cut to it): 100 years.
-pub(crate) const MAX_SPAN_MICROS: i64 = 100 * 366 * 24 * 60 * 60 * 1_000_000;
 /// Rows removed per commit by [`IdempotencyKeys::purge_expired`].
 pub(crate) const PURGE_CHUNK: usize = 1024;
 
@@ -165,18 +158,8 @@ pub(crate) const PURGE_CHUNK: usize = 1024;
 pub struct IdempotencyKeys {
     engine: Arc<Engine>,
     max_body: usize,
-    ttl: Duration,
-    lease: Duration,
+    spans: Spans,
     counters: Arc<Counters>,
-}
-
-pub(crate) fn span_micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).map_or(MAX_SPAN_MICROS, |us| us.min(MAX_SPAN_MICROS))
-}
-
-pub(crate) fn time(field: &'static str, at: i64) -> Result<DateTime<Utc>> {
-    DateTime::from_timestamp_micros(at)
-        .ok_or_else(|| Error::invalid(field, "is too close to the end of representable time"))
 }
 
 impl IdempotencyKeys {
@@ -184,8 +167,7 @@ impl IdempotencyKeys {
         IdempotencyKeys {
             engine,
             max_body,
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
+            spans: Spans::default(),
             counters: Arc::default(),
         }
     }
@@ -203,7 +185,7 @@ impl IdempotencyKeys {
     /// over 100 years are cut to 100 years.
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.spans.ttl = ttl;
         self
     }
 
@@ -213,18 +195,18 @@ impl IdempotencyKeys {
     /// then returns `false`. Values over 100 years are cut to 100 years.
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.spans.lease = lease;
         self
     }
 
     /// The TTL `begin` applies.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.spans.ttl
     }
 
     /// The lease `begin` grants.
     pub fn lease(&self) -> Duration {
-        self.lease
+        self.spans.lease
     }
 
     /// The counters of every handle of this store since it was opened.
@@ -277,11 +259,9 @@ impl IdempotencyKeys {
     /// ended reservation and fences its holder out. For responses produced
     /// under a reservation, use [`complete`](Self::complete) instead.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_tenant_key(&record.tenant, &record.idempotency_key)?;
-        check_fingerprint(&record.request_fingerprint)?;
-        self.check_record(record)?;
+        check_put(record, self.max_body)?;
         let row = into_row(record.clone(), 0, record.created_at);
-        let expired_before = row.created_at().saturating_sub(span_micros(self.ttl));
+        let expired_before = self.spans.expired_before(row.created_at());
         let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
         let stored = self
             .engine
@@ -337,14 +317,11 @@ impl IdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
-        check_tenant_key(tenant, key)?;
-        check_fingerprint(fingerprint)?;
+        check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
-        let expired_before = now_us.saturating_sub(span_micros(self.ttl));
-        let lease_until_us = now_us.saturating_add(span_micros(self.lease));
-        let lease_until = time("now", lease_until_us)?;
+        let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = self.read_row(tenant, key)?;
-        match ops::decide(row, fingerprint, now_us, expired_before) {
+        match rules::decide(row, fingerprint, now_us, expired_before) {
             Look::Reserve { .. } => {}
             answer => return self.answer(tenant, key, answer),
         }
@@ -467,119 +444,5 @@ impl IdempotencyKeys {
         now: DateTime<Utc>,
     ) -> Result<Row> {
         reservation_row(r, response, now, self.max_body)
-    }
-
-    /// Checks a response's status, headers and body against the limits.
-    fn check_record(&self, record: &ResponseRecord) -> Result<()> {
-        check_record(record, self.max_body)
-    }
-}
-
-/// The row `complete` stores for `r`, after checking `response` fits it and
-/// the limits (a body up to `max_body`).
-pub(crate) fn reservation_row(
-    r: &Reservation,
-    response: ResponseRecord,
-    now: DateTime<Utc>,
-    max_body: usize,
-) -> Result<Row> {
-    if response.tenant != r.tenant
-        || response.idempotency_key != r.key
-        || response.request_fingerprint != r.fingerprint
-    {
-        return Err(Error::invalid(
-            "response",
-            format!(
-                "it names {} with fingerprint {:?}, but the reservation is for {} with fingerprint {:?}",
-                key_name(&response.tenant, &response.idempotency_key),
-                response.request_fingerprint,
-                key_name(&r.tenant, &r.key),
-                r.fingerprint,
-            ),
-        ));
-    }
-    check_record(&response, max_body)?;
-    Ok(into_row(response, r.fence, now))
-}
-
-/// Checks a response's status, headers and body against the limits (a body
-/// up to `max_body`).
-pub(crate) fn check_record(record: &ResponseRecord, max_body: usize) -> Result<()> {
-    check_response(
-        record.response_status,
-        record.content_type.as_deref(),
-        &record.headers,
-        &record.response_body,
-        max_body,
-    )
-}
-
-/// `begin`'s answer `look` about `(tenant, key)`, counted in `counters` and
-/// reported: a replay, a mismatch or a key in flight.
-pub(crate) fn answer(counters: &Counters, tenant: &str, key: &str, look: Look) -> Result<Begin> {
-    match look {
-        Look::Replay(row) => {
-            let r = to_response(tenant, key, row)?;
-            bump(&counters.replays, 1);
-            observe::idempotency(Outcome::Replay);
-            Ok(Begin::Replay(r))
-        }
-        Look::Mismatch(stored_fingerprint) => {
-            bump(&counters.mismatches, 1);
-            observe::idempotency(Outcome::Mismatch);
-            Ok(Begin::Mismatch { stored_fingerprint })
-        }
-        Look::InFlight(until) => {
-            bump(&counters.in_flight, 1);
-            observe::idempotency(Outcome::InFlight);
-            Ok(Begin::InFlight {
-                lease_until: row_time(tenant, key, until)?,
-            })
-        }
-        Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
-    }
-}
-
-/// Counts and reports a reservation `begin` made: a takeover of an ended
-/// lease, or one replacing an expired response, or a new key.
-pub(crate) fn count_reserved(counters: &Counters, takeover: bool, expired: bool) {
-    bump(&counters.reserved, 1);
-    bump(&counters.takeovers, u64::from(takeover));
-    bump(&counters.expired_deleted, u64::from(expired));
-    observe::idempotency(if takeover {
-        Outcome::Takeover
-    } else {
-        Outcome::Proceed
-    });
-}
-
-/// Counts and reports a `complete`: one that stored, or was fenced out. One
-/// that found its own response already stored (a repeat, such as the
-/// `IdempotencyLayer`'s own `complete` after a handler's `complete_in`) is
-/// neither, and counts nothing.
-pub(crate) fn count_completion(counters: &Counters, done: Completion) {
-    match done {
-        Completion::Stored => {
-            bump(&counters.completed, 1);
-            observe::idempotency(Outcome::Stored);
-        }
-        Completion::FencedOut => {
-            bump(&counters.fenced_out, 1);
-            observe::idempotency(Outcome::FencedOut);
-        }
-        Completion::AlreadyStored => {}
-    }
-}
-
-/// The completed row for `record` (already checked); `created_at` is `at`.
-pub(crate) fn into_row(record: ResponseRecord, fence: u64, at: DateTime<Utc>) -> Row {
-    Row::Completed {
-        fingerprint: record.request_fingerprint,
-        fence,
-        created_at: micros(at),
-        status: record.response_status,
-        content_type: record.content_type,
-        headers: record.headers,
-        body: record.response_body,
     }
 }

@@ -9,64 +9,13 @@
 
 use redb::{ReadableTable, Table, WriteTransaction};
 
-use super::record::{Row, read_row};
-use super::types::Completion;
-use crate::codec::encode;
+use super::record::{encode_row, read_row};
+use super::rules::{Completion, Look, Row, decide, with_fence};
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, META_IDEM_NEXT_FENCE, open_write};
 
 /// The idempotency table, opened for writing.
 type Rows<'tx> = Table<'tx, (&'static str, &'static str), &'static [u8]>;
-
-/// What `begin` does about the row it found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Look {
-    /// Answer without writing.
-    Replay(Row),
-    Mismatch(String),
-    InFlight(i64),
-    /// Reserve the key. `takeover`: a reservation whose lease ended is
-    /// replaced; `expired`: an expired response is replaced.
-    Reserve {
-        takeover: bool,
-        expired: bool,
-    },
-}
-
-/// The request path's decision for the row found at a key, given the
-/// request's fingerprint, `now` and the TTL cutoff (all µs).
-pub(crate) fn decide(row: Option<Row>, fingerprint: &str, now: i64, expired_before: i64) -> Look {
-    match row {
-        None => Look::Reserve {
-            takeover: false,
-            expired: false,
-        },
-        Some(r @ Row::Completed { .. }) => {
-            if r.created_at() < expired_before {
-                Look::Reserve {
-                    takeover: false,
-                    expired: true,
-                }
-            } else if r.fingerprint() == fingerprint {
-                Look::Replay(r)
-            } else {
-                Look::Mismatch(r.fingerprint().to_owned())
-            }
-        }
-        Some(r @ Row::Reserved { lease_until, .. }) => {
-            if lease_until <= now {
-                Look::Reserve {
-                    takeover: true,
-                    expired: false,
-                }
-            } else if r.fingerprint() == fingerprint {
-                Look::InFlight(lease_until)
-            } else {
-                Look::Mismatch(r.fingerprint().to_owned())
-            }
-        }
-    }
-}
 
 /// What [`begin`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,7 +87,7 @@ fn write_row(
     new: Option<&Row>,
 ) -> Result<()> {
     if let Some(row) = new {
-        rows.insert((tenant, key), encode(row).as_slice())?;
+        rows.insert((tenant, key), encode_row(row).as_slice())?;
     } else {
         rows.remove((tenant, key))?;
     }
@@ -216,14 +165,6 @@ pub(crate) fn put(
     let old_at = old.as_ref().map(Row::created_at);
     write_row(tx, rows, tenant, key, old_at, Some(&row))?;
     Ok(true)
-}
-
-fn with_fence(row: &Row, new: u64) -> Row {
-    let mut row = row.clone();
-    match &mut row {
-        Row::Reserved { fence, .. } | Row::Completed { fence, .. } => *fence = new,
-    }
-    row
 }
 
 /// Deletes the row at `(tenant, key)` if it is (still) expired at `cutoff`.

@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
 
-use super::record::{Row, row_time};
+use super::rules::{Completion, Look, row_time, to_response};
 use crate::error::{Error, Result};
+use crate::observe::{self, Idempotency as Outcome};
 
 /// A stored HTTP response, as [`Begin::Replay`] and
 /// [`IdempotencyKeys::get`](crate::IdempotencyKeys::get) return it and [`IdempotencyKeys::put`](crate::IdempotencyKeys::put) stores it.
@@ -150,38 +151,17 @@ impl Reservation {
     }
 }
 
-/// What a `complete` did: the one decision both backends take on the row
-/// they find.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Completion {
-    /// The reservation held the key: its response is stored.
-    Stored,
-    /// The key already holds the response stored under this very
-    /// reservation (its handler stored it with `complete_in`): a repeat,
-    /// nothing written, nobody fenced out.
-    AlreadyStored,
-    /// The reservation no longer held the key (taken over by a newer one,
-    /// released, or the row is gone): nothing written.
-    FencedOut,
-}
-
-impl Completion {
-    /// The answer for a `complete` under `fence` that found `row`, which is
-    /// not the reservation with that fence.
-    pub(crate) fn of(row: &super::record::Row, fence: u64) -> Completion {
-        match row {
-            super::record::Row::Completed { fence: f, .. } if *f == fence => {
-                Completion::AlreadyStored
-            }
-            _ => Completion::FencedOut,
-        }
-    }
-
-    /// Whether the response was stored by this call (what `complete`
-    /// returns).
-    pub(crate) fn stored(self) -> bool {
-        self == Completion::Stored
-    }
+/// Rows of the idempotency-key store by kind ([`IdempotencyKeys::summary`](crate::IdempotencyKeys::summary)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KeySummary {
+    /// Stored responses.
+    pub completed: u64,
+    /// Reservations: handlers in flight, or whose holder died before its
+    /// lease ended.
+    pub reserved: u64,
+    /// The oldest row's `created_at` (a reservation's is its reservation
+    /// time), `None` when there are no rows.
+    pub oldest: Option<DateTime<Utc>>,
 }
 
 /// Counters since the store was opened, shared by every
@@ -297,68 +277,59 @@ pub enum KeyState {
     },
 }
 
-pub(crate) fn to_response(tenant: &str, key: &str, row: Row) -> Result<ResponseRecord> {
-    match row {
-        Row::Completed {
-            fingerprint,
-            created_at,
-            status,
-            content_type,
-            headers,
-            body,
-            ..
-        } => Ok(ResponseRecord {
-            tenant: tenant.to_owned(),
-            idempotency_key: key.to_owned(),
-            request_fingerprint: fingerprint,
-            response_status: status,
-            content_type,
-            headers,
-            response_body: body,
-            created_at: row_time(tenant, key, created_at)?,
-        }),
-        Row::Reserved { .. } => Err(Error::conflict(
-            "the key holds a reservation, not a response",
-        )),
+/// `begin`'s answer `look` about `(tenant, key)`, counted in `counters` and
+/// reported: a replay, a mismatch or a key in flight.
+pub(crate) fn answer(counters: &Counters, tenant: &str, key: &str, look: Look) -> Result<Begin> {
+    match look {
+        Look::Replay(row) => {
+            let r = to_response(tenant, key, row)?;
+            bump(&counters.replays, 1);
+            observe::idempotency(Outcome::Replay);
+            Ok(Begin::Replay(r))
+        }
+        Look::Mismatch(stored_fingerprint) => {
+            bump(&counters.mismatches, 1);
+            observe::idempotency(Outcome::Mismatch);
+            Ok(Begin::Mismatch { stored_fingerprint })
+        }
+        Look::InFlight(until) => {
+            bump(&counters.in_flight, 1);
+            observe::idempotency(Outcome::InFlight);
+            Ok(Begin::InFlight {
+                lease_until: row_time(tenant, key, until)?,
+            })
+        }
+        Look::Reserve { .. } => Err(Error::conflict("the key could not be reserved")),
     }
 }
 
-pub(crate) fn key_entry(tenant: &str, key: &str, row: Row) -> Result<KeyEntry> {
-    let at = |us| row_time(tenant, key, us);
-    let fence = row.fence();
-    let (fingerprint, state) = match row {
-        Row::Completed {
-            fingerprint,
-            created_at,
-            status,
-            body,
-            ..
-        } => (
-            fingerprint,
-            KeyState::Completed {
-                status,
-                body_len: body.len(),
-                created_at: at(created_at)?,
-            },
-        ),
-        Row::Reserved {
-            fingerprint,
-            reserved_at,
-            lease_until,
-            ..
-        } => (
-            fingerprint,
-            KeyState::Reserved {
-                reserved_at: at(reserved_at)?,
-                lease_until: at(lease_until)?,
-            },
-        ),
-    };
-    Ok(KeyEntry {
-        tenant: tenant.to_owned(),
-        key: key.to_owned(),
-        fingerprint,
-        fence,
-        state,
-    })
+/// Counts and reports a reservation `begin` made: a takeover of an ended
+/// lease, or one replacing an expired response, or a new key.
+pub(crate) fn count_reserved(counters: &Counters, takeover: bool, expired: bool) {
+    bump(&counters.reserved, 1);
+    bump(&counters.takeovers, u64::from(takeover));
+    bump(&counters.expired_deleted, u64::from(expired));
+    observe::idempotency(if takeover {
+        Outcome::Takeover
+    } else {
+        Outcome::Proceed
+    });
+}
+
+/// Counts and reports a `complete`: one that stored, or was fenced out. One
+/// that found its own response already stored (a repeat, such as the
+/// `IdempotencyLayer`'s own `complete` after a handler's `complete_in`) is
+/// neither, and counts nothing.
+pub(crate) fn count_completion(counters: &Counters, done: Completion) {
+    match done {
+        Completion::Stored => {
+            bump(&counters.completed, 1);
+            observe::idempotency(Outcome::Stored);
+        }
+        Completion::FencedOut => {
+            bump(&counters.fenced_out, 1);
+            observe::idempotency(Outcome::FencedOut);
+        }
+        Completion::AlreadyStored => {}
+    }
 }

@@ -163,6 +163,7 @@
 mod inspect;
 mod journal;
 mod ops;
+pub(crate) mod rules;
 
 use std::sync::Arc;
 
@@ -171,12 +172,13 @@ use redb::{TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::{Engine, after_commit};
-use crate::error::{Error, Result, check_len};
+use crate::error::{Error, Result};
 use crate::observe;
 use crate::schema::{INBOX, INBOX_COUNT, INBOX_JOURNAL, open_read};
 
 pub(crate) use inspect::{check_indexes, names};
 pub(crate) use journal::Journal;
+use rules::{check_event_key, check_event_keys, check_inbox_name};
 
 /// Longest event key accepted, in bytes.
 pub const MAX_EVENT_KEY_LEN: usize = 1024;
@@ -265,13 +267,7 @@ impl Inbox {
         I: IntoIterator<Item = K>,
         K: AsRef<str>,
     {
-        let keys: Vec<String> = event_keys
-            .into_iter()
-            .map(|k| {
-                let k = k.as_ref();
-                check_event_key(k).map(|()| k.to_owned())
-            })
-            .collect::<Result<_>>()?;
+        let keys = check_event_keys(event_keys)?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -476,45 +472,5 @@ impl Inbox {
     /// Whether this inbox holds no keys.
     pub fn is_empty(&self) -> Result<bool> {
         Ok(self.len()? == 0)
-    }
-}
-
-pub(crate) fn check_event_key(key: &str) -> Result<()> {
-    check_len("event key", key, MAX_EVENT_KEY_LEN)
-}
-
-pub(crate) fn check_inbox_name(name: &str) -> Result<()> {
-    check_len("inbox name", name, MAX_INBOX_NAME_LEN)?;
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
-    {
-        return Err(Error::invalid(
-            "inbox name",
-            format!("{c:?} is not allowed; use ASCII letters, digits, '_', '-' and '.'"),
-        ));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_are_checked() {
-        for bad in ["", "has space", "slash/", "nul\0", "ü"] {
-            assert!(
-                matches!(check_inbox_name(bad), Err(Error::InvalidInput { .. })),
-                "{bad:?}"
-            );
-        }
-        assert!(matches!(
-            check_inbox_name(&"a".repeat(65)),
-            Err(Error::TooLarge { .. })
-        ));
-        for good in ["webhooks", "payments.v2", "a-b_c", &"a".repeat(64)] {
-            assert!(check_inbox_name(good).is_ok(), "{good:?}");
-        }
     }
 }

@@ -40,9 +40,9 @@ use redb::{
     ReadTransaction, ReadableTable, Table, TableDefinition, TableHandle as _, WriteTransaction,
 };
 
-use super::record::{AttemptRow, Row, RowKeys, Times};
+use super::record::{RowKeys, Times};
+use super::rules::{AttemptRow, Row};
 use super::{AttemptRecord, MAX_ATTEMPT_HISTORY, OutboxStatus};
-use crate::codec::encode;
 use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
 use crate::schema::{
@@ -187,7 +187,7 @@ impl<'tx> Tables<'tx> {
         for key in keys.into_iter().take(excess) {
             attempts.remove(key)?;
         }
-        attempts.insert((id, seq), encode(row).as_slice())?;
+        attempts.insert((id, seq), row.encode().as_slice())?;
         Ok(())
     }
 
@@ -206,7 +206,7 @@ impl<'tx> Tables<'tx> {
         indexed: impl Fn(OutboxStatus) -> bool,
     ) -> Result<Row> {
         let row = self.load(id)?.ok_or_else(|| dangling(index, id))?;
-        if indexed(row.status(id)?) {
+        if indexed(row.status) {
             Ok(row)
         } else {
             Err(index_mismatch(index, id))
@@ -235,13 +235,13 @@ impl<'tx> Tables<'tx> {
     /// Writes a new record with all its index rows.
     pub(super) fn insert_new(&mut self, id: u64, s: &Row) -> Result<()> {
         let keys = status_keys(id, s.times())?;
-        self.rows.insert(id, encode(s).as_slice())?;
+        self.rows.insert(id, s.encode().as_slice())?;
         self.dedup
             .insert((s.destination.as_str(), s.idempotency_key.as_str()), id)?;
         self.by_command
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
-        self.count_move(None, Some(s.status));
+        self.count_move(None, Some(s.status.code()));
         Ok(())
     }
 
@@ -250,12 +250,12 @@ impl<'tx> Tables<'tx> {
     /// `created_at`) keep their index rows.
     pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
         let (old_keys, new_keys) = (status_keys(id, old.times())?, status_keys(id, new.times())?);
-        self.rows.insert(id, encode(new).as_slice())?;
+        self.rows.insert(id, new.encode().as_slice())?;
         if old_keys != new_keys {
             self.remove_status_keys(id, old_keys)?;
             self.put_status_keys(id, new_keys)?;
         }
-        self.count_move(Some(old.status), Some(new.status));
+        self.count_move(Some(old.status.code()), Some(new.status.code()));
         Ok(())
     }
 
@@ -434,7 +434,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
                 continue;
             }
         };
-        let status = rec.status(id)?;
+        let status = rec.status;
         // The claim while `Dispatching`, the attempt in doubt while
         // `OutcomeUnknown`; the claims index holds the first only.
         let attempted = matches!(
@@ -461,7 +461,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
             .insert((rec.command_id.clone(), rec.created_at, id));
         ex.dedup
             .insert((rec.destination.clone(), rec.idempotency_key.clone(), id));
-        *ex.counts.entry(rec.status).or_default() += 1;
+        *ex.counts.entry(rec.status.code()).or_default() += 1;
     }
     Ok(ex)
 }

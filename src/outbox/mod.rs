@@ -139,6 +139,7 @@ mod index;
 mod notifier;
 mod ops;
 mod record;
+pub(crate) mod rules;
 mod types;
 mod watch;
 
@@ -161,10 +162,10 @@ use crate::schema::{
 };
 use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
-pub(crate) use record::{Change, Row};
-// The PostgreSQL backend applies the same status machine to its rows.
-#[cfg(feature = "postgres")]
-pub(crate) use record::plan;
+use rules::{
+    Change, Row, check_entry, mark_failed_change, mark_outcome_unknown_change,
+    plan_settle_and_claim, plan_settlements,
+};
 pub(crate) use types::check_field;
 pub use types::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,
@@ -180,26 +181,6 @@ pub(crate) const MAINTENANCE_CHUNK: usize = 1024;
 /// past which it ends a chunk early (each chunk releases at least one
 /// entry): 4 MiB.
 const RELEASE_BYTES: usize = 4 << 20;
-
-/// A change to entry `id`, fenced by its attempt number.
-pub(crate) type FencedChange = (u64, u32, Change);
-
-/// Checks settlements and turns them into fenced changes; also says whether
-/// any of them may make work due ([`Change::makes_work_due`]). Both
-/// backends' bulk settlements start here.
-pub(crate) fn plan_settlements(
-    settlements: impl IntoIterator<Item = (Fence, Settlement)>,
-    now: DateTime<Utc>,
-) -> Result<(Vec<FencedChange>, bool)> {
-    let mut wake = false;
-    let mut changes = Vec::new();
-    for (fence, s) in settlements {
-        let change = s.into_change(now)?;
-        wake |= change.makes_work_due();
-        changes.push((fence.id.0, fence.attempt, change));
-    }
-    Ok((changes, wake))
-}
 
 /// The outbox's rows and attempt history, open in one read transaction.
 struct Reader {
@@ -464,8 +445,7 @@ impl Outbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        check_field("worker_id", worker_id)?;
-        let (changes, wake) = plan_settlements(settlements, now)?;
+        let (changes, wake) = plan_settle_and_claim(settlements, now, worker_id)?;
         let worker = worker_id.to_owned();
         let now = micros(now);
         // One operation: if the claim fails after the settlements wrote,
@@ -507,15 +487,7 @@ impl Outbox {
         retry_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        check_field("reason", reason)?;
-        self.change(
-            id,
-            Change::Failed {
-                reason: reason.to_owned(),
-                next_attempt_at: retry_at.map(micros),
-                now: micros(now),
-            },
-        )
+        self.change(id, mark_failed_change(reason, retry_at, now)?)
     }
 
     /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
@@ -526,16 +498,7 @@ impl Outbox {
     /// It takes no time, so it adds no [`AttemptRecord`] (the dispatcher's
     /// [`Settlement::OutcomeUnknown`] does).
     pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
-        if let Some(r) = remote_ref {
-            check_field("remote_ref", r)?;
-        }
-        self.change(
-            id,
-            Change::OutcomeUnknown {
-                remote_ref: remote_ref.map(str::to_owned),
-                now: None,
-            },
-        )
+        self.change(id, mark_outcome_unknown_change(remote_ref)?)
     }
 
     /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
@@ -854,19 +817,4 @@ impl Outbox {
     fn check_entry(&self, e: &NewEntry) -> Result<()> {
         check_entry(e, self.max_body)
     }
-}
-
-/// Checks an entry to enqueue: its fields, and its payload up to `max_body`.
-pub(crate) fn check_entry(e: &NewEntry, max_body: usize) -> Result<()> {
-    check_field("command_id", &e.command_id)?;
-    check_field("destination", &e.destination)?;
-    check_field("idempotency_key", &e.idempotency_key)?;
-    if e.payload.len() > max_body {
-        return Err(Error::TooLarge {
-            field: "payload",
-            len: e.payload.len(),
-            max: max_body,
-        });
-    }
-    Ok(())
 }

@@ -16,9 +16,8 @@ use std::ops::RangeBounds;
 use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
 use super::index::{Tables, TimeIndex, index_mismatch, next_id};
-use super::record::{Change, Row, plan};
+use super::rules::{Change, Row, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
-use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::schema::{
     META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
@@ -46,21 +45,7 @@ pub(super) fn enqueue(
             out.push(Enqueued::Duplicate(OutboxId(id)));
             continue;
         }
-        let stored = Row {
-            command_id: e.command_id.clone(),
-            destination: e.destination.clone(),
-            idempotency_key: e.idempotency_key.clone(),
-            payload: e.payload.clone(),
-            status: OutboxStatus::Pending.code(),
-            attempt_count: 0,
-            next_attempt_at: e.not_before.map(micros),
-            created_at: now,
-            completed_at: None,
-            attempt: None,
-            last_failure: None,
-            remote_ref: None,
-        };
-        t.insert_new(id, &stored)?;
+        t.insert_new(id, &Row::new_entry(e, now))?;
         out.push(Enqueued::New(OutboxId(id)));
         id += 1;
     }
@@ -108,7 +93,7 @@ pub(super) fn change(
     let old = t.load(id)?.ok_or(Error::NotFound)?;
     match plan(id, &old, change, fence)? {
         Some(new) => {
-            let attempt = change.attempt_row(&old, old.status(id)?);
+            let attempt = change.attempt_row(&old, old.status);
             if attempt.is_some() {
                 // Opened before anything is written (see `Tables::attempts`).
                 t.attempts()?;
@@ -118,9 +103,9 @@ pub(super) fn change(
                 t.push_attempt(id, &a)?;
             }
             t.finish()?;
-            new.status(id)
+            Ok(new.status)
         }
-        None => old.status(id),
+        None => Ok(old.status),
     }
 }
 
@@ -143,7 +128,7 @@ pub(super) fn change_many(
         out.push(match plan(*id, &old, c, Some(*attempt)) {
             Ok(Some(new)) => {
                 t.replace(*id, &old, &new)?;
-                if let Some(a) = c.attempt_row(&old, old.status(*id)?) {
+                if let Some(a) = c.attempt_row(&old, old.status) {
                     t.push_attempt(*id, &a)?;
                 }
                 Ok(())

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 
 #[cfg(doc)]
 use super::Outbox;
-use super::record::{Change, Row};
+use super::rules::{Change, Row};
 use crate::codec::micros;
 #[cfg(doc)]
 use crate::error::Error;
@@ -563,7 +563,7 @@ impl OutboxFilter {
 
     /// Whether `row` is listed.
     pub(super) fn matches(&self, row: &Row) -> bool {
-        self.status.is_none_or(|st| st.code() == row.status)
+        self.status.is_none_or(|st| st == row.status)
             && self
                 .destination
                 .as_deref()

@@ -1,10 +1,10 @@
 //! [`PgIdempotencyKeys`]: the HTTP idempotency keys in `S.idempotency`.
 //!
-//! A row is the embedded store's row in columns: a reservation
+//! A row is the rules' row (`src/idempotency/rules.rs`) in columns: a reservation
 //! (`lease_until` set; `created_at` is its reservation time) or a
 //! completed response (`status`, `content_type`, the headers as two
 //! arrays, `body`). `begin`, `put` and `get` read the row, take the
-//! embedded store's own decision on it, and only when it says to write
+//! decision both backends share on it, and only when it says to write
 //! they read it again `FOR UPDATE` in a transaction and decide again on
 //! what they find there. Fence tokens come from the store-wide sequence
 //! `S.idempotency_fence`, so they are never handed out twice.
@@ -32,12 +32,13 @@ use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, after_commit, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
+use crate::idempotency::rules::{
+    Completion, Look, Row, Spans, check_begin, check_put, check_tenant, check_tenant_key, decide,
+    into_row, key_entry, key_name, reservation_row, row_time, to_response,
+};
 use crate::idempotency::{
-    Begin, Completion, Counters, DEFAULT_LEASE, DEFAULT_TTL, IdempotencyStats, KeyEntry,
-    KeySummary, Look, PURGE_CHUNK, Reservation, ResponseRecord, Row, answer, bump,
-    check_fingerprint, check_record, check_tenant, check_tenant_key, count_completion,
-    count_reserved, decide, into_row, key_entry, key_name, reservation_row, row_time, span_micros,
-    time, to_response,
+    Begin, Counters, IdempotencyStats, KeyEntry, KeySummary, PURGE_CHUNK, Reservation,
+    ResponseRecord, answer, bump, count_completion, count_reserved,
 };
 
 const TABLE: &str = "idempotency";
@@ -100,8 +101,7 @@ enum Began {
 #[derive(Clone, Debug)]
 pub struct PgIdempotencyKeys {
     shared: Arc<Shared>,
-    ttl: Duration,
-    lease: Duration,
+    spans: Spans,
     counters: Arc<Counters>,
 }
 
@@ -109,8 +109,7 @@ impl PgIdempotencyKeys {
     pub(super) fn new(shared: Arc<Shared>, counters: Arc<Counters>) -> PgIdempotencyKeys {
         PgIdempotencyKeys {
             shared,
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
+            spans: Spans::default(),
             counters,
         }
     }
@@ -124,7 +123,7 @@ impl PgIdempotencyKeys {
     /// years.
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.spans.ttl = ttl;
         self
     }
 
@@ -133,18 +132,18 @@ impl PgIdempotencyKeys {
     /// are cut to 100 years.
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.spans.lease = lease;
         self
     }
 
     /// The TTL `begin` applies.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.spans.ttl
     }
 
     /// The lease `begin` grants.
     pub fn lease(&self) -> Duration {
-        self.lease
+        self.spans.lease
     }
 
     /// The counters of every handle of this store (in this process) since
@@ -295,13 +294,11 @@ impl PgIdempotencyKeys {
     /// a row expired as of `record.created_at`: a response older than the
     /// handle's TTL, or a reservation whose lease ended.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_tenant_key(&record.tenant, &record.idempotency_key)?;
-        check_fingerprint(&record.request_fingerprint)?;
-        check_record(record, self.shared.max_body)?;
+        check_put(record, self.shared.max_body)?;
         refuse_reentrant()?;
         let row = into_row(record.clone(), 0, record.created_at);
         let now = row.created_at();
-        let expired_before = now.saturating_sub(span_micros(self.ttl));
+        let expired_before = self.spans.expired_before(now);
         let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
         let stored = self.shared.run(Mode::Tx, |conn| {
             conn.in_transaction(|tx| {
@@ -373,12 +370,9 @@ impl PgIdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
-        check_tenant_key(tenant, key)?;
-        check_fingerprint(fingerprint)?;
+        check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
-        let expired_before = now_us.saturating_sub(span_micros(self.ttl));
-        let lease_until_us = now_us.saturating_add(span_micros(self.lease));
-        let lease_until = time("now", lease_until_us)?;
+        let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = self.shared.run(Mode::Read, |conn| {
             self.read(&mut conn.db(), tenant, key, false)
         })?;

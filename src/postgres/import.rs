@@ -31,7 +31,7 @@ use super::outbox::status_name;
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{KeyEntry, KeyState, ResponseRecord};
-use crate::inbox::{check_event_key, check_inbox_name};
+use crate::inbox::rules::{check_event_key, check_inbox_name};
 use crate::outbox::{OutboxId, OutboxRecord, OutboxStatus};
 
 impl PgStore {

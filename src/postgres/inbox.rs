@@ -29,7 +29,8 @@ use super::errors::utf8;
 use super::{Finish, Shared, after_commit, refuse_reentrant};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
-use crate::inbox::{Claim, check_event_key, check_inbox_name};
+use crate::inbox::Claim;
+use crate::inbox::rules::{check_event_key, check_event_keys, check_inbox_name};
 use crate::observe;
 
 const TABLE: &str = "inbox";
@@ -98,13 +99,7 @@ impl PgInbox {
         I: IntoIterator<Item = K>,
         K: AsRef<str>,
     {
-        let keys: Vec<String> = event_keys
-            .into_iter()
-            .map(|k| {
-                let k = k.as_ref();
-                check_event_key(k).map(|()| k.to_owned())
-            })
-            .collect::<Result<_>>()?;
+        let keys = check_event_keys(event_keys)?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }

@@ -1,7 +1,9 @@
 //! [`PgOutbox`]: the outbox in `S.outbox` and `S.outbox_attempts`.
 //!
-//! Most status changes go through the embedded store's own status machine:
-//! the row is read `FOR UPDATE`, the same pure function decides (the new
+//! Most status changes go through the outbox's status machine, the pure
+//! rules both backends share (`src/outbox/rules.rs`, which knows nothing of
+//! either backend's storage): the row is read `FOR UPDATE` as the rules'
+//! value, the same function the embedded store calls decides (the new
 //! row, an accepted no-op, or a `Conflict`), and the new row and the
 //! attempt record it calls for are written back in the same transaction.
 //! Three changes run as statements whose SQL is that function's cell,
@@ -58,10 +60,13 @@ use super::errors::{corrupted, unsigned, utf8};
 use super::{Shared, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
+use crate::outbox::rules::{
+    Change, FencedChange, Row, check_entry, mark_failed_change, mark_outcome_unknown_change, plan,
+    plan_settle_and_claim, plan_settlements,
+};
 use crate::outbox::{
-    AttemptRecord, Change, Enqueued, Fence, FencedChange, NewEntry, Notifier, OutboxEntry,
-    OutboxId, OutboxRecord, OutboxStatus, Row, SettledAndClaimed, Settlement, check_entry,
-    check_field, plan, plan_settlements,
+    AttemptRecord, Enqueued, Fence, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord,
+    OutboxStatus, SettledAndClaimed, Settlement, check_field,
 };
 
 mod inspect;
@@ -117,7 +122,7 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
         destination: text(2)?,
         idempotency_key: text(3)?,
         payload: r.try_get(4)?,
-        status: status.code(),
+        status,
         attempt_count: unsigned(TABLE, &id, "attempt_count", r.try_get(6)?)?,
         next_attempt_at: r.try_get(7)?,
         created_at: r.try_get(8)?,
@@ -492,10 +497,10 @@ impl PgOutbox {
         let Some(new) = plan(id, old, change, fence)? else {
             return Ok(old.clone());
         };
-        let attempt = change.attempt_row(old, old.status(id)?);
+        let attempt = change.attempt_row(old, old.status);
         let s = self.s();
         let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
-        let status = status_name(new.status(id)?);
+        let status = status_name(new.status);
         let (worker, claimed_at) = match &new.attempt {
             Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
             None => (None, None),
@@ -733,8 +738,7 @@ impl PgOutbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        check_field("worker_id", worker_id)?;
-        let (changes, _) = plan_settlements(settlements, now)?;
+        let (changes, _) = plan_settle_and_claim(settlements, now, worker_id)?;
         refuse_reentrant()?;
         let now = micros(now);
         let (settled, claimed) = self.shared.run(Mode::Tx, |conn| {
@@ -784,13 +788,7 @@ impl PgOutbox {
         retry_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        check_field("reason", reason)?;
-        let change = Change::Failed {
-            reason: reason.to_owned(),
-            next_attempt_at: retry_at.map(micros),
-            now: micros(now),
-        };
-        self.change(id, &change, None)
+        self.change(id, &mark_failed_change(reason, retry_at, now)?, None)
     }
 
     /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
@@ -798,14 +796,7 @@ impl PgOutbox {
     /// the remote reference only if none is stored yet. Otherwise
     /// [`Error::Conflict`].
     pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
-        if let Some(r) = remote_ref {
-            check_field("remote_ref", r)?;
-        }
-        let change = Change::OutcomeUnknown {
-            remote_ref: remote_ref.map(str::to_owned),
-            now: None,
-        };
-        self.change(id, &change, None)
+        self.change(id, &mark_outcome_unknown_change(remote_ref)?, None)
     }
 
     /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
