@@ -75,8 +75,9 @@ pub trait OutboxBackend: Debug + Send + Sync + 'static + sealed::Outbox {
     /// reaper); returns their ids.
     fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>>;
 
-    /// Deletes `Completed` and `Failed` entries finished before `before`.
-    fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64>;
+    /// Deletes `Completed` and `Failed` entries finished before
+    /// `finished_before`.
+    fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64>;
 
     /// The earliest due time of any `Pending` entry.
     fn next_due(&self) -> Result<Option<DateTime<Utc>>>;
@@ -206,8 +207,11 @@ macro_rules! forward_to_handles {
                 <$outbox>::release_expired_claims(self, claimed_before)
             }
 
-            fn purge_finished(&self, before: chrono::DateTime<chrono::Utc>) -> $crate::Result<u64> {
-                <$outbox>::purge_finished(self, before)
+            fn purge_finished(
+                &self,
+                finished_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<u64> {
+                <$outbox>::purge_finished(self, finished_before)
             }
 
             fn next_due(&self) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {

@@ -214,8 +214,9 @@
 //!   (`StoreBuilder::shared`); nothing else is called shared.
 //! - **cutoff** — a time parameter named by the time it is compared with:
 //!   `seen_before` (an inbox key's claim time), `claimed_before` (an
-//!   entry's claim time), `expired_before` (an idempotency record's
-//!   creation time, against its TTL).
+//!   entry's claim time), `finished_before` (an entry's `completed_at`),
+//!   `expired_before` (an idempotency record's creation time, against its
+//!   TTL).
 //!
 //! # Observability
 //!

@@ -584,7 +584,7 @@ impl Outbox {
     }
 
     /// Deletes `Completed` and `Failed` entries whose `completed_at` is
-    /// strictly before `before`, with all their index rows and attempt
+    /// strictly before `finished_before`, with all their index rows and attempt
     /// history; returns how many. Costs what it removes, and reads of each
     /// entry only what its index rows are keyed by, not its payload. A
     /// purged entry's `(destination, idempotency_key)` can be enqueued
@@ -597,8 +597,8 @@ impl Outbox {
     /// crash or an `Err` midway leaves the chunks committed before it
     /// purged, the rest for the next purge, and the failed chunk removed
     /// nothing.
-    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
-        let cutoff = micros(before);
+    pub fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64> {
+        let cutoff = micros(finished_before);
         let mut total = 0;
         loop {
             let (n, more) = self

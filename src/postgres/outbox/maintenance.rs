@@ -65,7 +65,7 @@ impl PgOutbox {
     }
 
     /// Deletes `Completed` and `Failed` entries whose `completed_at` is
-    /// strictly before `before`, with their attempt history; returns how
+    /// strictly before `finished_before`, with their attempt history; returns how
     /// many. Walks the partial finished index: costs what it removes. A
     /// purged entry's `(destination, idempotency_key)` can be enqueued
     /// again.
@@ -76,7 +76,7 @@ impl PgOutbox {
     /// is left for the next purge. A reader may see part of the purge done;
     /// a lost connection or an `Err` midway leaves the chunks committed
     /// before it purged, the rest for the next purge.
-    pub fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+    pub fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
         let s = self.s();
         let sql = format!(
@@ -84,7 +84,7 @@ impl PgOutbox {
                  WHERE status IN ('completed', 'failed') AND completed_at < $1 \
                  ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
-        let (cutoff, chunk) = (micros(before), chunk());
+        let (cutoff, chunk) = (micros(finished_before), chunk());
         let mut total = 0;
         loop {
             let n = self.shared.run(Mode::Statement, |conn| {
