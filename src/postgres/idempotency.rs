@@ -29,7 +29,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, after_commit, in_write, refuse_reentrant};
+use super::{Server, after_commit, in_write, refuse_reentrant};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::rules::{
@@ -100,22 +100,22 @@ enum Began {
 /// (default 60 s), as the embedded handle.
 #[derive(Clone, Debug)]
 pub struct PgIdempotencyKeys {
-    shared: Arc<Shared>,
+    server: Arc<Server>,
     spans: Spans,
     counters: Arc<Counters>,
 }
 
 impl PgIdempotencyKeys {
-    pub(super) fn new(shared: Arc<Shared>, counters: Arc<Counters>) -> PgIdempotencyKeys {
+    pub(super) fn new(server: Arc<Server>, counters: Arc<Counters>) -> PgIdempotencyKeys {
         PgIdempotencyKeys {
-            shared,
+            server,
             spans: Spans::default(),
             counters,
         }
     }
 
     fn s(&self) -> &str {
-        &self.shared.schema
+        &self.server.schema
     }
 
     /// How long `begin` replays a completed response, counted from its
@@ -254,7 +254,7 @@ impl PgIdempotencyKeys {
     ) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
         let cutoff = micros(expired_before);
-        let found = self.shared.run(Mode::Read, |conn| {
+        let found = self.server.run(Mode::Read, |conn| {
             self.read(&mut conn.db(), tenant, key, false)
         })?;
         let row = match found {
@@ -264,7 +264,7 @@ impl PgIdempotencyKeys {
                 let s = self.s();
                 let delete =
                     format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2");
-                let (deleted, now) = self.shared.run(Mode::Tx, |conn| {
+                let (deleted, now) = self.server.run(Mode::Tx, |conn| {
                     conn.in_transaction(|tx| {
                         let Some(old) = self.read(tx, tenant, key, true)? else {
                             return Ok((false, None));
@@ -294,13 +294,13 @@ impl PgIdempotencyKeys {
     /// a row expired as of `record.created_at`: a response older than the
     /// handle's TTL, or a reservation whose lease ended.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
-        check_put(record, self.shared.max_body)?;
+        check_put(record, self.server.max_body)?;
         refuse_reentrant()?;
         let row = into_row(record.clone(), 0, record.created_at);
         let now = row.created_at();
         let expired_before = self.spans.expired_before(now);
         let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
-        let stored = self.shared.run(Mode::Tx, |conn| {
+        let stored = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|tx| {
                 for _ in 0..3 {
                     let old = self.read(tx, tenant, key, true)?;
@@ -344,7 +344,7 @@ impl PgIdempotencyKeys {
         );
         let mut total = 0;
         loop {
-            let n = self.shared.run(Mode::Statement, |conn| {
+            let n = self.server.run(Mode::Statement, |conn| {
                 conn.db().execute(&sql, &[&cutoff, &chunk])
             })?;
             total += n;
@@ -373,7 +373,7 @@ impl PgIdempotencyKeys {
         check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
-        let row = self.shared.run(Mode::Read, |conn| {
+        let row = self.server.run(Mode::Read, |conn| {
             self.read(&mut conn.db(), tenant, key, false)
         })?;
         match decide(row, fingerprint, now_us, expired_before) {
@@ -387,7 +387,7 @@ impl PgIdempotencyKeys {
             reserved_at: now_us,
             lease_until: lease_until_us,
         };
-        let began = self.shared.run(Mode::Tx, |conn| {
+        let began = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|tx| {
                 // Decided again on the locked row; an insert that meets a row
                 // committed since is decided again on that one.
@@ -504,12 +504,12 @@ impl PgIdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let row = reservation_row(r, response, now, self.shared.max_body)?;
+        let row = reservation_row(r, response, now, self.server.max_body)?;
         refuse_reentrant()?;
         // One statement: run again only when the server said it did not
         // happen (after a lost answer a second try would find the
         // reservation gone and answer `false` for a stored response).
-        let done = self.shared.run(Mode::Statement, |conn| {
+        let done = self.server.run(Mode::Statement, |conn| {
             self.complete_on(&mut conn.db(), r, &row)
         })?;
         count_completion(&self.counters, done);
@@ -537,7 +537,7 @@ impl PgIdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let row = reservation_row(r, response, now, self.shared.max_body)?;
+        let row = reservation_row(r, response, now, self.server.max_body)?;
         let done = self.complete_on(&mut Db::uncached(tx), r, &row)?;
         if done != Completion::AlreadyStored {
             let counters = self.counters.clone();
@@ -561,7 +561,7 @@ impl PgIdempotencyKeys {
         );
         // Deleting the reservation again is harmless: a lost answer is
         // retried too.
-        let n = self.shared.run(Mode::Read, |conn| {
+        let n = self.server.run(Mode::Read, |conn| {
             conn.db()
                 .execute(&sql, &[&r.tenant().as_bytes(), &r.key().as_bytes(), &fence])
         })?;
@@ -586,7 +586,7 @@ impl PgIdempotencyKeys {
             "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
              WHERE $1::bytea IS NULL OR tenant = $1 ORDER BY tenant, idem_key LIMIT $2"
         );
-        let rows = self.shared.run(Mode::Read, |conn| {
+        let rows = self.server.run(Mode::Read, |conn| {
             conn.db().query(&sql, &[&tenant.map(str::as_bytes), &limit])
         })?;
         rows.iter()
@@ -603,7 +603,7 @@ impl PgIdempotencyKeys {
     /// a plain read that never deletes. `None` for no row or a reservation.
     pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
-        let found = self.shared.run(Mode::Read, |conn| {
+        let found = self.server.run(Mode::Read, |conn| {
             self.read(&mut conn.db(), tenant, key, false)
         })?;
         match found {
@@ -623,7 +623,7 @@ impl PgIdempotencyKeys {
              FROM {s}.idempotency"
         );
         let r = self
-            .shared
+            .server
             .run(Mode::Read, |conn| conn.db().query_one(&sql, &[]))?;
         let (completed, reserved): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
         let oldest: Option<i64> = r.try_get(2)?;
@@ -645,7 +645,7 @@ impl PgIdempotencyKeys {
 
     fn check_indexes_here(&self) -> Result<Vec<String>> {
         let s = self.s();
-        let mut conn = self.shared.conn()?;
+        let mut conn = self.server.conn()?;
         let conn = &mut conn.client;
         let last: i64 = conn
             .query_one(

@@ -54,7 +54,7 @@ impl PgStore {
         );
         let names: Vec<&[u8]> = keys.iter().map(|(k, _)| k.as_bytes()).collect();
         let times: Vec<i64> = keys.iter().map(|(_, t)| micros(*t)).collect();
-        self.shared.run(Mode::Tx, |conn| {
+        self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| db.execute(&sql, &[&inbox, &names, &times]))
         })
     }
@@ -70,7 +70,7 @@ impl PgStore {
             return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
-        self.shared.run(Mode::Tx, |conn| {
+        self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
                 db.execute(
                     &format!("LOCK TABLE {s}.outbox IN SHARE ROW EXCLUSIVE MODE"),
@@ -108,7 +108,7 @@ impl PgStore {
             return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
-        self.shared.run(Mode::Tx, |conn| {
+        self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
                 db.execute(
                     &format!("LOCK TABLE {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
@@ -152,7 +152,7 @@ impl PgStore {
         };
         let (last_id, last_fence) = (last("id", next_outbox_id)?, last("fence", next_fence)?);
         let s = self.schema().to_owned();
-        self.shared.run(Mode::Tx, |conn| {
+        self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
                 db.execute(
                     &format!("LOCK TABLE {s}.outbox, {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),

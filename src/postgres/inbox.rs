@@ -26,7 +26,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::{Db, Mode};
 use super::errors::utf8;
-use super::{Finish, Shared, after_commit, refuse_reentrant};
+use super::{Finish, Server, after_commit, refuse_reentrant};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::inbox::Claim;
@@ -40,7 +40,7 @@ const TABLE: &str = "inbox";
 /// PostgreSQL transaction.
 #[derive(Clone, Debug)]
 pub struct PgInbox {
-    shared: Arc<Shared>,
+    server: Arc<Server>,
     name: Arc<str>,
 }
 
@@ -50,10 +50,10 @@ fn time(key: &[u8], us: i64) -> Result<DateTime<Utc>> {
 }
 
 impl PgInbox {
-    pub(super) fn new(shared: Arc<Shared>, name: &str) -> Result<PgInbox> {
+    pub(super) fn new(server: Arc<Server>, name: &str) -> Result<PgInbox> {
         check_inbox_name(name)?;
         Ok(PgInbox {
-            shared,
+            server,
             name: name.into(),
         })
     }
@@ -67,7 +67,7 @@ impl PgInbox {
         format!(
             "INSERT INTO {}.inbox (inbox, event_key, seen_at) VALUES ($1, $2, $3) \
              ON CONFLICT DO NOTHING",
-            self.shared.schema
+            self.server.schema
         )
     }
 
@@ -80,7 +80,7 @@ impl PgInbox {
         let sql = self.insert_sql();
         // One statement that commits as it ends: run again only when the
         // server said it did not happen (a lost answer may hide a claim).
-        let n = self.shared.run(Mode::Statement, |conn| {
+        let n = self.server.run(Mode::Statement, |conn| {
             conn.db().execute(
                 &sql,
                 &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
@@ -109,9 +109,9 @@ impl PgInbox {
             "INSERT INTO {}.inbox (inbox, event_key, seen_at) \
              SELECT $1, k, $3 FROM unnest($2::bytea[]) AS k \
              ON CONFLICT DO NOTHING RETURNING event_key",
-            self.shared.schema
+            self.server.schema
         );
-        let rows = self.shared.run(Mode::Statement, |conn| {
+        let rows = self.server.run(Mode::Statement, |conn| {
             conn.db()
                 .query(&sql, &[&&*self.name, &bytes, &micros(seen_at)])
         })?;
@@ -169,7 +169,7 @@ impl PgInbox {
             [&&*self.name, &event_key.as_bytes(), &micros(seen_at)];
         // The claim is tried again until it answers; the effect runs at
         // most once, after it.
-        let out = self.shared.write_once(
+        let out = self.server.write_once(
             |db| db.execute(&sql, &params),
             |claimed, tx| {
                 if claimed == 0 {
@@ -222,9 +222,9 @@ impl PgInbox {
         check_event_key(event_key)?;
         let sql = format!(
             "SELECT seen_at FROM {}.inbox WHERE inbox = $1 AND event_key = $2",
-            self.shared.schema
+            self.server.schema
         );
-        let row = self.shared.run(Mode::Read, |conn| {
+        let row = self.server.run(Mode::Read, |conn| {
             conn.db()
                 .query_opt(&sql, &[&&*self.name, &event_key.as_bytes()])
         })?;
@@ -247,7 +247,7 @@ impl PgInbox {
     /// rest for the next prune.
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
-        let s = &self.shared.schema;
+        let s = &self.server.schema;
         let sql = format!(
             "DELETE FROM {s}.inbox WHERE inbox = $1 AND event_key IN ( \
                  SELECT event_key FROM {s}.inbox WHERE inbox = $1 AND seen_at < $2 \
@@ -258,7 +258,7 @@ impl PgInbox {
         let mut total = 0;
         loop {
             let n = self
-                .shared
+                .server
                 .run(Mode::Statement, |conn| conn.db().execute(&sql, &params))?;
             total += n;
             if n < crate::inbox::PRUNE_CHUNK as u64 {
@@ -275,7 +275,7 @@ impl PgInbox {
         let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
         let sql = format!(
             "DELETE FROM {}.inbox WHERE inbox = $1 AND seen_at < $2",
-            self.shared.schema
+            self.server.schema
         );
         Db::uncached(tx).execute(&sql, &params)
     }
@@ -285,10 +285,10 @@ impl PgInbox {
     pub fn len(&self) -> Result<u64> {
         let sql = format!(
             "SELECT count(*) FROM {}.inbox WHERE inbox = $1",
-            self.shared.schema
+            self.server.schema
         );
         let n: i64 = self
-            .shared
+            .server
             .run(Mode::Read, |conn| {
                 conn.db().query_one(&sql, &[&&*self.name])
             })?
@@ -300,10 +300,10 @@ impl PgInbox {
     pub fn is_empty(&self) -> Result<bool> {
         let sql = format!(
             "SELECT EXISTS (SELECT 1 FROM {}.inbox WHERE inbox = $1)",
-            self.shared.schema
+            self.server.schema
         );
         let any: bool = self
-            .shared
+            .server
             .run(Mode::Read, |conn| {
                 conn.db().query_one(&sql, &[&&*self.name])
             })?
@@ -323,14 +323,14 @@ impl PgInbox {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let schema = &self.shared.schema;
+        let schema = &self.server.schema;
         let rows = if let Some((at, key)) = after {
             let sql = format!(
                 "SELECT event_key, seen_at FROM {schema}.inbox \
                  WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
                  ORDER BY seen_at, event_key LIMIT $4"
             );
-            self.shared.run(Mode::Read, |conn| {
+            self.server.run(Mode::Read, |conn| {
                 conn.db()
                     .query(&sql, &[&&*self.name, &micros(at), &key.as_bytes(), &limit])
             })?
@@ -339,7 +339,7 @@ impl PgInbox {
                 "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
                  ORDER BY seen_at, event_key LIMIT $2"
             );
-            self.shared.run(Mode::Read, |conn| {
+            self.server.run(Mode::Read, |conn| {
                 conn.db().query(&sql, &[&&*self.name, &limit])
             })?
         };
@@ -358,7 +358,7 @@ impl PgInbox {
 
 /// The names of the inboxes holding at least one key, in byte order (as
 /// the embedded store lists them).
-pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
+pub(super) fn names(server: &Server) -> Result<Vec<String>> {
     // A walk of the primary key from name to name, not a scan of every key.
     // The `text` column orders by the database's collation, which need not
     // be byte order: the names are sorted here.
@@ -370,9 +370,9 @@ pub(super) fn names(shared: &Shared) -> Result<Vec<String>> {
                          ORDER BY i.inbox LIMIT 1) \
                  FROM names n WHERE n.inbox IS NOT NULL \
              ) SELECT inbox FROM names WHERE inbox IS NOT NULL",
-        s = shared.schema
+        s = server.schema
     );
-    let rows = shared.run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
+    let rows = server.run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
     let mut names = rows
         .into_iter()
         .map(|r| r.try_get::<_, String>(0).map_err(Error::from))

@@ -148,9 +148,9 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Conn = PooledConnection<Manager>;
 
-/// What every handle of one [`PgStore`] shares: the pool, the schema and
-/// the limits.
-pub(crate) struct Shared {
+/// The server of one [`PgStore`], as every handle of the store reaches it:
+/// the pool, the schema and the limits.
+pub(crate) struct Server {
     /// Always `Some` until dropped (see `Drop`).
     pool: Option<Pool<Manager>>,
     /// The server's address, for the outbox's listening connection.
@@ -162,9 +162,9 @@ pub(crate) struct Shared {
     epoch: Arc<AtomicU64>,
 }
 
-impl fmt::Debug for Shared {
+impl fmt::Debug for Server {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared")
+        f.debug_struct("Server")
             .field("schema", &self.schema)
             .field("pool", &self.pool.as_ref().map(Pool::state))
             .field("max_body", &self.max_body)
@@ -172,7 +172,7 @@ impl fmt::Debug for Shared {
     }
 }
 
-impl Drop for Shared {
+impl Drop for Server {
     /// Closes the pool's connections on a thread of their own. The
     /// synchronous client closes a connection by blocking on its own small
     /// runtime, which panics on a thread that runs a tokio runtime: without
@@ -194,7 +194,7 @@ impl Drop for Shared {
     }
 }
 
-impl Shared {
+impl Server {
     /// A pooled connection; [`Error::Postgres`] if none came free (or could
     /// be opened) before the pool's timeout.
     fn conn(&self) -> Result<Conn> {
@@ -296,7 +296,7 @@ impl Shared {
     }
 
     /// Commits `tx` unless a statement in it failed (see
-    /// [`Shared::write_once`]); a failure is noted as [`Shared::run`] notes
+    /// [`Server::write_once`]); a failure is noted as [`Server::run`] notes
     /// one, and one once the `COMMIT` was sent is
     /// [`conn::outcome_unknown`] when it may have committed. Not run again:
     /// the closure that wrote `tx` runs once.
@@ -334,7 +334,7 @@ impl Shared {
     }
 }
 
-/// How a [`Shared::write_once`] closure ends its transaction.
+/// How a [`Server::write_once`] closure ends its transaction.
 pub(crate) enum Finish<T> {
     /// Commit, then answer `T`.
     Commit(T),
@@ -519,7 +519,7 @@ impl PgStoreBuilder {
             .connection_timeout(self.connection_timeout)
             .build(Manager::new(config.clone(), epoch.clone()))
             .map_err(errors::pool)?;
-        let shared = Arc::new(Shared {
+        let server = Arc::new(Server {
             pool: Some(pool),
             config,
             schema: self.schema,
@@ -528,9 +528,9 @@ impl PgStoreBuilder {
         });
         crate::observe::describe_metrics();
         Ok(PgStore {
-            outbox: PgOutbox::new(shared.clone()),
+            outbox: PgOutbox::new(server.clone()),
             idempotency_counters: Arc::default(),
-            shared,
+            server,
         })
     }
 }
@@ -544,7 +544,7 @@ impl PgStoreBuilder {
 /// on a runtime's thread they do not panic (see [the module docs](self)).
 #[derive(Clone, Debug)]
 pub struct PgStore {
-    shared: Arc<Shared>,
+    server: Arc<Server>,
     /// One outbox per store, so its wake-up subscribers are shared.
     outbox: PgOutbox,
     /// Counters shared by every `PgIdempotencyKeys` handle of this store.
@@ -565,7 +565,7 @@ impl PgStore {
 
     /// The schema holding the store's tables.
     pub fn schema(&self) -> &str {
-        &self.shared.schema
+        &self.server.schema
     }
 
     /// Runs `f` in one transaction: commits if it returns `Ok`, rolls back
@@ -599,14 +599,14 @@ impl PgStore {
     where
         E: From<Error>,
     {
-        self.shared
+        self.server
             .write_once(|_| Ok(()), |(), tx| f(tx).map(Finish::Commit))
     }
 
     /// The inbox called `name`: its own namespace of event keys. Names are
     /// 1–64 bytes of ASCII letters, digits, `_`, `-` and `.`.
     pub fn inbox(&self, name: &str) -> Result<PgInbox> {
-        PgInbox::new(self.shared.clone(), name)
+        PgInbox::new(self.server.clone(), name)
     }
 
     /// The store's outbox. Every call returns a handle to the same outbox
@@ -617,13 +617,13 @@ impl PgStore {
 
     /// The store's HTTP idempotency-key records.
     pub fn idempotency_keys(&self) -> PgIdempotencyKeys {
-        PgIdempotencyKeys::new(self.shared.clone(), self.idempotency_counters.clone())
+        PgIdempotencyKeys::new(self.server.clone(), self.idempotency_counters.clone())
     }
 
     /// The names of the inboxes that hold at least one key, in byte order
     /// (as the embedded store lists them, whatever the database's
     /// collation).
     pub fn inbox_names(&self) -> Result<Vec<String>> {
-        inbox::names(&self.shared)
+        inbox::names(&self.server)
     }
 }

@@ -57,7 +57,7 @@ use parking_lot::Mutex;
 use super::conn::{Db, Mode};
 use super::depth::DepthGauge;
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Shared, listen, refuse_reentrant, schema};
+use super::{Server, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::outbox::rules::{
@@ -182,23 +182,23 @@ struct Wake {
 /// one set of wake-up subscribers.
 #[derive(Clone, Debug)]
 pub struct PgOutbox {
-    shared: Arc<Shared>,
+    server: Arc<Server>,
     wake: Arc<Wake>,
     /// The `idemstore_outbox_entries` gauge (`depth.rs`).
     depth: Arc<DepthGauge>,
 }
 
 impl PgOutbox {
-    pub(super) fn new(shared: Arc<Shared>) -> PgOutbox {
+    pub(super) fn new(server: Arc<Server>) -> PgOutbox {
         PgOutbox {
-            shared,
+            server,
             wake: Arc::default(),
             depth: Arc::default(),
         }
     }
 
     fn s(&self) -> &str {
-        &self.shared.schema
+        &self.server.schema
     }
 
     /// `SELECT` of [`COLS`] and the attempt history of each row of
@@ -228,12 +228,12 @@ impl PgOutbox {
         reason = "the embedded outbox's signature, which both backends share"
     )]
     pub fn enqueue(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
-        check_entry(&entry, self.shared.max_body)?;
+        check_entry(&entry, self.server.max_body)?;
         refuse_reentrant()?;
         // Statements that commit as each ends: run again only when the
         // server said they did not happen (a lost answer may hide an
         // insert, which would come back as a duplicate).
-        let out = self.shared.run(Mode::Statement, |conn| {
+        let out = self.server.run(Mode::Statement, |conn| {
             self.insert(&mut conn.db(), &entry, micros(now))
         })?;
         if out.is_new() {
@@ -258,7 +258,7 @@ impl PgOutbox {
         entry: NewEntry,
         now: DateTime<Utc>,
     ) -> Result<Enqueued> {
-        check_entry(&entry, self.shared.max_body)?;
+        check_entry(&entry, self.server.max_body)?;
         self.insert(&mut Db::uncached(tx), &entry, micros(now))
     }
 
@@ -275,14 +275,14 @@ impl PgOutbox {
     ) -> Result<Vec<Enqueued>> {
         let entries: Vec<NewEntry> = entries.into_iter().collect();
         for e in &entries {
-            check_entry(e, self.shared.max_body)?;
+            check_entry(e, self.server.max_body)?;
         }
         if entries.is_empty() {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
         let now = micros(now);
-        let out = self.shared.run(Mode::Tx, |conn| {
+        let out = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
                 entries
                     .iter()
@@ -409,7 +409,7 @@ impl PgOutbox {
         // In a transaction of its own, so that a row that does not decode
         // (edited by something else) fails the call before it commits:
         // a call that returns `Err` claimed nothing.
-        let claimed = self.shared.run(Mode::Tx, |conn| {
+        let claimed = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| self.claim_on(db, micros(now), limit, worker_id))
         })?;
         self.depth.after_write(self);
@@ -560,7 +560,7 @@ impl PgOutbox {
         let id = db_id(id).ok_or(Error::NotFound)?;
         // A completion lost in flight may be run again: a second
         // completion of the same attempt is accepted without change.
-        let done = self.shared.run(Mode::Tx, |conn| {
+        let done = self.server.run(Mode::Tx, |conn| {
             if let Change::Completed { now } = change
                 && self.complete_fast(&mut conn.db(), id, fence, *now)?
             {
@@ -714,7 +714,7 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
-        let out = self.shared.run(Mode::Tx, |conn| {
+        let out = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| self.settle_many_in(db, &changes))
         })?;
         self.notify_if_settled(&changes, &out);
@@ -741,7 +741,7 @@ impl PgOutbox {
         let (changes, _) = plan_settle_and_claim(settlements, now, worker_id)?;
         refuse_reentrant()?;
         let now = micros(now);
-        let (settled, claimed) = self.shared.run(Mode::Tx, |conn| {
+        let (settled, claimed) = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
                 let settled = if changes.is_empty() {
                     Vec::new()
@@ -859,8 +859,8 @@ impl PgOutbox {
         let mut listening = self.wake.listening.lock();
         if !*listening {
             *listening = listen::start(
-                self.shared.config.clone(),
-                schema::channel(&self.shared.schema),
+                self.server.config.clone(),
+                schema::channel(&self.server.schema),
                 Arc::downgrade(&self.wake.notifier),
             )
             .is_ok();

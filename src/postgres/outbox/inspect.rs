@@ -22,7 +22,7 @@ impl PgOutbox {
         let db = db_id(id).ok_or(Error::NotFound)?;
         let sql = format!("{} WHERE o.id = $1", self.select_records());
         let row = self
-            .shared
+            .server
             .run(Mode::Read, |conn| conn.db().query_opt(&sql, &[&db]))?;
         read_record(&row.ok_or(Error::NotFound)?)
     }
@@ -35,7 +35,7 @@ impl PgOutbox {
             "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
             self.select_records()
         );
-        let row = self.shared.run(Mode::Read, |conn| {
+        let row = self.server.run(Mode::Read, |conn| {
             conn.db().query_opt(
                 &sql,
                 &[&destination.as_bytes(), &idempotency_key.as_bytes()],
@@ -51,7 +51,7 @@ impl PgOutbox {
             "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
             self.select_records()
         );
-        let rows = self.shared.run(Mode::Read, |conn| {
+        let rows = self.server.run(Mode::Read, |conn| {
             conn.db().query(&sql, &[&command_id.as_bytes()])
         })?;
         rows.iter().map(read_record).collect()
@@ -64,7 +64,7 @@ impl PgOutbox {
         let s = self.s();
         let sql = format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status");
         let rows = self
-            .shared
+            .server
             .run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
         let mut counts: HashMap<OutboxStatus, u64> = HashMap::new();
         for r in &rows {
@@ -101,7 +101,7 @@ impl PgOutbox {
     /// The `(time, id)` of the one row `sql` returns, if any.
     fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
         let Some(r) = self
-            .shared
+            .server
             .run(Mode::Read, |conn| conn.db().query_opt(sql, &[]))?
         else {
             return Ok(None);
@@ -132,7 +132,7 @@ impl PgOutbox {
              AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
             self.select_records()
         );
-        let rows = self.shared.run(Mode::Read, |conn| {
+        let rows = self.server.run(Mode::Read, |conn| {
             conn.db()
                 .query(&sql, &[&start, &status, &destination, &limit])
         })?;
@@ -151,7 +151,7 @@ impl PgOutbox {
 
     fn check_indexes_here(&self) -> Result<Vec<String>> {
         let mut findings = Vec::new();
-        let mut conn = self.shared.conn()?;
+        let mut conn = self.server.conn()?;
         let conn = &mut conn.client;
         for r in conn.query(&self.select_records(), &[])? {
             if let Err(e) = read_record(&r) {

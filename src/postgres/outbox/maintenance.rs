@@ -45,7 +45,7 @@ impl PgOutbox {
         let (cutoff, chunk) = (micros(claimed_before), chunk());
         let mut released = Vec::new();
         loop {
-            let rows = self.shared.run(Mode::Statement, |conn| {
+            let rows = self.server.run(Mode::Statement, |conn| {
                 conn.db().query(&sql, &[&cutoff, &chunk])
             })?;
             for r in &rows {
@@ -87,7 +87,7 @@ impl PgOutbox {
         let (cutoff, chunk) = (micros(finished_before), chunk());
         let mut total = 0;
         loop {
-            let n = self.shared.run(Mode::Statement, |conn| {
+            let n = self.server.run(Mode::Statement, |conn| {
                 conn.db().execute(&sql, &[&cutoff, &chunk])
             })?;
             total += n;
