@@ -6,35 +6,35 @@
 //! operations, runs them in one write transaction ([`run_batch`]), hands the
 //! lead to the first caller still queued, and then answers its batch's
 //! callers. [`run_batch`] goes through five phases: begin or resume the
-//! transaction; run the jobs, rolling back and re-running without a failed
+//! transaction; run the operations, rolling back and re-running without a failed
 //! one; take in late arrivals; decide between committing and keeping the
 //! transaction open; commit and answer.
 //!
 //! # Invariants
 //!
-//! - Under `queue`'s lock, `!leading` implies `jobs.is_empty()`: a caller
+//! - Under `queue`'s lock, `!leading` implies `queued.is_empty()`: a caller
 //!   that finds nobody leading starts leading in the same critical section
-//!   that queues its job, and a leader gives up the lead only when it finds
-//!   the queue empty. No queued job is ever left without a leader to run it.
+//!   that queues its operation, and a leader gives up the lead only when it finds
+//!   the queue empty. No queued operation is ever left without a leader to run it.
 //! - One leader at a time: the lead is taken by the caller that turns
 //!   `leading` on, or handed by the leader to the first queued caller; only
-//!   the leader takes jobs out of the queue.
-//! - A leader's own job is the first of its batch: a caller leads at once
-//!   only when it found the queue empty, and a promoted caller's job was
+//!   the leader takes operations out of the queue.
+//! - A leader's own operation is the first of its batch: a caller leads at once
+//!   only when it found the queue empty, and a promoted caller's operation was
 //!   first in the queue when it was promoted, and stays first until it
 //!   drains the queue itself (`max_batch >= 1`, which the store builder
 //!   ensures).
-//! - Every job drained into a batch is answered exactly once: a job kept in
+//! - Every operation drained into a batch is answered exactly once: an operation kept in
 //!   the open transaction at once, every other one through
 //!   [`Batch::answers`] after the lead is handed on, including when
 //!   something panics while the batch runs ([`Inner::lead`] catches it and
-//!   fails the jobs still without an outcome).
-//! - A failed job (one that returned `Err` or panicked) never commits: the
-//!   transaction is rolled back and the other jobs run again without it. It
+//!   fails the operations still without an outcome).
+//! - A failed operation (one that returned `Err` or panicked) never commits: the
+//!   transaction is rolled back and the other operations run again without it. It
 //!   goes to the answers with the batch's outcome `Ok`, which its answer
-//!   ignores: a job's own failure comes first.
+//!   ignores: an operation's own failure comes first.
 //! - A batch's callers are answered only once its transaction is committed
-//!   (durably under `Durability::Immediate` or when a job needs it) or kept
+//!   (durably under `Durability::Immediate` or when an operation needs it) or kept
 //!   open (its writes are then in the open transaction, which every reader
 //!   and writer commits first), or once the batch has failed.
 //! - Nothing the store does not own runs between a commit and the answers
@@ -44,7 +44,7 @@
 //!   children in the wake tree woken ([`Inner::submit`]), each under
 //!   `catch_unwind`. A panic there is dropped: it changes no answer, leaves
 //!   no caller waiting and does not break the engine.
-//! - A batch takes in late arrivals up to `max_batch` jobs (a caller
+//! - A batch takes in late arrivals up to `max_batch` operations (a caller
 //!   closure that leads it, in a store shared between processes, counts as
 //!   one); under `Durability::Immediate` it first yields up to three times
 //!   before its fsync, to take in callers just woken from the last batch.
@@ -54,7 +54,7 @@
 //! [`run_batch`] holds `db` (shared) then `open` for the whole batch, and
 //! redb's writer lock from the time it begins or resumes its transaction
 //! until it commits, keeps or loses it; under them it takes `sync` and
-//! `queue` briefly, one at a time, answers the jobs it keeps open (their
+//! `queue` briefly, one at a time, answers the operations it keeps open (their
 //! slots' mutexes), and nothing else: no hook, no report. `queue` is otherwise taken alone, except in
 //! [`Inner::hand_on_lead`], which holds it while it sends `Lead` to the
 //! promoted caller's slot. The callers of a finished batch are woken with no
@@ -74,8 +74,10 @@ use super::wake::{Notify, Reply, Slot, Wake, WakeTree, wake};
 use crate::error::{Error, Result};
 use crate::observe;
 
-/// A queued operation, as the batch leader sees it.
-pub(super) trait Job: Send {
+/// What the batch queue holds, as the batch leader sees it: an
+/// [`Operation`], or (in a store shared between processes) a caller
+/// closure's seat.
+pub(super) trait Queued: Send {
     /// Runs the operation in `tx`; `false` if it failed (returned `Err` or
     /// panicked), when it may have left part of its writes behind.
     fn run(&mut self, tx: &WriteTransaction) -> bool;
@@ -89,11 +91,11 @@ pub(super) trait Job: Send {
     /// whoever holds `tree` wakes it, and the caller then wakes its own
     /// children in the tree (see [`WakeTree`]).
     fn finish_quietly(&mut self, committed: Result<(), Error>, tree: Arc<WakeTree>, index: usize);
-    /// The job's caller, to wake.
+    /// The operation's caller, to wake.
     fn caller(&self) -> Arc<dyn Notify>;
-    /// Tells the job's waiting caller to lead the next batch.
+    /// Tells the operation's waiting caller to lead the next batch.
     fn promote(&self);
-    /// What its batch must do before the job's caller is answered.
+    /// What its batch must do before the operation's caller is answered.
     fn needs(&self) -> Needs;
     /// Whether this is a caller closure's seat (in a store shared between
     /// processes): a batch never takes one in, it starts the next batch.
@@ -103,7 +105,7 @@ pub(super) trait Job: Send {
 }
 
 /// What a batch must do before its callers are answered, beyond running
-/// their operations. Ordered: a batch does what its most demanding job
+/// their operations. Ordered: a batch does what its most demanding operation
 /// needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Needs {
@@ -116,14 +118,14 @@ pub(super) enum Needs {
 }
 
 /// A caller's operation with its mailbox.
-struct OpJob<T, F> {
+struct Operation<T, F> {
     op: F,
     result: Option<Reply<T>>,
     reply: Arc<Slot<T>>,
     needs: Needs,
 }
 
-impl<T, F> OpJob<T, F> {
+impl<T, F> Operation<T, F> {
     /// The caller's answer: the operation's own failure if it failed, else
     /// the batch's failure if the batch failed, else its result.
     fn answer(&mut self, committed: Result<(), Error>) -> Reply<T> {
@@ -131,7 +133,7 @@ impl<T, F> OpJob<T, F> {
             (_, Some(Err(panic))) => Err(panic),
             (Ok(()), Some(Ok(r))) => Ok(r),
             (Err(e), _) => Ok(Err(e)),
-            // Every job runs before its batch commits; this would be a bug.
+            // Every operation runs before its batch commits; this would be a bug.
             (Ok(()), None) => Ok(Err(Error::Panicked {
                 during: "a batch",
                 message: "an operation was answered before it ran".to_owned(),
@@ -140,7 +142,7 @@ impl<T, F> OpJob<T, F> {
     }
 }
 
-impl<T, F> Job for OpJob<T, F>
+impl<T, F> Queued for Operation<T, F>
 where
     T: Send + 'static,
     F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
@@ -183,7 +185,7 @@ where
 /// Operations waiting for a batch, and whether some caller is leading one.
 #[derive(Default)]
 pub(super) struct Queue {
-    pub(super) jobs: Vec<Box<dyn Job>>,
+    pub(super) queued: Vec<Box<dyn Queued>>,
     pub(super) leading: bool,
 }
 
@@ -195,7 +197,7 @@ impl Inner {
         F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
     {
         let slot = Slot::new();
-        let job = OpJob {
+        let item = Operation {
             op,
             result: None,
             reply: slot.clone(),
@@ -203,7 +205,7 @@ impl Inner {
         };
         let lead_now = {
             let mut q = self.queue.lock();
-            q.jobs.push(Box::new(job));
+            q.queued.push(Box::new(item));
             !std::mem::replace(&mut q.leading, true)
         };
         // What the batches this caller led left to do once it is answered.
@@ -252,7 +254,7 @@ impl Inner {
     /// of waiting, and so do the batch's callers.
     fn lead(&self) -> Vec<Hook> {
         let mut batch = Batch::new(self.drain_queue());
-        if !batch.jobs.is_empty()
+        if !batch.queued.is_empty()
             && let Err(panic) = catch_unwind(AssertUnwindSafe(|| run_batch(self, &mut batch)))
         {
             let e = self.lose_open(
@@ -267,10 +269,10 @@ impl Inner {
     }
 
     /// Takes up to a batch of queued operations.
-    fn drain_queue(&self) -> Vec<Box<dyn Job>> {
+    fn drain_queue(&self) -> Vec<Box<dyn Queued>> {
         let mut q = self.queue.lock();
-        let n = batch_end(&q.jobs, self.config.max_batch);
-        q.jobs.drain(..n).collect()
+        let n = batch_end(&q.queued, self.config.max_batch);
+        q.queued.drain(..n).collect()
     }
 
     /// Promotes the first waiting caller to lead the next batch, or notes
@@ -278,29 +280,32 @@ impl Inner {
     /// so that the next batch starts while they are woken.
     pub(super) fn hand_on_lead(&self) {
         let mut q = self.queue.lock();
-        match q.jobs.first() {
+        match q.queued.first() {
             Some(next) => next.promote(),
             None => q.leading = false,
         }
     }
 }
 
-/// How many of the queued `jobs` a batch with room for `room` more takes:
+/// How many of the `queued` operations a batch with room for `room` more takes:
 /// never a seat, which starts a batch of its own.
-pub(super) fn batch_end(jobs: &[Box<dyn Job>], room: usize) -> usize {
-    let seat = jobs.iter().position(|j| j.is_seat()).unwrap_or(jobs.len());
+pub(super) fn batch_end(queued: &[Box<dyn Queued>], room: usize) -> usize {
+    let seat = queued
+        .iter()
+        .position(|j| j.is_seat())
+        .unwrap_or(queued.len());
     seat.min(room)
 }
 
-/// Jobs with the outcome of their batch, to answer once the lead is handed
+/// Operations with the outcome of their batch, to answer once the lead is handed
 /// on.
-pub(super) type Answers = Vec<(Box<dyn Job>, Result<(), Error>)>;
+pub(super) type Answers = Vec<(Box<dyn Queued>, Result<(), Error>)>;
 
 /// The operations of the batch being led.
 pub(super) struct Batch {
     /// Operations run (or to run) in the batch's transaction, not yet
     /// given an outcome.
-    pub(super) jobs: Vec<Box<dyn Job>>,
+    pub(super) queued: Vec<Box<dyn Queued>>,
     /// Operations with their outcome, to answer once the lead is handed on.
     pub(super) answers: Answers,
     /// What to run once the batch's callers are answered: the after-commit
@@ -313,10 +318,10 @@ pub(super) struct Batch {
 }
 
 impl Batch {
-    pub(super) fn new(jobs: Vec<Box<dyn Job>>) -> Batch {
+    pub(super) fn new(queued: Vec<Box<dyn Queued>>) -> Batch {
         Batch {
-            answers: Vec::with_capacity(jobs.len()),
-            jobs,
+            answers: Vec::with_capacity(queued.len()),
+            queued,
             after: Vec::new(),
             reserved: 0,
         }
@@ -324,23 +329,23 @@ impl Batch {
 
     /// Gives every operation still without an outcome the outcome `e`.
     pub(super) fn fail_rest(&mut self, e: &Error) {
-        let jobs = std::mem::take(&mut self.jobs);
+        let queued = std::mem::take(&mut self.queued);
         self.answers
-            .extend(jobs.into_iter().map(|job| (job, Err(e.lossy_clone()))));
+            .extend(queued.into_iter().map(|item| (item, Err(e.lossy_clone()))));
     }
 
     /// Gives every operation still without an outcome the outcome
     /// "committed".
     fn commit_rest(&mut self) {
         self.answers
-            .extend(self.jobs.drain(..).map(|job| (job, Ok(()))));
+            .extend(self.queued.drain(..).map(|item| (item, Ok(()))));
     }
 
     /// Runs the operations from `from` on in `tx`, in order, up to the first
     /// that fails; returns its index, or `None` if all of them succeeded.
     fn run_from(&mut self, from: usize, tx: &WriteTransaction) -> Option<usize> {
-        for (i, job) in self.jobs.iter_mut().enumerate().skip(from) {
-            if !job.run(tx) {
+        for (i, item) in self.queued.iter_mut().enumerate().skip(from) {
+            if !item.run(tx) {
                 return Some(i);
             }
         }
@@ -349,7 +354,7 @@ impl Batch {
 
     /// What the most demanding operation of the batch needs.
     fn needs(&self) -> Needs {
-        self.jobs
+        self.queued
             .iter()
             .map(|j| j.needs())
             .max()
@@ -417,7 +422,7 @@ fn begin_or_resume(
 /// Phases 2 and 3: runs every operation of the batch in `work`, rolling
 /// back and running the others again whenever one fails, and taking in the
 /// operations queued meanwhile until none are left to take. `Err` if the
-/// batch failed as a whole (its transaction lost): the error its jobs got.
+/// batch failed as a whole (its transaction lost): the error its operations got.
 pub(super) fn run_jobs(
     inner: &Inner,
     db: &Database,
@@ -432,7 +437,7 @@ pub(super) fn run_jobs(
             work = roll_back_without(inner, db, work, batch, frame, failed)?;
             continue;
         }
-        ran = batch.jobs.len();
+        ran = batch.queued.len();
         if !take_in_late_arrivals(inner, batch) {
             return Ok(work);
         }
@@ -457,8 +462,8 @@ fn roll_back_without(
     let _ = tx.abort();
     hooks.clear();
     frame.discard();
-    let job = batch.jobs.remove(failed);
-    batch.answers.push((job, Ok(())));
+    let item = batch.queued.remove(failed);
+    batch.answers.push((item, Ok(())));
     let tx = match inner.begin_batch_write(db) {
         Ok(tx) => tx,
         Err(e) => {
@@ -504,9 +509,9 @@ fn take_in_late_arrivals(inner: &Inner, batch: &mut Batch) -> bool {
 /// (which counts its reserved places); `false` if there were none.
 fn absorb(inner: &Inner, batch: &mut Batch) -> bool {
     let mut q = inner.queue.lock();
-    let taken = batch.jobs.len() + batch.reserved;
-    let n = batch_end(&q.jobs, inner.config.max_batch.saturating_sub(taken));
-    batch.jobs.extend(q.jobs.drain(..n));
+    let taken = batch.queued.len() + batch.reserved;
+    let n = batch_end(&q.queued, inner.config.max_batch.saturating_sub(taken));
+    batch.queued.extend(q.queued.drain(..n));
     n > 0
 }
 
@@ -535,8 +540,8 @@ enum Fate {
 }
 
 /// Phase 4: commit or keep open. A batch commits durably under
-/// `Durability::Immediate` or when a job needs it; otherwise it commits
-/// without fsync when a job needs a commit, when the open transaction
+/// `Durability::Immediate` or when an operation needs it; otherwise it commits
+/// without fsync when an operation needs a commit, when the open transaction
 /// would hold `max_batch` operations, or when a caller waits to begin a
 /// transaction of its own; else it keeps the transaction open.
 fn decide(inner: &Inner, work: &OpenTx, batch: &Batch) -> Fate {
@@ -544,7 +549,7 @@ fn decide(inner: &Inner, work: &OpenTx, batch: &Batch) -> Fate {
     if inner.config.durability == Durability::Immediate || needs == Needs::Durable {
         return Fate::Commit { durable: true };
     }
-    let full = work.log.len() + batch.jobs.len() >= inner.config.max_batch;
+    let full = work.log.len() + batch.queued.len() >= inner.config.max_batch;
     if needs == Needs::Commit || full {
         return Fate::Commit { durable: false };
     }
@@ -561,9 +566,9 @@ fn decide(inner: &Inner, work: &OpenTx, batch: &Batch) -> Fate {
 /// writer commits before it looks) and logs their operations in it.
 fn answer_and_keep(mut work: OpenTx, batch: &mut Batch, frame: &HookFrame) -> OpenTx {
     work.hooks.extend(frame.take());
-    for mut job in batch.jobs.drain(..) {
-        job.finish(Ok(()));
-        work.log.push(job);
+    for mut item in batch.queued.drain(..) {
+        item.finish(Ok(()));
+        work.log.push(item);
     }
     work
 }
@@ -581,7 +586,7 @@ pub(super) fn commit_and_answer(
     let OpenTx { tx, log, mut hooks } = work;
     hooks.extend(frame.take());
     drop(frame);
-    let ops = log.len() + batch.jobs.len();
+    let ops = log.len() + batch.queued.len();
     let commit = observe::Stopwatch::start();
     let outcome = inner.commit(tx, durable);
     // Committed or lost: nothing is open any more.

@@ -43,7 +43,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use redb::WriteTransaction;
 
-use super::batch::{Job, Needs};
+use super::batch::{Needs, Queued};
 use super::inner::Inner;
 use super::scope::Hook;
 use crate::error::{Error, Result};
@@ -54,7 +54,7 @@ use crate::error::{Error, Result};
 /// should it have to be rolled back. A transaction just begun holds none.
 pub(super) struct OpenTx {
     pub(super) tx: WriteTransaction,
-    pub(super) log: Vec<Box<dyn Job>>,
+    pub(super) log: Vec<Box<dyn Queued>>,
     /// What the logged operations asked to run once it commits.
     pub(super) hooks: Vec<Hook>,
 }
@@ -72,9 +72,9 @@ impl OpenTx {
 
 /// Runs the answered operations of the open transaction again in `tx`
 /// after a rollback; `false` if one of them failed.
-pub(super) fn replay_log(log: &[Box<dyn Job>], tx: &WriteTransaction) -> bool {
-    for job in log {
-        if !job.replay(tx) {
+pub(super) fn replay_log(log: &[Box<dyn Queued>], tx: &WriteTransaction) -> bool {
+    for item in log {
+        if !item.replay(tx) {
             return false;
         }
     }

@@ -35,13 +35,13 @@
 //! # Invariants
 //!
 //! - A seat is never drained into another caller's batch: a batch takes
-//!   queued jobs only up to the first seat (`batch_end`), so a seat reaches
+//!   queued operations only up to the first seat (`batch_end`), so a seat reaches
 //!   the front of the queue and its caller is promoted like any other.
 //! - A seat's caller leads with its seat first in the queue, and removes it
-//!   before it runs the jobs behind it; `!leading` still implies an empty
+//!   before it runs the operations behind it; `!leading` still implies an empty
 //!   queue, as the caller hands the lead on before it returns.
 //! - The closure's answer is released only after its batch's durable
-//!   commit (D1), and the other jobs of the batch are answered as in any
+//!   commit (D1), and the other operations of the batch are answered as in any
 //!   batch.
 //!
 //! # Locks
@@ -54,7 +54,7 @@ use std::sync::Arc;
 
 use redb::{Database, WriteTransaction};
 
-use super::batch::{Batch, Job, Needs, batch_end, commit_and_answer, run_jobs};
+use super::batch::{Batch, Needs, Queued, batch_end, commit_and_answer, run_jobs};
 use super::inner::Inner;
 use super::open_tx::OpenTx;
 use super::scope::{HookFrame, WriteScope};
@@ -71,7 +71,7 @@ struct Seat {
     reply: Arc<Slot<()>>,
 }
 
-impl Job for Seat {
+impl Queued for Seat {
     // Unreachable: a seat is taken out of the queue by its own caller, and
     // a batch never takes one in (`batch_end`). Should one run anyway, it
     // fails, so that nothing commits on its account.
@@ -193,7 +193,7 @@ impl Inner {
         let slot = Slot::new();
         let lead_now = {
             let mut q = self.queue.lock();
-            q.jobs.push(Box::new(Seat {
+            q.queued.push(Box::new(Seat {
                 reply: slot.clone(),
             }));
             !std::mem::replace(&mut q.leading, true)
@@ -223,13 +223,13 @@ impl Inner {
 
     /// Removes this leader's seat from the front of the queue and takes
     /// the operations queued behind it, up to a batch with the closure.
-    fn take_seat_and_batch(&self) -> Vec<Box<dyn Job>> {
+    fn take_seat_and_batch(&self) -> Vec<Box<dyn Queued>> {
         let mut q = self.queue.lock();
-        if q.jobs.first().is_some_and(|j| j.is_seat()) {
-            q.jobs.remove(0);
+        if q.queued.first().is_some_and(|j| j.is_seat()) {
+            q.queued.remove(0);
         }
-        let n = batch_end(&q.jobs, self.config.max_batch.saturating_sub(1));
-        q.jobs.drain(..n).collect()
+        let n = batch_end(&q.queued, self.config.max_batch.saturating_sub(1));
+        q.queued.drain(..n).collect()
     }
 }
 
@@ -301,7 +301,7 @@ fn run_closure_batch<T, E>(
 /// After a caller closure failed: runs the batch's operations again in a
 /// new transaction and commits them durably.
 fn commit_without_closure(inner: &Inner, db: &Database, batch: &mut Batch, frame: HookFrame) {
-    if batch.jobs.is_empty() {
+    if batch.queued.is_empty() {
         return;
     }
     let tx = match inner.begin_batch_write(db) {

@@ -40,13 +40,13 @@ fn engine_with(durability: Durability, max_batch: usize, shared: bool) -> Arc<En
     Arc::new(Engine::start(db, config, None).unwrap())
 }
 
-/// Waits until `n` jobs are queued.
+/// Waits until `n` operations are queued.
 fn wait_queued(engine: &Engine, n: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while engine.inner.queue.lock().jobs.len() < n {
+    while engine.inner.queue.lock().queued.len() < n {
         assert!(
             std::time::Instant::now() < deadline,
-            "{n} jobs never queued"
+            "{n} queued never queued"
         );
         std::thread::yield_now();
     }
@@ -349,7 +349,7 @@ fn an_operations_hook_panic_changes_no_answer_of_a_closure_batch() {
     put(&engine, "later", 3).unwrap();
 }
 
-/// In a shared store, a closure's batch holds at most `max_batch` jobs
+/// In a shared store, a closure's batch holds at most `max_batch` operations
 /// with the closure, late arrivals included.
 #[test]
 fn a_closure_takes_a_place_of_its_batch() {

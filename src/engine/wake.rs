@@ -6,9 +6,9 @@
 //!
 //! - A caller's [`Slot`] holds at most one message, so none is ever
 //!   overwritten: it is sent [`Wake::Lead`] at most once, while the
-//!   caller's job is first in the queue, and [`Wake::Done`] once, after the
-//!   job has left the queue and its batch has ended. A caller sent `Lead`
-//!   takes it before its job leaves the queue: it drains the job itself,
+//!   caller's operation is first in the queue, and [`Wake::Done`] once, after the
+//!   operation has left the queue and its batch has ended. A caller sent `Lead`
+//!   takes it before its operation leaves the queue: it drains the operation itself,
 //!   and puts its own `Done` as that batch's leader.
 //! - No wake-up is lost: a message is put under the slot's mutex, and the
 //!   caller looks under that mutex before it waits.
@@ -24,7 +24,7 @@
 //!
 //! A slot's mutex is a leaf: taken alone, under `queue` while a leader
 //! promotes the next caller (`Inner::hand_on_lead`), or under `db` and
-//! `open` while a leader answers the jobs it keeps in the open transaction.
+//! `open` while a leader answers the operations it keeps in the open transaction.
 //! Condition variables are notified after the mutex is released. [`wake`]
 //! is called with no lock held.
 
@@ -119,10 +119,10 @@ impl WakeTree {
 /// answer first, then the leader's two children.
 pub(super) fn wake(answers: Answers) {
     let tree = Arc::new(WakeTree {
-        callers: answers.iter().map(|(job, _)| job.caller()).collect(),
+        callers: answers.iter().map(|(item, _)| item.caller()).collect(),
     });
-    for (index, (mut job, outcome)) in answers.into_iter().enumerate() {
-        job.finish_quietly(outcome, tree.clone(), index);
+    for (index, (mut item, outcome)) in answers.into_iter().enumerate() {
+        item.finish_quietly(outcome, tree.clone(), index);
     }
     tree.wake_children(None);
 }
