@@ -1,0 +1,439 @@
+//! How [`PgOutbox`] changes an entry's status: a dispatcher's settlements
+//! (one, or a batch with the next claim) and the operator's calls. A
+//! completion that applies as the row stands is one `UPDATE` (the fast
+//! path); every other change reads the row `FOR UPDATE`, asks the status
+//! machine (`outbox::rules`), and writes what it says, with the attempt
+//! record it calls for, in the same transaction (see the table in the
+//! parent module's docs).
+
+use std::collections::{HashMap, HashSet};
+
+use ::postgres::types::ToSql;
+use ::postgres::{GenericClient, Transaction};
+use chrono::{DateTime, Utc};
+
+use super::{COLS, PgOutbox, TABLE, db_id, history, read_row, status_name};
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::outbox::rules::{
+    Change, FencedChange, Row, mark_failed_change, mark_outcome_unknown_change, plan,
+    plan_settle_and_claim, plan_settlements,
+};
+use crate::outbox::{Fence, OutboxId, SettledAndClaimed, Settlement};
+use crate::postgres::conn::{Db, Mode};
+use crate::postgres::errors::unsigned;
+use crate::postgres::refuse_reentrant;
+
+impl PgOutbox {
+    /// Completes entry `id` at `now` in one statement if the status table
+    /// allows it as it stands (`Dispatching` or `OutcomeUnknown`, at
+    /// attempt `fence` if given); `false` if the statement changed nothing.
+    fn complete_fast(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        id: i64,
+        fence: Option<u32>,
+        now: i64,
+    ) -> Result<bool> {
+        let s = self.s();
+        let sql = format!(
+            "UPDATE {s}.outbox SET status = 'completed', completed_at = $3, \
+             next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+             WHERE id = $1 AND ($2::bigint IS NULL OR attempt_count = $2) \
+             AND status IN ('dispatching', 'outcome_unknown')"
+        );
+        let fence = fence.map(i64::from);
+        Ok(db.execute(&sql, &[&id, &fence, &now])? == 1)
+    }
+
+    /// Applies `change` to entry `id` (fenced by `fence` if given) in
+    /// `tx`: a completion in one statement when it applies as it stands,
+    /// anything else through the status machine on the locked row.
+    fn change_in(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        id: OutboxId,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<()> {
+        let Some(id) = db_id(id) else {
+            return Err(Error::NotFound);
+        };
+        if let Change::Completed { now } = change
+            && self.complete_fast(db, id, fence, *now)?
+        {
+            return Ok(());
+        }
+        self.change_locked(db, id, change, fence)
+    }
+
+    /// Applies `change` to entry `db` through the status machine on the
+    /// locked row.
+    fn change_locked(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        id: i64,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<()> {
+        let rows = self.lock(db, &[id])?;
+        let (id, old) = rows.iter().next().ok_or(Error::NotFound)?;
+        self.apply(db, *id, old, change, fence)?;
+        Ok(())
+    }
+
+    /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
+    fn lock(&self, db: &mut Db<'_, impl GenericClient>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
+        let s = self.s();
+        let rows = db.query(
+            &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
+            &[&ids],
+        )?;
+        rows.iter().map(read_row).collect()
+    }
+
+    /// Plans `change` on `old` (entry `id`, locked) with the status
+    /// machine and writes the plan: the new row and the attempt record it
+    /// adds. Returns the row as it stands afterwards.
+    fn apply(
+        &self,
+        tx: &mut Db<'_, impl GenericClient>,
+        id: u64,
+        old: &Row,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<Row> {
+        let Some(new) = plan(id, old, change, fence)? else {
+            return Ok(old.clone());
+        };
+        let attempt = change.attempt_row(old, old.status);
+        let s = self.s();
+        let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
+        let status = status_name(new.status);
+        let (worker, claimed_at) = match &new.attempt {
+            Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
+            None => (None, None),
+        };
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &db,
+            &status,
+            &i64::from(new.attempt_count),
+            &new.next_attempt_at,
+            &new.completed_at,
+            &worker,
+            &claimed_at,
+            &new.last_failure.as_deref().map(str::as_bytes),
+            &new.remote_ref.as_deref().map(str::as_bytes),
+        ];
+        tx.execute(
+            &format!(
+                "UPDATE {s}.outbox SET status = $2, attempt_count = $3, next_attempt_at = $4, \
+                 completed_at = $5, worker_id = $6, claimed_at = $7, last_failure = $8, \
+                 remote_ref = $9 WHERE id = $1"
+            ),
+            &params,
+        )?;
+        if let Some(a) = attempt {
+            // The next record after the entry's last, and the oldest ones
+            // beyond the last 20 dropped: one statement, under the row lock.
+            let params: [&(dyn ToSql + Sync); 6] = [
+                &db,
+                &i64::from(a.attempt),
+                &a.at,
+                &a.reason.as_bytes(),
+                &a.remote_ref.as_deref().map(str::as_bytes),
+                &history(),
+            ];
+            tx.execute(
+                &format!(
+                    "WITH next AS ( \
+                         SELECT coalesce(max(seq) + 1, 0) AS seq \
+                         FROM {s}.outbox_attempts WHERE id = $1 \
+                     ), added AS ( \
+                         INSERT INTO {s}.outbox_attempts (id, seq, attempt, at, reason, remote_ref) \
+                         SELECT $1, seq, $2, $3, $4, $5 FROM next RETURNING seq \
+                     ) \
+                     DELETE FROM {s}.outbox_attempts \
+                     WHERE id = $1 AND seq <= (SELECT seq FROM added) - $6"
+                ),
+                &params,
+            )?;
+        }
+        Ok(new)
+    }
+
+    /// Applies `change` to `id` in its own transaction, waking this
+    /// process's subscribers if it may have made work due.
+    fn change(&self, id: OutboxId, change: &Change, fence: Option<u32>) -> Result<()> {
+        refuse_reentrant()?;
+        let id = db_id(id).ok_or(Error::NotFound)?;
+        // A completion lost in flight may be run again: a second
+        // completion of the same attempt is accepted without change.
+        let done = self.server.run(Mode::Tx, |conn| {
+            if let Change::Completed { now } = change
+                && self.complete_fast(&mut conn.db(), id, fence, *now)?
+            {
+                return Ok(true);
+            }
+            conn.in_transaction(|db| self.change_locked(db, id, change, fence))?;
+            Ok(false)
+        })?;
+        self.depth.after_write(self);
+        if done {
+            return Ok(());
+        }
+        if change.makes_work_due() {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
+    /// `settlement`, at `now`.
+    ///
+    /// [`Error::Conflict`], changing nothing, if the fence is stale (the
+    /// entry moved on to another attempt, or was released, rescheduled or
+    /// settled otherwise) or the settlement is not allowed from the entry's
+    /// status. Settling the same attempt again the same final way
+    /// (completed twice, failed without retry twice) is accepted and changes
+    /// nothing. [`Error::NotFound`] if the entry is gone.
+    pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
+        let change = settlement.into_change(now)?;
+        self.change(fence.id, &change, Some(fence.attempt))
+    }
+
+    /// [`PgOutbox::settle`] inside the caller's own transaction (for a
+    /// dispatcher that records the effect's result in its own tables in the
+    /// same commit). A retry or a reschedule wakes the dispatchers once the
+    /// caller's transaction has committed.
+    pub fn settle_in(
+        &self,
+        tx: &mut Transaction<'_>,
+        fence: Fence,
+        settlement: &Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let change = settlement.clone().into_change(now)?;
+        self.change_in(
+            &mut Db::uncached(tx),
+            fence.id,
+            &change,
+            Some(fence.attempt),
+        )
+    }
+
+    /// Applies `changes` in order in `tx`, each accepted or refused on its
+    /// own; the rows are locked first, in id order.
+    fn settle_many_in(
+        &self,
+        tx: &mut Db<'_, impl GenericClient>,
+        changes: &[FencedChange],
+    ) -> Result<Vec<Result<()>>> {
+        let done = self.complete_many_fast(tx, changes)?;
+        let ids: Vec<i64> = changes
+            .iter()
+            .filter(|(id, ..)| !done.contains(id))
+            .filter_map(|(id, ..)| db_id(OutboxId(*id)))
+            .collect();
+        let mut rows = if ids.is_empty() {
+            HashMap::new()
+        } else {
+            self.lock(tx, &ids)?
+        };
+        let mut out = Vec::with_capacity(changes.len());
+        for (id, attempt, change) in changes {
+            if done.contains(id) {
+                out.push(Ok(()));
+                continue;
+            }
+            let Some(old) = rows.get(id) else {
+                out.push(Err(Error::NotFound));
+                continue;
+            };
+            match self.apply(tx, *id, old, change, Some(*attempt)) {
+                Ok(new) => {
+                    rows.insert(*id, new);
+                    out.push(Ok(()));
+                }
+                Err(e @ Error::Conflict { .. }) => out.push(Err(e)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The completions among `changes` that apply as the rows stand, in one
+    /// statement (a dispatcher's batch is mostly these): the ids completed.
+    /// Only when every id in `changes` is distinct, so that no settlement
+    /// has to see an earlier one of the same entry; the rest take the
+    /// general path.
+    fn complete_many_fast(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        changes: &[FencedChange],
+    ) -> Result<HashSet<u64>> {
+        let mut seen = HashSet::with_capacity(changes.len());
+        if !changes.iter().all(|(id, ..)| seen.insert(*id)) {
+            return Ok(HashSet::new());
+        }
+        let (mut ids, mut fences, mut times) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, attempt, change) in changes {
+            if let (Change::Completed { now }, Some(db_id)) = (change, db_id(OutboxId(*id))) {
+                ids.push(db_id);
+                fences.push(i64::from(*attempt));
+                times.push(*now);
+            }
+        }
+        if ids.len() < 2 {
+            return Ok(HashSet::new());
+        }
+        let s = self.s();
+        let rows = db.query(
+            &format!(
+                "UPDATE {s}.outbox o SET status = 'completed', completed_at = f.at, \
+                 next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
+                 WHERE o.id = f.id AND o.attempt_count = f.fence \
+                 AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id"
+            ),
+            &[&ids, &fences, &times],
+        )?;
+        rows.iter()
+            .map(|r| unsigned(TABLE, &"?", "id", r.try_get(0)?))
+            .collect()
+    }
+
+    /// Settles many attempts in one transaction (a dispatcher finishing a
+    /// batch), in order; a later settlement sees the earlier ones.
+    ///
+    /// Each settlement is accepted or refused on its own, exactly as
+    /// [`PgOutbox::settle`] would: the answer holds one result per input, in
+    /// order, an `Err` there being [`Error::Conflict`] or
+    /// [`Error::NotFound`]. The call itself fails on bad input and on the
+    /// server's errors; a call that returns `Err` wrote nothing, unless the
+    /// connection was lost once its `COMMIT` was sent: then every
+    /// settlement may have been applied.
+    pub fn settle_many(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
+        let (changes, _) = plan_settlements(settlements, now)?;
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let out = self.server.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| self.settle_many_in(db, &changes))
+        })?;
+        self.notify_if_settled(&changes, &out);
+        self.depth.after_write(self);
+        Ok(out)
+    }
+
+    /// Settles a finished batch and claims the next one in one transaction:
+    /// a dispatcher's step between two batches. The settlements behave
+    /// exactly as in [`PgOutbox::settle_many`], the claim exactly as
+    /// [`PgOutbox::claim_due`] and sees the settlements. All or nothing: a
+    /// call that returns `Err` wrote nothing, settlements included, unless
+    /// the connection was lost once its `COMMIT` was sent: then all of it
+    /// may have committed, the claimed entries staying `Dispatching` until
+    /// [`release_expired_claims`](Self::release_expired_claims) hands them
+    /// back.
+    pub fn settle_and_claim(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        let (changes, _) = plan_settle_and_claim(settlements, now, worker_id)?;
+        refuse_reentrant()?;
+        let now = micros(now);
+        let (settled, claimed) = self.server.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                let settled = if changes.is_empty() {
+                    Vec::new()
+                } else {
+                    self.settle_many_in(db, &changes)?
+                };
+                let claimed = self.claim_on(db, now, limit, worker_id)?;
+                Ok((settled, claimed))
+            })
+        })?;
+        self.notify_if_settled(&changes, &settled);
+        self.depth.after_write(self);
+        Ok((settled, claimed))
+    }
+
+    /// Wakes this process's subscribers after a bulk settle that may have
+    /// made work due.
+    fn notify_if_settled(&self, changes: &[FencedChange], settled: &[Result<()>]) {
+        let wake = changes
+            .iter()
+            .zip(settled)
+            .any(|((_, _, c), r)| r.is_ok() && c.makes_work_due());
+        if wake {
+            self.notify();
+        }
+    }
+
+    /// Operator call: marks `id` `Completed` at `now`, unfenced. Allowed from
+    /// `Dispatching` and `OutcomeUnknown`; accepted without change on
+    /// `Completed`; otherwise [`Error::Conflict`].
+    pub fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, &Change::Completed { now: micros(now) }, None)
+    }
+
+    /// Operator call, unfenced: records `reason` as `last_failure`, then with
+    /// `retry_at` moves the entry to `Pending` due then (from `Pending`,
+    /// `Dispatching`, `OutcomeUnknown`), without it to `Failed` stamped
+    /// `completed_at = now` (from `Dispatching`, `OutcomeUnknown`; accepted
+    /// without change on `Failed`). Otherwise [`Error::Conflict`].
+    pub fn mark_failed(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        retry_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        self.change(id, &mark_failed_change(reason, retry_at, now)?, None)
+    }
+
+    /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
+    /// `remote_ref` if given. On `OutcomeUnknown` it is accepted and fills
+    /// the remote reference only if none is stored yet. Otherwise
+    /// [`Error::Conflict`].
+    pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
+        self.change(id, &mark_outcome_unknown_change(remote_ref)?, None)
+    }
+
+    /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
+    /// `OutcomeUnknown` entry to `Pending` due at `next_attempt_at`.
+    /// Otherwise [`Error::Conflict`].
+    pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        let change = Change::Rescheduled {
+            next_attempt_at: micros(next_attempt_at),
+            now: None,
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Operator call: moves a `Failed` or `OutcomeUnknown` entry back to
+    /// `Pending`, due at `next_attempt_at`. Anything else is
+    /// [`Error::Conflict`].
+    pub fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        let change = Change::Requeued {
+            next_attempt_at: micros(next_attempt_at),
+        };
+        self.change(id, &change, None)
+    }
+
+    /// Cancels `id` at `now`: a `Pending` or `OutcomeUnknown` entry becomes
+    /// `Failed` with `last_failure` [`REASON_CANCELLED`](crate::REASON_CANCELLED).
+    /// Repeating it is accepted; a `Dispatching`, `Completed` or otherwise
+    /// `Failed` entry is [`Error::Conflict`].
+    pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change(id, &Change::Cancelled { now: micros(now) }, None)
+    }
+}
