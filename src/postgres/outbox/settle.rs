@@ -188,7 +188,7 @@ impl PgOutbox {
         Ok(())
     }
 
-    /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
+    /// Settles the attempt `fence` (from [`OutboxEntry::fence`](crate::OutboxEntry::fence)) as
     /// `settlement`, at `now`.
     ///
     /// [`Error::Conflict`], changing nothing, if the fence is stale (the
