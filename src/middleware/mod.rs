@@ -3,19 +3,22 @@
 //! [`IdempotencyKeys`]. Compiled with the `middleware` feature.
 //!
 //! ```no_run
-//! use axum::{Router, routing::post};
+//! use axum::{Router, routing::{get, post}};
 //! use idemstore::Store;
 //! use idemstore::middleware::IdempotencyLayer;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = Store::open("api.idem")?;
+//! let idempotent = IdempotencyLayer::new(store.idempotency_keys())
+//!     .require_key(true)
+//!     .replay_headers([axum::http::header::LOCATION]);
+//! // On the routes that take a key only: the others never reserve one.
 //! let app: Router = Router::new()
-//!     .route("/payments", post(|| async { (axum::http::StatusCode::CREATED, "{\"id\":1}") }))
-//!     .layer(
-//!         IdempotencyLayer::new(store.idempotency_keys())
-//!             .require_key(true)
-//!             .replay_headers([axum::http::header::LOCATION]),
-//!     );
+//!     .route(
+//!         "/payments",
+//!         post(|| async { (axum::http::StatusCode::CREATED, "{\"id\":1}") }).layer(idempotent),
+//!     )
+//!     .route("/health", get(|| async { "ok" }));
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
 //! axum::serve(listener, app).await?;
 //! # Ok(())
@@ -122,10 +125,10 @@
 //! }
 //!
 //! # fn app(store: Store) -> Router {
+//! let idempotent = IdempotencyLayer::new(store.idempotency_keys()).require_key(true);
 //! Router::new()
-//!     .route("/orders", post(create_order))
+//!     .route("/orders", post(create_order).layer(idempotent))
 //!     .with_state(store.clone())
-//!     .layer(IdempotencyLayer::new(store.idempotency_keys()).require_key(true))
 //! # }
 //! ```
 //!
