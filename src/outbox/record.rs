@@ -260,23 +260,7 @@ impl AttemptRow {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn row(status: OutboxStatus) -> Row {
-        Row {
-            command_id: "c".into(),
-            destination: "d".into(),
-            idempotency_key: "k".into(),
-            payload: vec![1, 2, 3],
-            status,
-            attempt_count: 0,
-            next_attempt_at: None,
-            created_at: 1_700_000_000_000_000,
-            completed_at: None,
-            attempt: None,
-            last_failure: None,
-            remote_ref: None,
-        }
-    }
+    use crate::outbox::rules::tests::row;
 
     /// `row` stored with the status code `code`.
     fn with_code(row: &Row, code: u8) -> Vec<u8> {

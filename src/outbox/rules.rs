@@ -507,10 +507,11 @@ pub(crate) fn check_entry(e: &NewEntry, max_body: usize) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn row(status: OutboxStatus) -> Row {
+    /// A row in `status`, for the rules' tests and the encoding's.
+    pub(in crate::outbox) fn row(status: OutboxStatus) -> Row {
         Row {
             command_id: "c".into(),
             destination: "d".into(),
