@@ -126,6 +126,7 @@ impl Inner {
         if s.broken.is_none() {
             s.broken = Some(refusal_after(cause));
             s.unreported = Some((during, cause.lossy_clone()));
+            self.unreported.store(true, Ordering::SeqCst);
         }
         s.committing = 0;
         let refusal = s.refusal().unwrap_or_else(|| refusal_after(cause));
@@ -143,6 +144,10 @@ impl Inner {
     /// closure's callers are answered, with no lock held: the report runs
     /// code the store does not own.
     pub(super) fn report_broken(&self) {
+        // The common case, nothing broken, takes no lock.
+        if !self.unreported.swap(false, Ordering::SeqCst) {
+            return;
+        }
         let unreported = self.sync.lock().unreported.take();
         if let Some((during, cause)) = unreported {
             observe::engine_broken(during, &cause);

@@ -36,6 +36,9 @@ pub(super) struct Inner {
     pub(super) seq: AtomicU64,
     /// See `durability`.
     pub(super) sync: Mutex<SyncState>,
+    /// Whether `sync` holds a cause of breakage nobody reported yet: lets
+    /// every batch's end skip `sync`'s lock. See `durability`.
+    pub(super) unreported: AtomicBool,
     /// Signalled when a durable commit ends, well or badly.
     pub(super) synced: Condvar,
     /// Operations waiting for a batch, and whether one is led. See `batch`.
@@ -65,6 +68,7 @@ impl Inner {
             config,
             seq: AtomicU64::new(0),
             sync: Mutex::new(SyncState::default()),
+            unreported: AtomicBool::new(false),
             synced: Condvar::new(),
             queue: Mutex::new(Queue::default()),
             durable_commits: AtomicU64::new(0),
