@@ -66,6 +66,38 @@ pub(crate) fn decode_borrowed<'a, T: Deserialize<'a>>(
     }
 }
 
+/// [`decode_borrowed`] of a row that later builds extended: the row's
+/// first form `T`, then the fields appended since, `X`, which a row written
+/// before they existed lacks (decoded as `X::default()`). A row's form is
+/// only ever extended by appending, so bytes of either age decode.
+pub(crate) fn decode_extended<'a, T: Deserialize<'a>, X: Deserialize<'a> + Default>(
+    table: &'static str,
+    key: &dyn Display,
+    bytes: &'a [u8],
+) -> Result<(T, X)> {
+    let corrupted = |reason: String| Error::Corrupted {
+        table,
+        key: key.to_string(),
+        reason,
+    };
+    match bytes.split_first() {
+        None => Err(corrupted("empty record".into())),
+        Some((&RECORD_VERSION, body)) => {
+            let (record, rest) =
+                postcard::take_from_bytes(body).map_err(|e| corrupted(e.to_string()))?;
+            if rest.is_empty() {
+                return Ok((record, X::default()));
+            }
+            match postcard::take_from_bytes(rest) {
+                Ok((extension, [])) => Ok((record, extension)),
+                Ok((_, rest)) => Err(corrupted(format!("{} trailing bytes", rest.len()))),
+                Err(e) => Err(corrupted(e.to_string())),
+            }
+        }
+        Some((v, _)) => Err(corrupted(format!("unknown record version {v}"))),
+    }
+}
+
 /// A timestamp as stored: microseconds since the Unix epoch.
 pub(crate) fn micros(at: DateTime<Utc>) -> i64 {
     at.timestamp_micros()

@@ -348,10 +348,11 @@ pub use idempotency::{
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use observe::describe_metrics;
 pub use outbox::{
-    AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry, Outbox,
-    OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus,
-    ParseOutboxStatusError, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED,
-    SettledAndClaimed, Settlement,
+    AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,
+    Fence, MAX_ATTEMPT_HISTORY, MAX_COOL_DOWN_FACTOR, MAX_OUTBOX_FIELD_LEN, MAX_PRIORITY, NewEntry,
+    Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord,
+    OutboxStatus, ParseOutboxStatusError, PolicyLimits, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN,
+    REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,

@@ -33,7 +33,10 @@ use crate::error::{Error, Result};
 
 /// The format this build writes and reads. A file with a larger number was
 /// written by a newer, incompatible version.
-pub(crate) const FORMAT_VERSION: u64 = 1;
+pub(crate) const FORMAT_VERSION: u64 = 2;
+/// The format of files written before destinations existed: they open,
+/// and gain the destination tables ([`FORMAT_VERSION`]) on first open.
+pub(crate) const FORMAT_VERSION_BEFORE_DESTINATIONS: u64 = 1;
 
 /// Store-wide settings and counters: `format_version`, `outbox.next_id`,
 /// `idempotency.next_fence`.
@@ -91,6 +94,22 @@ pub(crate) const OUTBOX_ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
 /// `status code → number of entries`.
 pub(crate) const OUTBOX_COUNT: TableDefinition<u8, u64> =
     TableDefinition::new("idemstore.v1.outbox.count");
+/// `destination → flow record` (postcard): a destination's policy and
+/// state (see `src/outbox/flow.rs`).
+pub(crate) const OUTBOX_DESTINATIONS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.destinations");
+/// `(ready_at µs, destination) → ()`: each destination that has an entry
+/// to give and may give it from `ready_at` on.
+pub(crate) const OUTBOX_READY: TableDefinition<(i64, &str), ()> =
+    TableDefinition::new("idemstore.v1.outbox.ready");
+/// `(destination, rank, due µs, id) → ()`: the claimable `Pending` entries
+/// of each destination (`rank` = `MAX_PRIORITY - priority`).
+pub(crate) const OUTBOX_QUEUE: TableDefinition<(&str, u8, i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.queue");
+/// `(destination, ordering key, seq) → id`: the unfinished entries of each
+/// ordering sequence, in order.
+pub(crate) const OUTBOX_SEQUENCES: TableDefinition<(&str, &str, u64), u64> =
+    TableDefinition::new("idemstore.v1.outbox.sequences");
 /// Key in [`META`] of the next outbox id to hand out.
 pub(crate) const META_OUTBOX_NEXT_ID: &str = "outbox.next_id";
 

@@ -12,7 +12,10 @@ use crate::error::{Error, Result, panic_message};
 use crate::idempotency::IdempotencyKeys;
 use crate::inbox::{Inbox, Journal};
 use crate::outbox::Outbox;
-use crate::schema::{FORMAT_VERSION, META, META_FORMAT_VERSION, open_read, open_write};
+use crate::schema::{
+    FORMAT_VERSION, FORMAT_VERSION_BEFORE_DESTINATIONS, META, META_FORMAT_VERSION, open_read,
+    open_write,
+};
 
 /// Default page cache: 64 MiB.
 pub const DEFAULT_CACHE_SIZE: usize = 64 * 1024 * 1024;
@@ -603,6 +606,19 @@ impl Store {
                 }
                 open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
                 Ok(())
+            }),
+            Recorded::Version(FORMAT_VERSION_BEFORE_DESTINATIONS) => engine.write(|tx| {
+                // Re-read under the write lock: another process sharing the
+                // file may have upgraded it since the read above.
+                let version = open_write(tx, META)?
+                    .get(META_FORMAT_VERSION)?
+                    .map(|v| v.value());
+                if version == Some(FORMAT_VERSION_BEFORE_DESTINATIONS) {
+                    crate::outbox::add_destination_tables(tx)?;
+                    open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
+                    return Ok(());
+                }
+                Recorded::in_meta(version).check()
             }),
             found => found.check(),
         }

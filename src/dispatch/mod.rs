@@ -202,8 +202,7 @@ pub enum Delivery {
     },
 }
 
-/// The reason stored on an entry whose attempts ran out.
-pub const REASON_MAX_ATTEMPTS: &str = "max_attempts";
+pub use crate::outbox::REASON_MAX_ATTEMPTS;
 /// The reason stored on an entry whose `send` panicked.
 pub const REASON_PANIC: &str = "panic";
 /// The reason stored for a failure whose `send` gave an empty one.

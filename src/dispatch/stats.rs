@@ -300,7 +300,8 @@ fn outcome(settlement: &Settlement) -> Settled {
         Settlement::Failed {
             next_attempt_at: Some(_),
             ..
-        } => Settled::Retried,
+        }
+        | Settlement::Throttled { .. } => Settled::Retried,
         Settlement::Failed {
             next_attempt_at: None,
             ..
@@ -344,7 +345,9 @@ impl Counters {
     )]
     pub(crate) fn attempted(&self, entry: &OutboxEntry, settlement: &Settlement, took: Duration) {
         let reason = match settlement {
-            Settlement::Failed { reason, .. } => Some(reason.as_str()),
+            Settlement::Failed { reason, .. } | Settlement::Throttled { reason, .. } => {
+                Some(reason.as_str())
+            }
             _ => None,
         };
         observe::attempt(
@@ -436,6 +439,8 @@ mod tests {
             next_attempt_at: None,
             created_at: at,
             completed_at: None,
+            ordering_key: None,
+            priority: 0,
         };
         let retry = Settlement::Failed {
             reason: "http_500".into(),

@@ -40,6 +40,7 @@ use redb::{
     ReadTransaction, ReadableTable, Table, TableDefinition, TableHandle as _, WriteTransaction,
 };
 
+use super::flow::{self, Flows};
 use super::record::{RowKeys, Times};
 use super::rules::{AttemptRow, Row};
 use super::{AttemptRecord, MAX_ATTEMPT_HISTORY, OutboxStatus};
@@ -145,6 +146,9 @@ pub(super) struct Tables<'tx> {
     /// The attempt history, opened on first use: most operations (claims,
     /// completions) never touch it.
     attempts: Option<Table<'tx, (u64, u64), &'static [u8]>>,
+    /// The destinations' tables (`flow.rs`), which every change of a
+    /// record keeps up to date.
+    pub(super) flows: Flows<'tx>,
     tx: &'tx WriteTransaction,
     /// Count changes per status, written by [`Tables::finish`].
     deltas: BTreeMap<u8, i64>,
@@ -161,6 +165,7 @@ impl<'tx> Tables<'tx> {
             finished: open_write(tx, OUTBOX_FINISHED)?,
             count: open_write(tx, OUTBOX_COUNT)?,
             attempts: None,
+            flows: Flows::open(tx)?,
             tx,
             deltas: BTreeMap::new(),
         })
@@ -242,13 +247,24 @@ impl<'tx> Tables<'tx> {
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
         self.count_move(None, Some(s.status.code()));
+        self.flows.inserted(id, s)?;
         Ok(())
     }
 
     /// Replaces record `id` (`old` as stored) by `new`, moving its status
     /// index rows and counts. Immutable fields (destination, key, command,
     /// `created_at`) keep their index rows.
+    ///
+    /// A record with an ordering key gets its place in its sequence here
+    /// (see [`flow::sequenced`]): what is written is `new` with it.
     pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
+        let tx = self.tx;
+        let new = &flow::sequenced(old, new.clone(), || {
+            let mut meta = open_write(tx, META)?;
+            let seq = next_id(&meta)?;
+            meta.insert(META_OUTBOX_NEXT_ID, seq.saturating_add(1))?;
+            Ok(seq)
+        })?;
         let (old_keys, new_keys) = (status_keys(id, old.times())?, status_keys(id, new.times())?);
         self.rows.insert(id, new.encode().as_slice())?;
         if old_keys != new_keys {
@@ -256,6 +272,7 @@ impl<'tx> Tables<'tx> {
             self.put_status_keys(id, new_keys)?;
         }
         self.count_move(Some(old.status.code()), Some(new.status.code()));
+        self.flows.replaced(id, old, new, &self.rows)?;
         Ok(())
     }
 
@@ -270,6 +287,8 @@ impl<'tx> Tables<'tx> {
             .remove((old.command_id.as_str(), old.times.created_at, id))?;
         self.remove_status_keys(id, keys)?;
         self.count_move(Some(old.times.status), None);
+        self.flows
+            .deleted(&old.destination, old.times.status(id)?)?;
         let attempts = self.attempts()?;
         for key in attempt_keys(attempts, id)? {
             attempts.remove(key)?;
@@ -317,9 +336,12 @@ impl<'tx> Tables<'tx> {
         }
     }
 
-    /// Writes the status counters changed since `open`: once per operation,
-    /// not once per entry. Every operation that writes ends with it.
-    pub(super) fn finish(mut self) -> Result<()> {
+    /// Writes the status counters and the flow records changed since
+    /// `open`: once per operation, not once per entry. Every operation that
+    /// writes ends with it. Returns whether a destination became claimable
+    /// sooner (worth a wake-up).
+    pub(super) fn finish(mut self) -> Result<bool> {
+        let sooner = self.flows.finish()?;
         for (code, delta) in self.deltas {
             if delta == 0 {
                 continue;
@@ -333,7 +355,7 @@ impl<'tx> Tables<'tx> {
             }
         }
         super::depth::report_after_commit(&self.count);
-        Ok(())
+        Ok(sooner)
     }
 }
 
@@ -524,6 +546,7 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         ));
     }
     check_attempts(tx, &ids, &mut findings)?;
+    flow::check(tx, &mut findings)?;
     Ok(findings)
 }
 

@@ -134,7 +134,10 @@
 //! history, written in the same transaction: see `src/outbox/index.rs` for
 //! the invariants, which [`Outbox::check_indexes`] verifies.
 
+mod control;
 mod depth;
+pub(crate) mod destinations;
+mod flow;
 mod index;
 mod notifier;
 mod ops;
@@ -158,7 +161,11 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::schema::{
     META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
-    OUTBOX_DUE,
+    OUTBOX_READY,
+};
+pub use destinations::{
+    CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
+    MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
 };
 use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
@@ -181,6 +188,13 @@ pub(crate) const MAINTENANCE_CHUNK: usize = 1024;
 /// past which it ends a chunk early (each chunk releases at least one
 /// entry): 4 MiB.
 const RELEASE_BYTES: usize = 4 << 20;
+
+/// Builds the destinations' tables of a file written before they existed
+/// (its format's upgrade, once, when it is first opened by this build):
+/// reads every record once.
+pub(crate) fn add_destination_tables(tx: &WriteTransaction) -> Result<()> {
+    flow::build(tx)
+}
 
 /// The outbox's rows and attempt history, open in one read transaction.
 struct Reader {
@@ -337,29 +351,44 @@ impl Outbox {
         Ok(out)
     }
 
-    /// Claims up to `limit` due `Pending` entries for `worker_id`: those
-    /// with `next_attempt_at` absent or `<= now`, earliest due first
-    /// (`next_attempt_at`, else `created_at`), then by id. Each becomes
-    /// `Dispatching` with `attempt_count + 1` and the claim
-    /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
-    /// [`Outbox::get`] returns for them afterwards. Concurrent claimers never
-    /// get the same entry. Costs O(limit · log n), whatever the backlog. A
-    /// call that returns `Err` (a damaged record among those due) claimed
-    /// nothing.
+    /// Claims up to `limit` due `Pending` entries for `worker_id`, across
+    /// destinations in turn: [`Outbox::claim`] with
+    /// [`ClaimRequest::new`]`(limit, worker_id)`.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
         limit: usize,
         worker_id: &str,
     ) -> Result<Vec<OutboxEntry>> {
-        check_field("worker_id", worker_id)?;
-        if limit == 0 {
+        self.claim(now, &ClaimRequest::new(limit, worker_id))
+    }
+
+    /// Claims what `request` asks for at `now`. An entry is claimable when
+    /// it is `Pending` and due (`next_attempt_at` absent or `<= now`), the
+    /// first unfinished entry of its ordering sequence if it has an
+    /// ordering key, and its destination is not paused, not at its
+    /// `max_in_flight`, not held back (circuit open, throttled) and has a
+    /// token. Destinations take turns, the one served longest ago first,
+    /// one entry each per round (all from one if the request says
+    /// [`one_destination`](ClaimRequest::one_destination)); within a
+    /// destination, highest priority first, then earliest due, then id.
+    ///
+    /// Each entry taken becomes `Dispatching` with `attempt_count + 1` and
+    /// the claim `{worker_id, claimed_at: now}`; the returned entries are
+    /// exactly what [`Outbox::get`] returns for them afterwards. Concurrent
+    /// claimers, in this process or another, never get the same entry, and
+    /// every limit holds across all of them: it is checked in the claim's
+    /// own transaction. Costs O(limit · log n), whatever the backlog. A
+    /// call that returns `Err` (a damaged record among those due) claimed
+    /// nothing.
+    pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
+        request.check()?;
+        if request.limit == 0 {
             return Ok(Vec::new());
         }
-        let worker = worker_id.to_owned();
+        let request = request.clone();
         let now = micros(now);
-        self.engine
-            .execute(move |tx| ops::claim_due(tx, now, limit, &worker))
+        self.engine.execute(move |tx| ops::claim(tx, now, &request))
     }
 
     /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
@@ -374,9 +403,10 @@ impl Outbox {
     pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
         let change = settlement.into_change(now)?;
         let wake = change.makes_work_due();
-        self.engine
+        let (_, sooner) = self
+            .engine
             .execute(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))?;
-        if wake {
+        if wake || sooner {
             self.notify();
         }
         Ok(())
@@ -394,8 +424,8 @@ impl Outbox {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let change = settlement.clone().into_change(now)?;
-        ops::change(tx, fence.id.0, &change, Some(fence.attempt))?;
-        if change.makes_work_due() {
+        let (_, sooner) = ops::change(tx, fence.id.0, &change, Some(fence.attempt))?;
+        if change.makes_work_due() || sooner {
             self.notify_after_commit();
         }
         Ok(())
@@ -420,10 +450,10 @@ impl Outbox {
         if changes.is_empty() {
             return Ok(Vec::new());
         }
-        let out = self
+        let (out, sooner) = self
             .engine
             .execute(move |tx| ops::change_many(tx, &changes))?;
-        self.notify_if_settled(wake, &out);
+        self.notify_if_settled(wake || sooner, &out);
         Ok(out)
     }
 
@@ -445,25 +475,37 @@ impl Outbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        let (changes, wake) = plan_settle_and_claim(settlements, now, worker_id)?;
-        let worker = worker_id.to_owned();
+        self.settle_and_claim_with(settlements, now, &ClaimRequest::new(limit, worker_id))
+    }
+
+    /// [`Outbox::settle_and_claim`] with a claim that `request` shapes (as
+    /// [`Outbox::claim`] takes it).
+    pub fn settle_and_claim_with(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<SettledAndClaimed> {
+        request.check()?;
+        let (changes, wake) = plan_settle_and_claim(settlements, now, &request.worker_id)?;
+        let request = request.clone();
         let now = micros(now);
         // One operation: if the claim fails after the settlements wrote,
         // the engine rolls the settlements back with it.
-        let (settled, claimed) = self.engine.execute(move |tx| {
-            let settled = if changes.is_empty() {
-                Vec::new()
+        let (settled, claimed, sooner) = self.engine.execute(move |tx| {
+            let (settled, sooner) = if changes.is_empty() {
+                (Vec::new(), false)
             } else {
                 ops::change_many(tx, &changes)?
             };
-            let claimed = if limit == 0 {
+            let claimed = if request.limit == 0 {
                 Vec::new()
             } else {
-                ops::claim_due(tx, now, limit, &worker)?
+                ops::claim(tx, now, &request)?
             };
-            Ok((settled, claimed))
+            Ok((settled, claimed, sooner))
         })?;
-        self.notify_if_settled(wake, &settled);
+        self.notify_if_settled(wake || sooner, &settled);
         Ok((settled, claimed))
     }
 
@@ -688,11 +730,19 @@ impl Outbox {
         })
     }
 
-    /// The earliest due time of any `Pending` entry (possibly in the past:
-    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
-    /// until then, or until a [`subscribe`](Outbox::subscribe) signal.
+    /// When the next entry may be claimed (possibly in the past: work is
+    /// waiting), or `None` if nothing is claimable until something changes:
+    /// the earliest time a destination with a claimable entry may give it —
+    /// its entry's due time, its next token, the end of its cool-down or
+    /// hold. A paused destination, one at its `max_in_flight` and an entry
+    /// waiting behind an earlier one of its ordering sequence count for
+    /// nothing here. A dispatcher sleeps until then, or until a
+    /// [`subscribe`](Outbox::subscribe) signal.
     pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        self.first_time(&OUTBOX_DUE)
+        self.engine.read(|tx| match flow::first_ready(tx)? {
+            Some(at) => from_micros(OUTBOX_READY.name(), &"first", at).map(Some),
+            None => Ok(None),
+        })
     }
 
     /// Up to `limit` entries matching `filter`, by id (enqueue order).
@@ -806,9 +856,10 @@ impl Outbox {
     /// Applies an operator's unfenced `change` to `id` in its own commit.
     fn change(&self, id: OutboxId, change: Change) -> Result<()> {
         let wake = change.makes_work_due();
-        self.engine
+        let (_, sooner) = self
+            .engine
             .execute(move |tx| ops::change(tx, id.0, &change, None))?;
-        if wake {
+        if wake || sooner {
             self.notify();
         }
         Ok(())

@@ -15,12 +15,13 @@ use std::ops::RangeBounds;
 
 use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
+use super::destinations::{Allowance, ClaimRequest};
 use super::index::{Tables, TimeIndex, index_mismatch, next_id};
 use super::rules::{Change, Row, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
 use crate::error::{Error, Result};
 use crate::schema::{
-    META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
+    META, META_OUTBOX_NEXT_ID, OUTBOX_CLAIMED, OUTBOX_FINISHED, OUTBOX_QUEUE, open_write,
 };
 
 /// Enqueues `entries` (already validated) in order; a repeated
@@ -45,7 +46,7 @@ pub(super) fn enqueue(
             out.push(Enqueued::Duplicate(OutboxId(id)));
             continue;
         }
-        t.insert_new(id, &Row::new_entry(e, now))?;
+        t.insert_new(id, &Row::new_entry(e, id, now))?;
         out.push(Enqueued::New(OutboxId(id)));
         id += 1;
     }
@@ -56,39 +57,113 @@ pub(super) fn enqueue(
     Ok(out)
 }
 
-/// Claims up to `limit` entries due at `now`, earliest due then id.
-/// O(limit · log n): it reads the front of the due index only.
-pub(super) fn claim_due(
+/// Claims what `request` asks for at `now`: up to its limit of claimable
+/// entries, across the destinations ready at `now` in turn (the one served
+/// longest ago first), one entry from each per round, each destination
+/// within what its flow allows; from one destination only if the request
+/// says so. Destinations the request avoids give entries only if no other
+/// does. O(limit · log n) plus one step per destination visited, whatever
+/// the backlog. Writes as it goes: an `Err` fails the operation, which the
+/// engine rolls back.
+pub(super) fn claim(
     tx: &WriteTransaction,
     now: i64,
-    limit: usize,
-    worker_id: &str,
+    request: &ClaimRequest,
 ) -> Result<Vec<OutboxEntry>> {
     let mut t = Tables::open(tx)?;
-    let ids = index_ids(&t.due, ..=(now, u64::MAX), limit)?;
+    let mut out = claim_from(&mut t, now, request, |d| !request.avoids(d))?;
+    if out.is_empty() && !request.avoid.is_empty() {
+        out = claim_from(&mut t, now, request, |d| request.avoids(d))?;
+    }
+    t.finish()?;
+    Ok(out)
+}
+
+/// [`claim`] from the ready destinations that `take` accepts.
+fn claim_from(
+    t: &mut Tables<'_>,
+    now: i64,
+    request: &ClaimRequest,
+    take: impl Fn(&str) -> bool,
+) -> Result<Vec<OutboxEntry>> {
     let change = Change::Claimed {
-        worker_id: worker_id.to_owned(),
+        worker_id: request.worker_id.clone(),
         now,
     };
-    let plans = plan_indexed(&t, OUTBOX_DUE.name(), OutboxStatus::Pending, ids, &change)?;
-    let entries = plans
-        .iter()
-        .map(|(id, _, new)| new.to_record(*id).map(|r| r.entry))
-        .collect::<Result<Vec<_>>>()?;
-    replace_all(&mut t, &plans)?;
-    t.finish()?;
-    Ok(entries)
+    let limit = request.limit;
+    let mut out = Vec::new();
+    if request.one_destination {
+        for destination in t.flows.ready_at(now, ONE_DESTINATION_LOOKS, take)? {
+            take_from(t, &destination, limit, now, &change, &mut out)?;
+            if !out.is_empty() {
+                break;
+            }
+        }
+        return Ok(out);
+    }
+    let mut line = t.flows.ready_at(now, limit, take)?;
+    while out.len() < limit && !line.is_empty() {
+        let mut still = Vec::with_capacity(line.len());
+        for destination in line {
+            if out.len() >= limit {
+                break;
+            }
+            if take_from(t, &destination, 1, now, &change, &mut out)? == 1 {
+                still.push(destination);
+            }
+        }
+        line = still;
+    }
+    Ok(out)
+}
+
+/// How many ready destinations a one-destination claim looks at for one
+/// that gives something (each ready one normally does).
+const ONE_DESTINATION_LOOKS: usize = 8;
+
+/// Claims up to `n` of `destination`'s entries due at `now`, within what
+/// its flow allows, into `out`; returns how many.
+fn take_from(
+    t: &mut Tables<'_>,
+    destination: &str,
+    n: usize,
+    now: i64,
+    change: &Change,
+    out: &mut Vec<OutboxEntry>,
+) -> Result<usize> {
+    let mut taken = 0;
+    while taken < n {
+        let Allowance::Take { max, probe } = t.flows.rec(destination)?.flow.allowance(now) else {
+            break;
+        };
+        if max == 0 {
+            break;
+        }
+        let Some(id) = t.flows.first_due(destination, now)? else {
+            break;
+        };
+        let index = OUTBOX_QUEUE.name();
+        let old = t.load_indexed(index, id, |s| s == OutboxStatus::Pending)?;
+        let new = plan(id, &old, change, None)?.ok_or_else(|| index_mismatch(index, id))?;
+        out.push(new.to_record(id)?.entry);
+        t.replace(id, &old, &new)?;
+        t.flows.rec(destination)?.flow.claimed(1, id, probe, now);
+        t.flows.served(destination, now)?;
+        taken += 1;
+    }
+    Ok(taken)
 }
 
 /// Applies `change` to record `id`, fenced by `attempt` if given, with the
-/// attempt record it adds to the history. Returns the status after
-/// (unchanged for an accepted no-op).
+/// attempt record it adds to the history and what it tells the entry's
+/// destination. Returns the status after (unchanged for an accepted
+/// no-op) and whether a destination became claimable sooner.
 pub(super) fn change(
     tx: &WriteTransaction,
     id: u64,
     change: &Change,
     fence: Option<u32>,
-) -> Result<OutboxStatus> {
+) -> Result<(OutboxStatus, bool)> {
     let mut t = Tables::open(tx)?;
     let old = t.load(id)?.ok_or(Error::NotFound)?;
     match plan(id, &old, change, fence)? {
@@ -102,11 +177,26 @@ pub(super) fn change(
             if let Some(a) = attempt {
                 t.push_attempt(id, &a)?;
             }
-            t.finish()?;
-            Ok(new.status)
+            tell_destination(&mut t, id, &old, change)?;
+            let sooner = t.finish()?;
+            Ok((new.status, sooner))
         }
-        None => Ok(old.status),
+        None => Ok((old.status, false)),
     }
+}
+
+/// What `change`, just applied to record `id` (`old` before), tells its
+/// destination's flow: the circuit's signal, a hold.
+fn tell_destination(t: &mut Tables<'_>, id: u64, old: &Row, change: &Change) -> Result<()> {
+    let rec = t.flows.rec(&old.destination)?;
+    if old.status == OutboxStatus::Dispatching {
+        rec.flow
+            .settled(id, change.signal(old.status), change.time());
+    }
+    if let Some(until) = change.hold() {
+        rec.flow.hold(until);
+    }
+    Ok(())
 }
 
 /// Applies many fenced changes in order. Each is accepted or refused on its
@@ -117,7 +207,7 @@ pub(super) fn change(
 pub(super) fn change_many(
     tx: &WriteTransaction,
     changes: &[(u64, u32, Change)],
-) -> Result<Vec<Result<()>>> {
+) -> Result<(Vec<Result<()>>, bool)> {
     let mut t = Tables::open(tx)?;
     let mut out = Vec::with_capacity(changes.len());
     for (id, attempt, c) in changes {
@@ -131,6 +221,7 @@ pub(super) fn change_many(
                 if let Some(a) = c.attempt_row(&old, old.status) {
                     t.push_attempt(*id, &a)?;
                 }
+                tell_destination(&mut t, *id, &old, c)?;
                 Ok(())
             }
             Ok(None) => Ok(()),
@@ -138,8 +229,8 @@ pub(super) fn change_many(
             Err(e) => return Err(e),
         });
     }
-    t.finish()?;
-    Ok(out)
+    let sooner = t.finish()?;
+    Ok((out, sooner))
 }
 
 /// Moves up to `limit` of the `Dispatching` entries claimed strictly before
@@ -214,14 +305,6 @@ fn first_ids(
     Ok((ids, more))
 }
 
-/// Writes planned replacements.
-fn replace_all(t: &mut Tables<'_>, plans: &[(u64, Row, Row)]) -> Result<()> {
-    for (id, old, new) in plans {
-        t.replace(*id, old, new)?;
-    }
-    Ok(())
-}
-
 /// The ids of the first `limit` rows of a `(time, id)` index in `range`.
 fn index_ids(
     index: &TimeIndex<'_>,
@@ -234,25 +317,4 @@ fn index_ids(
         .map(|row| row.map(|(k, _)| k.value().1))
         .collect::<std::result::Result<_, _>>()?;
     Ok(ids)
-}
-
-/// Plans `change` for every record of `ids`, read through the index
-/// `index`, which holds records in status `indexed` only; a record that
-/// does not match its index, or that `change` does not move, is
-/// [`Error::Corrupted`]. Checks everything before anything is written:
-/// `(id, old, new)` for [`Tables::replace`].
-fn plan_indexed(
-    t: &Tables<'_>,
-    index: &'static str,
-    indexed: OutboxStatus,
-    ids: Vec<u64>,
-    change: &Change,
-) -> Result<Vec<(u64, Row, Row)>> {
-    let mut plans = Vec::with_capacity(ids.len());
-    for id in ids {
-        let old = t.load_indexed(index, id, |s| s == indexed)?;
-        let new = plan(id, &old, change, None)?.ok_or_else(|| index_mismatch(index, id))?;
-        plans.push((id, old, new));
-    }
-    Ok(plans)
 }

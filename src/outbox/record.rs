@@ -41,6 +41,27 @@ struct Stored<'a> {
     remote_ref: Option<&'a str>,
 }
 
+/// The fields a [`Stored`] row gained after its first form, encoded after
+/// it; a row written before has none (ordering key and sequence absent,
+/// priority 0). Field order is the wire format: append only.
+#[derive(Serialize, Deserialize, Default)]
+struct Appended<'a> {
+    #[serde(borrow)]
+    ordering_key: Option<&'a str>,
+    priority: u8,
+    seq: Option<u64>,
+}
+
+impl<'a> Appended<'a> {
+    fn of(row: &'a Row) -> Appended<'a> {
+        Appended {
+            ordering_key: row.ordering_key.as_deref(),
+            priority: row.priority,
+            seq: row.seq,
+        }
+    }
+}
+
 impl<'a> Stored<'a> {
     fn of(row: &'a Row) -> Stored<'a> {
         Stored {
@@ -60,10 +81,11 @@ impl<'a> Stored<'a> {
     }
 
     /// Decodes and checks stored bytes (status code, timestamps in range).
-    fn decode(id: u64, bytes: &'a [u8]) -> Result<Stored<'a>> {
-        let stored: Stored<'_> = crate::codec::decode_borrowed(OUTBOX.name(), &id, bytes)?;
+    fn decode(id: u64, bytes: &'a [u8]) -> Result<(Stored<'a>, Appended<'a>)> {
+        let (stored, appended): (Stored<'_>, Appended<'_>) =
+            crate::codec::decode_extended(OUTBOX.name(), &id, bytes)?;
         stored.times().check(id)?;
-        Ok(stored)
+        Ok((stored, appended))
     }
 
     fn times(&self) -> Times {
@@ -165,7 +187,7 @@ impl RowKeys {
     /// bytes are refused), copying only the fields deleting it needs: a
     /// purge does not load the payloads it deletes.
     pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<RowKeys> {
-        let stored = Stored::decode(id, bytes)?;
+        let (stored, _) = Stored::decode(id, bytes)?;
         Ok(RowKeys {
             command_id: stored.command_id.to_owned(),
             destination: stored.destination.to_owned(),
@@ -189,7 +211,7 @@ impl Row {
 
     /// Decodes and checks a stored row (status code, timestamps in range).
     pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
-        let s = Stored::decode(id, bytes)?;
+        let (s, appended) = Stored::decode(id, bytes)?;
         let status = s.times().status(id)?;
         Ok(Row {
             command_id: s.command_id.to_owned(),
@@ -204,12 +226,19 @@ impl Row {
             attempt: s.attempt.map(|(w, at)| (w.to_owned(), at)),
             last_failure: s.last_failure.map(str::to_owned),
             remote_ref: s.remote_ref.map(str::to_owned),
+            ordering_key: appended.ordering_key.map(str::to_owned),
+            priority: appended.priority,
+            seq: appended.seq,
         })
     }
 
     /// The stored bytes of this row.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        encode(&Stored::of(self))
+        if self.ordering_key.is_none() && self.priority == 0 && self.seq.is_none() {
+            // The first form, which every build reads.
+            return encode(&Stored::of(self));
+        }
+        encode(&(Stored::of(self), Appended::of(self)))
     }
 }
 

@@ -14,6 +14,7 @@
 
 use chrono::{DateTime, Utc};
 
+use super::destinations::{REASON_MAX_ATTEMPTS, Signal};
 use super::types::failure_code;
 use super::{
     AttemptRecord, Fence, NewEntry, OutboxClaim, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
@@ -50,12 +51,20 @@ pub(crate) struct Row {
     pub(crate) attempt: Option<(String, i64)>,
     pub(crate) last_failure: Option<String>,
     pub(crate) remote_ref: Option<String>,
+    /// [`NewEntry::ordering_key`].
+    pub(crate) ordering_key: Option<String>,
+    /// [`NewEntry::priority`].
+    pub(crate) priority: u8,
+    /// With an ordering key, while not finished: its place in its
+    /// sequence (its id when enqueued; a fresh number when a `Failed`
+    /// entry is requeued, which puts it at the end).
+    pub(crate) seq: Option<u64>,
 }
 
 impl Row {
     /// A new entry's row: `Pending`, created at `now`, due at its
     /// `not_before` (else at once).
-    pub(crate) fn new_entry(e: &NewEntry, now: i64) -> Row {
+    pub(crate) fn new_entry(e: &NewEntry, id: u64, now: i64) -> Row {
         Row {
             command_id: e.command_id.clone(),
             destination: e.destination.clone(),
@@ -69,6 +78,9 @@ impl Row {
             attempt: None,
             last_failure: None,
             remote_ref: None,
+            ordering_key: e.ordering_key.clone(),
+            priority: e.priority,
+            seq: e.ordering_key.as_ref().map(|_| id),
         }
     }
 
@@ -107,6 +119,8 @@ impl Row {
                 next_attempt_at: opt(self.next_attempt_at)?,
                 created_at: at(self.created_at)?,
                 completed_at: opt(self.completed_at)?,
+                ordering_key: self.ordering_key.clone(),
+                priority: self.priority,
             },
             claim,
             attempt_in_doubt,
@@ -141,11 +155,14 @@ pub(crate) enum Change {
     Claimed { worker_id: String, now: i64 },
     /// The effect happened.
     Completed { now: i64 },
-    /// The attempt failed; retry at `next_attempt_at`, or give up.
+    /// The attempt failed; retry at `next_attempt_at`, or give up. `hold`:
+    /// the destination waits until `next_attempt_at` too
+    /// ([`Settlement::Throttled`](super::Settlement::Throttled)).
     Failed {
         reason: String,
         next_attempt_at: Option<i64>,
         now: i64,
+        hold: bool,
     },
     /// The attempt may or may not have happened. `now` is the settlement's
     /// time; `None` for the operator's call, which takes none (and so adds
@@ -184,6 +201,59 @@ impl Change {
             | Change::Completed { .. }
             | Change::OutcomeUnknown { .. }
             | Change::Cancelled { .. } => false,
+        }
+    }
+
+    /// What it tells the circuit of the entry's destination, applied to an
+    /// entry in status `from`: `Completed` from `Dispatching` is a success;
+    /// a retryable failure from `Dispatching` (a retry, or the attempts used
+    /// up: reason code [`REASON_MAX_ATTEMPTS`]) a failure; anything else
+    /// (a permanent failure, a throttled attempt, an outcome in doubt, a
+    /// reschedule, a released claim, an operator's change) nothing.
+    pub(crate) fn signal(&self, from: OutboxStatus) -> Signal {
+        if from != OutboxStatus::Dispatching {
+            return Signal::None;
+        }
+        match self {
+            Change::Completed { .. } => Signal::Success,
+            Change::Failed {
+                hold: false,
+                next_attempt_at: Some(_),
+                ..
+            } => Signal::Failure,
+            Change::Failed {
+                next_attempt_at: None,
+                reason,
+                ..
+            } if failure_code(reason) == REASON_MAX_ATTEMPTS => Signal::Failure,
+            _ => Signal::None,
+        }
+    }
+
+    /// Until when it holds the entry's whole destination back (µs), if it
+    /// does ([`Settlement::Throttled`](super::Settlement::Throttled)).
+    pub(crate) fn hold(&self) -> Option<i64> {
+        match self {
+            Change::Failed {
+                hold: true,
+                next_attempt_at,
+                ..
+            } => *next_attempt_at,
+            _ => None,
+        }
+    }
+
+    /// Its time (µs), for the ones that carry one; 0 otherwise.
+    pub(crate) fn time(&self) -> i64 {
+        match self {
+            Change::Claimed { now, .. }
+            | Change::Completed { now }
+            | Change::Failed { now, .. }
+            | Change::Cancelled { now } => *now,
+            Change::OutcomeUnknown { now, .. } | Change::Rescheduled { now, .. } => {
+                now.unwrap_or(0)
+            }
+            Change::Released | Change::Requeued { .. } => 0,
         }
     }
 
@@ -360,6 +430,7 @@ pub(crate) fn plan(id: u64, old: &Row, change: &Change, fence: Option<u32>) -> R
                 reason,
                 next_attempt_at: None,
                 now,
+                ..
             },
         ) => {
             new.make_finished(Failed, *now);
@@ -476,6 +547,7 @@ pub(crate) fn mark_failed_change(
         reason: reason.to_owned(),
         next_attempt_at: retry_at.map(micros),
         now: micros(now),
+        hold: false,
     })
 }
 
@@ -496,6 +568,10 @@ pub(crate) fn check_entry(e: &NewEntry, max_body: usize) -> Result<()> {
     check_field("command_id", &e.command_id)?;
     check_field("destination", &e.destination)?;
     check_field("idempotency_key", &e.idempotency_key)?;
+    if let Some(key) = &e.ordering_key {
+        check_field("ordering_key", key)?;
+    }
+    super::destinations::check_priority(e.priority)?;
     if e.payload.len() > max_body {
         return Err(Error::TooLarge {
             field: "payload",
@@ -525,6 +601,9 @@ pub(super) mod tests {
             attempt: None,
             last_failure: None,
             remote_ref: None,
+            ordering_key: None,
+            priority: 0,
+            seq: None,
         }
     }
 
@@ -548,11 +627,13 @@ pub(super) mod tests {
                 reason: "r".into(),
                 next_attempt_at: Some(11),
                 now: 10,
+                hold: false,
             },
             Change::Failed {
                 reason: "r".into(),
                 next_attempt_at: None,
                 now: 10,
+                hold: false,
             },
             Change::OutcomeUnknown {
                 remote_ref: None,
@@ -600,11 +681,13 @@ pub(super) mod tests {
                 reason: "r".into(),
                 next_attempt_at: Some(11),
                 now: 10,
+                hold: false,
             },
             Change::Failed {
                 reason: "r".into(),
                 next_attempt_at: None,
                 now: 10,
+                hold: false,
             },
             Change::OutcomeUnknown {
                 remote_ref: None,

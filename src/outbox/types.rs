@@ -212,6 +212,13 @@ pub struct NewEntry {
     pub payload: Vec<u8>,
     /// Not due before this time (default: due at once).
     pub not_before: Option<DateTime<Utc>>,
+    /// Entries of one destination that share an ordering key are delivered
+    /// one at a time, in enqueue order (see [`NewEntry::ordering_key`]).
+    /// 1–1024 bytes.
+    pub ordering_key: Option<String>,
+    /// Among a destination's due entries, higher first: `0..=`
+    /// [`MAX_PRIORITY`](super::MAX_PRIORITY), default 0.
+    pub priority: u8,
 }
 
 impl NewEntry {
@@ -228,6 +235,8 @@ impl NewEntry {
             idempotency_key: idempotency_key.into(),
             payload: payload.into(),
             not_before: None,
+            ordering_key: None,
+            priority: 0,
         }
     }
 
@@ -235,6 +244,26 @@ impl NewEntry {
     #[must_use]
     pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
         self.not_before = Some(at);
+        self
+    }
+
+    /// Orders the entry after every earlier entry of its destination with
+    /// the same `key`: it is claimable only once each of them is
+    /// `Completed` or `Failed`. An earlier one left `OutcomeUnknown` holds
+    /// the sequence until it is resolved (completed, failed, cancelled or
+    /// requeued). A `Failed` entry requeued joins the end of its sequence.
+    #[must_use]
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Its priority, `0..=`[`MAX_PRIORITY`](super::MAX_PRIORITY): among a
+    /// destination's due entries, higher first (then earliest due, then
+    /// id). Default 0.
+    #[must_use]
+    pub fn priority(mut self, p: u8) -> Self {
+        self.priority = p;
         self
     }
 }
@@ -264,6 +293,10 @@ pub struct OutboxEntry {
     pub created_at: DateTime<Utc>,
     /// When it was completed or finally failed; `None` otherwise.
     pub completed_at: Option<DateTime<Utc>>,
+    /// As enqueued ([`NewEntry::ordering_key`]).
+    pub ordering_key: Option<String>,
+    /// As enqueued ([`NewEntry::priority`]).
+    pub priority: u8,
 }
 
 impl OutboxEntry {
@@ -465,6 +498,17 @@ pub enum Settlement {
         /// When to try again.
         next_attempt_at: DateTime<Utc>,
     },
+    /// The remote asked the whole destination to wait (a 429 or 503 with
+    /// `Retry-After`): the attempt fails with `reason` and is retried at
+    /// `next_attempt_at`, as [`Settlement::Failed`] with a retry time, and
+    /// no entry of the destination is claimed before then. It does not
+    /// count towards the circuit breaker.
+    Throttled {
+        /// As in [`Settlement::Failed`].
+        reason: String,
+        /// When to try again: the destination is held back until then.
+        next_attempt_at: DateTime<Utc>,
+    },
 }
 
 impl Settlement {
@@ -481,6 +525,19 @@ impl Settlement {
                     reason,
                     next_attempt_at: next_attempt_at.map(micros),
                     now: micros(now),
+                    hold: false,
+                }
+            }
+            Settlement::Throttled {
+                reason,
+                next_attempt_at,
+            } => {
+                check_field("reason", &reason)?;
+                Change::Failed {
+                    reason,
+                    next_attempt_at: Some(micros(next_attempt_at)),
+                    now: micros(now),
+                    hold: true,
                 }
             }
             Settlement::OutcomeUnknown { remote_ref } => {

@@ -126,6 +126,9 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
         attempt: worker.zip(claimed_at),
         last_failure: opt_text(12)?,
         remote_ref: opt_text(13)?,
+        ordering_key: None,
+        priority: 0,
+        seq: None,
     };
     Ok((id, row))
 }

@@ -332,7 +332,8 @@ macro_rules! outbox_contract {
                                         next_attempt_at: Some(_),
                                         ..
                                     }
-                                    | Settlement::Rescheduled { .. } => OutboxStatus::Pending,
+                                    | Settlement::Rescheduled { .. }
+                                    | Settlement::Throttled { .. } => OutboxStatus::Pending,
                                     Settlement::Failed {
                                         next_attempt_at: None,
                                         ..

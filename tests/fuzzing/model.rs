@@ -17,7 +17,7 @@ use idemstore::{
     Settlement, Store,
 };
 
-use super::outbox_model::{Change, OutboxModel, Outcome, due, outcome};
+use super::outbox_model::{Change, OutboxModel, Outcome, outcome};
 use super::t;
 
 /// Most operations decoded from one input.
@@ -1067,13 +1067,7 @@ fn verify(h: &Harness, m: &Model, what: &str) {
         m.outbox.counts(),
         "after {what}: counts"
     );
-    let next_due = m
-        .outbox
-        .records
-        .values()
-        .filter(|r| r.entry.status == OutboxStatus::Pending)
-        .map(|r| due(&r.entry))
-        .min();
+    let next_due = m.outbox.next_due();
     assert_eq!(
         outbox.next_due().expect("next_due"),
         next_due,

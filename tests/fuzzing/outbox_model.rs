@@ -73,6 +73,9 @@ pub(crate) struct OutboxModel {
     pub(crate) records: BTreeMap<u64, OutboxRecord>,
     pub(crate) dedup: BTreeMap<(String, String), u64>,
     pub(crate) next_id: u64,
+    /// When a claim last took an entry of each destination (seconds),
+    /// forgotten once the destination has no record left.
+    pub(crate) served: BTreeMap<String, i64>,
 }
 
 /// When a pending entry becomes due.
@@ -103,6 +106,8 @@ impl OutboxModel {
                     next_attempt_at: n.not_before,
                     created_at: t(now),
                     completed_at: None,
+                    ordering_key: n.ordering_key.clone(),
+                    priority: n.priority,
                 },
                 claim: None,
                 attempt_in_doubt: None,
@@ -114,18 +119,66 @@ impl OutboxModel {
         Enqueued::New(OutboxId(id))
     }
 
-    pub(crate) fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<OutboxEntry> {
-        let mut due_now: Vec<(DateTime<Utc>, u64)> = self
-            .records
-            .values()
-            .filter(|r| r.entry.status == OutboxStatus::Pending && due(&r.entry) <= t(now))
-            .map(|r| (due(&r.entry), r.entry.id.0))
-            .collect();
-        due_now.sort_unstable();
-        due_now.truncate(limit);
-        due_now
+    /// Each destination with a pending entry, with the time it takes its
+    /// turn from: the later of its earliest due entry and its last claim.
+    /// By that time, then name: the order claims visit them in.
+    pub(crate) fn line(&self) -> Vec<(DateTime<Utc>, String)> {
+        let mut earliest: BTreeMap<&str, DateTime<Utc>> = BTreeMap::new();
+        for r in self.records.values() {
+            if r.entry.status == OutboxStatus::Pending {
+                let d = earliest
+                    .entry(&r.entry.destination)
+                    .or_insert(due(&r.entry));
+                *d = (*d).min(due(&r.entry));
+            }
+        }
+        let mut line: Vec<(DateTime<Utc>, String)> = earliest
             .into_iter()
-            .map(|(_, id)| {
+            .map(|(d, at)| {
+                let served = self.served.get(d).map_or(at, |s| at.max(t(*s)));
+                (served, d.to_owned())
+            })
+            .collect();
+        line.sort();
+        line
+    }
+
+    /// When the next entry may be claimed: the front of the line.
+    pub(crate) fn next_due(&self) -> Option<DateTime<Utc>> {
+        self.line().first().map(|(at, _)| *at)
+    }
+
+    /// A claim: the destinations whose turn has come, at most `limit` of
+    /// them, in line order, one entry each per round (earliest due, then
+    /// id), until `limit` entries or none left due.
+    pub(crate) fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<OutboxEntry> {
+        let mut line: Vec<String> = self
+            .line()
+            .into_iter()
+            .filter(|(at, _)| *at <= t(now))
+            .map(|(_, d)| d)
+            .take(limit)
+            .collect();
+        let mut out = Vec::new();
+        while out.len() < limit && !line.is_empty() {
+            let mut still = Vec::new();
+            for d in line {
+                if out.len() >= limit {
+                    break;
+                }
+                let first = self
+                    .records
+                    .values()
+                    .filter(|r| {
+                        r.entry.destination == d
+                            && r.entry.status == OutboxStatus::Pending
+                            && due(&r.entry) <= t(now)
+                    })
+                    .map(|r| (due(&r.entry), r.entry.id.0))
+                    .min();
+                let Some((_, id)) = first else {
+                    continue;
+                };
                 let r = self.records.get_mut(&id).unwrap();
                 r.entry.status = OutboxStatus::Dispatching;
                 r.entry.attempt_count += 1;
@@ -133,9 +186,14 @@ impl OutboxModel {
                     worker_id: worker.to_owned(),
                     claimed_at: t(now),
                 });
-                r.entry.clone()
-            })
-            .collect()
+                out.push(r.entry.clone());
+                let served = self.served.entry(d.clone()).or_insert(now);
+                *served = (*served).max(now);
+                still.push(d);
+            }
+            line = still;
+        }
+        out
     }
 
     pub(crate) fn release(&mut self, cutoff: i64) -> Vec<OutboxId> {
@@ -165,6 +223,13 @@ impl OutboxModel {
             .collect();
         for id in &doomed {
             let r = self.records.remove(id).unwrap();
+            if !self
+                .records
+                .values()
+                .any(|o| o.entry.destination == r.entry.destination)
+            {
+                self.served.remove(&r.entry.destination);
+            }
             self.dedup
                 .remove(&(r.entry.destination, r.entry.idempotency_key));
         }

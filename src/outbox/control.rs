@@ -1,0 +1,123 @@
+//! The embedded outbox's destination calls: an operator's (or a
+//! program's) policy, pause and resume, and the report of every
+//! destination. Each change is one commit, seen by every dispatcher and
+//! process on the file from then on; the rules are in `destinations.rs`,
+//! the tables in `flow.rs`.
+
+use redb::{TableHandle as _, WriteTransaction};
+
+use super::destinations::{CircuitState, DestinationPolicy, DestinationState, check_destination};
+use super::flow::{self, Flows};
+use super::{Outbox, OutboxCounts};
+use crate::codec::from_micros;
+use crate::error::Result;
+use crate::schema::OUTBOX_DESTINATIONS;
+
+impl Outbox {
+    /// Sets `destination`'s policy (replacing the one before; the default
+    /// policy removes every limit). Takes effect at the next claim of every
+    /// dispatcher on the store. A new rate limit starts with a full bucket;
+    /// a policy without a circuit breaker closes the circuit. A bad setting
+    /// is [`Error::InvalidInput`](crate::Error::InvalidInput) and changes
+    /// nothing.
+    pub fn set_destination_policy(
+        &self,
+        destination: &str,
+        policy: DestinationPolicy,
+    ) -> Result<()> {
+        check_destination(destination)?;
+        policy.check()?;
+        let destination = destination.to_owned();
+        let parts = policy.to_parts();
+        self.flow_change(move |flows| {
+            flows.rec(&destination)?.flow.set_policy(parts);
+            Ok(())
+        })
+    }
+
+    /// Pauses `destination`: none of its entries is claimed until
+    /// [`resume_destination`](Outbox::resume_destination) (the ones in
+    /// flight finish). Durable and seen by every process on the file;
+    /// pausing a paused destination changes nothing. A destination need not
+    /// have entries yet.
+    pub fn pause_destination(&self, destination: &str) -> Result<()> {
+        self.set_paused(destination, true)
+    }
+
+    /// Lets a paused `destination`'s entries be claimed again.
+    pub fn resume_destination(&self, destination: &str) -> Result<()> {
+        self.set_paused(destination, false)
+    }
+
+    /// Every destination with an entry, a policy or a pause, by name: its
+    /// policy, pause, circuit, hold, tokens, entries in flight and entries
+    /// by status.
+    pub fn destinations(&self) -> Result<Vec<DestinationState>> {
+        self.engine.read(|tx| {
+            flow::read_all(tx)?
+                .into_iter()
+                .map(|(name, rec)| {
+                    rec.flow.to_state(&name, rec.counts(), |us| {
+                        from_micros(OUTBOX_DESTINATIONS.name(), &name, us)
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// The state of `destination` as [`Outbox::destinations`] reports it
+    /// (a destination the store has nothing of is reported without limits
+    /// or entries).
+    pub fn destination(&self, destination: &str) -> Result<DestinationState> {
+        check_destination(destination)?;
+        let found = self
+            .destinations()?
+            .into_iter()
+            .find(|d| d.destination == destination);
+        Ok(found.unwrap_or_else(|| DestinationState::empty(destination)))
+    }
+
+    fn set_paused(&self, destination: &str, paused: bool) -> Result<()> {
+        check_destination(destination)?;
+        let destination = destination.to_owned();
+        self.flow_change(move |flows| {
+            flows.rec(&destination)?.flow.paused = paused;
+            Ok(())
+        })
+    }
+
+    /// Applies `change` to the destinations' tables in one commit, and wakes
+    /// the dispatchers if a destination became claimable sooner.
+    fn flow_change(
+        &self,
+        change: impl Fn(&mut Flows<'_>) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        let sooner = self.engine.execute(move |tx: &WriteTransaction| {
+            let mut flows = Flows::open(tx)?;
+            change(&mut flows)?;
+            flows.finish()
+        })?;
+        if sooner {
+            self.notify();
+        }
+        Ok(())
+    }
+}
+
+impl DestinationState {
+    /// A destination the store holds nothing of.
+    pub(crate) fn empty(destination: &str) -> DestinationState {
+        DestinationState {
+            destination: destination.to_owned(),
+            policy: DestinationPolicy::default(),
+            paused: false,
+            circuit: CircuitState::Closed {
+                consecutive_failures: 0,
+            },
+            held_until: None,
+            tokens: None,
+            in_flight: 0,
+            counts: OutboxCounts::default(),
+        }
+    }
+}

@@ -1,0 +1,664 @@
+//! The destinations' tables in the embedded store, and the invariants
+//! between them and the records (kept by [`Flows`], checked by [`check`]):
+//!
+//! | table                  | row                                   | present when |
+//! |------------------------|---------------------------------------|--------------|
+//! | [`OUTBOX_SEQUENCES`]   | `(destination, ordering key, seq) → id` | the record has an ordering key and is not `Completed` or `Failed` |
+//! | [`OUTBOX_QUEUE`]       | `(destination, rank, due, id)`        | the record is `Pending` and either has no ordering key or is the first of its sequence |
+//! | [`OUTBOX_DESTINATIONS`]| `destination → flow record`           | the destination has a record, a policy or a pause |
+//! | [`OUTBOX_READY`]       | `(ready_at, destination)`             | the destination has a queued record and [`Flow::open_from`] is some time |
+//!
+//! `rank` is [`MAX_PRIORITY`] minus the record's priority, so a
+//! destination's queue reads highest priority first, then earliest due,
+//! then id. A flow record counts its destination's records by status (the
+//! `Dispatching` count is its in-flight count, which a cap limits) and its
+//! queued records by rank, and remembers its own row in [`OUTBOX_READY`],
+//! keyed by the latest of: when its flow opens, its earliest queued due
+//! time, and when it was last served. Claims walk [`OUTBOX_READY`] from
+//! the front, so the destination served longest ago goes first: fair
+//! sharing, at O(log n) per destination visited, whatever the backlog.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use redb::{ReadTransaction, ReadableTable, Table, TableHandle as _, WriteTransaction};
+use serde::{Deserialize, Serialize};
+
+use super::destinations::{Flow, MAX_PRIORITY, PolicyParts};
+use super::rules::Row;
+use super::{OutboxCounts, OutboxStatus};
+use crate::codec::{decode, encode, from_micros};
+use crate::error::{Error, Result};
+use crate::schema::{
+    OUTBOX, OUTBOX_DESTINATIONS, OUTBOX_QUEUE, OUTBOX_READY, OUTBOX_SEQUENCES, open_read,
+    open_write,
+};
+
+/// Ranks: one per priority.
+const RANKS: usize = MAX_PRIORITY as usize + 1;
+
+/// A destination's flow record: its [`Flow`] and the embedded store's
+/// bookkeeping of its rows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct DestRec {
+    pub(super) flow: Flow,
+    /// Its records by status code.
+    pub(super) counts: [u64; 5],
+    /// Its rows in [`OUTBOX_QUEUE`] by rank.
+    queued: [u64; RANKS],
+    /// When a claim last took one of its entries (µs).
+    served_at: i64,
+    /// Its row's key in [`OUTBOX_READY`].
+    ready: Option<i64>,
+}
+
+/// A [`DestRec`] as stored. Field order is the wire format: append only.
+#[derive(Serialize, Deserialize)]
+struct StoredDest {
+    max_in_flight: Option<u32>,
+    rate: Option<(f64, u32)>,
+    circuit: Option<(u32, i64)>,
+    paused: bool,
+    tokens: Option<f64>,
+    tokens_at: i64,
+    failures: u32,
+    trips: u32,
+    open_until: Option<i64>,
+    probe: Option<u64>,
+    held_until: Option<i64>,
+    counts: [u64; 5],
+    queued: [u64; RANKS],
+    served_at: i64,
+    ready: Option<i64>,
+}
+
+impl DestRec {
+    fn encode(&self) -> Vec<u8> {
+        let f = &self.flow;
+        encode(&StoredDest {
+            max_in_flight: f.policy.max_in_flight,
+            rate: f.policy.rate,
+            circuit: f.policy.circuit,
+            paused: f.paused,
+            tokens: f.tokens,
+            tokens_at: f.tokens_at,
+            failures: f.failures,
+            trips: f.trips,
+            open_until: f.open_until,
+            probe: f.probe,
+            held_until: f.held_until,
+            counts: self.counts,
+            queued: self.queued,
+            served_at: self.served_at,
+            ready: self.ready,
+        })
+    }
+
+    pub(super) fn decode(destination: &str, bytes: &[u8]) -> Result<DestRec> {
+        let s: StoredDest = decode(OUTBOX_DESTINATIONS.name(), &destination, bytes)?;
+        let rec = DestRec {
+            flow: Flow {
+                policy: PolicyParts {
+                    max_in_flight: s.max_in_flight,
+                    rate: s.rate,
+                    circuit: s.circuit,
+                },
+                paused: s.paused,
+                in_flight: at(&s.counts, OutboxStatus::Dispatching.code()),
+                tokens: s.tokens,
+                tokens_at: s.tokens_at,
+                failures: s.failures,
+                trips: s.trips,
+                open_until: s.open_until,
+                probe: s.probe,
+                held_until: s.held_until,
+            },
+            counts: s.counts,
+            queued: s.queued,
+            served_at: s.served_at,
+            ready: s.ready,
+        };
+        let bad = |reason: &str| Error::Corrupted {
+            table: OUTBOX_DESTINATIONS.name(),
+            key: destination.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if let Some((per_second, burst)) = rec.flow.policy.rate
+            && (!per_second.is_finite() || per_second <= 0.0 || burst == 0)
+        {
+            return Err(bad("a rate limit out of range"));
+        }
+        if rec.flow.tokens.is_some_and(|t| !t.is_finite()) {
+            return Err(bad("a token count out of range"));
+        }
+        Ok(rec)
+    }
+
+    /// Its records by status.
+    pub(super) fn counts(&self) -> OutboxCounts {
+        OutboxCounts::from_fn(|s| at(&self.counts, s.code()))
+    }
+
+    /// Whether it holds nothing worth a row: no record, no policy, no pause,
+    /// no hold.
+    fn is_idle(&self) -> bool {
+        self.counts.iter().all(|&n| n == 0)
+            && self.flow.policy == PolicyParts::default()
+            && !self.flow.paused
+            && self.flow.held_until.is_none()
+    }
+
+    fn count(&mut self, status: OutboxStatus, delta: i64) {
+        bump(&mut self.counts, status.code(), delta);
+        self.flow.in_flight = at(&self.counts, OutboxStatus::Dispatching.code());
+    }
+}
+
+/// The count at `code` of a table of counts (0 past its end).
+fn at<const N: usize>(counts: &[u64; N], code: u8) -> u64 {
+    counts.get(usize::from(code)).copied().unwrap_or(0)
+}
+
+/// Moves the count at `code` by `delta` (nothing past the end: a code the
+/// table has no slot for is refused when decoded).
+fn bump<const N: usize>(counts: &mut [u64; N], code: u8, delta: i64) {
+    if let Some(n) = counts.get_mut(usize::from(code)) {
+        *n = n.saturating_add_signed(delta);
+    }
+}
+
+/// The ranks with a queued entry, by a table of counts per rank.
+fn ranks_in_use(queued: &[u64; RANKS]) -> impl Iterator<Item = u8> + '_ {
+    (0..=MAX_PRIORITY).filter(|&r| at(queued, r) > 0)
+}
+
+/// A record's row in [`OUTBOX_QUEUE`], with its destination borrowed.
+type QueueKey<'a> = (&'a str, u8, i64, u64);
+
+/// The rank of priority `p`.
+fn rank(p: u8) -> u8 {
+    MAX_PRIORITY.saturating_sub(p)
+}
+
+/// The destinations' tables, open in one write transaction, and the flow
+/// records the operation changed (written by [`Flows::finish`]).
+pub(super) struct Flows<'tx> {
+    dests: Table<'tx, &'static str, &'static [u8]>,
+    ready: Table<'tx, (i64, &'static str), ()>,
+    pub(super) queue: Table<'tx, (&'static str, u8, i64, u64), ()>,
+    seqs: Table<'tx, (&'static str, &'static str, u64), u64>,
+    /// The flow records the operation read, each written back by
+    /// [`Flows::finish`].
+    cache: BTreeMap<String, DestRec>,
+}
+
+impl<'tx> Flows<'tx> {
+    pub(super) fn open(tx: &'tx WriteTransaction) -> Result<Flows<'tx>> {
+        Ok(Flows {
+            dests: open_write(tx, OUTBOX_DESTINATIONS)?,
+            ready: open_write(tx, OUTBOX_READY)?,
+            queue: open_write(tx, OUTBOX_QUEUE)?,
+            seqs: open_write(tx, OUTBOX_SEQUENCES)?,
+            cache: BTreeMap::new(),
+        })
+    }
+
+    /// The flow record of `destination`, to change (a destination without
+    /// a row starts from the default).
+    pub(super) fn rec(&mut self, destination: &str) -> Result<&mut DestRec> {
+        use std::collections::btree_map::Entry;
+        Ok(match self.cache.entry(destination.to_owned()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(match self.dests.get(destination)? {
+                Some(v) => DestRec::decode(destination, v.value())?,
+                None => DestRec::default(),
+            }),
+        })
+    }
+
+    /// Notes that a claim took an entry of `destination` at `now`.
+    pub(super) fn served(&mut self, destination: &str, now: i64) -> Result<()> {
+        let rec = self.rec(destination)?;
+        rec.served_at = rec.served_at.max(now);
+        Ok(())
+    }
+
+    /// Whether `seq` is the first of its sequence `(destination, key)`.
+    fn is_head(&self, destination: &str, key: &str, seq: u64) -> Result<bool> {
+        let first = self
+            .seqs
+            .range((destination, key, 0)..=(destination, key, u64::MAX))?
+            .next()
+            .transpose()?;
+        Ok(first.is_some_and(|(k, _)| k.value().2 == seq))
+    }
+
+    /// The row of `row` (record `id`) in the queue, if it belongs there.
+    fn queue_key<'r>(&self, id: u64, row: &'r Row) -> Result<Option<QueueKey<'r>>> {
+        if row.status != OutboxStatus::Pending {
+            return Ok(None);
+        }
+        if let (Some(key), Some(seq)) = (&row.ordering_key, row.seq)
+            && !self.is_head(&row.destination, key, seq)?
+        {
+            return Ok(None);
+        }
+        let due = row.next_attempt_at.unwrap_or(row.created_at);
+        Ok(Some((
+            row.destination.as_str(),
+            rank(row.priority),
+            due,
+            id,
+        )))
+    }
+
+    fn enqueue(&mut self, key: QueueKey<'_>) -> Result<()> {
+        if self.queue.insert(key, ())?.is_none() {
+            bump(&mut self.rec(key.0)?.queued, key.1, 1);
+        }
+        Ok(())
+    }
+
+    fn dequeue(&mut self, key: QueueKey<'_>) -> Result<()> {
+        if self.queue.remove(key)?.is_some() {
+            bump(&mut self.rec(key.0)?.queued, key.1, -1);
+        }
+        Ok(())
+    }
+
+    /// A new record `id`: its sequence, queue and count rows.
+    pub(super) fn inserted(&mut self, id: u64, row: &Row) -> Result<()> {
+        if let (Some(key), Some(seq)) = (&row.ordering_key, row.seq) {
+            self.seqs
+                .insert((row.destination.as_str(), key.as_str(), seq), id)?;
+        }
+        if let Some(q) = self.queue_key(id, row)? {
+            self.enqueue(q)?;
+        }
+        self.rec(&row.destination)?.count(row.status, 1);
+        Ok(())
+    }
+
+    /// Record `id` changed from `old` to `new` (its sequence number already
+    /// given by [`sequenced`]). `rows` reads the other records (the next of
+    /// a sequence, when this one leaves it).
+    pub(super) fn replaced(
+        &mut self,
+        id: u64,
+        old: &Row,
+        new: &Row,
+        rows: &impl ReadableTable<u64, &'static [u8]>,
+    ) -> Result<()> {
+        let old_q = self.queue_key(id, old)?;
+        let in_seq = |r: &Row| match (&r.ordering_key, r.seq) {
+            (Some(k), Some(seq)) if !r.status.is_finished() => Some((k.clone(), seq)),
+            _ => None,
+        };
+        let (was, is) = (in_seq(old), in_seq(new));
+        let mut left = None;
+        if was != is {
+            if let Some((key, seq)) = &was {
+                self.seqs
+                    .remove((old.destination.as_str(), key.as_str(), *seq))?;
+                left = Some(key.clone());
+            }
+            if let Some((key, seq)) = &is {
+                self.seqs
+                    .insert((new.destination.as_str(), key.as_str(), *seq), id)?;
+            }
+        }
+        let new_q = self.queue_key(id, new)?;
+        if old_q != new_q {
+            if let Some(q) = old_q {
+                self.dequeue(q)?;
+            }
+            if let Some(q) = new_q {
+                self.enqueue(q)?;
+            }
+        }
+        if let Some(key) = left {
+            self.promote(&old.destination, &key, rows)?;
+        }
+        if old.status != new.status {
+            let rec = self.rec(&new.destination)?;
+            rec.count(old.status, -1);
+            rec.count(new.status, 1);
+        }
+        Ok(())
+    }
+
+    /// Queues the first record of sequence `(destination, key)` if it is
+    /// `Pending` (an entry before it just left the sequence).
+    fn promote(
+        &mut self,
+        destination: &str,
+        key: &str,
+        rows: &impl ReadableTable<u64, &'static [u8]>,
+    ) -> Result<()> {
+        let first = self
+            .seqs
+            .range((destination, key, 0)..=(destination, key, u64::MAX))?
+            .next()
+            .transpose()?
+            .map(|(_, v)| v.value());
+        let Some(next) = first else {
+            return Ok(());
+        };
+        let row = match rows.get(next)? {
+            Some(v) => Row::decode(next, v.value())?,
+            None => return Err(super::index::dangling(OUTBOX_SEQUENCES.name(), next)),
+        };
+        if let Some(q) = self.queue_key(next, &row)? {
+            self.enqueue(q)?;
+        }
+        Ok(())
+    }
+
+    /// A finished record of `destination` in status `status` was deleted.
+    pub(super) fn deleted(&mut self, destination: &str, status: OutboxStatus) -> Result<()> {
+        self.rec(destination)?.count(status, -1);
+        Ok(())
+    }
+
+    /// The first claimable entry of `destination` due at `now`: highest
+    /// priority first, then earliest due, then id.
+    pub(super) fn first_due(&mut self, destination: &str, now: i64) -> Result<Option<u64>> {
+        let queued = self.rec(destination)?.queued;
+        for r in ranks_in_use(&queued) {
+            let first = self
+                .queue
+                .range((destination, r, i64::MIN, 0)..=(destination, r, now, u64::MAX))?
+                .next()
+                .transpose()?;
+            if let Some((k, _)) = first {
+                return Ok(Some(k.value().3));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The destinations ready at `now`, front of the line first, at most
+    /// `limit` of them that `take` accepts.
+    pub(super) fn ready_at(
+        &self,
+        now: i64,
+        limit: usize,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for row in self.ready.range(..(now.saturating_add(1), ""))? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, _) = row?;
+            let (_, destination) = k.value();
+            if take(destination) {
+                out.push(destination.to_owned());
+            }
+        }
+        Ok(out)
+    }
+
+    /// The earliest due time among `destination`'s queued entries.
+    fn earliest_queued(&self, destination: &str, rec: &DestRec) -> Result<Option<i64>> {
+        let mut earliest: Option<i64> = None;
+        for r in ranks_in_use(&rec.queued) {
+            let first = self
+                .queue
+                .range((destination, r, i64::MIN, 0)..=(destination, r, i64::MAX, u64::MAX))?
+                .next()
+                .transpose()?;
+            if let Some((k, _)) = first {
+                let due = k.value().2;
+                earliest = Some(earliest.map_or(due, |e| e.min(due)));
+            }
+        }
+        Ok(earliest)
+    }
+
+    /// Writes the changed flow records and their rows in
+    /// [`OUTBOX_READY`]. Returns whether a destination became claimable
+    /// sooner than before (worth a wake-up).
+    pub(super) fn finish(mut self) -> Result<bool> {
+        let mut sooner = false;
+        let cache = std::mem::take(&mut self.cache);
+        for (destination, mut rec) in cache {
+            let ready = match self.earliest_queued(&destination, &rec)? {
+                Some(due) => rec
+                    .flow
+                    .open_from()
+                    .map(|open| open.max(due).max(rec.served_at)),
+                None => None,
+            };
+            if ready != rec.ready {
+                if let Some(old) = rec.ready {
+                    self.ready.remove((old, destination.as_str()))?;
+                }
+                if let Some(new) = ready {
+                    self.ready.insert((new, destination.as_str()), ())?;
+                    sooner |= rec.ready.is_none_or(|old| new < old);
+                }
+                rec.ready = ready;
+            }
+            if rec.is_idle() {
+                self.dests.remove(destination.as_str())?;
+            } else {
+                self.dests
+                    .insert(destination.as_str(), rec.encode().as_slice())?;
+            }
+        }
+        Ok(sooner)
+    }
+}
+
+/// Gives `new` (record `id`, changed from `old`) its place in its
+/// sequence: none once finished; a fresh one, from `next_seq`, when a
+/// finished entry with an ordering key comes back (a requeue puts it at
+/// the end).
+pub(super) fn sequenced(
+    old: &Row,
+    mut new: Row,
+    next_seq: impl FnOnce() -> Result<u64>,
+) -> Result<Row> {
+    if new.status.is_finished() {
+        new.seq = None;
+    } else if new.ordering_key.is_some() && (old.status.is_finished() || new.seq.is_none()) {
+        new.seq = Some(next_seq()?);
+    }
+    Ok(new)
+}
+
+/// The destinations' flow records, by name (a read for inspection).
+pub(super) fn read_all(tx: &ReadTransaction) -> Result<Vec<(String, DestRec)>> {
+    let Some(t) = open_read(tx, OUTBOX_DESTINATIONS)? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for row in t.iter()? {
+        let (k, v) = row?;
+        out.push((k.value().to_owned(), DestRec::decode(k.value(), v.value())?));
+    }
+    Ok(out)
+}
+
+/// The first row of [`OUTBOX_READY`]: when the next destination may be
+/// claimed from.
+pub(super) fn first_ready(tx: &ReadTransaction) -> Result<Option<i64>> {
+    match open_read(tx, OUTBOX_READY)? {
+        Some(t) => Ok(t.first()?.map(|(k, _)| k.value().0)),
+        None => Ok(None),
+    }
+}
+
+/// Builds the destinations' tables of a file written before they existed
+/// (every record without an ordering key, priority 0): reads every record
+/// once.
+pub(super) fn build(tx: &WriteTransaction) -> Result<()> {
+    let rows = open_write(tx, OUTBOX)?;
+    let mut flows = Flows::open(tx)?;
+    for row in rows.iter()? {
+        let (k, v) = row?;
+        let id = k.value();
+        let row = Row::decode(id, v.value())?;
+        flows.inserted(id, &row)?;
+    }
+    drop(rows);
+    flows.finish()?;
+    Ok(())
+}
+
+/// Checks the invariants of the module docs over every record; one
+/// finding per violation.
+pub(super) fn check(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<()> {
+    let Some(rows) = open_read(tx, OUTBOX)? else {
+        return Ok(());
+    };
+    let mut seqs: BTreeSet<(String, String, u64, u64)> = BTreeSet::new();
+    let mut pending: Vec<(u64, Row)> = Vec::new();
+    let mut counts: BTreeMap<String, [u64; 5]> = BTreeMap::new();
+    for row in rows.iter()? {
+        let (k, v) = row?;
+        let id = k.value();
+        let Ok(row) = Row::decode(id, v.value()) else {
+            continue; // reported by the record check
+        };
+        bump(
+            counts.entry(row.destination.clone()).or_default(),
+            row.status.code(),
+            1,
+        );
+        match (&row.ordering_key, row.seq, row.status.is_finished()) {
+            (Some(key), Some(seq), false) => {
+                seqs.insert((row.destination.clone(), key.clone(), seq, id));
+            }
+            (Some(_), None, false) => findings.push(format!(
+                "record {id} has an ordering key but no place in its sequence"
+            )),
+            (_, Some(_), true) | (None, Some(_), _) => {
+                findings.push(format!(
+                    "record {id} keeps a sequence number it should not have"
+                ));
+            }
+            _ => {}
+        }
+        if row.status == OutboxStatus::Pending {
+            pending.push((id, row));
+        }
+    }
+    let mut found = BTreeSet::new();
+    if let Some(t) = open_read(tx, OUTBOX_SEQUENCES)? {
+        for row in t.iter()? {
+            let (k, v) = row?;
+            let (d, key, seq) = k.value();
+            found.insert((d.to_owned(), key.to_owned(), seq, v.value()));
+        }
+    }
+    compare(findings, OUTBOX_SEQUENCES.name(), &seqs, &found);
+    // The first of each sequence.
+    let mut heads: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for (d, key, _, id) in &seqs {
+        heads.entry((d.clone(), key.clone())).or_insert(*id);
+    }
+    let mut queue: BTreeSet<(String, u8, i64, u64)> = BTreeSet::new();
+    for (id, row) in &pending {
+        let head = match &row.ordering_key {
+            Some(key) => heads.get(&(row.destination.clone(), key.clone())) == Some(id),
+            None => true,
+        };
+        if head {
+            let due = row.next_attempt_at.unwrap_or(row.created_at);
+            queue.insert((row.destination.clone(), rank(row.priority), due, *id));
+        }
+    }
+    let mut found = BTreeSet::new();
+    if let Some(t) = open_read(tx, OUTBOX_QUEUE)? {
+        for row in t.iter()? {
+            let (k, _) = row?;
+            let (d, r, due, id) = k.value();
+            found.insert((d.to_owned(), r, due, id));
+        }
+    }
+    compare(findings, OUTBOX_QUEUE.name(), &queue, &found);
+    check_destinations(tx, &counts, &queue, findings)
+}
+
+/// The flow records and the ready line against what the records call for:
+/// `counts` by destination and the `queue` rows.
+fn check_destinations(
+    tx: &ReadTransaction,
+    counts: &BTreeMap<String, [u64; 5]>,
+    queue: &BTreeSet<(String, u8, i64, u64)>,
+    findings: &mut Vec<String>,
+) -> Result<()> {
+    let recs: BTreeMap<String, DestRec> = read_all(tx)?.into_iter().collect();
+    for (d, n) in counts {
+        let stored = recs.get(d).map(|r| r.counts).unwrap_or_default();
+        if stored != *n {
+            findings.push(format!(
+                "destination {d:?}: counts {stored:?} but records say {n:?}"
+            ));
+        }
+    }
+    let mut ready = BTreeSet::new();
+    for (d, rec) in &recs {
+        if !counts.contains_key(d) && rec.counts.iter().any(|&n| n > 0) {
+            findings.push(format!("destination {d:?} counts records it does not have"));
+        }
+        let mut queued = [0_u64; RANKS];
+        for (qd, r, _, _) in queue {
+            if qd == d {
+                bump(&mut queued, *r, 1);
+            }
+        }
+        if queued != rec.queued {
+            findings.push(format!(
+                "destination {d:?}: queued {:?} but the queue holds {queued:?}",
+                rec.queued
+            ));
+        }
+        if let Some(at) = rec.ready {
+            ready.insert((at, d.clone()));
+        }
+        let has_queued = queued.iter().any(|&n| n > 0);
+        if rec.ready.is_some() != (has_queued && rec.flow.open_from().is_some()) {
+            findings.push(format!(
+                "destination {d:?} is {}in the ready line, with {} queued and its flow {}",
+                if rec.ready.is_some() { "" } else { "not " },
+                queued.iter().sum::<u64>(),
+                if rec.flow.open_from().is_some() {
+                    "open"
+                } else {
+                    "blocked"
+                }
+            ));
+        }
+        if let Some(at) = rec.ready
+            && from_micros(OUTBOX_READY.name(), d, at).is_err()
+        {
+            findings.push(format!("destination {d:?}: ready time {at} out of range"));
+        }
+    }
+    let mut found = BTreeSet::new();
+    if let Some(t) = open_read(tx, OUTBOX_READY)? {
+        for row in t.iter()? {
+            let (k, _) = row?;
+            let (at, d) = k.value();
+            found.insert((at, d.to_owned()));
+        }
+    }
+    compare(findings, OUTBOX_READY.name(), &ready, &found);
+    Ok(())
+}
+
+fn compare<T: Ord + std::fmt::Debug>(
+    findings: &mut Vec<String>,
+    table: &str,
+    expected: &BTreeSet<T>,
+    found: &BTreeSet<T>,
+) {
+    for missing in expected.difference(found) {
+        findings.push(format!("{table}: missing row {missing:?}"));
+    }
+    for extra in found.difference(expected) {
+        findings.push(format!("{table}: row {extra:?} has no matching record"));
+    }
+}
