@@ -30,7 +30,9 @@ use crossbeam_channel::Receiver;
 use crate::error::Result;
 use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
 use crate::inbox::Inbox;
-use crate::outbox::{Fence, Outbox, OutboxEntry, OutboxId, SettledAndClaimed, Settlement};
+use crate::outbox::{
+    ClaimRequest, Fence, Outbox, OutboxEntry, OutboxId, SettledAndClaimed, Settlement,
+};
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
 /// and settle, its reaper releases expired claims, its idle workers wait
@@ -52,6 +54,10 @@ pub trait OutboxBackend: Debug + Send + Sync + 'static + sealed::Outbox {
         worker_id: &str,
     ) -> Result<Vec<OutboxEntry>>;
 
+    /// Claims what `request` asks for (fair sharing across destinations,
+    /// one destination per batch, destinations to avoid).
+    fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>>;
+
     /// Settles one attempt, fenced by its attempt number.
     fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()>;
 
@@ -69,6 +75,15 @@ pub trait OutboxBackend: Debug + Send + Sync + 'static + sealed::Outbox {
         now: DateTime<Utc>,
         limit: usize,
         worker_id: &str,
+    ) -> Result<SettledAndClaimed>;
+
+    /// Settles a finished batch and claims what `request` asks for in one
+    /// commit.
+    fn settle_and_claim_with(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
     ) -> Result<SettledAndClaimed>;
 
     /// Moves every claim older than `claimed_before` back to `Pending` (the
@@ -171,6 +186,23 @@ macro_rules! forward_to_handles {
                 worker_id: &str,
             ) -> $crate::Result<Vec<$crate::OutboxEntry>> {
                 <$outbox>::claim_due(self, now, limit, worker_id)
+            }
+
+            fn claim(
+                &self,
+                now: chrono::DateTime<chrono::Utc>,
+                request: &$crate::ClaimRequest,
+            ) -> $crate::Result<Vec<$crate::OutboxEntry>> {
+                <$outbox>::claim(self, now, request)
+            }
+
+            fn settle_and_claim_with(
+                &self,
+                settlements: Vec<($crate::Fence, $crate::Settlement)>,
+                now: chrono::DateTime<chrono::Utc>,
+                request: &$crate::ClaimRequest,
+            ) -> $crate::Result<$crate::outbox::SettledAndClaimed> {
+                <$outbox>::settle_and_claim_with(self, settlements, now, request)
             }
 
             fn settle(

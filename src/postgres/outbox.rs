@@ -58,6 +58,7 @@ use super::errors::{corrupted, unsigned, utf8};
 use super::{Server, listen, refuse_reentrant, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
+use crate::outbox::ClaimRequest;
 use crate::outbox::rules::{Row, check_entry};
 use crate::outbox::{
     AttemptRecord, Enqueued, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
@@ -413,6 +414,13 @@ impl PgOutbox {
         })?;
         self.depth.after_write(self);
         Ok(claimed)
+    }
+
+    /// Claims what `request` asks for at `now` (as
+    /// [`Outbox::claim`](crate::Outbox::claim) does).
+    pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
+        request.check()?;
+        self.claim_due(now, request.limit(), request.worker_id())
     }
 
     /// A channel that receives `()` after a commit, in any process, that

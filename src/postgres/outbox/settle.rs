@@ -15,6 +15,7 @@ use chrono::{DateTime, Utc};
 use super::{COLS, PgOutbox, TABLE, db_id, history, read_row, status_name};
 use crate::codec::micros;
 use crate::error::{Error, Result};
+use crate::outbox::ClaimRequest;
 use crate::outbox::rules::{
     Change, FencedChange, Row, mark_failed_change, mark_outcome_unknown_change, plan,
     plan_settle_and_claim, plan_settlements,
@@ -364,6 +365,18 @@ impl PgOutbox {
         self.notify_if_settled(&changes, &settled);
         self.depth.after_write(self);
         Ok((settled, claimed))
+    }
+
+    /// [`PgOutbox::settle_and_claim`] with a claim that `request` shapes (as
+    /// [`PgOutbox::claim`] takes it).
+    pub fn settle_and_claim_with(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<SettledAndClaimed> {
+        request.check()?;
+        self.settle_and_claim(settlements, now, request.limit(), request.worker_id())
     }
 
     /// Wakes this process's subscribers after a bulk settle that may have
