@@ -365,6 +365,9 @@ impl Flow {
     /// first of them `first` (the probe, if the allowance said so). The
     /// backend counts them in flight.
     pub(crate) fn claimed(&mut self, n: u32, first: u64, probe: bool, now: i64) {
+        if self.held_until.is_some_and(|h| h <= now) {
+            self.held_until = None;
+        }
         if let Some(tokens) = self.tokens_at_now(now) {
             self.tokens = Some(tokens - f64::from(n));
             self.tokens_at = now;

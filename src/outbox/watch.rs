@@ -10,13 +10,15 @@
 //! positioned read on a file handle of its own (no lock, no transaction).
 //! Unchanged: nothing more. Changed: it opens a read transaction and reads
 //! two values of the outbox, its next id (`outbox.next_id` in the meta
-//! table) and its earliest due time (the first row of the due index), and
-//! signals the subscribers only if
+//! table) and its earliest due time (when the next entry may be claimed:
+//! the front of the destinations' ready line), and signals the
+//! subscribers only if
 //!
 //! - the next id grew (an entry was enqueued), or
 //! - the earliest due time moved earlier, or appeared (a retry, a
 //!   reschedule, a requeue or a released claim due sooner than anything
-//!   before).
+//!   before; a slot freed under a destination's cap, a circuit closed, a
+//!   resumed destination, the next entry of an ordering sequence).
 //!
 //! The gate is what keeps idle processes quiet. A woken worker claims,
 //! and a claim is a commit even when it finds nothing; were every commit a
@@ -71,14 +73,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use redb::{ReadTransaction, ReadableTable};
+use redb::ReadTransaction;
 
 use super::Notifier;
 use super::index::{next_id, open_read};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::observe;
-use crate::schema::{META, OUTBOX_DUE};
+use crate::schema::META;
 
 /// Bytes of the engine's file header that every commit rewrites.
 const HEADER_LEN: usize = 320;
@@ -161,8 +163,8 @@ impl Drop for Watch {
 struct Seen {
     /// The next id to hand out: grows with every enqueue.
     next_id: u64,
-    /// The first key's time of the due index (micros), if any entry is
-    /// pending.
+    /// When the next entry may be claimed (micros): the front of the
+    /// destinations' ready line, if any.
     earliest_due: Option<i64>,
 }
 
@@ -172,10 +174,7 @@ impl Seen {
             Some(meta) => next_id(&meta)?,
             None => 1,
         };
-        let earliest_due = match open_read(tx, OUTBOX_DUE)? {
-            Some(due) => due.first()?.map(|(k, _)| k.value().0),
-            None => None,
-        };
+        let earliest_due = super::flow::first_ready(tx)?;
         Ok(Seen {
             next_id,
             earliest_due,
