@@ -128,17 +128,76 @@
 //! - The thread ends when the store and every handle of its outbox are
 //!   dropped; a dispatcher's handle keeps it.
 //!
+//! # Destinations
+//!
+//! An entry's `destination` names the remote it goes to. Each destination
+//! can be given a [`DestinationPolicy`] ([`Outbox::set_destination_policy`])
+//! and be paused ([`Outbox::pause_destination`]); its policy and state are
+//! stored in the file, so every dispatcher, every process sharing the file
+//! and the CLI see the same ones, and every limit is checked inside the
+//! claim's own write transaction — exact across all of them, with no
+//! coordinator:
+//!
+//! - **Concurrency cap** (`max_in_flight(n)`): at most `n` of its entries
+//!   `Dispatching` at once, counted from what the file holds, so a crashed
+//!   dispatcher's claims count until the reaper releases them.
+//! - **Rate limit** (`rate_limit(per_second, burst)`): a token bucket kept
+//!   in the file; a claim takes only whole tokens, and
+//!   [`Outbox::next_due`] says when the next one comes, so an idle
+//!   dispatcher sleeps until then instead of polling.
+//! - **Pause**: its entries are not claimed (those in flight finish) until
+//!   [`Outbox::resume_destination`]. Durable: it survives restarts.
+//! - **Circuit breaker** (`circuit_breaker(k, cool_down)`): after `k`
+//!   retryable failures in a row (a retry, or the attempts used up), the
+//!   destination is held back for the cool-down; then one probe entry is
+//!   claimed; its success closes the circuit, its failure holds the
+//!   destination back again for twice as long (up to
+//!   [`MAX_COOL_DOWN_FACTOR`] times the cool-down). While held back none of
+//!   its entries is claimed, so none is charged an attempt, and none fails
+//!   for running out of attempts: `max_attempts` counts the attempts
+//!   actually sent. A [`Settlement::Throttled`] (a 429 or 503 with
+//!   `Retry-After`) holds the whole destination back until its time.
+//!
+//! Claims share out the work **fairly**: destinations take turns, the one
+//! served longest ago first, one entry each per round, so a destination
+//! with a large backlog never crowds the others out. (Its turn comes again
+//! after every destination waiting since before the claim that served it,
+//! by that claim's `now`: a claimer whose clock is behind another's sees
+//! the destinations that one just served as served in its future, and
+//! skips them until its clock gets there.) A dispatcher also keeps any
+//! one destination from holding more than its share of its workers
+//! ([`ClaimRequest::avoid`]), so a slow remote delays only its own entries.
+//!
+//! Within a destination, entries go **by priority** ([`NewEntry::priority`],
+//! `0..=`[`MAX_PRIORITY`], higher first), then earliest due, then id. Entries
+//! of one destination that share an **ordering key**
+//! ([`NewEntry::ordering_key`]) go one at a time, in enqueue order: an entry
+//! is claimable only once every earlier one of its sequence is `Completed`
+//! or `Failed`. A retry keeps its place; an entry left `OutcomeUnknown`
+//! holds its sequence until it is resolved; a `Failed` entry requeued joins
+//! the end. Entries without a key are not ordered.
+//!
+//! [`Outbox::destinations`] reports each destination's policy, pause,
+//! circuit, hold, tokens, entries in flight and entries by status.
+//!
 //! # Layout
 //!
 //! One row per entry (`id → record`), five index tables and the attempt
 //! history, written in the same transaction: see `src/outbox/index.rs` for
-//! the invariants, which [`Outbox::check_indexes`] verifies.
+//! the invariants, which [`Outbox::check_indexes`] verifies. The
+//! destinations have four tables of their own (their flow records, the
+//! ready line, each destination's queue of claimable entries and the
+//! ordering sequences), kept by the same writes: see `src/outbox/flow.rs`.
+//! Files written before destinations existed (format 1) gain them when
+//! this version first opens them, in one transaction that reads every
+//! entry once.
 
 mod control;
 mod depth;
 pub(crate) mod destinations;
 mod flow;
 mod index;
+mod inspect;
 mod notifier;
 mod ops;
 mod record;
@@ -151,27 +210,21 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
-use redb::{
-    ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _,
-    WriteTransaction,
-};
+use redb::WriteTransaction;
 
-use crate::codec::{from_micros, micros};
+use crate::codec::micros;
 use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::schema::{
-    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
-    OUTBOX_READY,
-};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 pub use destinations::{
     CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
     MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
 };
-use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
 use rules::{
-    Change, Row, check_entry, mark_failed_change, mark_outcome_unknown_change,
-    plan_settle_and_claim, plan_settlements,
+    Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,
+    plan_settlements,
 };
 pub(crate) use types::check_field;
 pub use types::{
@@ -194,38 +247,6 @@ const RELEASE_BYTES: usize = 4 << 20;
 /// reads every record once.
 pub(crate) fn add_destination_tables(tx: &WriteTransaction) -> Result<()> {
     flow::build(tx)
-}
-
-/// The outbox's rows and attempt history, open in one read transaction.
-struct Reader {
-    rows: ReadOnlyTable<u64, &'static [u8]>,
-    /// `None` in a file whose history table was never written.
-    attempts: Option<ReadOnlyTable<(u64, u64), &'static [u8]>>,
-}
-
-impl Reader {
-    /// Opens the tables; `None` if the outbox was never written.
-    fn open(tx: &ReadTransaction) -> Result<Option<Reader>> {
-        let Some(rows) = open_read(tx, OUTBOX)? else {
-            return Ok(None);
-        };
-        let attempts = open_read(tx, OUTBOX_ATTEMPTS)?;
-        Ok(Some(Reader { rows, attempts }))
-    }
-
-    /// The record `id`, with its attempt history, if there is one.
-    fn record(&self, id: u64) -> Result<Option<OutboxRecord>> {
-        load_row(&self.rows, id)?
-            .map(|row| self.complete(id, &row))
-            .transpose()
-    }
-
-    /// The public view of `row` (record `id`), with its attempt history.
-    fn complete(&self, id: u64, row: &Row) -> Result<OutboxRecord> {
-        let mut record = row.to_record(id)?;
-        record.attempts = load_attempts(self.attempts.as_ref(), id)?;
-        Ok(record)
-    }
 }
 
 /// The store's outbox. Cheap to clone; every clone (and every
@@ -651,175 +672,6 @@ impl Outbox {
                 return Ok(total);
             }
         }
-    }
-
-    /// The entry `id` with its claim, settlement details and attempt
-    /// history; [`Error::NotFound`] if there is none.
-    pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
-        self.engine.read(|tx| {
-            let Some(reader) = Reader::open(tx)? else {
-                return Err(Error::NotFound);
-            };
-            reader.record(id.0)?.ok_or(Error::NotFound)
-        })
-    }
-
-    /// The entry enqueued as `(destination, idempotency_key)`, if any.
-    pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
-        check_field("destination", destination)?;
-        check_field("idempotency_key", idempotency_key)?;
-        self.engine.read(|tx| {
-            let Some(dedup) = open_read(tx, OUTBOX_DEDUP)? else {
-                return Ok(None);
-            };
-            let Some(id) = dedup
-                .get((destination, idempotency_key))?
-                .map(|v| v.value())
-            else {
-                return Ok(None);
-            };
-            let record = match Reader::open(tx)? {
-                Some(reader) => reader.record(id)?,
-                None => None,
-            };
-            record
-                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))
-                .map(Some)
-        })
-    }
-
-    /// Every entry of `command_id`, by `created_at`, then id.
-    pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
-        check_field("command_id", command_id)?;
-        self.engine.read(|tx| {
-            let (Some(index), Some(reader)) =
-                (open_read(tx, OUTBOX_BY_COMMAND)?, Reader::open(tx)?)
-            else {
-                return Ok(Vec::new());
-            };
-            let mut out = Vec::new();
-            for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
-                let id = key?.0.value().2;
-                out.push(
-                    reader
-                        .record(id)?
-                        .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
-                );
-            }
-            Ok(out)
-        })
-    }
-
-    /// How many entries are in each status (from counters, no scan).
-    pub fn counts(&self) -> Result<OutboxCounts> {
-        self.engine.read(|tx| {
-            let counts = index::read_counts(tx)?;
-            if let Some(code) = counts
-                .keys()
-                .find(|c| OutboxStatus::from_code(**c).is_none())
-            {
-                return Err(Error::Corrupted {
-                    table: OUTBOX_COUNT.name(),
-                    key: code.to_string(),
-                    reason: "unknown status code".into(),
-                });
-            }
-            Ok(OutboxCounts::from_fn(|s| {
-                counts.get(&s.code()).copied().unwrap_or(0)
-            }))
-        })
-    }
-
-    /// When the next entry may be claimed (possibly in the past: work is
-    /// waiting), or `None` if nothing is claimable until something changes:
-    /// the earliest time a destination with a claimable entry may give it —
-    /// its entry's due time, its next token, the end of its cool-down or
-    /// hold. A paused destination, one at its `max_in_flight` and an entry
-    /// waiting behind an earlier one of its ordering sequence count for
-    /// nothing here. A dispatcher sleeps until then, or until a
-    /// [`subscribe`](Outbox::subscribe) signal.
-    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        self.engine.read(|tx| match flow::first_ready(tx)? {
-            Some(at) => from_micros(OUTBOX_READY.name(), &"first", at).map(Some),
-            None => Ok(None),
-        })
-    }
-
-    /// Up to `limit` entries matching `filter`, by id (enqueue order).
-    /// Walks the rows from the filter's start and skips those that do not
-    /// match, so a narrow filter over a large outbox reads much of it: for
-    /// inspection tools, not for a dispatcher (use
-    /// [`claim_due`](Outbox::claim_due)). Page with
-    /// [`OutboxFilter::after`] and the last id returned.
-    pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
-        filter.check()?;
-        self.engine.read(|tx| {
-            let Some(reader) = Reader::open(tx)? else {
-                return Ok(Vec::new());
-            };
-            let Some(start) = filter.first_id() else {
-                return Ok(Vec::new());
-            };
-            let mut out = Vec::new();
-            for row in reader.rows.range(start..)? {
-                if out.len() >= limit {
-                    break;
-                }
-                let (k, v) = row?;
-                let id = k.value();
-                let row = Row::decode(id, v.value())?;
-                if filter.matches(&row) {
-                    out.push(reader.complete(id, &row)?);
-                }
-            }
-            Ok(out)
-        })
-    }
-
-    /// The next id an enqueue will hand out (ids are never reused, even
-    /// once their entries are purged). For `idemstore migrate`, which
-    /// moves a server's sequence past it; not a stable API.
-    #[doc(hidden)]
-    pub fn next_id(&self) -> Result<u64> {
-        self.engine.read(|tx| match open_read(tx, META)? {
-            Some(meta) => index::next_id(&meta),
-            None => Ok(1),
-        })
-    }
-
-    /// The claim time of the longest-held `Dispatching` entry, or `None` if
-    /// nothing is being dispatched: how far back a reaper's
-    /// [`release_expired_claims`](Outbox::release_expired_claims) cutoff
-    /// would reach.
-    pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
-        self.first_time(&OUTBOX_CLAIMED)
-    }
-
-    /// The time of the first row of a `(time, id)` index.
-    fn first_time(
-        &self,
-        index: &'static TableDefinition<'static, (i64, u64), ()>,
-    ) -> Result<Option<DateTime<Utc>>> {
-        self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, *index)? else {
-                return Ok(None);
-            };
-            match rows.first()? {
-                Some((k, _)) => {
-                    let (at, id) = k.value();
-                    from_micros(index.name(), &id, at).map(Some)
-                }
-                None => Ok(None),
-            }
-        })
-    }
-
-    /// Checks every invariant between outbox rows, their index rows and the
-    /// counters (see the module docs); returns one human-readable finding
-    /// per violation, none if the outbox is consistent. Reads the whole
-    /// outbox in one read transaction: for tests and offline checks.
-    pub fn check_indexes(&self) -> Result<Vec<String>> {
-        self.engine.read(index::check)
     }
 
     /// A channel that receives `()` after a commit of this store's outbox

@@ -1,0 +1,222 @@
+//! The embedded outbox's reads: single records, listings, counters, the
+//! next due time and the consistency check. Each is one read transaction
+//! that waits, as every read of the store does, until what it saw is
+//! durable.
+
+use chrono::{DateTime, Utc};
+use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _};
+
+use super::index::{self, dangling, load_attempts, load_row, open_read};
+use super::rules::Row;
+use super::{
+    Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field, flow,
+};
+use crate::codec::from_micros;
+use crate::error::{Error, Result};
+use crate::schema::{
+    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
+    OUTBOX_READY,
+};
+
+/// The outbox's rows and attempt history, open in one read transaction.
+struct Reader {
+    rows: ReadOnlyTable<u64, &'static [u8]>,
+    /// `None` in a file whose history table was never written.
+    attempts: Option<ReadOnlyTable<(u64, u64), &'static [u8]>>,
+}
+
+impl Reader {
+    /// Opens the tables; `None` if the outbox was never written.
+    fn open(tx: &ReadTransaction) -> Result<Option<Reader>> {
+        let Some(rows) = open_read(tx, OUTBOX)? else {
+            return Ok(None);
+        };
+        let attempts = open_read(tx, OUTBOX_ATTEMPTS)?;
+        Ok(Some(Reader { rows, attempts }))
+    }
+
+    /// The record `id`, with its attempt history, if there is one.
+    fn record(&self, id: u64) -> Result<Option<OutboxRecord>> {
+        load_row(&self.rows, id)?
+            .map(|row| self.complete(id, &row))
+            .transpose()
+    }
+
+    /// The public view of `row` (record `id`), with its attempt history.
+    fn complete(&self, id: u64, row: &Row) -> Result<OutboxRecord> {
+        let mut record = row.to_record(id)?;
+        record.attempts = load_attempts(self.attempts.as_ref(), id)?;
+        Ok(record)
+    }
+}
+
+impl Outbox {
+    /// The entry `id` with its claim, settlement details and attempt
+    /// history; [`Error::NotFound`] if there is none.
+    pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
+        self.engine.read(|tx| {
+            let Some(reader) = Reader::open(tx)? else {
+                return Err(Error::NotFound);
+            };
+            reader.record(id.0)?.ok_or(Error::NotFound)
+        })
+    }
+
+    /// The entry enqueued as `(destination, idempotency_key)`, if any.
+    pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
+        check_field("destination", destination)?;
+        check_field("idempotency_key", idempotency_key)?;
+        self.engine.read(|tx| {
+            let Some(dedup) = open_read(tx, OUTBOX_DEDUP)? else {
+                return Ok(None);
+            };
+            let Some(id) = dedup
+                .get((destination, idempotency_key))?
+                .map(|v| v.value())
+            else {
+                return Ok(None);
+            };
+            let record = match Reader::open(tx)? {
+                Some(reader) => reader.record(id)?,
+                None => None,
+            };
+            record
+                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))
+                .map(Some)
+        })
+    }
+
+    /// Every entry of `command_id`, by `created_at`, then id.
+    pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
+        check_field("command_id", command_id)?;
+        self.engine.read(|tx| {
+            let (Some(index), Some(reader)) =
+                (open_read(tx, OUTBOX_BY_COMMAND)?, Reader::open(tx)?)
+            else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
+                let id = key?.0.value().2;
+                out.push(
+                    reader
+                        .record(id)?
+                        .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
+                );
+            }
+            Ok(out)
+        })
+    }
+
+    /// How many entries are in each status (from counters, no scan).
+    pub fn counts(&self) -> Result<OutboxCounts> {
+        self.engine.read(|tx| {
+            let counts = index::read_counts(tx)?;
+            if let Some(code) = counts
+                .keys()
+                .find(|c| OutboxStatus::from_code(**c).is_none())
+            {
+                return Err(Error::Corrupted {
+                    table: OUTBOX_COUNT.name(),
+                    key: code.to_string(),
+                    reason: "unknown status code".into(),
+                });
+            }
+            Ok(OutboxCounts::from_fn(|s| {
+                counts.get(&s.code()).copied().unwrap_or(0)
+            }))
+        })
+    }
+
+    /// When the next entry may be claimed (possibly in the past: work is
+    /// waiting), or `None` if nothing is claimable until something changes:
+    /// the earliest time a destination with a claimable entry may give it —
+    /// its entry's due time, its next token, the end of its cool-down or
+    /// hold. A paused destination, one at its `max_in_flight` and an entry
+    /// waiting behind an earlier one of its ordering sequence count for
+    /// nothing here. A dispatcher sleeps until then, or until a
+    /// [`subscribe`](Outbox::subscribe) signal.
+    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read(|tx| match flow::first_ready(tx)? {
+            Some(at) => from_micros(OUTBOX_READY.name(), &"first", at).map(Some),
+            None => Ok(None),
+        })
+    }
+
+    /// Up to `limit` entries matching `filter`, by id (enqueue order).
+    /// Walks the rows from the filter's start and skips those that do not
+    /// match, so a narrow filter over a large outbox reads much of it: for
+    /// inspection tools, not for a dispatcher (use
+    /// [`claim_due`](Outbox::claim_due)). Page with
+    /// [`OutboxFilter::after`] and the last id returned.
+    pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
+        filter.check()?;
+        self.engine.read(|tx| {
+            let Some(reader) = Reader::open(tx)? else {
+                return Ok(Vec::new());
+            };
+            let Some(start) = filter.first_id() else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for row in reader.rows.range(start..)? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = row?;
+                let id = k.value();
+                let row = Row::decode(id, v.value())?;
+                if filter.matches(&row) {
+                    out.push(reader.complete(id, &row)?);
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// The next id an enqueue will hand out (ids are never reused, even
+    /// once their entries are purged). For `idemstore migrate`, which
+    /// moves a server's sequence past it; not a stable API.
+    #[doc(hidden)]
+    pub fn next_id(&self) -> Result<u64> {
+        self.engine.read(|tx| match open_read(tx, META)? {
+            Some(meta) => index::next_id(&meta),
+            None => Ok(1),
+        })
+    }
+
+    /// The claim time of the longest-held `Dispatching` entry, or `None` if
+    /// nothing is being dispatched: how far back a reaper's
+    /// [`release_expired_claims`](Outbox::release_expired_claims) cutoff
+    /// would reach.
+    pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        self.first_time(&OUTBOX_CLAIMED)
+    }
+
+    /// The time of the first row of a `(time, id)` index.
+    fn first_time(
+        &self,
+        index: &'static TableDefinition<'static, (i64, u64), ()>,
+    ) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read(|tx| {
+            let Some(rows) = open_read(tx, *index)? else {
+                return Ok(None);
+            };
+            match rows.first()? {
+                Some((k, _)) => {
+                    let (at, id) = k.value();
+                    from_micros(index.name(), &id, at).map(Some)
+                }
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Checks every invariant between outbox rows, their index rows and the
+    /// counters (see the module docs); returns one human-readable finding
+    /// per violation, none if the outbox is consistent. Reads the whole
+    /// outbox in one read transaction: for tests and offline checks.
+    pub fn check_indexes(&self) -> Result<Vec<String>> {
+        self.engine.read(index::check)
+    }
+}
