@@ -868,17 +868,21 @@ async fn the_janitor_runs_on_its_schedule_by_the_clock() -> TestResult {
     Ok(())
 }
 
-/// The outbox's due index, as a caller can reach it to damage it.
-const DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+/// The destinations' ready line and flow records, as a caller can reach
+/// them to damage them.
+const READY: TableDefinition<(i64, &str), ()> = TableDefinition::new("idemstore.v1.outbox.ready");
+const DESTINATIONS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.destinations");
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_failed_claim_is_kept_with_its_time_and_the_dispatcher_carries_on() -> TestResult {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    // A due-index row for a record that does not exist.
-    let ghost = (t(0).timestamp_micros(), 999);
+    // A destination first in line whose flow record does not decode.
     store.write(|tx| {
-        tx.open_table(DUE)?.insert(ghost, ())?;
+        tx.open_table(READY)?.insert((0, "broken"), ())?;
+        tx.open_table(DESTINATIONS)?
+            .insert("broken", [1_u8, 0xff, 0xff].as_slice())?;
         Ok::<_, Error>(())
     })?;
     let handle = Dispatcher::builder(outbox.clone())
@@ -886,10 +890,15 @@ async fn a_failed_claim_is_kept_with_its_time_and_the_dispatcher_carries_on() ->
         .start_async(|_| async { Delivery::Delivered })?;
     let last = eventually("the claim fails", || handle.stats().last_error).await;
     assert_eq!((last.during, last.at), ("claim", t(10)));
-    assert!(last.message.contains(DUE.name()), "{}", last.message);
+    assert!(
+        last.message.contains(DESTINATIONS.name()),
+        "{}",
+        last.message
+    );
     // Repaired, it delivers again (after its back-off).
     store.write(|tx| {
-        tx.open_table(DUE)?.remove(ghost)?;
+        tx.open_table(READY)?.remove((0, "broken"))?;
+        tx.open_table(DESTINATIONS)?.remove("broken")?;
         Ok::<_, Error>(())
     })?;
     let id = outbox.enqueue(entry(1), t(10))?.id();

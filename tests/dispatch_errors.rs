@@ -21,7 +21,6 @@ use idemstore::{
 /// threads, so its effects are observed, not awaited.
 /// The outbox's index tables, as a caller can reach them to damage them.
 type Index = TableDefinition<'static, (i64, u64), ()>;
-const DUE: Index = TableDefinition::new("idemstore.v1.outbox.due");
 const CLAIMED: Index = TableDefinition::new("idemstore.v1.outbox.claimed");
 const FINISHED: Index = TableDefinition::new("idemstore.v1.outbox.finished");
 
@@ -45,6 +44,33 @@ fn repair(store: &Store, index: Index, at: DateTime<Utc>) -> Result<()> {
     })
 }
 
+/// The destinations' ready line and flow records, as a caller can reach
+/// them to damage them.
+const READY: TableDefinition<(i64, &str), ()> = TableDefinition::new("idemstore.v1.outbox.ready");
+const DESTINATIONS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.destinations");
+/// A destination with a flow record that does not decode, first in line.
+const BROKEN: &str = "broken";
+
+/// Puts destination [`BROKEN`] first in the ready line with a flow record
+/// that does not decode: the next claim fails.
+fn damage_line(store: &Store) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(READY)?.insert((0, BROKEN), ())?;
+        tx.open_table(DESTINATIONS)?
+            .insert(BROKEN, [1_u8, 0xff, 0xff].as_slice())?;
+        Ok::<_, Error>(())
+    })
+}
+
+fn repair_line(store: &Store) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(READY)?.remove((0, BROKEN))?;
+        tx.open_table(DESTINATIONS)?.remove(BROKEN)?;
+        Ok::<_, Error>(())
+    })
+}
+
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(format!("cmd-{i}"), "remote", format!("key-{i}"), vec![])
 }
@@ -53,7 +79,7 @@ fn entry(i: usize) -> NewEntry {
 fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    damage(&store, DUE, t(0))?;
+    damage_line(&store)?;
     let clock = ManualClock::new(t(10));
     let handle = Dispatcher::builder(outbox.clone())
         .clock(clock)
@@ -63,7 +89,7 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     assert_eq!(last.during, "claim");
     assert_eq!(last.at, t(10));
     assert!(
-        last.message.contains(DUE.name()) && last.message.contains(&GHOST.to_string()),
+        last.message.contains(DESTINATIONS.name()) && last.message.contains(BROKEN),
         "{}",
         last.message
     );
@@ -72,7 +98,7 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     assert_eq!(stats.janitor, None, "no janitor was asked for");
     // The worker carries on: with the row repaired, it delivers again, and
     // the last error stays (the clock has not moved, so it reads the same).
-    repair(&store, DUE, t(0))?;
+    repair_line(&store)?;
     let id = outbox.enqueue(entry(1), t(10))?.id();
     eventually_some("the entry is delivered", || {
         outbox

@@ -103,7 +103,13 @@ fn snapshot(
 /// to them (an index row out of step with its record).
 fn findings(outbox: &Outbox) -> Result<Vec<String>> {
     let mut found = outbox.check_indexes()?;
-    found.retain(|f| !f.starts_with("idemstore.v1.outbox.count:"));
+    // The counters (the store's and each destination's) count the damaged
+    // record, which the check cannot read: their findings move with the
+    // other callers' writes.
+    found.retain(|f| {
+        !f.starts_with("idemstore.v1.outbox.count:")
+            && !(f.starts_with("destination ") && f.contains(": counts "))
+    });
     Ok(found)
 }
 

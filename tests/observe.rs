@@ -65,7 +65,9 @@ fn the_event(events: &Events, target: &str, message: &str) -> Captured {
 }
 
 /// The outbox's due index, as a caller can reach it to damage it.
-const DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+const READY: TableDefinition<(i64, &str), ()> = TableDefinition::new("idemstore.v1.outbox.ready");
+const DESTINATIONS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.destinations");
 
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(
@@ -245,12 +247,13 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     let seen = observe();
     let m = &seen.metrics;
 
-    // A damaged due index (a row without its record): the worker's claim
-    // fails, and it backs off and carries on.
+    // A destination first in line whose flow record does not decode: the
+    // worker's claim fails, and it backs off and carries on.
     let store = Store::in_memory()?;
     store.write(|tx| {
-        tx.open_table(DUE)?
-            .insert((t(0).timestamp_micros(), 999), ())?;
+        tx.open_table(READY)?.insert((0, "broken"), ())?;
+        tx.open_table(DESTINATIONS)?
+            .insert("broken", [1_u8, 0xff, 0xff].as_slice())?;
         Ok::<_, Error>(())
     })?;
     let handle = Dispatcher::builder(store.outbox())
@@ -267,7 +270,10 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     assert_eq!(warning.level, Level::WARN);
     assert_eq!(warning.field("during"), Some("claim"));
     let error = warning.field("error").unwrap_or_default();
-    assert!(error.contains("idemstore.v1.outbox.due"), "{error}");
+    assert!(
+        error.contains("idemstore.v1.outbox.destinations"),
+        "{error}"
+    );
     assert!(m.counter("idemstore_errors_total", &[("during", "claim")]) >= Some(1));
     assert_eq!(
         seen.events
