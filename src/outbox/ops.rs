@@ -261,6 +261,7 @@ pub(super) fn release_expired(
             plan(id, &old, &Change::Released, None)?.ok_or_else(|| index_mismatch(index, id))?;
         bytes = bytes.saturating_add(old.payload.len());
         t.replace(id, &old, &new)?;
+        tell_destination(&mut t, id, &old, &Change::Released)?;
         released.push(OutboxId(id));
     }
     let more = more || released.len() < ids.len();
