@@ -137,7 +137,7 @@
 mod control;
 mod depth;
 pub(crate) mod destinations;
-mod flow;
+pub(crate) mod flow;
 mod index;
 mod notifier;
 mod ops;
@@ -169,6 +169,7 @@ pub use destinations::{
 };
 use index::{dangling, load_attempts, load_row, open_read};
 pub(crate) use notifier::Notifier;
+pub(crate) use ops::ONE_DESTINATION_LOOKS;
 use rules::{
     Change, Row, check_entry, mark_failed_change, mark_outcome_unknown_change,
     plan_settle_and_claim, plan_settlements,

@@ -62,9 +62,11 @@ use crate::outbox::ClaimRequest;
 use crate::outbox::rules::{Row, check_entry};
 use crate::outbox::{
     AttemptRecord, Enqueued, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
-    check_field,
 };
 
+mod claim;
+mod control;
+mod flows;
 mod inspect;
 mod maintenance;
 mod settle;
@@ -75,7 +77,7 @@ const ATTEMPTS: &str = "outbox_attempts";
 /// The columns of an entry, in the order [`read_row`] reads them.
 const COLS: &str = "id, command_id, destination, idempotency_key, payload, status, \
                     attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
-                    claimed_at, last_failure, remote_ref";
+                    claimed_at, last_failure, remote_ref, ordering_key, priority, seq";
 
 /// How many attempt records an entry keeps, as the embedded store.
 fn history() -> i64 {
@@ -101,7 +103,7 @@ fn db_id(id: OutboxId) -> Option<i64> {
     i64::try_from(id.0).ok()
 }
 
-/// The entry in `r` (its first 14 columns, [`COLS`]) as the embedded
+/// The entry in `r` (its first 17 columns, [`COLS`]) as the embedded
 /// store's row, with its id.
 fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
     let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
@@ -127,9 +129,15 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
         attempt: worker.zip(claimed_at),
         last_failure: opt_text(12)?,
         remote_ref: opt_text(13)?,
-        ordering_key: None,
-        priority: 0,
-        seq: None,
+        ordering_key: opt_text(14)?,
+        priority: u8::try_from(r.try_get::<_, i16>(15)?)
+            .ok()
+            .filter(|p| *p <= crate::outbox::MAX_PRIORITY)
+            .ok_or_else(|| corrupted(TABLE, &id, "a priority out of range"))?,
+        seq: r
+            .try_get::<_, Option<i64>>(16)?
+            .map(|n| unsigned(TABLE, &id, "seq", n))
+            .transpose()?,
     };
     Ok((id, row))
 }
@@ -145,10 +153,10 @@ fn read_entry(r: &::postgres::Row) -> Result<OutboxEntry> {
 fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
     let (id, row) = read_row(r)?;
     let mut record = row.to_record(id)?;
-    let attempts: Vec<i64> = r.try_get(14)?;
-    let ats: Vec<i64> = r.try_get(15)?;
-    let reasons: Vec<Vec<u8>> = r.try_get(16)?;
-    let refs: Vec<Option<Vec<u8>>> = r.try_get(17)?;
+    let attempts: Vec<i64> = r.try_get(17)?;
+    let ats: Vec<i64> = r.try_get(18)?;
+    let reasons: Vec<Vec<u8>> = r.try_get(19)?;
+    let refs: Vec<Option<Vec<u8>>> = r.try_get(20)?;
     if [ats.len(), reasons.len(), refs.len()] != [attempts.len(); 3] {
         return Err(corrupted(ATTEMPTS, &id, "attempt history columns disagree"));
     }
@@ -233,9 +241,16 @@ impl PgOutbox {
         // Statements that commit as each ends: run again only when the
         // server said they did not happen (a lost answer may hide an
         // insert, which would come back as a duplicate).
-        let out = self.server.run(Mode::Statement, |conn| {
-            self.insert(&mut conn.db(), &entry, micros(now))
-        })?;
+        let out = if entry.ordering_key.is_some() {
+            // The sequence's lock, then the insert: one transaction.
+            self.server.run(Mode::Tx, |conn| {
+                conn.in_transaction(|db| self.insert(db, &entry, micros(now)))
+            })?
+        } else {
+            self.server.run(Mode::Statement, |conn| {
+                self.insert(&mut conn.db(), &entry, micros(now))
+            })?
+        };
         if out.is_new() {
             self.notify();
         }
@@ -305,12 +320,25 @@ impl PgOutbox {
         now: i64,
     ) -> Result<Enqueued> {
         let s = self.s();
+        // The id is taken first, so that an entry with an ordering key gets
+        // it as its place in its sequence; it waits if an unfinished entry
+        // of its sequence is there (its enqueuer holds the sequence's lock,
+        // `lock_sequence`, so that none is enqueued meanwhile).
         let insert = format!(
-            "INSERT INTO {s}.outbox (command_id, destination, idempotency_key, payload, status, \
-             attempt_count, next_attempt_at, created_at) \
-             VALUES ($1, $2, $3, $4, 'pending', 0, $5, $6) \
+            "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
+             status, attempt_count, next_attempt_at, created_at, ordering_key, priority, seq, \
+             waiting) OVERRIDING SYSTEM VALUE \
+             SELECT n.id, $1, $2, $3, $4, 'pending', 0, $5, $6, $7, $8, \
+                 CASE WHEN $7::bytea IS NULL THEN NULL ELSE n.id END, \
+                 $7::bytea IS NOT NULL AND EXISTS (SELECT 1 FROM {s}.outbox w \
+                     WHERE w.destination = $2 AND w.ordering_key = $7 AND w.seq IS NOT NULL) \
+             FROM (SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id')) AS id) n \
              ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id"
         );
+        let ordering_key = e.ordering_key.as_deref().map(str::as_bytes);
+        if let Some(k) = &e.ordering_key {
+            self.lock_sequence(db, &e.destination, k)?;
+        }
         let existing =
             format!("SELECT id FROM {s}.outbox WHERE destination = $1 AND idempotency_key = $2");
         let (dest, key) = (e.destination.as_bytes(), e.idempotency_key.as_bytes());
@@ -326,6 +354,8 @@ impl PgOutbox {
                     &e.payload,
                     &e.not_before.map(micros),
                     &now,
+                    &ordering_key,
+                    &i16::from(e.priority),
                 ],
             )?;
             if let Some(r) = inserted {
@@ -347,80 +377,45 @@ impl PgOutbox {
         )))
     }
 
-    /// The claim statement of [`PgOutbox::claim_due`].
-    fn claim_sql(&self) -> String {
-        let s = self.s();
-        format!(
-            "UPDATE {s}.outbox SET status = 'dispatching', \
-             attempt_count = LEAST(attempt_count + 1, 4294967295), \
-             worker_id = $3, claimed_at = $1 \
-             WHERE id IN (SELECT id FROM {s}.outbox \
-                 WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 \
-                 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED) \
-             RETURNING {COLS}"
-        )
-    }
-
-    /// Runs the claim statement on `client`; the entries earliest due
-    /// first, then by id.
-    fn claim_on(
+    /// Takes the lock of the ordering sequence `(destination, key)` until
+    /// the end of the transaction (a transaction-level advisory lock named
+    /// by a hash of the schema, destination and key): an entry joins or
+    /// leaves a sequence only under it, so that two transactions never both
+    /// see themselves first of one.
+    pub(super) fn lock_sequence(
         &self,
         db: &mut Db<'_, impl GenericClient>,
-        now: i64,
-        limit: usize,
-        worker_id: &str,
-    ) -> Result<Vec<OutboxEntry>> {
-        if limit == 0 {
-            return Ok(Vec::new());
+        destination: &str,
+        key: &str,
+    ) -> Result<()> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let parts: [&[u8]; 6] = [
+            b"idemstore-sequence:",
+            self.s().as_bytes(),
+            b"\0",
+            destination.as_bytes(),
+            b"\0",
+            key.as_bytes(),
+        ];
+        for b in parts.iter().flat_map(|p| p.iter()) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
         }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = db.query(&self.claim_sql(), &[&now, &limit, &worker_id.as_bytes()])?;
-        let mut entries = rows.iter().map(read_entry).collect::<Result<Vec<_>>>()?;
-        entries.sort_by_key(|e| (e.due_at(), e.id));
-        Ok(entries)
+        let lock = i64::from_ne_bytes(h.to_ne_bytes());
+        db.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])?;
+        Ok(())
     }
 
-    /// Claims up to `limit` due `Pending` entries for `worker_id`: those
-    /// with `next_attempt_at` absent or `<= now`, earliest due first
-    /// (`next_attempt_at`, else `created_at`), then by id. Each becomes
-    /// `Dispatching` with `attempt_count + 1` and the claim
-    /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
-    /// [`PgOutbox::get`] returns for them afterwards. Concurrent claimers, in
-    /// any process, never get the same entry: each skips the rows another
-    /// is claiming (`FOR UPDATE SKIP LOCKED`). One statement on the partial
-    /// due index: its cost follows `limit`, not the backlog. A call that
-    /// returns `Err` claimed nothing, unless the connection was lost once
-    /// its `COMMIT` was sent: then the entries may have been claimed, and
-    /// stay `Dispatching` until
-    /// [`release_expired_claims`](Self::release_expired_claims) hands them
-    /// back.
+    /// Claims up to `limit` due `Pending` entries for `worker_id`, across
+    /// destinations in turn: [`PgOutbox::claim`] with
+    /// [`ClaimRequest::new`]`(limit, worker_id)`.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
         limit: usize,
         worker_id: &str,
     ) -> Result<Vec<OutboxEntry>> {
-        check_field("worker_id", worker_id)?;
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        refuse_reentrant()?;
-        // In a transaction of its own, so that a row that does not decode
-        // (edited by something else) fails the call before it commits:
-        // a call that returns `Err` claimed nothing.
-        let claimed = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| self.claim_on(db, micros(now), limit, worker_id))
-        })?;
-        self.depth.after_write(self);
-        Ok(claimed)
-    }
-
-    /// Claims what `request` asks for at `now` (as
-    /// [`Outbox::claim`](crate::Outbox::claim) does).
-    pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
-        request.check()?;
-        self.claim_due(now, request.limit(), request.worker_id())
+        self.claim(now, &ClaimRequest::new(limit, worker_id))
     }
 
     /// A channel that receives `()` after a commit, in any process, that

@@ -77,17 +77,6 @@ impl PgOutbox {
         Ok(counts)
     }
 
-    /// The earliest due time of any `Pending` entry (possibly in the past:
-    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
-    /// until then, or until a [`subscribe`](PgOutbox::subscribe) signal.
-    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        let s = self.s();
-        self.first_time(&format!(
-            "SELECT coalesce(next_attempt_at, created_at), id FROM {s}.outbox \
-             WHERE status = 'pending' ORDER BY coalesce(next_attempt_at, created_at), id LIMIT 1"
-        ))
-    }
-
     /// The claim time of the longest-held `Dispatching` entry, or `None` if
     /// nothing is being dispatched.
     pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
