@@ -586,3 +586,108 @@ mod metrics_pg {
         })
     }
 }
+
+/// Destinations on the server: limits that hold across stores claiming at
+/// once, and a schema from before destinations migrated in place.
+mod destinations_pg {
+    use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+    use idemstore::{DestinationPolicy, NewEntry, Settlement};
+
+    use super::*;
+
+    #[test]
+    fn a_cap_of_two_holds_with_two_stores_claiming_at_once() -> TestResult {
+        let f = fixture!();
+        let (a, b) = (f.store.outbox(), f.another().outbox());
+        a.set_destination_policy("capped", DestinationPolicy::default().max_in_flight(2))?;
+        for i in 0..60 {
+            a.enqueue(
+                NewEntry::new("c", "capped", format!("k{i}"), vec![0]),
+                t(0),
+            )?;
+        }
+        let most = AtomicI64::new(0);
+        let done = AtomicBool::new(false);
+        let sql = format!(
+            "SELECT count(*) FROM {}.outbox WHERE destination = 'capped' AND status = 'dispatching'",
+            f.schema
+        );
+        std::thread::scope(|s| -> TestResult {
+            let watcher = s.spawn(|| -> Result<(), idemstore::Error> {
+                let mut client = f.client();
+                while !done.load(Ordering::SeqCst) {
+                    let n: i64 = client.query_one(&sql, &[])?.get(0);
+                    most.fetch_max(n, Ordering::SeqCst);
+                }
+                Ok(())
+            });
+            let workers: Vec<_> = [&a, &b]
+                .into_iter()
+                .enumerate()
+                .map(|(w, outbox)| {
+                    s.spawn(move || -> Result<usize, idemstore::Error> {
+                        let mut sent = 0;
+                        for round in 0..400 {
+                            if sent >= 30 {
+                                break;
+                            }
+                            let got = outbox.claim_due(t(1 + round), 3, &format!("w{w}"))?;
+                            assert!(got.len() <= 2, "{got:?}");
+                            for e in got {
+                                outbox.settle(e.fence(), Settlement::Completed, t(1 + round))?;
+                                sent += 1;
+                            }
+                        }
+                        Ok(sent)
+                    })
+                })
+                .collect();
+            let mut sent = 0;
+            for w in workers {
+                sent += w.join().expect("no panic")?;
+            }
+            done.store(true, Ordering::SeqCst);
+            watcher.join().expect("no panic")?;
+            assert_eq!(sent, 60, "every entry sent once");
+            Ok(())
+        })?;
+        let most = most.load(Ordering::SeqCst);
+        assert!(most <= 2, "{most} in flight at once, above the cap of 2");
+        assert_eq!(a.destination("capped")?.counts.completed, 60);
+        Ok(())
+    }
+
+    #[test]
+    fn a_schema_from_before_destinations_migrates_in_place() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        let old = outbox.enqueue(NewEntry::new("c", "a", "old", vec![0]), t(0))?.id();
+        // Back to the first version's tables, as an older build left them.
+        f.client().batch_execute(&format!(
+            "DROP INDEX {s}.outbox_in_flight; \
+             ALTER TABLE {s}.outbox DROP COLUMN ordering_key, DROP COLUMN priority, \
+                 DROP COLUMN seq, DROP COLUMN waiting; \
+             DROP TABLE {s}.destinations; \
+             UPDATE {s}.schema_version SET version = 1;",
+            s = f.schema
+        ))?;
+        let store = f.another();
+        let outbox = store.outbox();
+        let record = outbox.get(old)?;
+        assert_eq!((record.entry.priority, record.entry.ordering_key), (0, None));
+        outbox.pause_destination("a")?;
+        assert!(outbox.claim_due(t(1), 10, "w")?.is_empty());
+        outbox.resume_destination("a")?;
+        assert_eq!(outbox.claim_due(t(2), 10, "w")?[0].id, old);
+        let version: i64 = f
+            .client()
+            .query_one(
+                &format!("SELECT version FROM {}.schema_version", f.schema),
+                &[],
+            )?
+            .get(0);
+        assert_eq!(u64::try_from(version)?, idemstore::postgres::SCHEMA_VERSION);
+        Ok(())
+    }
+}

@@ -97,9 +97,9 @@ impl PgStore {
     }
 
     /// Copies destination policies and pauses: a destination with a limit
-    /// or a pause in `states` gets them, unless the server already has a
-    /// policy or a pause for it (set there: left alone). Returns how many
-    /// were copied.
+    /// or a pause in `states` gets them, unless the server already holds a
+    /// row for it (copied by an earlier run, or changed on the server since:
+    /// left alone). Returns how many were copied.
     #[doc(hidden)]
     pub fn import_destinations(&self, states: &[DestinationState]) -> Result<u64> {
         let states: Vec<&DestinationState> = states
@@ -115,14 +115,10 @@ impl PgStore {
         }
         let s = self.schema().to_owned();
         let sql = format!(
-            "INSERT INTO {s}.destinations AS d (destination, max_in_flight, rate_per_second, \
+            "INSERT INTO {s}.destinations (destination, max_in_flight, rate_per_second, \
                  rate_burst, circuit_failures, circuit_cool_down, paused) \
              VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (destination) DO UPDATE SET max_in_flight = $2, \
-                 rate_per_second = $3, rate_burst = $4, circuit_failures = $5, \
-                 circuit_cool_down = $6, paused = $7 \
-             WHERE d.max_in_flight IS NULL AND d.rate_per_second IS NULL \
-                 AND d.circuit_failures IS NULL AND NOT d.paused"
+             ON CONFLICT (destination) DO NOTHING"
         );
         self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| {
