@@ -602,10 +602,7 @@ mod destinations_pg {
         let (a, b) = (f.store.outbox(), f.another().outbox());
         a.set_destination_policy("capped", DestinationPolicy::default().max_in_flight(2))?;
         for i in 0..60 {
-            a.enqueue(
-                NewEntry::new("c", "capped", format!("k{i}"), vec![0]),
-                t(0),
-            )?;
+            a.enqueue(NewEntry::new("c", "capped", format!("k{i}"), vec![0]), t(0))?;
         }
         let most = AtomicI64::new(0);
         let done = AtomicBool::new(false);
@@ -662,7 +659,9 @@ mod destinations_pg {
     fn a_schema_from_before_destinations_migrates_in_place() -> TestResult {
         let f = fixture!();
         let outbox = f.store.outbox();
-        let old = outbox.enqueue(NewEntry::new("c", "a", "old", vec![0]), t(0))?.id();
+        let old = outbox
+            .enqueue(NewEntry::new("c", "a", "old", vec![0]), t(0))?
+            .id();
         // Back to the first version's tables, as an older build left them.
         f.client().batch_execute(&format!(
             "DROP INDEX {s}.outbox_in_flight; \
@@ -675,7 +674,10 @@ mod destinations_pg {
         let store = f.another();
         let outbox = store.outbox();
         let record = outbox.get(old)?;
-        assert_eq!((record.entry.priority, record.entry.ordering_key), (0, None));
+        assert_eq!(
+            (record.entry.priority, record.entry.ordering_key),
+            (0, None)
+        );
         outbox.pause_destination("a")?;
         assert!(outbox.claim_due(t(1), 10, "w")?.is_empty());
         outbox.resume_destination("a")?;

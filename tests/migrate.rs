@@ -13,8 +13,8 @@ use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
 use idemstore::postgres::PgStore;
 use idemstore::postgres::postgres::{Client, NoTls};
 use idemstore::{
-    Begin, DestinationPolicy, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus, ResponseRecord, Settlement,
-    Store,
+    Begin, DestinationPolicy, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus,
+    ResponseRecord, Settlement, Store,
 };
 use serde_json::Value;
 
@@ -507,7 +507,10 @@ fn destination_policies_pauses_and_sequences_survive_the_copy() -> TestResult {
             let e = NewEntry::new("c", "payments", format!("p{i}"), vec![1]).ordering_key("acct");
             outbox.enqueue(e, t(i))?;
         }
-        outbox.enqueue(NewEntry::new("c", "payments", "urgent", vec![1]).priority(7), t(5))?;
+        outbox.enqueue(
+            NewEntry::new("c", "payments", "urgent", vec![1]).priority(7),
+            t(5),
+        )?;
         outbox.enqueue(NewEntry::new("c", "mailer", "m0", vec![1]), t(0))?;
     }
     let schema = unique_schema();

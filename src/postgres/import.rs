@@ -267,7 +267,7 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
              OVERRIDING SYSTEM VALUE \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
                  CASE WHEN $15::bytea IS NULL OR $6 IN ('completed', 'failed') THEN NULL \
-                 ELSE $1 END) \
+                 ELSE $1::bigint END) \
              ON CONFLICT DO NOTHING RETURNING id"
         ),
         &[
