@@ -25,7 +25,7 @@
 //!    `limit`, in one `UPDATE`, and writes each flow back
 //!    (`Flow::claimed`, `served_at`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 use ::postgres::GenericClient;
 use chrono::{DateTime, Utc};
@@ -288,8 +288,10 @@ impl PgOutbox {
                 let Some(ids) = available.get_mut(d) else {
                     continue;
                 };
-                if *n < cap && *n < ids.len() {
-                    chosen.push((d.to_owned(), ids[*n]));
+                if *n < cap
+                    && let Some(id) = ids.get(*n)
+                {
+                    chosen.push((d.to_owned(), *id));
                     *n += 1;
                     still.push(d);
                 }
@@ -321,7 +323,7 @@ impl PgOutbox {
             by_id.insert(e.id.0, e);
         }
         let mut out = Vec::with_capacity(by_id.len());
-        let mut touched: BTreeMap<&str, ()> = BTreeMap::new();
+        let mut touched: BTreeSet<&str> = BTreeSet::new();
         for (d, id) in &chosen {
             let Some(e) = by_id.remove(id) else {
                 continue;
@@ -332,12 +334,14 @@ impl PgOutbox {
                 }
                 r.flow.in_flight += 1;
                 r.served_at = r.served_at.max(now);
-                touched.insert(d.as_str(), ());
+                touched.insert(d.as_str());
             }
             out.push(e);
         }
-        for d in touched.keys() {
-            self.write_flow(db, d, &locked[*d])?;
+        for d in touched {
+            if let Some(r) = locked.get(d) {
+                self.write_flow(db, d, r)?;
+            }
         }
         Ok(out)
     }

@@ -87,8 +87,14 @@ impl PgOutbox {
             let name: Vec<u8> = r.try_get(0)?;
             let status = parse_status(0, r.try_get(1)?)?;
             let n: i64 = r.try_get(2)?;
-            by_name.entry(name).or_default().1[usize::from(status.code())] =
-                u64::try_from(n).unwrap_or(0);
+            if let Some(slot) = by_name
+                .entry(name)
+                .or_default()
+                .1
+                .get_mut(usize::from(status.code()))
+            {
+                *slot = u64::try_from(n).unwrap_or(0);
+            }
         }
         let mut out = Vec::with_capacity(by_name.len());
         for (name, (stored, counts)) in by_name {
@@ -98,8 +104,8 @@ impl PgOutbox {
             }
             let dest = utf8(DESTINATIONS, &"?", name)?;
             let mut flow: Flow = stored.flow;
-            flow.in_flight = counts[usize::from(OutboxStatus::Dispatching.code())];
-            let counts = OutboxCounts::from_fn(|st| counts[usize::from(st.code())]);
+            flow.in_flight = count_of(&counts, OutboxStatus::Dispatching);
+            let counts = OutboxCounts::from_fn(|st| count_of(&counts, st));
             out.push(flow.to_state(&dest, counts, |us| from_micros(DESTINATIONS, &dest, us))?);
         }
         Ok(out)
@@ -167,4 +173,9 @@ impl PgOutbox {
         }
         Ok(sooner)
     }
+}
+
+/// The count of status `st` in a table of counts by status code.
+fn count_of(counts: &[u64; 5], st: OutboxStatus) -> u64 {
+    counts.get(usize::from(st.code())).copied().unwrap_or(0)
 }

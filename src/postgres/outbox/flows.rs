@@ -142,7 +142,7 @@ impl PgOutbox {
             return Ok(BTreeMap::new());
         }
         let s = self.s();
-        let names: Vec<&[u8]> = dests.iter().map(|d| d.as_bytes()).collect();
+        let names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
         let rows = db.query(
             &format!(
                 "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
@@ -171,7 +171,7 @@ impl PgOutbox {
             return Ok(());
         }
         let s = self.s();
-        let mut names: Vec<&[u8]> = dests.iter().map(|d| d.as_bytes()).collect();
+        let mut names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
         names.sort_unstable();
         db.execute(
             &format!(
@@ -305,7 +305,9 @@ impl PgOutbox {
                 .collect();
             let in_flight = self.count_in_flight(db, &capped)?;
             for (dest, stored) in &mut rows {
-                let events = &by_dest[dest.as_str()];
+                let Some(events) = by_dest.get(dest.as_str()) else {
+                    continue;
+                };
                 let left = events
                     .iter()
                     .filter(|e| matches!(e, FlowEvent::Settled { .. }))

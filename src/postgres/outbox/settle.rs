@@ -134,40 +134,7 @@ impl PgOutbox {
         let attempt = change.attempt_row(old, old.status);
         let s = self.s().to_owned();
         let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
-        let in_seq = |r: &Row| r.ordering_key.is_some() && !r.status.is_finished();
-        let (leaves, joins) = (in_seq(old) && !in_seq(&new), !in_seq(old) && in_seq(&new));
-        if (leaves || joins)
-            && let Some(key) = &old.ordering_key
-        {
-            self.lock_sequence(tx, &old.destination, key)?;
-        }
-        let new = sequenced(old, new, || {
-            let n: i64 = tx
-                .query_one(
-                    &format!("SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id'))"),
-                    &[],
-                )?
-                .try_get(0)?;
-            unsigned(TABLE, &id, "seq", n)
-        })?;
-        let waiting = if joins {
-            let r = tx.query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {s}.outbox WHERE destination = $1 \
-                     AND ordering_key = $2 AND seq IS NOT NULL AND id <> $3)"
-                ),
-                &[
-                    &new.destination.as_bytes(),
-                    &new.ordering_key.as_deref().map(str::as_bytes),
-                    &db,
-                ],
-            )?;
-            Some(r.try_get::<_, bool>(0)?)
-        } else if leaves {
-            Some(false)
-        } else {
-            None
-        };
+        let (new, waiting, leaves) = self.place_in_sequence(tx, id, old, new)?;
         let status = status_name(new.status);
         let (worker, claimed_at) = match &new.attempt {
             Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
@@ -222,22 +189,7 @@ impl PgOutbox {
             )?;
         }
         if leaves {
-            // The first entry left in the sequence is claimable now.
-            let promoted = tx.query_opt(
-                &format!(
-                    "UPDATE {s}.outbox SET waiting = false WHERE id = ( \
-                         SELECT id FROM {s}.outbox WHERE destination = $1 \
-                         AND ordering_key = $2 AND seq IS NOT NULL ORDER BY seq LIMIT 1) \
-                     AND waiting RETURNING status"
-                ),
-                &[
-                    &old.destination.as_bytes(),
-                    &old.ordering_key.as_deref().map(str::as_bytes),
-                ],
-            )?;
-            if let Some(r) = promoted {
-                touched.promoted |= r.try_get::<_, &str>(0)? == status_name(OutboxStatus::Pending);
-            }
+            touched.promoted |= self.promote_next(tx, old)?;
         }
         if old.status == OutboxStatus::Dispatching {
             touched.events.push((
@@ -255,6 +207,80 @@ impl PgOutbox {
                 .push((old.destination.clone(), FlowEvent::Hold(until)));
         }
         Ok(new)
+    }
+
+    /// `new` (entry `id`, changed from `old`) with its place in its
+    /// ordering sequence, under the sequence's lock when it joins or leaves
+    /// it: none once finished, a fresh one at the end when a finished entry
+    /// comes back (then it waits if another entry of the sequence is
+    /// unfinished). Returns it, what its `waiting` flag becomes (`None`:
+    /// unchanged) and whether it left its sequence.
+    fn place_in_sequence(
+        &self,
+        tx: &mut Db<'_, impl GenericClient>,
+        id: u64,
+        old: &Row,
+        new: Row,
+    ) -> Result<(Row, Option<bool>, bool)> {
+        let s = self.s().to_owned();
+        let in_seq = |r: &Row| r.ordering_key.is_some() && !r.status.is_finished();
+        let (leaves, joins) = (in_seq(old) && !in_seq(&new), !in_seq(old) && in_seq(&new));
+        if (leaves || joins)
+            && let Some(key) = &old.ordering_key
+        {
+            self.lock_sequence(tx, &old.destination, key)?;
+        }
+        let new = sequenced(old, new, || {
+            let n: i64 = tx
+                .query_one(
+                    &format!("SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id'))"),
+                    &[],
+                )?
+                .try_get(0)?;
+            unsigned(TABLE, &id, "seq", n)
+        })?;
+        let waiting = if joins {
+            let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
+            let r = tx.query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {s}.outbox WHERE destination = $1 \
+                     AND ordering_key = $2 AND seq IS NOT NULL AND id <> $3)"
+                ),
+                &[
+                    &new.destination.as_bytes(),
+                    &new.ordering_key.as_deref().map(str::as_bytes),
+                    &db,
+                ],
+            )?;
+            Some(r.try_get::<_, bool>(0)?)
+        } else if leaves {
+            Some(false)
+        } else {
+            None
+        };
+        Ok((new, waiting, leaves))
+    }
+
+    /// Makes the first entry left in `old`'s sequence claimable (`old` just
+    /// left it, under the sequence's lock); whether one was, `Pending`.
+    fn promote_next(&self, tx: &mut Db<'_, impl GenericClient>, old: &Row) -> Result<bool> {
+        let s = self.s();
+        let promoted = tx.query_opt(
+            &format!(
+                "UPDATE {s}.outbox SET waiting = false WHERE id = ( \
+                     SELECT id FROM {s}.outbox WHERE destination = $1 \
+                     AND ordering_key = $2 AND seq IS NOT NULL ORDER BY seq LIMIT 1) \
+                 AND waiting RETURNING status"
+            ),
+            &[
+                &old.destination.as_bytes(),
+                &old.ordering_key.as_deref().map(str::as_bytes),
+            ],
+        )?;
+        Ok(match promoted {
+            Some(r) => r.try_get::<_, &str>(0)? == status_name(OutboxStatus::Pending),
+            None => false,
+        })
     }
 
     /// Applies `change` to `id` in its own transaction, waking this
