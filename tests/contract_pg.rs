@@ -591,6 +591,7 @@ mod metrics_pg {
 /// once, and a schema from before destinations migrated in place.
 mod destinations_pg {
     use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+    use std::time::Duration;
 
     use idemstore::{DestinationPolicy, NewEntry, Settlement};
 
@@ -652,6 +653,38 @@ mod destinations_pg {
         let most = most.load(Ordering::SeqCst);
         assert!(most <= 2, "{most} in flight at once, above the cap of 2");
         assert_eq!(a.destination("capped")?.counts.completed, 60);
+        Ok(())
+    }
+
+    #[test]
+    fn a_freed_slot_or_the_next_of_a_sequence_wakes_another_processs_dispatchers() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        outbox.set_destination_policy("a", DestinationPolicy::default().max_in_flight(1))?;
+        outbox.enqueue(NewEntry::new("c", "a", "a0", vec![0]), t(0))?;
+        outbox.enqueue(NewEntry::new("c", "a", "a1", vec![0]), t(0))?;
+        outbox.enqueue(
+            NewEntry::new("c", "s", "s0", vec![0]).ordering_key("k"),
+            t(0),
+        )?;
+        outbox.enqueue(
+            NewEntry::new("c", "s", "s1", vec![0]).ordering_key("k"),
+            t(0),
+        )?;
+        let got = outbox.claim_due(t(1), 10, "w")?;
+        assert_eq!(got.len(), 2, "{got:?}");
+        let other = f.another();
+        let wake = other.outbox().subscribe();
+        // Whatever arrives as the subscription starts.
+        while wake.recv_timeout(Duration::from_millis(300)).is_ok() {}
+        for e in &got {
+            outbox.settle(e.fence(), Settlement::Completed, t(2))?;
+            assert!(
+                wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+                "woken: the next of {} may go now",
+                e.destination
+            );
+        }
         Ok(())
     }
 

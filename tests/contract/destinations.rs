@@ -261,6 +261,176 @@ macro_rules! destinations_contract {
                 assert!(outbox.check_indexes()?.is_empty());
                 Ok(())
             }
+
+            #[test]
+            fn a_throttled_attempt_holds_the_whole_destination() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                for i in 0..3 {
+                    outbox.enqueue(entry("a", &format!("a{i}")), t(0))?;
+                }
+                outbox.enqueue(entry("b", "b0"), t(0))?;
+                let got = outbox.claim(t(1), &ClaimRequest::new(1, "w").one_destination())?;
+                assert_eq!(destinations_of(&got), ["a"]);
+                let wait = Settlement::Throttled {
+                    reason: "http_429".into(),
+                    next_attempt_at: t(5_000),
+                };
+                outbox.settle(got[0].fence(), wait, t(2))?;
+                assert_eq!(outbox.destination("a")?.held_until, Some(t(5_000)));
+                // Only b gives anything until the hold ends.
+                assert_eq!(destinations_of(&outbox.claim_due(t(3), 10, "w")?), ["b"]);
+                assert!(outbox.claim_due(t(4_999), 10, "w")?.is_empty());
+                assert_eq!(outbox.next_due()?, Some(t(5_000)));
+                let after = outbox.claim_due(t(5_000), 10, "w")?;
+                assert_eq!(after.len(), 3, "{after:?}");
+                assert_eq!(
+                    after[0].idempotency_key, "a1",
+                    "earliest due first: a0 waits for 5 s"
+                );
+                assert!(outbox.check_indexes()?.is_empty());
+                Ok(())
+            }
+
+            #[test]
+            fn destinations_report_policies_pauses_and_counts() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                let capped = DestinationPolicy::default()
+                    .max_in_flight(3)
+                    .rate_limit(2.0, 4);
+                outbox.set_destination_policy("a", capped)?;
+                outbox.pause_destination("b")?;
+                outbox.enqueue(entry("a", "a0"), t(0))?;
+                outbox.enqueue(entry("a", "a1"), t(0))?;
+                outbox.enqueue(entry("c", "c0"), t(0))?;
+                let got = outbox.claim_due(t(1), 1, "w")?;
+                assert_eq!(destinations_of(&got), ["a"]);
+                let all = outbox.destinations()?;
+                let names: Vec<&str> = all.iter().map(|d| d.destination.as_str()).collect();
+                assert_eq!(names, ["a", "b", "c"]);
+                let a = &all[0];
+                assert_eq!(a.policy, capped);
+                assert_eq!(
+                    (a.in_flight, a.counts.pending, a.counts.dispatching),
+                    (1, 1, 1)
+                );
+                assert_eq!(a.tokens, Some(3.0));
+                assert!(all[1].paused && all[1].counts.total() == 0);
+                assert_eq!(all[2].counts.pending, 1);
+                assert!(all[2].policy.is_unlimited());
+                assert_eq!(
+                    all[2].circuit,
+                    CircuitState::Closed {
+                        consecutive_failures: 0
+                    }
+                );
+                // A destination with nothing left to report goes.
+                outbox.resume_destination("b")?;
+                let names: Vec<String> = outbox
+                    .destinations()?
+                    .into_iter()
+                    .map(|d| d.destination)
+                    .collect();
+                assert_eq!(names, ["a", "c"]);
+                assert_eq!(outbox.destination("b")?.counts.total(), 0);
+                assert!(matches!(
+                    outbox
+                        .set_destination_policy("a", DestinationPolicy::default().max_in_flight(0)),
+                    Err(idemstore::Error::InvalidInput {
+                        field: "max_in_flight",
+                        ..
+                    })
+                ));
+                assert_eq!(outbox.destination("a")?.policy, capped, "unchanged");
+                Ok(())
+            }
+
+            #[test]
+            fn an_entry_waiting_in_its_sequence_is_not_due() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                outbox.enqueue(entry("a", "k0").ordering_key("o"), t(100))?;
+                outbox.enqueue(entry("a", "k1").ordering_key("o").not_before(t(50)), t(0))?;
+                // k1 is due earlier but waits behind k0.
+                assert_eq!(outbox.next_due()?, Some(t(100)));
+                assert!(outbox.claim_due(t(60), 10, "w")?.is_empty());
+                let got = outbox.claim_due(t(100), 10, "w")?;
+                assert_eq!(got.len(), 1);
+                assert_eq!(outbox.next_due()?, None, "k1 waits for k0 in flight");
+                outbox.settle(
+                    got[0].fence(),
+                    Settlement::Failed {
+                        reason: "gave_up".into(),
+                        next_attempt_at: None,
+                    },
+                    t(101),
+                )?;
+                // A failed entry leaves its sequence: k1 goes next, once
+                // its destination's turn comes again (served at 100).
+                assert_eq!(outbox.next_due()?, Some(t(100)));
+                assert_eq!(outbox.claim_due(t(102), 10, "w")?[0].idempotency_key, "k1");
+                assert!(outbox.check_indexes()?.is_empty());
+                Ok(())
+            }
+
+            #[test]
+            fn a_settle_and_claim_with_a_request_avoids_what_it_is_told() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                for i in 0..3 {
+                    outbox.enqueue(entry("a", &format!("a{i}")), t(0))?;
+                    outbox.enqueue(entry("b", &format!("b{i}")), t(0))?;
+                }
+                let first = outbox.claim(t(1), &ClaimRequest::new(1, "w").avoid(["a"]))?;
+                assert_eq!(destinations_of(&first), ["b"]);
+                let req = ClaimRequest::new(2, "w").avoid(["b"]).one_destination();
+                let (settled, claimed) = outbox.settle_and_claim_with(
+                    [(first[0].fence(), Settlement::Completed)],
+                    t(2),
+                    &req,
+                )?;
+                assert!(settled.iter().all(Result::is_ok));
+                assert_eq!(destinations_of(&claimed), ["a", "a"]);
+                let (_, claimed) = outbox.settle_and_claim(
+                    claimed.iter().map(|e| (e.fence(), Settlement::Completed)),
+                    t(3),
+                    10,
+                    "w",
+                )?;
+                // b was served at 1, a at 2: b first, then in turn.
+                assert_eq!(destinations_of(&claimed), ["b", "a", "b"]);
+                assert!(outbox.check_indexes()?.is_empty());
+                Ok(())
+            }
+
+            #[test]
+            fn a_settlement_that_frees_a_slot_wakes_the_dispatchers_and_a_plain_one_does_not()
+            -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                outbox
+                    .set_destination_policy("a", DestinationPolicy::default().max_in_flight(1))?;
+                outbox.enqueue(entry("a", "a0"), t(0))?;
+                outbox.enqueue(entry("a", "a1"), t(0))?;
+                outbox.enqueue(entry("z", "z0"), t(0))?;
+                let got = outbox.claim_due(t(1), 10, "w")?;
+                assert_eq!(destinations_of(&got), ["a", "z"]);
+                let wake = outbox.subscribe();
+                // Whatever arrives as the subscription starts.
+                while wake.recv_timeout(Duration::from_millis(300)).is_ok() {}
+                outbox.settle(got[1].fence(), Settlement::Completed, t(2))?;
+                assert!(
+                    wake.recv_timeout(Duration::from_millis(300)).is_err(),
+                    "a completion that frees nothing wakes nobody"
+                );
+                outbox.settle(got[0].fence(), Settlement::Completed, t(3))?;
+                assert!(
+                    wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+                    "woken: a1 may go now"
+                );
+                Ok(())
+            }
         }
     };
 }

@@ -311,8 +311,9 @@ impl PgOutbox {
                 "UPDATE {s}.outbox SET status = 'dispatching', \
                  attempt_count = LEAST(attempt_count + 1, 4294967295), \
                  worker_id = $3, claimed_at = $1 \
-                 WHERE id = ANY($2) AND status = 'pending' AND NOT waiting \
-                 AND coalesce(next_attempt_at, created_at) <= $1 \
+                 WHERE id IN (SELECT id FROM {s}.outbox WHERE id = ANY($2) \
+                     AND status = 'pending' AND NOT waiting \
+                     AND coalesce(next_attempt_at, created_at) <= $1 FOR UPDATE SKIP LOCKED) \
                  RETURNING {COLS}"
             ),
             &[&now, &ids, &request.worker_id().as_bytes()],
