@@ -24,15 +24,19 @@
 //! | call | SQL |
 //! |------|-----|
 //! | `enqueue`, `enqueue_in`, `enqueue_many` | `INSERT INTO S.outbox (…) VALUES (…) ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id`; on a conflict `SELECT id FROM S.outbox WHERE destination = $1 AND idempotency_key = $2` (a duplicate); the insert's trigger `NOTIFY`s |
-//! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = LEAST(attempt_count + 1, 4294967295), worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
-//! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
+//! | `enqueue` of an entry with an ordering key | first `SELECT pg_advisory_xact_lock(…)` (its sequence's lock), then the insert, which takes its id as its `seq` and waits if its sequence has an unfinished entry |
+//! | `claim`, `claim_due` | the destinations in line (a skip scan of the partial line index with their flow rows), their rows locked `FOR UPDATE SKIP LOCKED`, their in-flight counts, their first claimable entries by priority (the partial queue index), then `UPDATE S.outbox SET status = 'dispatching', attempt_count = LEAST(attempt_count + 1, 4294967295), worker_id = $3, claimed_at = $1 WHERE id IN (… FOR UPDATE SKIP LOCKED) RETURNING …` and each flow written back (see `outbox/claim.rs`) |
+//! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` and the completion tells its destination nothing (no ordering key; no cap, circuit or probe there); else the general path |
+//! | after a change out of `Dispatching`, or a hold | the destinations' rows locked `FOR UPDATE` in name order, `Flow::settled` / `Flow::hold`, the rows written back; a finished entry leaving its sequence (under the sequence's lock) makes the next one claimable (`UPDATE … SET waiting = false`) |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
 //! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
 //! | `release_expired_claims` | per chunk of 1024: `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 ORDER BY claimed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
 //! | `purge_finished` | per chunk of 1024: `DELETE FROM S.outbox WHERE id IN (SELECT id … WHERE status IN ('completed', 'failed') AND completed_at < $1 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
 //! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
 //! | `counts` | `SELECT status, count(*) FROM S.outbox GROUP BY status` |
-//! | `next_due`, `oldest_claim` | the first row of the due or the claims index |
+//! | `next_due` | the line of the claim: the earliest place of a destination with a claimable entry |
+//! | `oldest_claim` | the first row of the claims index |
+//! | `destinations` | the flow rows and `SELECT destination, status, count(*) … GROUP BY destination, status`, in one snapshot |
 //!
 //! # Wake-ups
 //!
@@ -40,7 +44,11 @@
 //! that makes a row `pending` (an enqueue, a retry, a reschedule, a requeue,
 //! a released claim), so it reaches listeners when that transaction
 //! commits, in whichever process it ran, the `*_in` calls and statements of
-//! your own included. [`PgOutbox::subscribe`] starts one listening
+//! your own included; a settlement or a destination call that makes a
+//! destination claimable sooner (a slot freed below its cap, its circuit
+//! closed, a pause lifted) notifies in its transaction too, and a finished
+//! entry's successor in its sequence becomes `pending`-claimable by an
+//! update the trigger sees. [`PgOutbox::subscribe`] starts one listening
 //! connection per store (see `listen.rs`) feeding the same coalescing
 //! channels as the embedded outbox; the calls of this process also signal
 //! their own subscribers directly.

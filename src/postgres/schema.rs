@@ -16,14 +16,16 @@
 //! |-----------------------|-----------------------------------------------------------------|---------|
 //! | `S.schema_version`    | the one row: the version of the last migration applied         | — |
 //! | `S.inbox`             | `(inbox, event_key) → seen_at`                                   | `(inbox, seen_at, event_key)` (prune, list) |
-//! | `S.outbox`            | `id → entry, status, attempt, settlement details`                | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)` |
+//! | `S.outbox`            | `id → entry, status, attempt, settlement details`, and the entry's `ordering_key`, `priority`, `seq` (its place in its ordering sequence while unfinished) and `waiting` (behind an unfinished entry of its sequence) | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)`; claimable ones by destination: queue `(destination, priority, due, id)` and line `(destination, due, id) WHERE status = 'pending' AND NOT waiting`; sequences `(destination, ordering_key, seq) WHERE seq IS NOT NULL`; in flight `(destination) WHERE status = 'dispatching'` |
+//! | `S.destinations`      | `destination →` policy, pause, token bucket, circuit, hold, `served_at` | — |
 //! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
 //! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
 //! | `S.idempotency_fence` | the sequence of fence tokens, store-wide, never reused          | — |
 //!
 //! The outbox's row invariants are `CHECK` constraints: the attempt
 //! (`worker_id`, `claimed_at`) is set iff the entry is `dispatching` or
-//! `outcome_unknown`, `completed_at` iff it is `completed` or `failed`. A
+//! `outcome_unknown`, `completed_at` iff it is `completed` or `failed`, `seq`
+//! iff it has an ordering key and is not finished. A
 //! trigger sends `NOTIFY S_outbox` whenever a row becomes (or stays)
 //! `pending` — an enqueue, a retry, a reschedule, a requeue, a released
 //! claim — in the writing transaction, so it reaches the listeners at

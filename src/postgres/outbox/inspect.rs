@@ -1,7 +1,7 @@
 //! What [`PgOutbox`] tells about its entries without changing them: one
 //! entry, the entries of a command or a filter, the counts by status, and
-//! the first times of the due and claims indexes. Each is one statement,
-//! so one snapshot.
+//! the first time of the claims index. Each is one statement, so one
+//! snapshot.
 
 use std::collections::HashMap;
 

@@ -1,5 +1,5 @@
 //! The reaper's and the janitor's calls on [`PgOutbox`]: each walks a
-//! partial index in chunks, one statement (so one transaction) per chunk,
+//! partial index in chunks, one transaction per chunk,
 //! so that a large backlog never holds thousands of row locks, or the
 //! server's resources, in one transaction.
 
@@ -29,7 +29,8 @@ impl PgOutbox {
     /// costs what it releases.
     ///
     /// Commits in chunks of at most 1024 entries, oldest claim first, each
-    /// one statement and so its own transaction: dispatchers are woken as
+    /// its own transaction (with what it tells the destinations: a released
+    /// probe ends): dispatchers are woken as
     /// each chunk commits, and a reader may see part of the release done. A
     /// lost connection or an `Err` midway leaves the chunks committed
     /// before it released (and the rest claimed, for the next call).
@@ -92,7 +93,8 @@ impl PgOutbox {
     /// again.
     ///
     /// Commits in chunks of at most 1024 entries, earliest finished first,
-    /// each one statement and so its own transaction; an entry whose row is
+    /// each its own transaction (a destination left with no entry, no
+    /// policy, no pause and no hold loses its flow row); an entry whose row is
     /// locked at that moment (an operator's requeue, a repeated settlement)
     /// is left for the next purge. A reader may see part of the purge done;
     /// a lost connection or an `Err` midway leaves the chunks committed
