@@ -271,6 +271,9 @@ impl PgOutbox {
     /// back with the caller's writes. A new entry wakes the dispatchers of
     /// every process once the caller's transaction has committed (the
     /// server's notification; a rolled-back transaction signals nothing).
+    /// An entry with an ordering key holds its sequence's lock until the
+    /// caller's transaction ends: another enqueue to the same sequence
+    /// waits for it, so that the sequence keeps the order of the commits.
     #[expect(
         clippy::needless_pass_by_value,
         reason = "the embedded outbox's signature, which both backends share"

@@ -330,7 +330,11 @@ impl PgOutbox {
     /// [`PgOutbox::settle`] inside the caller's own transaction (for a
     /// dispatcher that records the effect's result in its own tables in the
     /// same commit). A retry or a reschedule wakes the dispatchers once the
-    /// caller's transaction has committed.
+    /// caller's transaction has committed. A settlement that changes its
+    /// destination's flow (a circuit, a probe, a cap, a hold) or moves an
+    /// ordering sequence on holds that destination's row (or the
+    /// sequence's lock) until the caller's transaction ends: claims leave
+    /// the destination alone meanwhile, so keep such transactions short.
     pub fn settle_in(
         &self,
         tx: &mut Transaction<'_>,
