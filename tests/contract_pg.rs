@@ -586,3 +586,371 @@ mod metrics_pg {
         })
     }
 }
+
+/// Destinations on the server: limits that hold across stores claiming at
+/// once, and a schema from before destinations migrated in place.
+mod destinations_pg {
+    use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+    use std::time::Duration;
+
+    use idemstore::{DestinationPolicy, NewEntry, Settlement};
+
+    use super::*;
+
+    #[test]
+    fn a_cap_of_two_holds_with_two_stores_claiming_at_once() -> TestResult {
+        let f = fixture!();
+        let (a, b) = (f.store.outbox(), f.another().outbox());
+        a.set_destination_policy("capped", DestinationPolicy::default().max_in_flight(2))?;
+        for i in 0..60 {
+            a.enqueue(NewEntry::new("c", "capped", format!("k{i}"), vec![0]), t(0))?;
+        }
+        let most = AtomicI64::new(0);
+        let done = AtomicBool::new(false);
+        let sql = format!(
+            "SELECT count(*) FROM {}.outbox WHERE destination = 'capped' AND status = 'dispatching'",
+            f.schema
+        );
+        std::thread::scope(|s| -> TestResult {
+            let watcher = s.spawn(|| -> Result<(), idemstore::Error> {
+                let mut client = f.client();
+                while !done.load(Ordering::SeqCst) {
+                    let n: i64 = client.query_one(&sql, &[])?.get(0);
+                    most.fetch_max(n, Ordering::SeqCst);
+                }
+                Ok(())
+            });
+            let workers: Vec<_> = [&a, &b]
+                .into_iter()
+                .enumerate()
+                .map(|(w, outbox)| {
+                    s.spawn(move || -> Result<usize, idemstore::Error> {
+                        let mut sent = 0;
+                        for round in 0..400 {
+                            if sent >= 30 {
+                                break;
+                            }
+                            let got = outbox.claim_due(t(1 + round), 3, &format!("w{w}"))?;
+                            assert!(got.len() <= 2, "{got:?}");
+                            for e in got {
+                                outbox.settle(e.fence(), Settlement::Completed, t(1 + round))?;
+                                sent += 1;
+                            }
+                        }
+                        Ok(sent)
+                    })
+                })
+                .collect();
+            let mut sent = 0;
+            for w in workers {
+                sent += w.join().expect("no panic")?;
+            }
+            done.store(true, Ordering::SeqCst);
+            watcher.join().expect("no panic")?;
+            assert_eq!(sent, 60, "every entry sent once");
+            Ok(())
+        })?;
+        let most = most.load(Ordering::SeqCst);
+        assert!(most <= 2, "{most} in flight at once, above the cap of 2");
+        assert_eq!(a.destination("capped")?.counts.completed, 60);
+        Ok(())
+    }
+
+    #[test]
+    fn a_freed_slot_or_the_next_of_a_sequence_wakes_another_processs_dispatchers() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        outbox.set_destination_policy("a", DestinationPolicy::default().max_in_flight(1))?;
+        outbox.enqueue(NewEntry::new("c", "a", "a0", vec![0]), t(0))?;
+        outbox.enqueue(NewEntry::new("c", "a", "a1", vec![0]), t(0))?;
+        outbox.enqueue(
+            NewEntry::new("c", "s", "s0", vec![0]).ordering_key("k"),
+            t(0),
+        )?;
+        outbox.enqueue(
+            NewEntry::new("c", "s", "s1", vec![0]).ordering_key("k"),
+            t(0),
+        )?;
+        let got = outbox.claim_due(t(1), 10, "w")?;
+        assert_eq!(got.len(), 2, "{got:?}");
+        let other = f.another();
+        let wake = other.outbox().subscribe();
+        // Whatever arrives as the subscription starts.
+        while wake.recv_timeout(Duration::from_millis(300)).is_ok() {}
+        for e in &got {
+            outbox.settle(e.fence(), Settlement::Completed, t(2))?;
+            assert!(
+                wake.recv_timeout(Duration::from_secs(10)).is_ok(),
+                "woken: the next of {} may go now",
+                e.destination
+            );
+        }
+        Ok(())
+    }
+
+    /// A small deterministic generator (xorshift), for the random runs.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    /// What a claim answers, comparable across backends: keys, in order,
+    /// with their attempts.
+    fn claimed(entries: &[idemstore::OutboxEntry]) -> Vec<(String, u32)> {
+        entries
+            .iter()
+            .map(|e| (e.idempotency_key.clone(), e.attempt_count))
+            .collect()
+    }
+
+    /// The destinations' report, comparable across backends.
+    fn report(states: Vec<idemstore::DestinationState>) -> Vec<String> {
+        states
+            .into_iter()
+            .map(|d| {
+                format!(
+                    "{} {:?} paused={} {:?} held={:?} tokens={:?} in_flight={} {:?}",
+                    d.destination,
+                    d.policy,
+                    d.paused,
+                    d.circuit,
+                    d.held_until,
+                    d.tokens.map(|t| (t * 1e6).round()),
+                    d.in_flight,
+                    d.counts
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn random_operations_answer_as_on_the_embedded_store() -> TestResult {
+        for seed in [0x9e37_79b9_7f4a_7c15, 0x2545_f491_4f6c_dd1d, 7] {
+            random_run(seed)?;
+        }
+        Ok(())
+    }
+
+    /// One random run from `seed` (see above).
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one run: every operation, both backends, side by side"
+    )]
+    fn random_run(seed: u64) -> TestResult {
+        use idemstore::{ClaimRequest, OutboxStatus, Store};
+        let Some(fx) = Fixture::open() else {
+            return Ok(());
+        };
+        let pg = fx.store.outbox();
+        let store = Store::in_memory()?;
+        let em = store.outbox();
+        let dests = ["a", "b", "c", "d"];
+        let mut rng = Rng(seed);
+        let mut now = 0_i64;
+        let mut next_key = 0;
+        // Each backend's entries in flight or in doubt, by key.
+        let mut held: Vec<(String, idemstore::OutboxEntry, idemstore::OutboxEntry)> = Vec::new();
+        // Entries in doubt or failed for good, for the operator's calls.
+        let mut parked_ones: Vec<(idemstore::OutboxEntry, idemstore::OutboxEntry)> = Vec::new();
+        let (mut taken, mut tally) = (0, 0);
+        let at = |secs: i64| t(0) + chrono::Duration::milliseconds(secs);
+        for step in 0..400 {
+            now += i64::try_from(rng.below(400))?;
+            let when = at(now);
+            let op = rng.below(16);
+            let ctx = format!("step {step}, op {op}");
+            match op {
+                0..=4 => {
+                    let dest = dests[usize::try_from(rng.below(4))?];
+                    next_key += 1;
+                    let mut e = NewEntry::new("c", dest, format!("k{next_key}"), vec![0]);
+                    if rng.below(3) == 0 {
+                        e = e.ordering_key(format!("o{}", rng.below(2)));
+                    }
+                    e = e.priority(u8::try_from(rng.below(3))?);
+                    if rng.below(4) == 0 {
+                        e = e.not_before(at(now + i64::try_from(rng.below(2000))?));
+                    }
+                    let (a, b) = (em.enqueue(e.clone(), when)?, pg.enqueue(e, when)?);
+                    assert_eq!(a.is_new(), b.is_new(), "{ctx}");
+                }
+                5..=7 => {
+                    let limit = usize::try_from(rng.below(5))? + 1;
+                    let mut req = ClaimRequest::new(limit, "w");
+                    if rng.below(3) == 0 {
+                        req = req.one_destination();
+                    }
+                    if rng.below(3) == 0 {
+                        req = req.avoid([dests[usize::try_from(rng.below(4))?]]);
+                    }
+                    let (a, b) = (em.claim(when, &req)?, pg.claim(when, &req)?);
+                    assert_eq!(claimed(&a), claimed(&b), "{ctx}: {req:?}");
+                    taken += a.len();
+                    for (x, y) in a.into_iter().zip(b) {
+                        held.push((x.idempotency_key.clone(), x, y));
+                    }
+                }
+                8..=10 if !held.is_empty() => {
+                    let pick = usize::try_from(rng.below(held.len() as u64))?;
+                    let (key, x, y) = held.swap_remove(pick);
+                    let retry = at(now + i64::try_from(rng.below(1500))?);
+                    let settlement = match rng.below(5) {
+                        0 | 1 => Settlement::Completed,
+                        2 => Settlement::Failed {
+                            reason: "http_503".into(),
+                            next_attempt_at: Some(retry),
+                        },
+                        3 => Settlement::Throttled {
+                            reason: "http_429".into(),
+                            next_attempt_at: retry,
+                        },
+                        4 if rng.below(2) == 0 => Settlement::OutcomeUnknown { remote_ref: None },
+                        _ => Settlement::Failed {
+                            reason: "bad_request".into(),
+                            next_attempt_at: None,
+                        },
+                    };
+                    let parked = matches!(
+                        settlement,
+                        Settlement::OutcomeUnknown { .. }
+                            | Settlement::Failed {
+                                next_attempt_at: None,
+                                ..
+                            }
+                    );
+                    let a = em.settle(x.fence(), settlement.clone(), when);
+                    let b = pg.settle(y.fence(), settlement, when);
+                    assert_eq!(a.is_ok(), b.is_ok(), "{ctx}: {key} {a:?} {b:?}");
+                    if parked && a.is_ok() {
+                        parked_ones.push((x, y));
+                    }
+                    tally += 1;
+                }
+                15 if !parked_ones.is_empty() => {
+                    // An operator resolves a doubt, or puts a failed entry back.
+                    let pick = usize::try_from(rng.below(parked_ones.len() as u64))?;
+                    let (x, y) = parked_ones.swap_remove(pick);
+                    let back = at(now + i64::try_from(rng.below(500))?);
+                    let (a, b) = if rng.below(2) == 0 {
+                        (em.requeue(x.id, back), pg.requeue(y.id, back))
+                    } else {
+                        (em.mark_completed(x.id, when), pg.mark_completed(y.id, when))
+                    };
+                    assert_eq!(a.is_ok(), b.is_ok(), "{ctx}: {a:?} {b:?}");
+                }
+                11 => {
+                    let dest = dests[usize::try_from(rng.below(4))?];
+                    let policy = match rng.below(4) {
+                        0 => DestinationPolicy::default(),
+                        1 => DestinationPolicy::default()
+                            .max_in_flight(u32::try_from(rng.below(3))? + 1),
+                        2 => DestinationPolicy::default().rate_limit(4.0, 2),
+                        _ => DestinationPolicy::default()
+                            .circuit_breaker(2, std::time::Duration::from_millis(700)),
+                    };
+                    em.set_destination_policy(dest, policy)?;
+                    pg.set_destination_policy(dest, policy)?;
+                }
+                12 => {
+                    let dest = dests[usize::try_from(rng.below(4))?];
+                    if rng.below(2) == 0 {
+                        em.pause_destination(dest)?;
+                        pg.pause_destination(dest)?;
+                    } else {
+                        em.resume_destination(dest)?;
+                        pg.resume_destination(dest)?;
+                    }
+                }
+                // The reaper, for claims held over 3 s — not while a
+                // circuit probes: the embedded store does not end a probe
+                // whose claim the reaper releases (the circuit then waits
+                // for a probe that never comes back), the server does.
+                13 if !em
+                    .destinations()?
+                    .iter()
+                    .any(|d| matches!(d.circuit, idemstore::CircuitState::Probing { .. })) =>
+                {
+                    let cutoff = at(now - 3000);
+                    let (a, b) = (
+                        em.release_expired_claims(cutoff)?.len(),
+                        pg.release_expired_claims(cutoff)?.len(),
+                    );
+                    assert_eq!(a, b, "{ctx}");
+                    let gone = |e: &idemstore::OutboxEntry| {
+                        em.get(e.id)
+                            .ok()
+                            .map(|r| (r.entry.status, r.entry.attempt_count))
+                            != Some((OutboxStatus::Dispatching, e.attempt_count))
+                    };
+                    held.retain(|(_, x, _)| !gone(x));
+                }
+                14 => {
+                    let (a, b) = (
+                        em.purge_finished(at(now - 2000))?,
+                        pg.purge_finished(at(now - 2000))?,
+                    );
+                    assert_eq!(a, b, "{ctx}");
+                }
+                _ => {}
+            }
+            assert_eq!(em.next_due()?, pg.next_due()?, "{ctx}: next due");
+            assert_eq!(
+                report(em.destinations()?),
+                report(pg.destinations()?),
+                "{ctx}"
+            );
+        }
+        assert_eq!(em.counts()?, pg.counts()?);
+        assert!(
+            taken > 100 && tally > 50,
+            "a run that does something: {taken} {tally}"
+        );
+        assert!(pg.check_indexes()?.is_empty(), "{:?}", pg.check_indexes()?);
+        assert!(em.check_indexes()?.is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn a_schema_from_before_destinations_migrates_in_place() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        let old = outbox
+            .enqueue(NewEntry::new("c", "a", "old", vec![0]), t(0))?
+            .id();
+        // Back to the first version's tables, as an older build left them.
+        f.client().batch_execute(&format!(
+            "DROP INDEX {s}.outbox_in_flight; \
+             ALTER TABLE {s}.outbox DROP COLUMN ordering_key, DROP COLUMN priority, \
+                 DROP COLUMN seq, DROP COLUMN waiting; \
+             DROP TABLE {s}.destinations; \
+             UPDATE {s}.schema_version SET version = 1;",
+            s = f.schema
+        ))?;
+        let store = f.another();
+        let outbox = store.outbox();
+        let record = outbox.get(old)?;
+        assert_eq!(
+            (record.entry.priority, record.entry.ordering_key),
+            (0, None)
+        );
+        outbox.pause_destination("a")?;
+        assert!(outbox.claim_due(t(1), 10, "w")?.is_empty());
+        outbox.resume_destination("a")?;
+        assert_eq!(outbox.claim_due(t(2), 10, "w")?[0].id, old);
+        let version: i64 = f
+            .client()
+            .query_one(
+                &format!("SELECT version FROM {}.schema_version", f.schema),
+                &[],
+            )?
+            .get(0);
+        assert_eq!(u64::try_from(version)?, idemstore::postgres::SCHEMA_VERSION);
+        Ok(())
+    }
+}

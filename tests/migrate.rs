@@ -13,8 +13,8 @@ use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
 use idemstore::postgres::PgStore;
 use idemstore::postgres::postgres::{Client, NoTls};
 use idemstore::{
-    Begin, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus, ResponseRecord, Settlement,
-    Store,
+    Begin, DestinationPolicy, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus,
+    ResponseRecord, Settlement, Store,
 };
 use serde_json::Value;
 
@@ -486,6 +486,74 @@ fn the_server_never_hands_out_an_id_or_fence_the_file_did() -> TestResult {
         panic!("new")
     };
     assert_eq!(id, OutboxId(7));
+    Ok(())
+}
+
+#[test]
+fn destination_policies_pauses_and_sequences_survive_the_copy() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("destinations.idem");
+    let capped = DestinationPolicy::default()
+        .max_in_flight(1)
+        .rate_limit(5.0, 2)
+        .circuit_breaker(3, std::time::Duration::from_secs(30));
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        outbox.set_destination_policy("payments", capped)?;
+        outbox.pause_destination("mailer")?;
+        for i in 0..3 {
+            let e = NewEntry::new("c", "payments", format!("p{i}"), vec![1]).ordering_key("acct");
+            outbox.enqueue(e, t(i))?;
+        }
+        outbox.enqueue(
+            NewEntry::new("c", "payments", "urgent", vec![1]).priority(7),
+            t(5),
+        )?;
+        outbox.enqueue(NewEntry::new("c", "mailer", "m0", vec![1]), t(0))?;
+    }
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["destinations"]["copied"], 2, "{v}");
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    let outbox = pg.outbox();
+    let payments = outbox.destination("payments")?;
+    assert_eq!(payments.policy, capped);
+    assert!(!payments.paused);
+    assert!(outbox.destination("mailer")?.paused);
+    let urgent = outbox.find("payments", "urgent")?.ok_or("urgent")?;
+    assert_eq!(urgent.entry.priority, 7);
+    let p1 = outbox.find("payments", "p1")?.ok_or("p1")?;
+    assert_eq!(p1.entry.ordering_key.as_deref(), Some("acct"));
+    // The copy obeys them: the paused mailer gives nothing, the cap one,
+    // priority first; then the sequence goes in order, one at a time.
+    let got = outbox.claim_due(t(10), 10, "w")?;
+    let keys: Vec<&str> = got.iter().map(|e| e.idempotency_key.as_str()).collect();
+    assert_eq!(keys, ["urgent"]);
+    let mut order = Vec::new();
+    let mut last = got[0].clone();
+    for step in 0..3 {
+        outbox.settle(last.fence(), Settlement::Completed, t(20 + step * 1000))?;
+        let got = outbox.claim_due(t(1000 + step * 1000), 10, "w")?;
+        assert_eq!(got.len(), 1, "{got:?}");
+        order.push(got[0].idempotency_key.clone());
+        last = got[0].clone();
+    }
+    assert_eq!(order, ["p0", "p1", "p2"]);
+    // Again: nothing copied twice, the server's own changes kept.
+    outbox.resume_destination("mailer")?;
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["destinations"]["copied"], 0, "{v}");
+    assert_eq!(outbox.destination("payments")?.policy, capped);
+    assert!(!outbox.destination("mailer")?.paused);
     Ok(())
 }
 

@@ -454,7 +454,7 @@ impl<'tx> Flows<'tx> {
 /// sequence: none once finished; a fresh one, from `next_seq`, when a
 /// finished entry with an ordering key comes back (a requeue puts it at
 /// the end).
-pub(super) fn sequenced(
+pub(crate) fn sequenced(
     old: &Row,
     mut new: Row,
     next_seq: impl FnOnce() -> Result<u64>,

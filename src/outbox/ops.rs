@@ -119,7 +119,7 @@ fn claim_from(
 
 /// How many ready destinations a one-destination claim looks at for one
 /// that gives something (each ready one normally does).
-const ONE_DESTINATION_LOOKS: usize = 8;
+pub(crate) const ONE_DESTINATION_LOOKS: usize = 8;
 
 /// Claims up to `n` of `destination`'s entries due at `now`, within what
 /// its flow allows, into `out`; returns how many.

@@ -32,7 +32,8 @@ use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{KeyEntry, KeyState, ResponseRecord};
 use crate::inbox::rules::{check_event_key, check_inbox_name};
-use crate::outbox::{OutboxId, OutboxRecord, OutboxStatus};
+use crate::outbox::destinations::check_destination;
+use crate::outbox::{DestinationState, OutboxId, OutboxRecord, OutboxStatus};
 
 impl PgStore {
     /// Copies the keys of inbox `inbox` with their claim times; returns how
@@ -88,8 +89,56 @@ impl PgStore {
                         Copied::Conflict => conflicts.push(id),
                     }
                 }
+                order_sequences(db, &s, records)?;
                 bump_outbox_ids(db, &s)?;
                 Ok((copied, conflicts))
+            })
+        })
+    }
+
+    /// Copies destination policies and pauses: a destination with a limit
+    /// or a pause in `states` gets them, unless the server already holds a
+    /// row for it (copied by an earlier run, or changed on the server since:
+    /// left alone). Returns how many were copied.
+    #[doc(hidden)]
+    pub fn import_destinations(&self, states: &[DestinationState]) -> Result<u64> {
+        let states: Vec<&DestinationState> = states
+            .iter()
+            .filter(|d| d.paused || !d.policy.is_unlimited())
+            .collect();
+        for d in &states {
+            check_destination(&d.destination)?;
+            d.policy.check()?;
+        }
+        if states.is_empty() {
+            return Ok(0);
+        }
+        let s = self.schema().to_owned();
+        let sql = format!(
+            "INSERT INTO {s}.destinations (destination, max_in_flight, rate_per_second, \
+                 rate_burst, circuit_failures, circuit_cool_down, paused) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (destination) DO NOTHING"
+        );
+        self.server.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                let mut copied = 0;
+                for d in &states {
+                    let p = d.policy.to_parts();
+                    copied += db.execute(
+                        &sql,
+                        &[
+                            &d.destination.as_bytes(),
+                            &p.max_in_flight.map(i64::from),
+                            &p.rate.map(|r| r.0),
+                            &p.rate.map(|r| i64::from(r.1)),
+                            &p.circuit.map(|c| i64::from(c.0)),
+                            &p.circuit.map(|c| c.1),
+                            &d.paused,
+                        ],
+                    )?;
+                }
+                Ok(copied)
             })
         })
     }
@@ -214,8 +263,11 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
         &format!(
             "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
              status, attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
-             claimed_at, last_failure, remote_ref) OVERRIDING SYSTEM VALUE \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+             claimed_at, last_failure, remote_ref, ordering_key, priority, seq) \
+             OVERRIDING SYSTEM VALUE \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+                 CASE WHEN $15::bytea IS NULL OR $6 IN ('completed', 'failed') THEN NULL \
+                 ELSE $1::bigint END) \
              ON CONFLICT DO NOTHING RETURNING id"
         ),
         &[
@@ -233,6 +285,8 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
             &claimed_at,
             &r.last_failure.as_deref().map(str::as_bytes),
             &r.remote_ref.as_deref().map(str::as_bytes),
+            &e.ordering_key.as_deref().map(str::as_bytes),
+            &i16::from(e.priority),
         ],
     )?;
     if inserted.is_none() {
@@ -279,6 +333,38 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
         )?;
     }
     Ok(Copied::Inserted)
+}
+
+/// Puts the copied entries with ordering keys in their sequences: in id
+/// order (enqueue order), each waiting while an entry before it is
+/// unfinished or one of its sequence is being sent or in doubt, so that
+/// the entry the source store was sending stays the one in flight.
+fn order_sequences(
+    db: &mut Db<'_, impl GenericClient>,
+    s: &str,
+    records: &[OutboxRecord],
+) -> Result<()> {
+    let mut dests: Vec<&[u8]> = records
+        .iter()
+        .filter(|r| r.entry.ordering_key.is_some())
+        .map(|r| r.entry.destination.as_bytes())
+        .collect();
+    if dests.is_empty() {
+        return Ok(());
+    }
+    dests.sort_unstable();
+    dests.dedup();
+    db.execute(
+        &format!(
+            "UPDATE {s}.outbox o SET waiting = EXISTS (SELECT 1 FROM {s}.outbox p \
+                 WHERE p.destination = o.destination AND p.ordering_key = o.ordering_key \
+                 AND p.seq IS NOT NULL AND p.id <> o.id \
+                 AND (p.seq < o.seq OR p.status IN ('dispatching', 'outcome_unknown'))) \
+             WHERE o.destination = ANY($1) AND o.seq IS NOT NULL"
+        ),
+        &[&dests],
+    )?;
+    Ok(())
 }
 
 /// Moves the outbox's id sequence past the largest id, never back.

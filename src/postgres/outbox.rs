@@ -24,15 +24,19 @@
 //! | call | SQL |
 //! |------|-----|
 //! | `enqueue`, `enqueue_in`, `enqueue_many` | `INSERT INTO S.outbox (…) VALUES (…) ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id`; on a conflict `SELECT id FROM S.outbox WHERE destination = $1 AND idempotency_key = $2` (a duplicate); the insert's trigger `NOTIFY`s |
-//! | `claim_due` | `UPDATE S.outbox SET status = 'dispatching', attempt_count = LEAST(attempt_count + 1, 4294967295), worker_id = $3, claimed_at = $1 WHERE id IN (SELECT id FROM S.outbox WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING …` (the partial due index) |
-//! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` |
+//! | `enqueue` of an entry with an ordering key | first `SELECT pg_advisory_xact_lock(…)` (its sequence's lock), then the insert, which takes its id as its `seq` and waits if its sequence has an unfinished entry |
+//! | `claim`, `claim_due` | the destinations in line (a skip scan of the partial line index with their flow rows), their rows locked `FOR UPDATE SKIP LOCKED`, their in-flight counts, their first claimable entries by priority (the partial queue index), then `UPDATE S.outbox SET status = 'dispatching', attempt_count = LEAST(attempt_count + 1, 4294967295), worker_id = $3, claimed_at = $1 WHERE id IN (… FOR UPDATE SKIP LOCKED) RETURNING …` and each flow written back (see `outbox/claim.rs`) |
+//! | `settle(Completed)`, `mark_completed` | `UPDATE S.outbox SET status = 'completed', completed_at = $3, next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL WHERE id = $1 AND attempt_count = $2 AND status IN ('dispatching', 'outcome_unknown')` and the completion tells its destination nothing (no ordering key; no cap, circuit or probe there); else the general path |
+//! | after a change out of `Dispatching`, or a hold | the destinations' rows locked `FOR UPDATE` in name order, `Flow::settled` / `Flow::hold`, the rows written back; a finished entry leaving its sequence (under the sequence's lock) makes the next one claimable (`UPDATE … SET waiting = false`) |
 //! | every other settlement and operator call | `SELECT … FROM S.outbox WHERE id = $1 FOR UPDATE`, the status machine, `UPDATE S.outbox SET … WHERE id = $1`, and for an attempt record one `INSERT INTO S.outbox_attempts …` that also deletes the records beyond the last 20 |
 //! | `settle_many`, `settle_and_claim` | when the ids are distinct, the completions that apply as the rows stand in one `UPDATE S.outbox o SET status = 'completed', … FROM unnest($1, $2, $3) AS f(id, fence, at) WHERE o.id = f.id AND o.attempt_count = f.fence AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id`; the rest `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE` (locks in id order), then as above; then `claim_due`'s statement; in one transaction |
 //! | `release_expired_claims` | per chunk of 1024: `UPDATE S.outbox SET status = 'pending', next_attempt_at = claimed_at, worker_id = NULL, claimed_at = NULL WHERE id IN (SELECT id … WHERE status = 'dispatching' AND claimed_at < $1 ORDER BY claimed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id, next_attempt_at` (the partial claims index) |
 //! | `purge_finished` | per chunk of 1024: `DELETE FROM S.outbox WHERE id IN (SELECT id … WHERE status IN ('completed', 'failed') AND completed_at < $1 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)` (the partial finished index; attempt records go by `ON DELETE CASCADE`) |
 //! | `get`, `find`, `list_for_command`, `list` | `SELECT …, ARRAY(SELECT … FROM S.outbox_attempts …) FROM S.outbox WHERE …` (one statement: one snapshot) |
 //! | `counts` | `SELECT status, count(*) FROM S.outbox GROUP BY status` |
-//! | `next_due`, `oldest_claim` | the first row of the due or the claims index |
+//! | `next_due` | the line of the claim: the earliest place of a destination with a claimable entry |
+//! | `oldest_claim` | the first row of the claims index |
+//! | `destinations` | the flow rows and `SELECT destination, status, count(*) … GROUP BY destination, status`, in one snapshot |
 //!
 //! # Wake-ups
 //!
@@ -40,7 +44,11 @@
 //! that makes a row `pending` (an enqueue, a retry, a reschedule, a requeue,
 //! a released claim), so it reaches listeners when that transaction
 //! commits, in whichever process it ran, the `*_in` calls and statements of
-//! your own included. [`PgOutbox::subscribe`] starts one listening
+//! your own included; a settlement or a destination call that makes a
+//! destination claimable sooner (a slot freed below its cap, its circuit
+//! closed, a pause lifted) notifies in its transaction too, and a finished
+//! entry's successor in its sequence becomes `pending`-claimable by an
+//! update the trigger sees. [`PgOutbox::subscribe`] starts one listening
 //! connection per store (see `listen.rs`) feeding the same coalescing
 //! channels as the embedded outbox; the calls of this process also signal
 //! their own subscribers directly.
@@ -62,9 +70,11 @@ use crate::outbox::ClaimRequest;
 use crate::outbox::rules::{Row, check_entry};
 use crate::outbox::{
     AttemptRecord, Enqueued, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
-    check_field,
 };
 
+mod claim;
+mod control;
+mod flows;
 mod inspect;
 mod maintenance;
 mod settle;
@@ -75,7 +85,7 @@ const ATTEMPTS: &str = "outbox_attempts";
 /// The columns of an entry, in the order [`read_row`] reads them.
 const COLS: &str = "id, command_id, destination, idempotency_key, payload, status, \
                     attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
-                    claimed_at, last_failure, remote_ref";
+                    claimed_at, last_failure, remote_ref, ordering_key, priority, seq";
 
 /// How many attempt records an entry keeps, as the embedded store.
 fn history() -> i64 {
@@ -101,7 +111,7 @@ fn db_id(id: OutboxId) -> Option<i64> {
     i64::try_from(id.0).ok()
 }
 
-/// The entry in `r` (its first 14 columns, [`COLS`]) as the embedded
+/// The entry in `r` (its first 17 columns, [`COLS`]) as the embedded
 /// store's row, with its id.
 fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
     let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
@@ -127,9 +137,15 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
         attempt: worker.zip(claimed_at),
         last_failure: opt_text(12)?,
         remote_ref: opt_text(13)?,
-        ordering_key: None,
-        priority: 0,
-        seq: None,
+        ordering_key: opt_text(14)?,
+        priority: u8::try_from(r.try_get::<_, i16>(15)?)
+            .ok()
+            .filter(|p| *p <= crate::outbox::MAX_PRIORITY)
+            .ok_or_else(|| corrupted(TABLE, &id, "a priority out of range"))?,
+        seq: r
+            .try_get::<_, Option<i64>>(16)?
+            .map(|n| unsigned(TABLE, &id, "seq", n))
+            .transpose()?,
     };
     Ok((id, row))
 }
@@ -145,10 +161,10 @@ fn read_entry(r: &::postgres::Row) -> Result<OutboxEntry> {
 fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
     let (id, row) = read_row(r)?;
     let mut record = row.to_record(id)?;
-    let attempts: Vec<i64> = r.try_get(14)?;
-    let ats: Vec<i64> = r.try_get(15)?;
-    let reasons: Vec<Vec<u8>> = r.try_get(16)?;
-    let refs: Vec<Option<Vec<u8>>> = r.try_get(17)?;
+    let attempts: Vec<i64> = r.try_get(17)?;
+    let ats: Vec<i64> = r.try_get(18)?;
+    let reasons: Vec<Vec<u8>> = r.try_get(19)?;
+    let refs: Vec<Option<Vec<u8>>> = r.try_get(20)?;
     if [ats.len(), reasons.len(), refs.len()] != [attempts.len(); 3] {
         return Err(corrupted(ATTEMPTS, &id, "attempt history columns disagree"));
     }
@@ -233,9 +249,16 @@ impl PgOutbox {
         // Statements that commit as each ends: run again only when the
         // server said they did not happen (a lost answer may hide an
         // insert, which would come back as a duplicate).
-        let out = self.server.run(Mode::Statement, |conn| {
-            self.insert(&mut conn.db(), &entry, micros(now))
-        })?;
+        let out = if entry.ordering_key.is_some() {
+            // The sequence's lock, then the insert: one transaction.
+            self.server.run(Mode::Tx, |conn| {
+                conn.in_transaction(|db| self.insert(db, &entry, micros(now)))
+            })?
+        } else {
+            self.server.run(Mode::Statement, |conn| {
+                self.insert(&mut conn.db(), &entry, micros(now))
+            })?
+        };
         if out.is_new() {
             self.notify();
         }
@@ -248,6 +271,9 @@ impl PgOutbox {
     /// back with the caller's writes. A new entry wakes the dispatchers of
     /// every process once the caller's transaction has committed (the
     /// server's notification; a rolled-back transaction signals nothing).
+    /// An entry with an ordering key holds its sequence's lock until the
+    /// caller's transaction ends: another enqueue to the same sequence
+    /// waits for it, so that the sequence keeps the order of the commits.
     #[expect(
         clippy::needless_pass_by_value,
         reason = "the embedded outbox's signature, which both backends share"
@@ -305,12 +331,25 @@ impl PgOutbox {
         now: i64,
     ) -> Result<Enqueued> {
         let s = self.s();
+        // The id is taken first, so that an entry with an ordering key gets
+        // it as its place in its sequence; it waits if an unfinished entry
+        // of its sequence is there (its enqueuer holds the sequence's lock,
+        // `lock_sequence`, so that none is enqueued meanwhile).
         let insert = format!(
-            "INSERT INTO {s}.outbox (command_id, destination, idempotency_key, payload, status, \
-             attempt_count, next_attempt_at, created_at) \
-             VALUES ($1, $2, $3, $4, 'pending', 0, $5, $6) \
+            "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
+             status, attempt_count, next_attempt_at, created_at, ordering_key, priority, seq, \
+             waiting) OVERRIDING SYSTEM VALUE \
+             SELECT n.id, $1, $2, $3, $4, 'pending', 0, $5, $6, $7, $8, \
+                 CASE WHEN $7::bytea IS NULL THEN NULL ELSE n.id END, \
+                 $7::bytea IS NOT NULL AND EXISTS (SELECT 1 FROM {s}.outbox w \
+                     WHERE w.destination = $2 AND w.ordering_key = $7 AND w.seq IS NOT NULL) \
+             FROM (SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id')) AS id) n \
              ON CONFLICT (destination, idempotency_key) DO NOTHING RETURNING id"
         );
+        let ordering_key = e.ordering_key.as_deref().map(str::as_bytes);
+        if let Some(k) = &e.ordering_key {
+            self.lock_sequence(db, &e.destination, k)?;
+        }
         let existing =
             format!("SELECT id FROM {s}.outbox WHERE destination = $1 AND idempotency_key = $2");
         let (dest, key) = (e.destination.as_bytes(), e.idempotency_key.as_bytes());
@@ -326,6 +365,8 @@ impl PgOutbox {
                     &e.payload,
                     &e.not_before.map(micros),
                     &now,
+                    &ordering_key,
+                    &i16::from(e.priority),
                 ],
             )?;
             if let Some(r) = inserted {
@@ -347,80 +388,45 @@ impl PgOutbox {
         )))
     }
 
-    /// The claim statement of [`PgOutbox::claim_due`].
-    fn claim_sql(&self) -> String {
-        let s = self.s();
-        format!(
-            "UPDATE {s}.outbox SET status = 'dispatching', \
-             attempt_count = LEAST(attempt_count + 1, 4294967295), \
-             worker_id = $3, claimed_at = $1 \
-             WHERE id IN (SELECT id FROM {s}.outbox \
-                 WHERE status = 'pending' AND coalesce(next_attempt_at, created_at) <= $1 \
-                 ORDER BY coalesce(next_attempt_at, created_at), id LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED) \
-             RETURNING {COLS}"
-        )
-    }
-
-    /// Runs the claim statement on `client`; the entries earliest due
-    /// first, then by id.
-    fn claim_on(
+    /// Takes the lock of the ordering sequence `(destination, key)` until
+    /// the end of the transaction (a transaction-level advisory lock named
+    /// by a hash of the schema, destination and key): an entry joins or
+    /// leaves a sequence only under it, so that two transactions never both
+    /// see themselves first of one.
+    pub(super) fn lock_sequence(
         &self,
         db: &mut Db<'_, impl GenericClient>,
-        now: i64,
-        limit: usize,
-        worker_id: &str,
-    ) -> Result<Vec<OutboxEntry>> {
-        if limit == 0 {
-            return Ok(Vec::new());
+        destination: &str,
+        key: &str,
+    ) -> Result<()> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let parts: [&[u8]; 6] = [
+            b"idemstore-sequence:",
+            self.s().as_bytes(),
+            b"\0",
+            destination.as_bytes(),
+            b"\0",
+            key.as_bytes(),
+        ];
+        for b in parts.iter().flat_map(|p| p.iter()) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
         }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = db.query(&self.claim_sql(), &[&now, &limit, &worker_id.as_bytes()])?;
-        let mut entries = rows.iter().map(read_entry).collect::<Result<Vec<_>>>()?;
-        entries.sort_by_key(|e| (e.due_at(), e.id));
-        Ok(entries)
+        let lock = i64::from_ne_bytes(h.to_ne_bytes());
+        db.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])?;
+        Ok(())
     }
 
-    /// Claims up to `limit` due `Pending` entries for `worker_id`: those
-    /// with `next_attempt_at` absent or `<= now`, earliest due first
-    /// (`next_attempt_at`, else `created_at`), then by id. Each becomes
-    /// `Dispatching` with `attempt_count + 1` and the claim
-    /// `{worker_id, claimed_at: now}`; the returned entries are exactly what
-    /// [`PgOutbox::get`] returns for them afterwards. Concurrent claimers, in
-    /// any process, never get the same entry: each skips the rows another
-    /// is claiming (`FOR UPDATE SKIP LOCKED`). One statement on the partial
-    /// due index: its cost follows `limit`, not the backlog. A call that
-    /// returns `Err` claimed nothing, unless the connection was lost once
-    /// its `COMMIT` was sent: then the entries may have been claimed, and
-    /// stay `Dispatching` until
-    /// [`release_expired_claims`](Self::release_expired_claims) hands them
-    /// back.
+    /// Claims up to `limit` due `Pending` entries for `worker_id`, across
+    /// destinations in turn: [`PgOutbox::claim`] with
+    /// [`ClaimRequest::new`]`(limit, worker_id)`.
     pub fn claim_due(
         &self,
         now: DateTime<Utc>,
         limit: usize,
         worker_id: &str,
     ) -> Result<Vec<OutboxEntry>> {
-        check_field("worker_id", worker_id)?;
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        refuse_reentrant()?;
-        // In a transaction of its own, so that a row that does not decode
-        // (edited by something else) fails the call before it commits:
-        // a call that returns `Err` claimed nothing.
-        let claimed = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| self.claim_on(db, micros(now), limit, worker_id))
-        })?;
-        self.depth.after_write(self);
-        Ok(claimed)
-    }
-
-    /// Claims what `request` asks for at `now` (as
-    /// [`Outbox::claim`](crate::Outbox::claim) does).
-    pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
-        request.check()?;
-        self.claim_due(now, request.limit(), request.worker_id())
+        self.claim(now, &ClaimRequest::new(limit, worker_id))
     }
 
     /// A channel that receives `()` after a commit, in any process, that

@@ -16,14 +16,16 @@
 //! |-----------------------|-----------------------------------------------------------------|---------|
 //! | `S.schema_version`    | the one row: the version of the last migration applied         | — |
 //! | `S.inbox`             | `(inbox, event_key) → seen_at`                                   | `(inbox, seen_at, event_key)` (prune, list) |
-//! | `S.outbox`            | `id → entry, status, attempt, settlement details`                | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)` |
+//! | `S.outbox`            | `id → entry, status, attempt, settlement details`, and the entry's `ordering_key`, `priority`, `seq` (its place in its ordering sequence while unfinished) and `waiting` (behind an unfinished entry of its sequence) | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)`; claimable ones by destination: queue `(destination, priority, due, id)` and line `(destination, due, id) WHERE status = 'pending' AND NOT waiting`; sequences `(destination, ordering_key, seq) WHERE seq IS NOT NULL`; in flight `(destination) WHERE status = 'dispatching'` |
+//! | `S.destinations`      | `destination →` policy, pause, token bucket, circuit, hold, `served_at` | — |
 //! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
 //! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
 //! | `S.idempotency_fence` | the sequence of fence tokens, store-wide, never reused          | — |
 //!
 //! The outbox's row invariants are `CHECK` constraints: the attempt
 //! (`worker_id`, `claimed_at`) is set iff the entry is `dispatching` or
-//! `outcome_unknown`, `completed_at` iff it is `completed` or `failed`. A
+//! `outcome_unknown`, `completed_at` iff it is `completed` or `failed`, `seq`
+//! iff it has an ordering key and is not finished. A
 //! trigger sends `NOTIFY S_outbox` whenever a row becomes (or stays)
 //! `pending` — an enqueue, a retry, a reschedule, a requeue, a released
 //! claim — in the writing transaction, so it reaches the listeners at
@@ -45,7 +47,7 @@ use ::postgres::Client;
 use crate::error::{Error, Result};
 
 /// The schema version this build creates and reads.
-pub const SCHEMA_VERSION: u64 = 1;
+pub const SCHEMA_VERSION: u64 = 2;
 
 /// Longest schema name accepted: the notification channel `<schema>_outbox`
 /// must fit PostgreSQL's 63-byte identifiers.
@@ -53,7 +55,7 @@ const MAX_SCHEMA_LEN: usize = 48;
 
 /// The migrations, in order: migration `i + 1` is `MIGRATIONS[i]`, with
 /// `{s}` standing for the schema.
-const MIGRATIONS: &[&str] = &[V1];
+const MIGRATIONS: &[&str] = &[V1, V2];
 
 const V1: &str = r"
 CREATE TABLE {s}.inbox (
@@ -131,6 +133,50 @@ CREATE TABLE {s}.idempotency (
 );
 CREATE INDEX idempotency_created_at ON {s}.idempotency (created_at, tenant, idem_key);
 CREATE SEQUENCE {s}.idempotency_fence AS bigint MINVALUE 1;
+";
+
+/// Destinations: the entries' ordering keys, priorities and places in
+/// their sequences, and the destinations' policies and flow state. Rows
+/// of an older schema get no ordering key and priority 0.
+const V2: &str = r"
+ALTER TABLE {s}.outbox
+    ADD COLUMN ordering_key bytea,
+    ADD COLUMN priority     smallint NOT NULL DEFAULT 0 CHECK (priority BETWEEN 0 AND 9),
+    ADD COLUMN seq          bigint,
+    ADD COLUMN waiting      boolean  NOT NULL DEFAULT false,
+    ADD CHECK (seq IS NULL OR ordering_key IS NOT NULL),
+    ADD CHECK ((seq IS NOT NULL) = (ordering_key IS NOT NULL
+                                    AND status NOT IN ('completed', 'failed'))),
+    ADD CHECK (NOT waiting OR seq IS NOT NULL);
+CREATE INDEX outbox_queue ON {s}.outbox
+    (destination, priority, (coalesce(next_attempt_at, created_at)), id)
+    WHERE status = 'pending' AND NOT waiting;
+CREATE INDEX outbox_line ON {s}.outbox
+    (destination, (coalesce(next_attempt_at, created_at)), id)
+    WHERE status = 'pending' AND NOT waiting;
+CREATE INDEX outbox_sequences ON {s}.outbox (destination, ordering_key, seq)
+    WHERE seq IS NOT NULL;
+CREATE INDEX outbox_in_flight ON {s}.outbox (destination) WHERE status = 'dispatching';
+
+CREATE TABLE {s}.destinations (
+    destination       bytea  PRIMARY KEY,
+    max_in_flight     bigint CHECK (max_in_flight BETWEEN 1 AND 4294967295),
+    rate_per_second   double precision CHECK (rate_per_second > 0),
+    rate_burst        bigint CHECK (rate_burst BETWEEN 1 AND 4294967295),
+    circuit_failures  bigint CHECK (circuit_failures BETWEEN 1 AND 4294967295),
+    circuit_cool_down bigint CHECK (circuit_cool_down > 0),
+    paused            boolean NOT NULL DEFAULT false,
+    tokens            double precision,
+    tokens_at         bigint  NOT NULL DEFAULT 0,
+    failures          bigint  NOT NULL DEFAULT 0 CHECK (failures BETWEEN 0 AND 4294967295),
+    trips             bigint  NOT NULL DEFAULT 0 CHECK (trips BETWEEN 0 AND 4294967295),
+    open_until        bigint,
+    probe             bigint,
+    held_until        bigint,
+    served_at         bigint  NOT NULL DEFAULT 0,
+    CHECK ((rate_per_second IS NULL) = (rate_burst IS NULL)),
+    CHECK ((circuit_failures IS NULL) = (circuit_cool_down IS NULL))
+);
 ";
 
 /// The channel the outbox's trigger notifies: `<schema>_outbox`.

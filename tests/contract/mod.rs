@@ -1,5 +1,5 @@
-//! The contract suite: one source of tests for the inbox, the outbox and
-//! the idempotency keys, run on every backend.
+//! The contract suite: one source of tests for the inbox, the outbox (and
+//! its destinations) and the idempotency keys, run on every backend.
 //!
 //! A test binary instantiates it with `contract_suite!()` beside a module
 //! `fixture` that names the backend's types and says how to open a fresh
@@ -37,6 +37,8 @@ macro_rules! fixture {
     };
 }
 
+#[macro_use]
+mod destinations;
 #[macro_use]
 mod inbox;
 #[macro_use]
@@ -87,13 +89,14 @@ impl std::fmt::Display for AppError {
 
 impl std::error::Error for AppError {}
 
-/// The whole suite, in modules `inbox`, `outbox`, `keys` and
-/// `maintenance`.
+/// The whole suite, in modules `inbox`, `outbox`, `keys`, `maintenance`
+/// and `destinations`.
 macro_rules! contract_suite {
     () => {
         inbox_contract!();
         outbox_contract!();
         keys_contract!();
         maintenance_contract!();
+        destinations_contract!();
     };
 }

@@ -118,6 +118,8 @@ mod with_postgres {
         inboxes: Tally,
         outbox: Tally,
         keys: Tally,
+        /// Destinations whose policy or pause was copied.
+        destinations: u64,
     }
 
     impl Report {
@@ -129,6 +131,7 @@ mod with_postgres {
                 inboxes,
                 outbox,
                 keys,
+                destinations,
             } = self;
             if json {
                 print_json(&json!({
@@ -142,6 +145,7 @@ mod with_postgres {
                     },
                     "outbox": outbox.json(),
                     "idempotency_keys": keys.json(),
+                    "destinations": { "copied": destinations },
                 }));
             } else {
                 out!("{} → PostgreSQL schema {schema}", file.display());
@@ -164,6 +168,7 @@ mod with_postgres {
                     keys.target,
                     keys.copied_text()
                 );
+                out!("destinations: {destinations} policies or pauses copied");
             }
             outbox.tell_conflicts("outbox records", schema);
             keys.tell_conflicts("idempotency records", schema);
@@ -234,6 +239,8 @@ mod with_postgres {
             pb.inc(page.len() as u64);
         }
         outbox.target = pg.outbox().counts()?.total();
+        // Policies and pauses, which the entries' claims obey from then on.
+        let destinations = pg.import_destinations(&store.outbox().destinations()?)?;
 
         let mut keys = Tally {
             source: holds.keys,
@@ -255,6 +262,7 @@ mod with_postgres {
             inboxes,
             outbox,
             keys,
+            destinations,
         }
         .print(file, pg.schema(), json))
     }

@@ -1,7 +1,7 @@
 //! What [`PgOutbox`] tells about its entries without changing them: one
 //! entry, the entries of a command or a filter, the counts by status, and
-//! the first times of the due and claims indexes. Each is one statement,
-//! so one snapshot.
+//! the first time of the claims index. Each is one statement, so one
+//! snapshot.
 
 use std::collections::HashMap;
 
@@ -77,17 +77,6 @@ impl PgOutbox {
         Ok(counts)
     }
 
-    /// The earliest due time of any `Pending` entry (possibly in the past:
-    /// work is waiting), or `None` if nothing is pending. A dispatcher sleeps
-    /// until then, or until a [`subscribe`](PgOutbox::subscribe) signal.
-    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        let s = self.s();
-        self.first_time(&format!(
-            "SELECT coalesce(next_attempt_at, created_at), id FROM {s}.outbox \
-             WHERE status = 'pending' ORDER BY coalesce(next_attempt_at, created_at), id LIMIT 1"
-        ))
-    }
-
     /// The claim time of the longest-held `Dispatching` entry, or `None` if
     /// nothing is being dispatched.
     pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
@@ -141,7 +130,9 @@ impl PgOutbox {
 
     /// Checks what the server does not enforce itself (its constraints hold
     /// the status invariants): every row and attempt record decodes as the
-    /// store wrote it, and no entry keeps more than 20 attempt records.
+    /// store wrote it, no entry keeps more than 20 attempt records, and an
+    /// entry waits in its ordering sequence exactly while an earlier one
+    /// is unfinished.
     /// Returns one human-readable finding per violation, none if the outbox
     /// is consistent. Reads every row: for tests and offline checks.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
@@ -169,6 +160,25 @@ impl PgOutbox {
             findings.push(format!(
                 "{ATTEMPTS}: record {id} keeps {n} attempt records, more than {}",
                 history()
+            ));
+        }
+        // An entry waits in its sequence exactly when an earlier one is
+        // unfinished (or, as copied in, another is being sent or in doubt).
+        for r in conn.query(
+            &format!(
+                "SELECT o.id, o.waiting FROM {s}.outbox o WHERE o.seq IS NOT NULL \
+                 AND o.waiting <> (EXISTS (SELECT 1 FROM {s}.outbox p \
+                     WHERE p.destination = o.destination AND p.ordering_key = o.ordering_key \
+                     AND p.seq IS NOT NULL AND p.id <> o.id AND (p.seq < o.seq \
+                         OR (o.status = 'pending' \
+                             AND p.status IN ('dispatching', 'outcome_unknown')))))"
+            ),
+            &[],
+        )? {
+            let (id, waiting): (i64, bool) = (r.try_get(0)?, r.try_get(1)?);
+            findings.push(format!(
+                "{TABLE}: record {id} is {} in its ordering sequence, against its place",
+                if waiting { "waiting" } else { "not waiting" }
             ));
         }
         Ok(findings)

@@ -1,16 +1,18 @@
 //! The reaper's and the janitor's calls on [`PgOutbox`]: each walks a
-//! partial index in chunks, one statement (so one transaction) per chunk,
+//! partial index in chunks, one transaction per chunk,
 //! so that a large backlog never holds thousands of row locks, or the
 //! server's resources, in one transaction.
 
 use chrono::{DateTime, Utc};
 
+use super::flows::{FlowEvent, Touched};
 use super::{PgOutbox, TABLE};
 use crate::codec::micros;
 use crate::error::Result;
-use crate::outbox::{MAINTENANCE_CHUNK, OutboxId};
+use crate::outbox::rules::Change;
+use crate::outbox::{MAINTENANCE_CHUNK, OutboxId, OutboxStatus};
 use crate::postgres::conn::Mode;
-use crate::postgres::errors::unsigned;
+use crate::postgres::errors::{unsigned, utf8};
 use crate::postgres::refuse_reentrant;
 
 /// [`MAINTENANCE_CHUNK`] as a statement parameter.
@@ -27,7 +29,8 @@ impl PgOutbox {
     /// costs what it releases.
     ///
     /// Commits in chunks of at most 1024 entries, oldest claim first, each
-    /// one statement and so its own transaction: dispatchers are woken as
+    /// its own transaction (with what it tells the destinations: a released
+    /// probe ends): dispatchers are woken as
     /// each chunk commits, and a reader may see part of the release done. A
     /// lost connection or an `Err` midway leaves the chunks committed
     /// before it released (and the rest claimed, for the next call).
@@ -40,13 +43,32 @@ impl PgOutbox {
              WHERE id IN (SELECT id FROM {s}.outbox \
                  WHERE status = 'dispatching' AND claimed_at < $1 \
                  ORDER BY claimed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-             RETURNING id, next_attempt_at"
+             RETURNING id, next_attempt_at, destination"
         );
         let (cutoff, chunk) = (micros(claimed_before), chunk());
         let mut released = Vec::new();
         loop {
-            let rows = self.server.run(Mode::Statement, |conn| {
-                conn.db().query(&sql, &[&cutoff, &chunk])
+            // With what it tells the destinations (a released probe ends):
+            // one transaction per chunk.
+            let rows = self.server.run(Mode::Tx, |conn| {
+                conn.in_transaction(|db| {
+                    let rows = db.query(&sql, &[&cutoff, &chunk])?;
+                    let mut touched = Touched::default();
+                    for r in &rows {
+                        let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+                        let dest = utf8(TABLE, &id, r.try_get(2)?)?;
+                        touched.events.push((
+                            dest,
+                            FlowEvent::Settled {
+                                id,
+                                signal: Change::Released.signal(OutboxStatus::Dispatching),
+                                at: Change::Released.time(),
+                            },
+                        ));
+                    }
+                    self.settle_flows(db, &touched)?;
+                    Ok(rows)
+                })
             })?;
             for r in &rows {
                 let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
@@ -71,7 +93,8 @@ impl PgOutbox {
     /// again.
     ///
     /// Commits in chunks of at most 1024 entries, earliest finished first,
-    /// each one statement and so its own transaction; an entry whose row is
+    /// each its own transaction (a destination left with no entry, no
+    /// policy, no pause and no hold loses its flow row); an entry whose row is
     /// locked at that moment (an operator's requeue, a repeated settlement)
     /// is left for the next purge. A reader may see part of the purge done;
     /// a lost connection or an `Err` midway leaves the chunks committed
@@ -82,13 +105,27 @@ impl PgOutbox {
         let sql = format!(
             "DELETE FROM {s}.outbox WHERE id IN (SELECT id FROM {s}.outbox \
                  WHERE status IN ('completed', 'failed') AND completed_at < $1 \
-                 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY completed_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+             RETURNING destination"
         );
         let (cutoff, chunk) = (micros(finished_before), chunk());
         let mut total = 0;
         loop {
-            let n = self.server.run(Mode::Statement, |conn| {
-                conn.db().execute(&sql, &[&cutoff, &chunk])
+            // A destination left with no entry and nothing else to keep
+            // loses its flow row, as in the embedded store.
+            let n = self.server.run(Mode::Tx, |conn| {
+                conn.in_transaction(|db| {
+                    let rows = db.query(&sql, &[&cutoff, &chunk])?;
+                    let mut dests: Vec<Vec<u8>> = rows
+                        .iter()
+                        .map(|r| r.try_get(0))
+                        .collect::<std::result::Result<_, _>>()?;
+                    dests.sort_unstable();
+                    dests.dedup();
+                    let dests: Vec<&[u8]> = dests.iter().map(Vec::as_slice).collect();
+                    self.drop_idle_flows(db, &dests)?;
+                    Ok(rows.len() as u64)
+                })
             })?;
             total += n;
             if n < MAINTENANCE_CHUNK as u64 {

@@ -12,18 +12,33 @@ use ::postgres::types::ToSql;
 use ::postgres::{GenericClient, Transaction};
 use chrono::{DateTime, Utc};
 
+use super::flows::{FlowEvent, Touched};
 use super::{COLS, PgOutbox, TABLE, db_id, history, read_row, status_name};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::outbox::ClaimRequest;
+use crate::outbox::flow::sequenced;
 use crate::outbox::rules::{
     Change, FencedChange, Row, mark_failed_change, mark_outcome_unknown_change, plan,
     plan_settle_and_claim, plan_settlements,
 };
-use crate::outbox::{Fence, OutboxId, SettledAndClaimed, Settlement};
+use crate::outbox::{Fence, OutboxId, OutboxStatus, SettledAndClaimed, Settlement};
 use crate::postgres::conn::{Db, Mode};
 use crate::postgres::errors::unsigned;
 use crate::postgres::refuse_reentrant;
+
+/// The condition (on the row `o`) under which completing an entry changes
+/// nothing but the row: it has no ordering key (no sequence to move on),
+/// and its destination's flow, told of a success, stays as it is and frees
+/// no capped slot (no circuit to close, not its probe, no cap). Every other
+/// completion takes the general path, which tells the destination.
+fn flow_neutral(s: &str) -> String {
+    format!(
+        "o.ordering_key IS NULL AND NOT EXISTS (SELECT 1 FROM {s}.destinations d \
+         WHERE d.destination = o.destination AND (d.failures <> 0 OR d.trips <> 0 \
+         OR d.open_until IS NOT NULL OR d.probe = o.id OR d.max_in_flight IS NOT NULL))"
+    )
+}
 
 impl PgOutbox {
     /// Completes entry `id` at `now` in one statement if the status table
@@ -38,10 +53,11 @@ impl PgOutbox {
     ) -> Result<bool> {
         let s = self.s();
         let sql = format!(
-            "UPDATE {s}.outbox SET status = 'completed', completed_at = $3, \
+            "UPDATE {s}.outbox o SET status = 'completed', completed_at = $3, \
              next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
-             WHERE id = $1 AND ($2::bigint IS NULL OR attempt_count = $2) \
-             AND status IN ('dispatching', 'outcome_unknown')"
+             WHERE o.id = $1 AND ($2::bigint IS NULL OR o.attempt_count = $2) \
+             AND o.status IN ('dispatching', 'outcome_unknown') AND {}",
+            flow_neutral(s)
         );
         let fence = fence.map(i64::from);
         Ok(db.execute(&sql, &[&id, &fence, &now])? == 1)
@@ -65,7 +81,10 @@ impl PgOutbox {
         {
             return Ok(());
         }
-        self.change_locked(db, id, change, fence)
+        let mut touched = Touched::default();
+        self.change_locked(db, id, change, fence, &mut touched)?;
+        self.settle_flows(db, &touched)?;
+        Ok(())
     }
 
     /// Applies `change` to entry `db` through the status machine on the
@@ -76,10 +95,11 @@ impl PgOutbox {
         id: i64,
         change: &Change,
         fence: Option<u32>,
+        touched: &mut Touched,
     ) -> Result<()> {
         let rows = self.lock(db, &[id])?;
         let (id, old) = rows.iter().next().ok_or(Error::NotFound)?;
-        self.apply(db, *id, old, change, fence)?;
+        self.apply(db, *id, old, change, fence, touched)?;
         Ok(())
     }
 
@@ -94,8 +114,11 @@ impl PgOutbox {
     }
 
     /// Plans `change` on `old` (entry `id`, locked) with the status
-    /// machine and writes the plan: the new row and the attempt record it
-    /// adds. Returns the row as it stands afterwards.
+    /// machine and writes the plan: the new row, its place in its ordering
+    /// sequence (none once finished, a fresh one at the end when a finished
+    /// entry comes back), the attempt record it adds, and the next entry of
+    /// its sequence made claimable when it leaves. Notes in `touched` what
+    /// it tells its destination. Returns the row as it stands afterwards.
     fn apply(
         &self,
         tx: &mut Db<'_, impl GenericClient>,
@@ -103,19 +126,22 @@ impl PgOutbox {
         old: &Row,
         change: &Change,
         fence: Option<u32>,
+        touched: &mut Touched,
     ) -> Result<Row> {
         let Some(new) = plan(id, old, change, fence)? else {
             return Ok(old.clone());
         };
         let attempt = change.attempt_row(old, old.status);
-        let s = self.s();
+        let s = self.s().to_owned();
         let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
+        let (new, waiting, leaves) = self.place_in_sequence(tx, id, old, new)?;
         let status = status_name(new.status);
         let (worker, claimed_at) = match &new.attempt {
             Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
             None => (None, None),
         };
-        let params: [&(dyn ToSql + Sync); 9] = [
+        let seq = new.seq.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
+        let params: [&(dyn ToSql + Sync); 11] = [
             &db,
             &status,
             &i64::from(new.attempt_count),
@@ -125,12 +151,14 @@ impl PgOutbox {
             &claimed_at,
             &new.last_failure.as_deref().map(str::as_bytes),
             &new.remote_ref.as_deref().map(str::as_bytes),
+            &seq,
+            &waiting,
         ];
         tx.execute(
             &format!(
                 "UPDATE {s}.outbox SET status = $2, attempt_count = $3, next_attempt_at = $4, \
                  completed_at = $5, worker_id = $6, claimed_at = $7, last_failure = $8, \
-                 remote_ref = $9 WHERE id = $1"
+                 remote_ref = $9, seq = $10, waiting = coalesce($11, waiting) WHERE id = $1"
             ),
             &params,
         )?;
@@ -160,7 +188,99 @@ impl PgOutbox {
                 &params,
             )?;
         }
+        if leaves {
+            touched.promoted |= self.promote_next(tx, old)?;
+        }
+        if old.status == OutboxStatus::Dispatching {
+            touched.events.push((
+                old.destination.clone(),
+                FlowEvent::Settled {
+                    id,
+                    signal: change.signal(old.status),
+                    at: change.time(),
+                },
+            ));
+        }
+        if let Some(until) = change.hold() {
+            touched
+                .events
+                .push((old.destination.clone(), FlowEvent::Hold(until)));
+        }
         Ok(new)
+    }
+
+    /// `new` (entry `id`, changed from `old`) with its place in its
+    /// ordering sequence, under the sequence's lock when it joins or leaves
+    /// it: none once finished, a fresh one at the end when a finished entry
+    /// comes back (then it waits if another entry of the sequence is
+    /// unfinished). Returns it, what its `waiting` flag becomes (`None`:
+    /// unchanged) and whether it left its sequence.
+    fn place_in_sequence(
+        &self,
+        tx: &mut Db<'_, impl GenericClient>,
+        id: u64,
+        old: &Row,
+        new: Row,
+    ) -> Result<(Row, Option<bool>, bool)> {
+        let s = self.s().to_owned();
+        let in_seq = |r: &Row| r.ordering_key.is_some() && !r.status.is_finished();
+        let (leaves, joins) = (in_seq(old) && !in_seq(&new), !in_seq(old) && in_seq(&new));
+        if (leaves || joins)
+            && let Some(key) = &old.ordering_key
+        {
+            self.lock_sequence(tx, &old.destination, key)?;
+        }
+        let new = sequenced(old, new, || {
+            let n: i64 = tx
+                .query_one(
+                    &format!("SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id'))"),
+                    &[],
+                )?
+                .try_get(0)?;
+            unsigned(TABLE, &id, "seq", n)
+        })?;
+        let waiting = if joins {
+            let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
+            let r = tx.query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {s}.outbox WHERE destination = $1 \
+                     AND ordering_key = $2 AND seq IS NOT NULL AND id <> $3)"
+                ),
+                &[
+                    &new.destination.as_bytes(),
+                    &new.ordering_key.as_deref().map(str::as_bytes),
+                    &db,
+                ],
+            )?;
+            Some(r.try_get::<_, bool>(0)?)
+        } else if leaves {
+            Some(false)
+        } else {
+            None
+        };
+        Ok((new, waiting, leaves))
+    }
+
+    /// Makes the first entry left in `old`'s sequence claimable (`old` just
+    /// left it, under the sequence's lock); whether one was, `Pending`.
+    fn promote_next(&self, tx: &mut Db<'_, impl GenericClient>, old: &Row) -> Result<bool> {
+        let s = self.s();
+        let promoted = tx.query_opt(
+            &format!(
+                "UPDATE {s}.outbox SET waiting = false WHERE id = ( \
+                     SELECT id FROM {s}.outbox WHERE destination = $1 \
+                     AND ordering_key = $2 AND seq IS NOT NULL ORDER BY seq LIMIT 1) \
+                 AND waiting RETURNING status"
+            ),
+            &[
+                &old.destination.as_bytes(),
+                &old.ordering_key.as_deref().map(str::as_bytes),
+            ],
+        )?;
+        Ok(match promoted {
+            Some(r) => r.try_get::<_, &str>(0)? == status_name(OutboxStatus::Pending),
+            None => false,
+        })
     }
 
     /// Applies `change` to `id` in its own transaction, waking this
@@ -170,20 +290,24 @@ impl PgOutbox {
         let id = db_id(id).ok_or(Error::NotFound)?;
         // A completion lost in flight may be run again: a second
         // completion of the same attempt is accepted without change.
-        let done = self.server.run(Mode::Tx, |conn| {
+        let (done, sooner) = self.server.run(Mode::Tx, |conn| {
             if let Change::Completed { now } = change
                 && self.complete_fast(&mut conn.db(), id, fence, *now)?
             {
-                return Ok(true);
+                return Ok((true, false));
             }
-            conn.in_transaction(|db| self.change_locked(db, id, change, fence))?;
-            Ok(false)
+            let sooner = conn.in_transaction(|db| {
+                let mut touched = Touched::default();
+                self.change_locked(db, id, change, fence, &mut touched)?;
+                self.settle_flows(db, &touched)
+            })?;
+            Ok((false, sooner))
         })?;
         self.depth.after_write(self);
         if done {
             return Ok(());
         }
-        if change.makes_work_due() {
+        if change.makes_work_due() || sooner {
             self.notify();
         }
         Ok(())
@@ -206,7 +330,11 @@ impl PgOutbox {
     /// [`PgOutbox::settle`] inside the caller's own transaction (for a
     /// dispatcher that records the effect's result in its own tables in the
     /// same commit). A retry or a reschedule wakes the dispatchers once the
-    /// caller's transaction has committed.
+    /// caller's transaction has committed. A settlement that changes its
+    /// destination's flow (a circuit, a probe, a cap, a hold) or moves an
+    /// ordering sequence on holds that destination's row (or the
+    /// sequence's lock) until the caller's transaction ends: claims leave
+    /// the destination alone meanwhile, so keep such transactions short.
     pub fn settle_in(
         &self,
         tx: &mut Transaction<'_>,
@@ -229,6 +357,20 @@ impl PgOutbox {
         &self,
         tx: &mut Db<'_, impl GenericClient>,
         changes: &[FencedChange],
+    ) -> Result<(Vec<Result<()>>, bool)> {
+        let mut touched = Touched::default();
+        let out = self.settle_many_rows(tx, changes, &mut touched)?;
+        let sooner = self.settle_flows(tx, &touched)?;
+        Ok((out, sooner))
+    }
+
+    /// The entry changes of [`PgOutbox::settle_many_in`], noting in
+    /// `touched` what they tell their destinations.
+    fn settle_many_rows(
+        &self,
+        tx: &mut Db<'_, impl GenericClient>,
+        changes: &[FencedChange],
+        touched: &mut Touched,
     ) -> Result<Vec<Result<()>>> {
         let done = self.complete_many_fast(tx, changes)?;
         let ids: Vec<i64> = changes
@@ -251,7 +393,7 @@ impl PgOutbox {
                 out.push(Err(Error::NotFound));
                 continue;
             };
-            match self.apply(tx, *id, old, change, Some(*attempt)) {
+            match self.apply(tx, *id, old, change, Some(*attempt), touched) {
                 Ok(new) => {
                     rows.insert(*id, new);
                     out.push(Ok(()));
@@ -295,7 +437,8 @@ impl PgOutbox {
                  next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
                  FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
                  WHERE o.id = f.id AND o.attempt_count = f.fence \
-                 AND o.status IN ('dispatching', 'outcome_unknown') RETURNING o.id"
+                 AND o.status IN ('dispatching', 'outcome_unknown') AND {} RETURNING o.id",
+                flow_neutral(s)
             ),
             &[&ids, &fences, &times],
         )?;
@@ -324,10 +467,10 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
-        let out = self.server.run(Mode::Tx, |conn| {
+        let (out, sooner) = self.server.run(Mode::Tx, |conn| {
             conn.in_transaction(|db| self.settle_many_in(db, &changes))
         })?;
-        self.notify_if_settled(&changes, &out);
+        self.notify_if_settled(&changes, &out, sooner);
         self.depth.after_write(self);
         Ok(out)
     }
@@ -348,23 +491,7 @@ impl PgOutbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        let (changes, _) = plan_settle_and_claim(settlements, now, worker_id)?;
-        refuse_reentrant()?;
-        let now = micros(now);
-        let (settled, claimed) = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
-                let settled = if changes.is_empty() {
-                    Vec::new()
-                } else {
-                    self.settle_many_in(db, &changes)?
-                };
-                let claimed = self.claim_on(db, now, limit, worker_id)?;
-                Ok((settled, claimed))
-            })
-        })?;
-        self.notify_if_settled(&changes, &settled);
-        self.depth.after_write(self);
-        Ok((settled, claimed))
+        self.settle_and_claim_with(settlements, now, &ClaimRequest::new(limit, worker_id))
     }
 
     /// [`PgOutbox::settle_and_claim`] with a claim that `request` shapes (as
@@ -376,16 +503,33 @@ impl PgOutbox {
         request: &ClaimRequest,
     ) -> Result<SettledAndClaimed> {
         request.check()?;
-        self.settle_and_claim(settlements, now, request.limit(), request.worker_id())
+        let (changes, _) = plan_settle_and_claim(settlements, now, request.worker_id())?;
+        refuse_reentrant()?;
+        let now = micros(now);
+        let (settled, claimed, sooner) = self.server.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| {
+                let (settled, sooner) = if changes.is_empty() {
+                    (Vec::new(), false)
+                } else {
+                    self.settle_many_in(db, &changes)?
+                };
+                let claimed = self.claim_in(db, now, request)?;
+                Ok((settled, claimed, sooner))
+            })
+        })?;
+        self.notify_if_settled(&changes, &settled, sooner);
+        self.depth.after_write(self);
+        Ok((settled, claimed))
     }
 
     /// Wakes this process's subscribers after a bulk settle that may have
     /// made work due.
-    fn notify_if_settled(&self, changes: &[FencedChange], settled: &[Result<()>]) {
-        let wake = changes
-            .iter()
-            .zip(settled)
-            .any(|((_, _, c), r)| r.is_ok() && c.makes_work_due());
+    fn notify_if_settled(&self, changes: &[FencedChange], settled: &[Result<()>], sooner: bool) {
+        let wake = sooner
+            || changes
+                .iter()
+                .zip(settled)
+                .any(|((_, _, c), r)| r.is_ok() && c.makes_work_due());
         if wake {
             self.notify();
         }

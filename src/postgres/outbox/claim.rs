@@ -1,0 +1,403 @@
+//! How [`PgOutbox`] claims: the same rule as the embedded store, decided
+//! by the same `Flow` methods, on the server's rows.
+//!
+//! 1. **The line.** Every destination with a claimable entry (`pending`
+//!    and not waiting behind an earlier entry of its ordering sequence)
+//!    and its earliest due time, one index descent each (a skip scan of
+//!    the partial `outbox_line` index), joined with its flow row and, for a
+//!    capped one, its in-flight count. Its place is `max(open_from,
+//!    earliest due, served_at)`; it is in line if `open_from` is some time.
+//!    Destinations at or before `now` are taken front first, ties by name.
+//!    Costs one step per destination with claimable entries, whatever the
+//!    backlog.
+//! 2. **The locks.** The flow rows of the destinations visited (at most
+//!    `limit`, or one at a time for a one-destination claim) are created
+//!    if missing and locked `FOR UPDATE SKIP LOCKED` in name order: a
+//!    destination another claimer is taking from (or a settlement is
+//!    changing) is left to it. Their in-flight counts are counted again
+//!    under the lock, so that every claim committed before is in them:
+//!    caps, tokens and probes hold exactly across processes.
+//! 3. **The entries.** Each destination gives what its flow allows at
+//!    `now` (`Flow::allowance`, taken one by one as the embedded store
+//!    does), highest priority first, then earliest due, then id (ten
+//!    descents of the partial `outbox_queue` index, one per priority); the
+//!    claim takes one from each per round, round after round, up to
+//!    `limit`, in one `UPDATE`, and writes each flow back
+//!    (`Flow::claimed`, `served_at`).
+
+use std::collections::{BTreeSet, HashMap};
+
+use ::postgres::GenericClient;
+use chrono::{DateTime, Utc};
+
+use super::flows::{DESTINATIONS, FLOW_COLS, Stored, read_flow};
+use super::{COLS, PgOutbox, TABLE, read_entry};
+use crate::codec::{from_micros, micros};
+use crate::error::Result;
+use crate::outbox::destinations::{Allowance, Flow, MAX_PRIORITY};
+use crate::outbox::{ClaimRequest, ONE_DESTINATION_LOOKS, OutboxEntry};
+use crate::postgres::conn::{Db, Mode};
+use crate::postgres::errors::{unsigned, utf8};
+use crate::postgres::refuse_reentrant;
+
+/// A destination with a claimable entry.
+#[derive(Clone, Debug)]
+struct Candidate {
+    destination: String,
+    /// Its place in line; `None` while its flow is blocked.
+    place: Option<i64>,
+    /// Whether it has a flow row.
+    has_row: bool,
+}
+
+/// How many entries `flow` lets a claim at `now` take one after the
+/// other, at most `limit` (its allowance asked again after each, as the
+/// claim takes them).
+fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
+    let mut f = flow.clone();
+    let mut n = 0;
+    while n < limit {
+        match f.allowance(now) {
+            Allowance::Take { max, probe } if max > 0 => {
+                f.claimed(1, 0, probe, now);
+                f.in_flight += 1;
+                n += 1;
+            }
+            _ => break,
+        }
+    }
+    n
+}
+
+impl PgOutbox {
+    /// Every destination with a claimable entry, with its place in line.
+    fn line(&self, db: &mut Db<'_, impl GenericClient>) -> Result<Vec<Candidate>> {
+        let s = self.s();
+        let due = "coalesce(o.next_attempt_at, o.created_at)";
+        let sql = format!(
+            "WITH RECURSIVE line (destination, due) AS ( \
+                 (SELECT o.destination, {due} FROM {s}.outbox o \
+                  WHERE o.status = 'pending' AND NOT o.waiting \
+                  ORDER BY o.destination, {due}, o.id LIMIT 1) \
+               UNION ALL \
+                 SELECT n.destination, n.due FROM line l CROSS JOIN LATERAL ( \
+                     SELECT o.destination, {due} AS due FROM {s}.outbox o \
+                     WHERE o.status = 'pending' AND NOT o.waiting \
+                     AND o.destination > l.destination \
+                     ORDER BY o.destination, {due}, o.id LIMIT 1) n \
+             ) \
+             SELECT l.destination, l.due, d.destination IS NOT NULL, \
+                 CASE WHEN d.max_in_flight IS NULL THEN 0 ELSE \
+                     (SELECT count(*) FROM {s}.outbox f \
+                      WHERE f.destination = l.destination AND f.status = 'dispatching') END, \
+                 {FLOW_COLS} \
+             FROM line l LEFT JOIN {s}.destinations d ON d.destination = l.destination"
+        );
+        let rows = db.query(&sql, &[])?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let destination = utf8(DESTINATIONS, &"line", r.try_get(0)?)?;
+            let due: i64 = r.try_get(1)?;
+            let has_row: bool = r.try_get(2)?;
+            let in_flight: i64 = r.try_get(3)?;
+            let mut stored = if has_row {
+                read_flow(r, 4, &destination)?
+            } else {
+                Stored::default()
+            };
+            stored.flow.in_flight = u64::try_from(in_flight).unwrap_or(0);
+            let place = stored
+                .flow
+                .open_from()
+                .map(|open| open.max(due).max(stored.served_at));
+            out.push(Candidate {
+                destination,
+                place,
+                has_row,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The destinations in line at `now` that `take` accepts, front first.
+    fn ready_at(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        now: i64,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<Vec<Candidate>> {
+        let mut ready: Vec<Candidate> = self
+            .line(db)?
+            .into_iter()
+            .filter(|c| c.place.is_some_and(|p| p <= now) && take(&c.destination))
+            .collect();
+        ready.sort_by(|a, b| {
+            (a.place, a.destination.as_bytes()).cmp(&(b.place, b.destination.as_bytes()))
+        });
+        Ok(ready)
+    }
+
+    /// When the next entry may be claimed (possibly in the past: work is
+    /// waiting), or `None` if nothing is claimable until something changes:
+    /// the earliest time a destination with a claimable entry may give it —
+    /// its entry's due time, its next token, the end of its cool-down or
+    /// hold. A paused destination, one at its `max_in_flight` and an entry
+    /// waiting behind an earlier one of its ordering sequence count for
+    /// nothing here. A dispatcher sleeps until then, or until a
+    /// [`subscribe`](PgOutbox::subscribe) signal.
+    pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        let line = self
+            .server
+            .run(Mode::Read, |conn| self.line(&mut conn.db()))?;
+        match line.iter().filter_map(|c| c.place).min() {
+            Some(at) => from_micros(TABLE, &"next due", at).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Claims what `request` asks for at `now`, as
+    /// [`Outbox::claim`](crate::Outbox::claim) does: an entry is claimable
+    /// when it is `Pending` and due, the first unfinished entry of its
+    /// ordering sequence if it has an ordering key, and its destination is
+    /// not paused, not at its `max_in_flight`, not held back (circuit open,
+    /// throttled) and has a token. Destinations take turns, the one served
+    /// longest ago first, one entry each per round (all from one if the
+    /// request says [`one_destination`](ClaimRequest::one_destination));
+    /// within a destination, highest priority first, then earliest due,
+    /// then id.
+    ///
+    /// Each entry taken becomes `Dispatching` with `attempt_count + 1` and
+    /// the claim `{worker_id, claimed_at: now}`; the returned entries are
+    /// exactly what [`PgOutbox::get`] returns for them afterwards.
+    /// Concurrent claimers, in any process, never get the same entry, and
+    /// every limit holds across all of them: each destination's row is
+    /// locked for the claim, and a destination another claimer holds is
+    /// left to it. Costs one index descent per destination with claimable
+    /// entries plus O(limit · log n), whatever the backlog. A call that
+    /// returns `Err` claimed nothing, unless the connection was lost once
+    /// its `COMMIT` was sent: then the entries may have been claimed, and
+    /// stay `Dispatching` until
+    /// [`release_expired_claims`](Self::release_expired_claims) hands them
+    /// back.
+    pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
+        request.check()?;
+        if request.limit() == 0 {
+            return Ok(Vec::new());
+        }
+        refuse_reentrant()?;
+        let now = micros(now);
+        let claimed = self.server.run(Mode::Tx, |conn| {
+            conn.in_transaction(|db| self.claim_in(db, now, request))
+        })?;
+        self.depth.after_write(self);
+        Ok(claimed)
+    }
+
+    /// [`PgOutbox::claim`] in `db`'s transaction.
+    pub(super) fn claim_in(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
+        if request.limit() == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = self.claim_from(db, now, request, |d| !request.avoids(d))?;
+        if out.is_empty() && !request.avoid.is_empty() {
+            out = self.claim_from(db, now, request, |d| request.avoids(d))?;
+        }
+        Ok(out)
+    }
+
+    /// [`PgOutbox::claim_in`] from the destinations in line that `take`
+    /// accepts.
+    fn claim_from(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        now: i64,
+        request: &ClaimRequest,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<Vec<OutboxEntry>> {
+        let limit = request.limit();
+        let ready = self.ready_at(db, now, take)?;
+        if request.one_destination {
+            for c in ready.iter().take(ONE_DESTINATION_LOOKS) {
+                let got = self.take_rounds(db, std::slice::from_ref(c), limit, now, request)?;
+                if !got.is_empty() {
+                    return Ok(got);
+                }
+            }
+            return Ok(Vec::new());
+        }
+        let visit: Vec<Candidate> = ready.into_iter().take(limit).collect();
+        self.take_rounds(db, &visit, limit, now, request)
+    }
+
+    /// Takes up to `limit` entries from `visit` (in line order), one from
+    /// each per round, each within what its flow allows at `now`.
+    fn take_rounds(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        visit: &[Candidate],
+        limit: usize,
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
+        let missing: Vec<String> = visit
+            .iter()
+            .filter(|c| !c.has_row)
+            .map(|c| c.destination.clone())
+            .collect();
+        self.ensure_flows(db, &missing)?;
+        let mut names: Vec<String> = visit.iter().map(|c| c.destination.clone()).collect();
+        names.sort_unstable();
+        names.dedup();
+        let mut locked = self.lock_flows(db, &names, true)?;
+        let capped: Vec<&str> = locked
+            .iter()
+            .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
+            .map(|(d, _)| d.as_str())
+            .collect();
+        let counts = self.count_in_flight(db, &capped)?;
+        for (d, r) in &mut locked {
+            r.flow.in_flight = counts.get(d).copied().unwrap_or(0);
+        }
+        // What each may give, and its entries that could be taken.
+        let wants: Vec<(&str, usize)> = visit
+            .iter()
+            .filter_map(|c| {
+                let r = locked.get(&c.destination)?;
+                let n = capacity(&r.flow, now, limit);
+                (n > 0).then_some((c.destination.as_str(), n))
+            })
+            .collect();
+        let mut available = self.first_entries(db, &wants, now)?;
+        // Rounds, in line order.
+        let mut chosen: Vec<(String, u64)> = Vec::new();
+        let mut active: Vec<&str> = wants.iter().map(|(d, _)| *d).collect();
+        let mut given: HashMap<&str, usize> = HashMap::new();
+        while chosen.len() < limit && !active.is_empty() {
+            let mut still = Vec::with_capacity(active.len());
+            for d in active {
+                if chosen.len() >= limit {
+                    break;
+                }
+                let n = given.entry(d).or_insert(0);
+                let cap = wants.iter().find(|(w, _)| *w == d).map_or(0, |(_, c)| *c);
+                let Some(ids) = available.get_mut(d) else {
+                    continue;
+                };
+                if *n < cap
+                    && let Some(id) = ids.get(*n)
+                {
+                    chosen.push((d.to_owned(), *id));
+                    *n += 1;
+                    still.push(d);
+                }
+            }
+            active = still;
+        }
+        if chosen.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = chosen
+            .iter()
+            .map(|(_, id)| i64::try_from(*id).unwrap_or(i64::MAX))
+            .collect();
+        let s = self.s();
+        let rows = db.query(
+            &format!(
+                "UPDATE {s}.outbox SET status = 'dispatching', \
+                 attempt_count = LEAST(attempt_count + 1, 4294967295), \
+                 worker_id = $3, claimed_at = $1 \
+                 WHERE id IN (SELECT id FROM {s}.outbox WHERE id = ANY($2) \
+                     AND status = 'pending' AND NOT waiting \
+                     AND coalesce(next_attempt_at, created_at) <= $1 FOR UPDATE SKIP LOCKED) \
+                 RETURNING {COLS}"
+            ),
+            &[&now, &ids, &request.worker_id().as_bytes()],
+        )?;
+        let mut by_id: HashMap<u64, OutboxEntry> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let e = read_entry(r)?;
+            by_id.insert(e.id.0, e);
+        }
+        let mut out = Vec::with_capacity(by_id.len());
+        let mut touched: BTreeSet<&str> = BTreeSet::new();
+        for (d, id) in &chosen {
+            let Some(e) = by_id.remove(id) else {
+                continue;
+            };
+            if let Some(r) = locked.get_mut(d) {
+                if let Allowance::Take { probe, .. } = r.flow.allowance(now) {
+                    r.flow.claimed(1, *id, probe, now);
+                }
+                r.flow.in_flight += 1;
+                r.served_at = r.served_at.max(now);
+                touched.insert(d.as_str());
+            }
+            out.push(e);
+        }
+        for d in touched {
+            if let Some(r) = locked.get(d) {
+                self.write_flow(db, d, r)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first claimable entries due at `now` of each destination in
+    /// `wants`, as many as it says, highest priority first, then earliest
+    /// due, then id.
+    fn first_entries<'a>(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        wants: &[(&'a str, usize)],
+        now: i64,
+    ) -> Result<HashMap<&'a str, Vec<u64>>> {
+        let mut out: HashMap<&'a str, Vec<u64>> = HashMap::new();
+        if wants.is_empty() {
+            return Ok(out);
+        }
+        let s = self.s();
+        let due = "coalesce(o.next_attempt_at, o.created_at)";
+        let names: Vec<&[u8]> = wants.iter().map(|(d, _)| d.as_bytes()).collect();
+        let counts: Vec<i64> = wants
+            .iter()
+            .map(|(_, n)| i64::try_from(*n).unwrap_or(i64::MAX))
+            .collect();
+        let priorities: Vec<i16> = (0..=MAX_PRIORITY).rev().map(i16::from).collect();
+        let rows = db.query(
+            &format!(
+                "SELECT q.d, e.id, e.priority, e.due \
+                 FROM unnest($1::bytea[], $2::bigint[]) AS q(d, n) CROSS JOIN LATERAL ( \
+                     SELECT p.id, p.priority, p.due \
+                     FROM unnest($4::smallint[]) AS r(pr) CROSS JOIN LATERAL ( \
+                         SELECT o.id, o.priority, {due} AS due FROM {s}.outbox o \
+                         WHERE o.destination = q.d AND o.status = 'pending' \
+                         AND NOT o.waiting AND o.priority = r.pr AND {due} <= $3 \
+                         ORDER BY {due}, o.id LIMIT q.n) p \
+                     ORDER BY p.priority DESC, p.due, p.id LIMIT q.n) e"
+            ),
+            &[&names, &counts, &now, &priorities],
+        )?;
+        let mut found: HashMap<&'a str, Vec<(i16, i64, u64)>> = HashMap::new();
+        for r in &rows {
+            let d: &[u8] = r.try_get(0)?;
+            let Some((name, _)) = wants.iter().find(|(w, _)| w.as_bytes() == d) else {
+                continue;
+            };
+            let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(1)?)?;
+            found
+                .entry(*name)
+                .or_default()
+                .push((r.try_get(2)?, r.try_get(3)?, id));
+        }
+        for (d, mut es) in found {
+            es.sort_by(|a, b| (b.0, a.1, a.2).cmp(&(a.0, b.1, b.2)));
+            out.insert(d, es.into_iter().map(|e| e.2).collect());
+        }
+        Ok(out)
+    }
+}

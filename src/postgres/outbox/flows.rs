@@ -1,0 +1,347 @@
+//! The destinations' flow state in `S.destinations`: one row per
+//! destination that has a policy, a pause, a hold or was claimed from,
+//! holding its [`Flow`] (policy, pause, token bucket, circuit, hold) and
+//! when a claim last took one of its entries (`served_at`). A destination
+//! without a row has the default flow and was never served (`served_at`
+//! 0), as in the embedded store.
+//!
+//! The rules are the shared ones (`Flow`'s methods); this file only reads
+//! and writes their state. In-flight counts are not stored: a claim counts
+//! the destination's `dispatching` rows (the partial in-flight index)
+//! after locking its row, so that the count includes every claim committed
+//! before it. Every change to a row is made under its row lock (`SELECT …
+//! FOR UPDATE`, several rows in name order), in the transaction of the
+//! entry changes that call for it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ::postgres::GenericClient;
+use ::postgres::types::ToSql;
+
+use super::{PgOutbox, TABLE};
+use crate::error::Result;
+use crate::outbox::destinations::{Flow, PolicyParts, Signal};
+use crate::postgres::conn::Db;
+use crate::postgres::errors::{corrupted, utf8};
+
+/// The table, in error messages.
+pub(super) const DESTINATIONS: &str = "destinations";
+
+/// The flow columns of `S.destinations`, in the order [`read_flow`] reads
+/// them.
+pub(super) const FLOW_COLS: &str = "max_in_flight, rate_per_second, rate_burst, \
+    circuit_failures, circuit_cool_down, paused, tokens, tokens_at, failures, trips, \
+    open_until, probe, held_until, served_at";
+
+/// A destination's stored row: its flow (its in-flight count as the caller
+/// sets it) and when it was last served.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Stored {
+    pub(super) flow: Flow,
+    pub(super) served_at: i64,
+}
+
+/// A `bigint` column holding a `u32`.
+fn u32_col(dest: &str, field: &str, v: Option<i64>) -> Result<Option<u32>> {
+    v.map(|n| u32::try_from(n).map_err(|_| corrupted(DESTINATIONS, &dest, format!("{field} {n}"))))
+        .transpose()
+}
+
+/// A `bigint` column holding a `u64`.
+fn u64_col(dest: &str, field: &str, v: Option<i64>) -> Result<Option<u64>> {
+    v.map(|n| u64::try_from(n).map_err(|_| corrupted(DESTINATIONS, &dest, format!("{field} {n}"))))
+        .transpose()
+}
+
+/// The flow of `dest` in `r`, its [`FLOW_COLS`] from column `at` on.
+pub(super) fn read_flow(r: &::postgres::Row, at: usize, dest: &str) -> Result<Stored> {
+    let rate = match (
+        r.try_get::<_, Option<f64>>(at + 1)?,
+        u32_col(dest, "rate_burst", r.try_get(at + 2)?)?,
+    ) {
+        (Some(per_second), Some(burst)) if per_second.is_finite() && per_second > 0.0 => {
+            Some((per_second, burst))
+        }
+        (None, None) => None,
+        _ => return Err(corrupted(DESTINATIONS, &dest, "a rate limit out of range")),
+    };
+    let circuit = match (
+        u32_col(dest, "circuit_failures", r.try_get(at + 3)?)?,
+        r.try_get::<_, Option<i64>>(at + 4)?,
+    ) {
+        (Some(k), Some(cool_down)) => Some((k, cool_down)),
+        (None, None) => None,
+        _ => return Err(corrupted(DESTINATIONS, &dest, "a circuit breaker half set")),
+    };
+    let tokens: Option<f64> = r.try_get(at + 6)?;
+    if tokens.is_some_and(|t| !t.is_finite()) {
+        return Err(corrupted(DESTINATIONS, &dest, "a token count out of range"));
+    }
+    let flow = Flow {
+        policy: PolicyParts {
+            max_in_flight: u32_col(dest, "max_in_flight", r.try_get(at)?)?,
+            rate,
+            circuit,
+        },
+        paused: r.try_get(at + 5)?,
+        in_flight: 0,
+        tokens,
+        tokens_at: r.try_get(at + 7)?,
+        failures: u32_col(dest, "failures", Some(r.try_get(at + 8)?))?.unwrap_or(0),
+        trips: u32_col(dest, "trips", Some(r.try_get(at + 9)?))?.unwrap_or(0),
+        open_until: r.try_get(at + 10)?,
+        probe: u64_col(dest, "probe", r.try_get(at + 11)?)?,
+        held_until: r.try_get(at + 12)?,
+    };
+    Ok(Stored {
+        flow,
+        served_at: r.try_get(at + 13)?,
+    })
+}
+
+/// What a change to an entry tells its destination's flow.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum FlowEvent {
+    /// Entry `id` left `Dispatching` at `at`, telling the circuit `signal`
+    /// (`Flow::settled`).
+    Settled { id: u64, signal: Signal, at: i64 },
+    /// The whole destination waits until then (`Flow::hold`).
+    Hold(i64),
+}
+
+/// What the entry changes of one transaction told the destinations, in
+/// order, and whether one of them made a waiting entry of a sequence
+/// claimable.
+#[derive(Debug, Default)]
+pub(super) struct Touched {
+    pub(super) events: Vec<(String, FlowEvent)>,
+    pub(super) promoted: bool,
+}
+
+impl Stored {
+    /// Whether the row holds nothing worth keeping once its destination
+    /// has no entry: no policy, no pause, no hold (as the embedded store
+    /// drops such a destination's record).
+    pub(super) fn is_idle(&self) -> bool {
+        self.flow.policy == PolicyParts::default()
+            && !self.flow.paused
+            && self.flow.held_until.is_none()
+    }
+}
+
+impl PgOutbox {
+    /// The rows of `dests` (sorted, distinct), locked in name order; with
+    /// `skip_locked`, those another transaction holds are left out.
+    pub(super) fn lock_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dests: &[String],
+        skip_locked: bool,
+    ) -> Result<BTreeMap<String, Stored>> {
+        if dests.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let s = self.s();
+        let names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
+        let rows = db.query(
+            &format!(
+                "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
+                 WHERE destination = ANY($1) ORDER BY destination FOR UPDATE{}",
+                if skip_locked { " SKIP LOCKED" } else { "" }
+            ),
+            &[&names],
+        )?;
+        let mut out = BTreeMap::new();
+        for r in &rows {
+            let dest = utf8(DESTINATIONS, &"?", r.try_get(0)?)?;
+            let stored = read_flow(r, 1, &dest)?;
+            out.insert(dest, stored);
+        }
+        Ok(out)
+    }
+
+    /// Creates the rows of `dests` that do not exist yet (the default flow),
+    /// in name order.
+    pub(super) fn ensure_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dests: &[String],
+    ) -> Result<()> {
+        if dests.is_empty() {
+            return Ok(());
+        }
+        let s = self.s();
+        let mut names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
+        names.sort_unstable();
+        db.execute(
+            &format!(
+                "INSERT INTO {s}.destinations (destination) \
+                 SELECT d FROM unnest($1::bytea[]) AS u(d) ORDER BY d ON CONFLICT DO NOTHING"
+            ),
+            &[&names],
+        )?;
+        Ok(())
+    }
+
+    /// The entries of `dests` in `Dispatching` now, by destination (those
+    /// with none are absent).
+    pub(super) fn count_in_flight(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dests: &[&str],
+    ) -> Result<HashMap<String, u64>> {
+        if dests.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let s = self.s();
+        let names: Vec<&[u8]> = dests.iter().map(|d| d.as_bytes()).collect();
+        let rows = db.query(
+            &format!(
+                "SELECT destination, count(*) FROM {s}.outbox \
+                 WHERE destination = ANY($1) AND status = 'dispatching' GROUP BY destination"
+            ),
+            &[&names],
+        )?;
+        let mut out = HashMap::new();
+        for r in &rows {
+            let dest = utf8(TABLE, &"in flight", r.try_get(0)?)?;
+            let n: i64 = r.try_get(1)?;
+            out.insert(dest, u64::try_from(n).unwrap_or(0));
+        }
+        Ok(out)
+    }
+
+    /// Writes `stored` as the row of `dest` (which exists, locked).
+    pub(super) fn write_flow(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dest: &str,
+        stored: &Stored,
+    ) -> Result<()> {
+        let s = self.s();
+        let f = &stored.flow;
+        let p = &f.policy;
+        let params: [&(dyn ToSql + Sync); 15] = [
+            &dest.as_bytes(),
+            &p.max_in_flight.map(i64::from),
+            &p.rate.map(|r| r.0),
+            &p.rate.map(|r| i64::from(r.1)),
+            &p.circuit.map(|c| i64::from(c.0)),
+            &p.circuit.map(|c| c.1),
+            &f.paused,
+            &f.tokens,
+            &f.tokens_at,
+            &i64::from(f.failures),
+            &i64::from(f.trips),
+            &f.open_until,
+            &f.probe.map(|id| i64::try_from(id).unwrap_or(i64::MAX)),
+            &f.held_until,
+            &stored.served_at,
+        ];
+        db.execute(
+            &format!(
+                "UPDATE {s}.destinations SET max_in_flight = $2, rate_per_second = $3, \
+                 rate_burst = $4, circuit_failures = $5, circuit_cool_down = $6, paused = $7, \
+                 tokens = $8, tokens_at = $9, failures = $10, trips = $11, open_until = $12, \
+                 probe = $13, held_until = $14, served_at = $15 WHERE destination = $1"
+            ),
+            &params,
+        )?;
+        Ok(())
+    }
+
+    /// Deletes the rows of `dests` that hold nothing ([`Stored::is_idle`])
+    /// and whose destinations have no entry left.
+    pub(super) fn drop_idle_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dests: &[&[u8]],
+    ) -> Result<()> {
+        if dests.is_empty() {
+            return Ok(());
+        }
+        let s = self.s();
+        db.execute(
+            &format!(
+                "DELETE FROM {s}.destinations d WHERE d.destination = ANY($1) \
+                 AND d.max_in_flight IS NULL AND d.rate_per_second IS NULL \
+                 AND d.circuit_failures IS NULL AND NOT d.paused AND d.held_until IS NULL \
+                 AND NOT EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.destination = d.destination)"
+            ),
+            &[&dests],
+        )?;
+        Ok(())
+    }
+
+    /// Applies what the entry changes of a transaction told their
+    /// destinations (`touched`) to their flows, under their row locks, and
+    /// returns whether a destination may have become claimable sooner: a
+    /// slot freed below its cap, its circuit closed or a probe ended, or an
+    /// entry of a sequence became claimable. Then the server's
+    /// notification goes out at commit too, to every process.
+    pub(super) fn settle_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        touched: &Touched,
+    ) -> Result<bool> {
+        let mut by_dest: BTreeMap<&str, Vec<FlowEvent>> = BTreeMap::new();
+        for (d, e) in &touched.events {
+            by_dest.entry(d.as_str()).or_default().push(*e);
+        }
+        let mut sooner = touched.promoted;
+        if !by_dest.is_empty() {
+            let held: Vec<String> = by_dest
+                .iter()
+                .filter(|(_, es)| es.iter().any(|e| matches!(e, FlowEvent::Hold(_))))
+                .map(|(d, _)| (*d).to_owned())
+                .collect();
+            self.ensure_flows(db, &held)?;
+            let dests: Vec<String> = by_dest.keys().map(|d| (*d).to_owned()).collect();
+            let mut rows = self.lock_flows(db, &dests, false)?;
+            let capped: Vec<&str> = rows
+                .iter()
+                .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
+                .map(|(d, _)| d.as_str())
+                .collect();
+            let in_flight = self.count_in_flight(db, &capped)?;
+            for (dest, stored) in &mut rows {
+                let Some(events) = by_dest.get(dest.as_str()) else {
+                    continue;
+                };
+                let left = events
+                    .iter()
+                    .filter(|e| matches!(e, FlowEvent::Settled { .. }))
+                    .count() as u64;
+                let now_in_flight = in_flight.get(dest).copied().unwrap_or(0);
+                let before = stored.clone();
+                let mut before_flow = before.flow.clone();
+                before_flow.in_flight = now_in_flight + left;
+                for e in events {
+                    match *e {
+                        FlowEvent::Settled { id, signal, at } => {
+                            stored.flow.settled(id, signal, at);
+                        }
+                        FlowEvent::Hold(until) => stored.flow.hold(until),
+                    }
+                }
+                let mut after_flow = stored.flow.clone();
+                after_flow.in_flight = now_in_flight;
+                sooner |= match (before_flow.open_from(), after_flow.open_from()) {
+                    (None, Some(_)) => true,
+                    (Some(b), Some(a)) => a < b,
+                    (_, None) => false,
+                };
+                if *stored != before {
+                    self.write_flow(db, dest, stored)?;
+                }
+            }
+        }
+        if sooner {
+            db.execute(
+                "SELECT pg_notify($1, '')",
+                &[&crate::postgres::schema::channel(self.s())],
+            )?;
+        }
+        Ok(sooner)
+    }
+}
