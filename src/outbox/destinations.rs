@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use super::rules::Row;
 use super::{OutboxCounts, OutboxId};
 use crate::error::{Error, Result};
 
@@ -516,6 +517,27 @@ fn grown(cool_down: i64, trips: u32) -> i64 {
 
 /// The failure code of an entry whose attempts ran out (the dispatcher's).
 pub const REASON_MAX_ATTEMPTS: &str = "max_attempts";
+
+/// Gives `new` (record `id`, changed from `old`) its place in its
+/// sequence: none once finished; a fresh one, from `next_seq`, when a
+/// finished entry with an ordering key comes back (a requeue puts it at
+/// the end).
+pub(crate) fn sequenced(
+    old: &Row,
+    mut new: Row,
+    next_seq: impl FnOnce() -> Result<u64>,
+) -> Result<Row> {
+    if new.status.is_finished() {
+        new.seq = None;
+    } else if new.ordering_key.is_some() && (old.status.is_finished() || new.seq.is_none()) {
+        new.seq = Some(next_seq()?);
+    }
+    Ok(new)
+}
+
+/// How many ready destinations a one-destination claim looks at for one
+/// that gives something (each ready one normally does).
+pub(crate) const ONE_DESTINATION_LOOKS: usize = 8;
 
 /// Checks a destination name given to a destination call.
 pub(crate) fn check_destination(destination: &str) -> Result<()> {

@@ -450,23 +450,6 @@ impl<'tx> Flows<'tx> {
     }
 }
 
-/// Gives `new` (record `id`, changed from `old`) its place in its
-/// sequence: none once finished; a fresh one, from `next_seq`, when a
-/// finished entry with an ordering key comes back (a requeue puts it at
-/// the end).
-pub(crate) fn sequenced(
-    old: &Row,
-    mut new: Row,
-    next_seq: impl FnOnce() -> Result<u64>,
-) -> Result<Row> {
-    if new.status.is_finished() {
-        new.seq = None;
-    } else if new.ordering_key.is_some() && (old.status.is_finished() || new.seq.is_none()) {
-        new.seq = Some(next_seq()?);
-    }
-    Ok(new)
-}
-
 /// The destinations' flow records, by name (a read for inspection).
 pub(super) fn read_all(tx: &ReadTransaction) -> Result<Vec<(String, DestRec)>> {
     let Some(t) = open_read(tx, OUTBOX_DESTINATIONS)? else {

@@ -256,10 +256,10 @@ impl<'tx> Tables<'tx> {
     /// `created_at`) keep their index rows.
     ///
     /// A record with an ordering key gets its place in its sequence here
-    /// (see [`flow::sequenced`]): what is written is `new` with it.
+    /// (see [`sequenced`](super::destinations::sequenced)): what is written is `new` with it.
     pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
         let tx = self.tx;
-        let new = &flow::sequenced(old, new.clone(), || {
+        let new = &super::destinations::sequenced(old, new.clone(), || {
             let mut meta = open_write(tx, META)?;
             let seq = next_id(&meta)?;
             meta.insert(META_OUTBOX_NEXT_ID, seq.saturating_add(1))?;

@@ -195,7 +195,7 @@
 mod control;
 mod depth;
 pub(crate) mod destinations;
-pub(crate) mod flow;
+mod flow;
 mod index;
 mod inspect;
 mod notifier;
@@ -222,7 +222,6 @@ pub use destinations::{
     MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
 };
 pub(crate) use notifier::Notifier;
-pub(crate) use ops::ONE_DESTINATION_LOOKS;
 use rules::{
     Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,
     plan_settlements,

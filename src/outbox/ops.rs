@@ -15,7 +15,7 @@ use std::ops::RangeBounds;
 
 use redb::{ReadableTable, TableHandle as _, WriteTransaction};
 
-use super::destinations::{Allowance, ClaimRequest};
+use super::destinations::{Allowance, ClaimRequest, ONE_DESTINATION_LOOKS};
 use super::index::{Tables, TimeIndex, index_mismatch, next_id};
 use super::rules::{Change, Row, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};
@@ -116,10 +116,6 @@ fn claim_from(
     }
     Ok(out)
 }
-
-/// How many ready destinations a one-destination claim looks at for one
-/// that gives something (each ready one normally does).
-pub(crate) const ONE_DESTINATION_LOOKS: usize = 8;
 
 /// Claims up to `n` of `destination`'s entries due at `now`, within what
 /// its flow allows, into `out`; returns how many.

@@ -17,7 +17,7 @@ use super::{COLS, PgOutbox, TABLE, db_id, history, read_row, status_name};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::outbox::ClaimRequest;
-use crate::outbox::flow::sequenced;
+use crate::outbox::destinations::sequenced;
 use crate::outbox::rules::{
     Change, FencedChange, Row, mark_failed_change, mark_outcome_unknown_change, plan,
     plan_settle_and_claim, plan_settlements,
