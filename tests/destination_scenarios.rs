@@ -1,0 +1,987 @@
+//! Destinations end to end on the embedded store: a cap and a rate limit
+//! held across two dispatching processes on one shared file, a circuit
+//! breaker in front of a dead remote, ordering keys through random failures
+//! and through a SIGKILL of the dispatching process, a pause that survives a
+//! restart, and a file of the format before destinations upgraded on open.
+//!
+//! The remote is a [`Remote`] in the test process: every send of every
+//! dispatcher tells it when it begins and when it ends (child processes over
+//! a line protocol on 127.0.0.1, in-process dispatchers by a direct call),
+//! so it sees what a real remote would see — how many sends of a
+//! destination are in flight at once, in which order each ordering key's
+//! events arrive — and it decides which sends fail.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use common::{child_test, env_of, eventually, wall_micros};
+use idemstore::{
+    CircuitState, Clock as _, Delivery, DestinationPolicy, Dispatcher, ManualClock, NewEntry,
+    OutboxEntry, OutboxFilter, OutboxStatus, Result, RetryPolicy, Store, StoreBuilder,
+};
+use parking_lot::Mutex;
+
+fn shared() -> StoreBuilder {
+    Store::builder().shared(true)
+}
+
+// ---------- the remote ----------
+
+/// One send, as the remote sees it.
+#[derive(Clone, Debug)]
+struct Send {
+    id: u64,
+    destination: String,
+    /// `(ordering key, the event's place in its key's enqueue order)`.
+    ordered: Option<(String, u32)>,
+    /// The process that sent it.
+    process: String,
+}
+
+/// What the remote saw, and what it answers.
+#[derive(Debug, Default)]
+struct Remote {
+    /// While down, every send fails.
+    down: bool,
+    /// This percentage of the sends fail, at random.
+    fail_percent: u64,
+    rng: u64,
+    /// The send that begins as the remote's `n`th (1-based) gets no answer:
+    /// its process is killed in the middle of it.
+    hang_at: Option<u64>,
+    /// The send that got no answer.
+    hung: Option<u64>,
+    begins: u64,
+    in_flight: BTreeMap<String, u32>,
+    max_in_flight: BTreeMap<String, u32>,
+    keys_in_flight: BTreeSet<String>,
+    /// Per ordering key, how many of its events were delivered in order
+    /// (the place of the next one).
+    in_order: BTreeMap<String, u32>,
+    /// Sends of an ordered event the remote had already taken.
+    duplicates: u64,
+    violations: Vec<String>,
+    /// Per entry, how many times the remote took it.
+    delivered: BTreeMap<u64, u32>,
+    /// Sends begun, per `(destination, process)`.
+    sends: BTreeMap<(String, String), u64>,
+    /// When each send began (µs since the epoch), per destination.
+    begun_at: BTreeMap<String, Vec<u64>>,
+    /// When the last send the remote took ended.
+    last_delivery: Option<u64>,
+}
+
+type SharedRemote = Arc<Mutex<Remote>>;
+
+impl Remote {
+    fn failing(percent: u64) -> SharedRemote {
+        Arc::new(Mutex::new(Remote {
+            fail_percent: percent,
+            rng: 0x2545_f491_4f6c_dd1d,
+            ..Remote::default()
+        }))
+    }
+
+    /// A send begins; the answer it will get (`None`: none, it hangs).
+    fn begin(&mut self, send: &Send) -> Option<bool> {
+        self.begins += 1;
+        let flight = self.in_flight.entry(send.destination.clone()).or_default();
+        *flight += 1;
+        let flight = *flight;
+        let max = self
+            .max_in_flight
+            .entry(send.destination.clone())
+            .or_default();
+        *max = (*max).max(flight);
+        *self
+            .sends
+            .entry((send.destination.clone(), send.process.clone()))
+            .or_default() += 1;
+        self.begun_at
+            .entry(send.destination.clone())
+            .or_default()
+            .push(wall_micros());
+        if let Some((key, place)) = &send.ordered {
+            if !self.keys_in_flight.insert(key.clone()) {
+                self.violations.push(format!(
+                    "{key}: event {place} sent while another was in flight"
+                ));
+            }
+            let next = self.in_order.get(key).copied().unwrap_or(0);
+            if *place + 1 == next {
+                self.duplicates += 1;
+            } else if *place != next {
+                self.violations.push(format!(
+                    "{key}: event {place} sent when event {next} was the next in order"
+                ));
+            }
+        }
+        if self.hang_at == Some(self.begins) {
+            self.hung = Some(send.id);
+            return None;
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        Some(!self.down && self.rng % 100 >= self.fail_percent)
+    }
+
+    /// The send ends: the remote took it, or not.
+    fn end(&mut self, send: &Send, taken: bool) {
+        self.abandon(send);
+        if !taken {
+            return;
+        }
+        *self.delivered.entry(send.id).or_default() += 1;
+        self.last_delivery = Some(wall_micros());
+        if let Some((key, place)) = &send.ordered {
+            let next = self.in_order.entry(key.clone()).or_default();
+            if *place == *next {
+                *next += 1;
+            }
+        }
+    }
+
+    /// The send ended without an answer (its process died).
+    fn abandon(&mut self, send: &Send) {
+        if let Some(n) = self.in_flight.get_mut(&send.destination) {
+            *n -= 1;
+        }
+        if let Some((key, _)) = &send.ordered {
+            self.keys_in_flight.remove(key);
+        }
+    }
+
+    fn sends_of(&self, destination: &str) -> u64 {
+        self.sends
+            .iter()
+            .filter(|((d, _), _)| d == destination)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn processes_sending(&self, destination: &str) -> usize {
+        self.sends.keys().filter(|(d, _)| d == destination).count()
+    }
+}
+
+/// Serves `remote` on 127.0.0.1 to child processes; returns its address.
+/// Lines: `begin PROCESS ID DESTINATION KEY|- PLACE` (answered `ok` or
+/// `fail`, or not at all when the remote hangs), `end ID 0|1` (answered
+/// `ok`). A connection that closes with sends begun abandons them.
+fn serve(remote: &SharedRemote) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let remote = remote.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let remote = remote.clone();
+            std::thread::spawn(move || connection(&remote, conn));
+        }
+    });
+    addr
+}
+
+fn connection(remote: &SharedRemote, conn: TcpStream) {
+    let mut out = conn.try_clone().unwrap();
+    let mut open: BTreeMap<u64, Send> = BTreeMap::new();
+    for line in BufReader::new(conn).lines() {
+        let Ok(line) = line else { break };
+        let words: Vec<&str> = line.split(' ').collect();
+        let answer = match words[..] {
+            ["begin", process, id, destination, key, place] => {
+                let send = Send {
+                    id: id.parse().unwrap(),
+                    destination: destination.to_owned(),
+                    ordered: (key != "-").then(|| (key.to_owned(), place.parse().unwrap())),
+                    process: process.to_owned(),
+                };
+                let answer = remote.lock().begin(&send);
+                open.insert(send.id, send);
+                match answer {
+                    Some(true) => "ok",
+                    Some(false) => "fail",
+                    None => continue,
+                }
+            }
+            ["end", id, taken] => {
+                let send = open.remove(&id.parse().unwrap()).expect("a send begun");
+                remote.lock().end(&send, taken == "1");
+                "ok"
+            }
+            _ => panic!("the remote got {line:?}"),
+        };
+        if writeln!(out, "{answer}").is_err() {
+            break;
+        }
+    }
+    let mut remote = remote.lock();
+    for send in open.values() {
+        remote.abandon(send);
+    }
+}
+
+/// How a dispatcher's `send` reaches the remote.
+#[derive(Clone)]
+enum Link {
+    /// The remote is in this process.
+    Local(SharedRemote),
+    /// At this address ([`serve`]).
+    Tcp(String),
+}
+
+thread_local! {
+    /// Each worker thread's connection to the remote.
+    static CONNECTION: RefCell<Option<(BufReader<TcpStream>, TcpStream)>> =
+        const { RefCell::new(None) };
+}
+
+/// Sends one line on this thread's connection to `addr`; its answer.
+fn ask(addr: &str, line: &str) -> String {
+    CONNECTION.with(|c| {
+        let mut c = c.borrow_mut();
+        let (reader, writer) = c.get_or_insert_with(|| {
+            let stream = TcpStream::connect(addr).expect("the remote listens");
+            stream.set_nodelay(true).unwrap();
+            (BufReader::new(stream.try_clone().unwrap()), stream)
+        });
+        writeln!(writer, "{line}").unwrap();
+        let mut answer = String::new();
+        reader.read_line(&mut answer).unwrap();
+        answer.trim_end().to_owned()
+    })
+}
+
+/// A dispatcher's `send`: tells the remote it begins, takes `took`, tells
+/// it how it ended. The payload of an entry with an ordering key is its
+/// place in its key's enqueue order.
+fn send_to(link: &Link, process: &str, entry: &OutboxEntry, took: Duration) -> Delivery {
+    let ordered = entry.ordering_key.as_ref().map(|key| {
+        let place = std::str::from_utf8(&entry.payload)
+            .unwrap()
+            .parse()
+            .unwrap();
+        (key.clone(), place)
+    });
+    let send = Send {
+        id: entry.id.0,
+        destination: entry.destination.clone(),
+        ordered,
+        process: process.to_owned(),
+    };
+    let taken = match link {
+        Link::Local(remote) => {
+            let taken = remote.lock().begin(&send).expect("no hang in process");
+            std::thread::sleep(took);
+            remote.lock().end(&send, taken);
+            taken
+        }
+        Link::Tcp(addr) => {
+            let (key, place) = send
+                .ordered
+                .as_ref()
+                .map_or(("-".to_owned(), 0), |(k, p)| (k.clone(), *p));
+            let begin = format!(
+                "begin {process} {} {} {key} {place}",
+                send.id, send.destination
+            );
+            let taken = ask(addr, &begin) == "ok";
+            std::thread::sleep(took);
+            ask(addr, &format!("end {} {}", send.id, u8::from(taken)));
+            taken
+        }
+    };
+    if taken {
+        Delivery::Delivered
+    } else {
+        Delivery::Retry {
+            reason: "http_503".into(),
+        }
+    }
+}
+
+/// Fast retries, and enough of them that no entry fails for good.
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy::exponential(Duration::from_millis(1), Duration::from_millis(8))
+        .max_attempts(1000)
+        .jitter(0.5)
+}
+
+// ---------- dispatching child processes ----------
+
+/// How a child dispatches.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    workers: usize,
+    batch_size: usize,
+    lease_ms: u64,
+    /// How long each send takes.
+    send_us: u64,
+}
+
+#[test]
+#[ignore = "run by the scenarios below as a child process"]
+fn dispatching_child() -> Result<()> {
+    let path = PathBuf::from(env_of("IDEMSTORE_SCEN_PATH"));
+    let link = Link::Tcp(env_of("IDEMSTORE_SCEN_REMOTE"));
+    let process = env_of("IDEMSTORE_SCEN_PROCESS");
+    let setup: Vec<u64> = env_of("IDEMSTORE_SCEN_SETUP")
+        .split(',')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let [workers, batch_size, lease_ms, send_us] = setup[..] else {
+        panic!("four settings");
+    };
+    let store = shared().open(&path)?;
+    let took = Duration::from_micros(send_us);
+    let handle = Dispatcher::builder(store.outbox())
+        .workers(usize::try_from(workers).unwrap())
+        .batch_size(usize::try_from(batch_size).unwrap())
+        .lease(Duration::from_millis(lease_ms))
+        .retry(quick_retries())
+        .worker_id(process.clone())
+        .start(move |entry| send_to(&link, &process, entry, took))?;
+    println!("dispatching");
+    // Runs until killed, or until the parent closes stdin.
+    let mut word = String::new();
+    let _ = std::io::stdin().read_line(&mut word);
+    handle.shutdown()?;
+    Ok(())
+}
+
+/// A dispatching child process (and its stdout, kept open so that it can
+/// print to the end); killed if the test ends without stopping it.
+struct Dispatching {
+    child: Child,
+    stdout: std::io::Lines<BufReader<ChildStdout>>,
+}
+
+impl Dispatching {
+    /// Starts a child and waits until its dispatcher runs.
+    fn start(path: &Path, remote: &str, process: &str, s: Setup) -> Dispatching {
+        let setup = format!(
+            "{},{},{},{}",
+            s.workers, s.batch_size, s.lease_ms, s.send_us
+        );
+        let mut child = child_test("dispatching_child")
+            .env("IDEMSTORE_SCEN_PATH", path)
+            .env("IDEMSTORE_SCEN_REMOTE", remote)
+            .env("IDEMSTORE_SCEN_PROCESS", process)
+            .env("IDEMSTORE_SCEN_SETUP", setup)
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("spawn a child");
+        let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut child = Dispatching { child, stdout };
+        // The test harness may print its own words first, on the same line.
+        let started = child
+            .stdout
+            .by_ref()
+            .any(|l| l.is_ok_and(|l| l.trim_end().ends_with("dispatching")));
+        assert!(started, "the child {process} ended before it dispatched");
+        child
+    }
+
+    /// Shuts the child's dispatcher down cleanly.
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        self.stdout.by_ref().for_each(drop);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "the child shut down cleanly: {status}");
+    }
+
+    /// SIGKILLs it.
+    fn kill(mut self) {
+        self.child.kill().expect("SIGKILL the child");
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Dispatching {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until every one of the outbox's `n` entries is `Completed`.
+fn all_completed(store: &Store, n: u64) {
+    eventually(&format!("all {n} entries completed"), || {
+        store.outbox().counts().is_ok_and(|c| c.completed == n)
+    });
+}
+
+fn entry(destination: &str, key: &str) -> NewEntry {
+    NewEntry::new("cmd", destination, key, Vec::new())
+}
+
+/// The attempts charged to `destination`'s entries, in all.
+fn attempts(store: &Store, destination: &str) -> Result<u64> {
+    Ok(store
+        .outbox()
+        .list(&OutboxFilter::any().destination(destination), usize::MAX)?
+        .iter()
+        .map(|r| u64::from(r.entry.attempt_count))
+        .sum())
+}
+
+fn assert_indexes(store: &Store) -> Result<()> {
+    let findings = store.outbox().check_indexes()?;
+    assert!(findings.is_empty(), "{findings:?}");
+    Ok(())
+}
+
+// ---------- the scenarios ----------
+
+#[test]
+fn a_cap_holds_across_two_dispatching_processes() -> Result<()> {
+    const BURSTS: u64 = 20;
+    const PER_BURST: u64 = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cap.idem");
+    let store = shared().open(&path)?;
+    let outbox = store.outbox();
+    outbox.set_destination_policy("a", DestinationPolicy::default().max_in_flight(2))?;
+    let remote = Remote::failing(0);
+    let addr = serve(&remote);
+    // Batches of one: each of the six workers holds at most one claim, so
+    // the cap is all that keeps the remote from seeing six at once.
+    let setup = Setup {
+        workers: 3,
+        batch_size: 1,
+        lease_ms: 60_000,
+        send_us: 5_000,
+    };
+    let children = [
+        Dispatching::start(&path, &addr, "p1", setup),
+        Dispatching::start(&path, &addr, "p2", setup),
+    ];
+    // Entries arrive in bursts of four, each waking both processes, whose
+    // workers race for the two slots. Each burst comes once the last one
+    // is delivered, so that every burst is a new race: a worker that holds
+    // a slot keeps it while there is a backlog (it settles and claims in
+    // one commit).
+    for burst in 0..BURSTS {
+        outbox.enqueue_many(
+            (0..PER_BURST).map(|i| entry("a", &format!("a{burst}-{i}"))),
+            Utc::now(),
+        )?;
+        all_completed(&store, (burst + 1) * PER_BURST);
+    }
+    all_completed(&store, BURSTS * PER_BURST);
+    children.into_iter().for_each(Dispatching::stop);
+
+    let remote = remote.lock();
+    assert_eq!(
+        remote.max_in_flight.get("a"),
+        Some(&2),
+        "at most two sends of a in flight at once, and two at times"
+    );
+    assert_eq!(remote.processes_sending("a"), 2, "{:?}", remote.sends);
+    assert_eq!(remote.delivered.len(), 80, "each entry delivered");
+    assert!(
+        remote.delivered.values().all(|&n| n == 1),
+        "an entry sent twice"
+    );
+    assert_eq!(outbox.destination("a")?.in_flight, 0);
+    common::report(&format!(
+        "destinations: a cap of 2 across two processes of three workers: at most {} in flight, sends per process {:?}",
+        remote.max_in_flight["a"], remote.sends
+    ));
+    assert_indexes(&store)
+}
+
+#[test]
+fn a_rate_limit_holds_across_two_dispatching_processes() -> Result<()> {
+    const ENTRIES: u64 = 200;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rate.idem");
+    let store = shared().open(&path)?;
+    let outbox = store.outbox();
+    outbox.set_destination_policy("metered", DestinationPolicy::default().rate_limit(20.0, 5))?;
+    outbox.enqueue_many(
+        (0..ENTRIES).map(|i| entry("metered", &format!("m{i}"))),
+        Utc::now(),
+    )?;
+    let remote = Remote::failing(0);
+    let addr = serve(&remote);
+    let setup = Setup {
+        workers: 2,
+        batch_size: 16,
+        lease_ms: 60_000,
+        send_us: 200,
+    };
+    let children = [
+        Dispatching::start(&path, &addr, "p1", setup),
+        Dispatching::start(&path, &addr, "p2", setup),
+    ];
+    all_completed(&store, ENTRIES);
+    children.into_iter().for_each(Dispatching::stop);
+
+    let remote = remote.lock();
+    let begun = &remote.begun_at["metered"];
+    assert_eq!(begun.len(), 200, "each sent once");
+    let mut begun = begun.clone();
+    begun.sort_unstable();
+    // A burst of 5, then 195 at 20 a second: 9.75 s.
+    let took = (remote.last_delivery.unwrap() - begun[0]) as f64 / 1e6;
+    assert!(
+        (9.75 * 0.9..=9.75 * 1.1).contains(&took),
+        "200 sends took {took:.3} s, expected 9.75 s ± 10%"
+    );
+    // No stretch of time saw more than the bucket allows, give or take
+    // four sends: a send begins after its claim's commit, which may wait
+    // for the file's writer (the bucket counts by the claim's own `now`).
+    for (i, &from) in begun.iter().enumerate() {
+        for (j, &to) in begun.iter().enumerate().skip(i) {
+            let allowed = 5.0 + 20.0 * (to - from) as f64 / 1e6 + 4.0;
+            assert!(
+                (j - i + 1) as f64 <= allowed,
+                "{} sends in {} µs",
+                j - i + 1,
+                to - from
+            );
+        }
+    }
+    assert_eq!(remote.processes_sending("metered"), 2, "{:?}", remote.sends);
+    common::report(&format!(
+        "destinations: 200 sends at 20/s, burst 5, two processes: {took:.3} s (9.75 s expected)"
+    ));
+    assert_indexes(&store)
+}
+
+#[test]
+fn an_open_circuit_charges_no_attempts_until_the_remote_is_back() -> Result<()> {
+    const ENTRIES: u64 = 1000;
+    const FAILURES: u32 = 3;
+    let cool_down = Duration::from_secs(30);
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    outbox.set_destination_policy(
+        "dead",
+        DestinationPolicy::default().circuit_breaker(FAILURES, cool_down),
+    )?;
+    let clock = ManualClock::new(common::t(0));
+    outbox.enqueue_many(
+        (0..ENTRIES).map(|i| entry("dead", &format!("d{i}"))),
+        common::t(0),
+    )?;
+    let remote = Remote::failing(0);
+    remote.lock().down = true;
+    let link = Link::Local(remote.clone());
+    // One worker claiming one entry at a time: exactly the failures the
+    // circuit counts are sent.
+    let dispatcher = Dispatcher::builder(outbox.clone())
+        .workers(1)
+        .batch_size(1)
+        .retry(RetryPolicy::exponential(
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        ))
+        .clock(clock.clone())
+        .start(move |e| send_to(&link, "p", e, Duration::ZERO))?;
+    let open = |trips_wanted: u32| {
+        eventually(&format!("the circuit opens ({trips_wanted})"), || {
+            matches!(
+                outbox.destination("dead").map(|d| d.circuit),
+                Ok(CircuitState::Open { trips, .. }) if trips == trips_wanted
+            )
+        });
+    };
+    open(1);
+    assert_eq!(attempts(&store, "dead")?, u64::from(FAILURES));
+    assert_eq!(remote.lock().sends_of("dead"), u64::from(FAILURES));
+
+    // Held open: the failed entries' retries fall due, none is sent.
+    for _ in 0..5 {
+        clock.advance(Duration::from_secs(5));
+        assert!(
+            outbox.claim_due(clock.now(), 100, "test")?.is_empty(),
+            "nothing claimable while open"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(attempts(&store, "dead")?, u64::from(FAILURES));
+    assert_eq!(outbox.next_due()?, Some(common::t(30)));
+
+    // The cool-down ends with the remote still down: one probe, which
+    // fails; the circuit opens again for twice as long.
+    clock.set(common::t(30));
+    open(2);
+    assert_eq!(attempts(&store, "dead")?, u64::from(FAILURES) + 1);
+    assert_eq!(outbox.next_due()?, Some(common::t(90)));
+
+    // Back up: the next probe closes the circuit and everything goes.
+    remote.lock().down = false;
+    clock.set(common::t(90));
+    all_completed(&store, ENTRIES);
+    dispatcher.shutdown()?;
+    let counts = outbox.destination("dead")?.counts;
+    assert_eq!((counts.completed, counts.failed), (ENTRIES, 0));
+    assert_eq!(
+        outbox.destination("dead")?.circuit,
+        CircuitState::Closed {
+            consecutive_failures: 0
+        }
+    );
+    // Each entry sent once when the remote was up, and only the three
+    // failures and the failed probe before.
+    assert_eq!(attempts(&store, "dead")?, ENTRIES + u64::from(FAILURES) + 1);
+    assert_indexes(&store)
+}
+
+/// Enqueues `keys` × `events` entries to `destination`, the events of the
+/// keys interleaved, each event's payload its place in its key's order.
+fn enqueue_ordered(store: &Store, destination: &str, keys: u32, events: u32) -> Result<()> {
+    let entries = (0..events).flat_map(|e| {
+        (0..keys).map(move |k| {
+            NewEntry::new("cmd", destination, format!("k{k}-e{e}"), e.to_string())
+                .ordering_key(format!("k{k}"))
+        })
+    });
+    store.outbox().enqueue_many(entries, Utc::now())?;
+    Ok(())
+}
+
+/// Every key's events reached the remote, all of them, in order.
+fn assert_in_order(remote: &Remote, keys: u32, events: u32) {
+    assert!(remote.violations.is_empty(), "{:#?}", remote.violations);
+    for k in 0..keys {
+        assert_eq!(remote.in_order.get(&format!("k{k}")), Some(&events), "k{k}");
+    }
+}
+
+#[test]
+fn each_keys_events_go_one_at_a_time_in_order_through_random_failures() -> Result<()> {
+    const KEYS: u32 = 50;
+    const EVENTS: u32 = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("ordered.idem"))?;
+    enqueue_ordered(&store, "ordered", KEYS, EVENTS)?;
+    let remote = Remote::failing(25);
+    let link = Link::Local(remote.clone());
+    let dispatcher = Dispatcher::builder(store.outbox())
+        .workers(8)
+        .batch_size(4)
+        .retry(quick_retries())
+        .start(move |e| send_to(&link, "p", e, Duration::from_micros(300)))?;
+    all_completed(&store, u64::from(KEYS * EVENTS));
+    dispatcher.shutdown()?;
+    let remote = remote.lock();
+    assert_in_order(&remote, KEYS, EVENTS);
+    assert_eq!(remote.duplicates, 0);
+    let sent = remote.sends_of("ordered");
+    assert!(
+        sent > u64::from(KEYS * EVENTS) * 11 / 10,
+        "{sent} sends: the failures were retried"
+    );
+    assert!(remote.max_in_flight["ordered"] > 1, "sends ran at once");
+    assert_indexes(&store)
+}
+
+#[test]
+fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> Result<()> {
+    const KEYS: u32 = 50;
+    const EVENTS: u32 = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("killed.idem");
+    let store = shared().open(&path)?;
+    enqueue_ordered(&store, "ordered", KEYS, EVENTS)?;
+    let remote = Remote::failing(20);
+    // The 300th send gets no answer: its process is killed in the middle.
+    remote.lock().hang_at = Some(300);
+    let addr = serve(&remote);
+    let setup = Setup {
+        workers: 8,
+        batch_size: 4,
+        lease_ms: 1_000,
+        send_us: 300,
+    };
+    let first = Dispatching::start(&path, &addr, "first", setup);
+    eventually("the 300th send hangs", || remote.lock().hung.is_some());
+    first.kill();
+    let hung = remote.lock().hung.unwrap();
+    assert_eq!(
+        store.outbox().get(idemstore::OutboxId(hung))?.entry.status,
+        OutboxStatus::Dispatching,
+        "killed mid-send"
+    );
+    // The restarted dispatcher's reaper releases the dead one's claims once
+    // their lease is over; their keys then go on where they stopped.
+    let second = Dispatching::start(&path, &addr, "second", setup);
+    all_completed(&store, u64::from(KEYS * EVENTS));
+    second.stop();
+    let remote = remote.lock();
+    assert_in_order(&remote, KEYS, EVENTS);
+    // Only sends the killed process had begun and not settled can be seen
+    // again: at most its eight workers' batches of four.
+    assert!(remote.duplicates <= 32, "{} duplicates", remote.duplicates);
+    assert!(remote.sends_of("ordered") > 0);
+    assert!(
+        remote
+            .sends
+            .contains_key(&("ordered".into(), "second".into())),
+        "the restarted process sent the rest"
+    );
+    assert_eq!(store.outbox().destination("ordered")?.in_flight, 0);
+    common::report(&format!(
+        "destinations: 50 keys x 20 events across a SIGKILL: in order, {} duplicates of events in flight at the kill",
+        remote.duplicates
+    ));
+    assert_indexes(&store)
+}
+
+#[test]
+fn a_pause_survives_a_restart_and_holds_in_every_process_until_resumed() -> Result<()> {
+    const PAUSED: u64 = 50;
+    const OTHER: u64 = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("paused.idem");
+    {
+        let store = shared().open(&path)?;
+        let outbox = store.outbox();
+        outbox.enqueue_many(
+            (0..PAUSED).map(|i| entry("held", &format!("h{i}"))),
+            Utc::now(),
+        )?;
+        outbox.pause_destination("held")?;
+        outbox.enqueue_many(
+            (0..OTHER).map(|i| entry("free", &format!("f{i}"))),
+            Utc::now(),
+        )?;
+    }
+    let store = shared().open(&path)?;
+    let outbox = store.outbox();
+    assert!(outbox.destination("held")?.paused, "still paused on reopen");
+    let remote = Remote::failing(0);
+    let addr = serve(&remote);
+    let setup = Setup {
+        workers: 2,
+        batch_size: 8,
+        lease_ms: 60_000,
+        send_us: 100,
+    };
+    let child = Dispatching::start(&path, &addr, "p", setup);
+    // The other process dispatches the free destination's entries, and none
+    // of the paused one's.
+    eventually("the free entries delivered", || {
+        outbox
+            .destination("free")
+            .is_ok_and(|d| d.counts.completed == OTHER)
+    });
+    assert_eq!(remote.lock().sends_of("held"), 0);
+    assert_eq!(attempts(&store, "held")?, 0);
+    assert_eq!(outbox.destination("held")?.counts.pending, PAUSED);
+    assert!(outbox.claim_due(Utc::now(), 100, "here")?.is_empty());
+
+    // Resumed here, delivered by a dispatcher in another process. (A
+    // dispatcher already idle there is not woken by the resume:
+    // `a_resume_in_one_process_wakes_an_idle_dispatcher_in_another` below;
+    // one started after it claims at once.)
+    outbox.resume_destination("held")?;
+    child.stop();
+    let child = Dispatching::start(&path, &addr, "q", setup);
+    all_completed(&store, PAUSED + OTHER);
+    child.stop();
+    assert_eq!(remote.lock().sends_of("held"), PAUSED);
+    assert_eq!(attempts(&store, "held")?, PAUSED);
+    drop(store);
+    let store = shared().open(&path)?;
+    assert!(!store.outbox().destination("held")?.paused);
+    assert_indexes(&store)
+}
+
+#[test]
+fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
+    use idemstore::redb::{Database, TableDefinition, TableHandle as _};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.idem");
+    let t = common::t;
+    {
+        let store = Store::open(&path)?;
+        let outbox = store.outbox();
+        outbox.enqueue_many((0..6).map(|i| entry("a", &format!("a{i}"))), t(0))?;
+        outbox.enqueue_many((0..4).map(|i| entry("b", &format!("b{i}"))), t(1))?;
+        // a: two in flight; b: one completed, one failed, one in doubt.
+        let claimed = outbox.claim_due(t(2), 5, "w")?;
+        let (a, b): (Vec<_>, Vec<_>) = claimed.iter().partition(|e| e.destination == "a");
+        assert_eq!((a.len(), b.len()), (3, 2));
+        outbox.settle(a[2].fence(), idemstore::Settlement::Completed, t(3))?;
+        outbox.settle(b[0].fence(), idemstore::Settlement::Completed, t(3))?;
+        outbox.mark_failed(b[1].id, "gone", None, t(3))?;
+        let more = outbox.claim(t(4), &idemstore::ClaimRequest::new(1, "w").avoid(["a"]))?;
+        assert_eq!(more[0].destination, "b");
+        outbox.mark_outcome_unknown(more[0].id, None)?;
+    }
+    {
+        // As a file of format 1 was: no destination tables.
+        let db = Database::create(&path).map_err(idemstore::redb::Error::from)?;
+        let tx = db.begin_write().map_err(idemstore::redb::Error::from)?;
+        let dropped = [
+            "idemstore.v1.outbox.destinations",
+            "idemstore.v1.outbox.ready",
+            "idemstore.v1.outbox.queue",
+            "idemstore.v1.outbox.sequences",
+        ];
+        let tables: Vec<_> = tx
+            .list_tables()
+            .map_err(idemstore::redb::Error::from)?
+            .filter(|t| dropped.contains(&t.name()))
+            .collect();
+        assert_eq!(tables.len(), 4, "the file has the new tables to drop");
+        for table in tables {
+            assert!(tx.delete_table(table)?);
+        }
+        tx.open_table(TableDefinition::<&str, u64>::new("idemstore.meta"))?
+            .insert("format_version", 1)?;
+        tx.commit().map_err(idemstore::redb::Error::from)?;
+    }
+    let store = Store::open(&path)?;
+    assert_eq!(store.stats()?.format_version, 2, "upgraded");
+    assert_indexes(&store)?;
+    let outbox = store.outbox();
+    let states: BTreeMap<String, _> = outbox
+        .destinations()?
+        .into_iter()
+        .map(|d| (d.destination.clone(), d))
+        .collect();
+    assert_eq!(states.len(), 2, "{states:?}");
+    let (a, b) = (&states["a"], &states["b"]);
+    assert_eq!(
+        (a.counts.pending, a.counts.dispatching, a.counts.completed),
+        (3, 2, 1)
+    );
+    assert_eq!(a.in_flight, 2);
+    assert_eq!(
+        (
+            b.counts.pending,
+            b.counts.completed,
+            b.counts.failed,
+            b.counts.outcome_unknown
+        ),
+        (1, 1, 1, 1)
+    );
+    assert_eq!(b.in_flight, 0);
+    // Every pending entry is claimable, a's and b's in turn.
+    let claimed = outbox.claim_due(t(10), 10, "w")?;
+    let destinations: Vec<&str> = claimed.iter().map(|e| e.destination.as_str()).collect();
+    assert_eq!(destinations, ["a", "b", "a", "a"]);
+    // A policy set on the upgraded file counts the claims already in flight.
+    outbox.set_destination_policy("a", DestinationPolicy::default().max_in_flight(5))?;
+    assert_eq!(outbox.destination("a")?.in_flight, 5);
+    outbox.enqueue(entry("a", "late"), t(11))?;
+    assert!(outbox.claim_due(t(12), 10, "w")?.is_empty(), "a at its cap");
+    assert_indexes(&store)
+}
+
+// ---------- wake-ups across processes ----------
+//
+// Two stores opened shared on one file in this process behave as two
+// processes do (each has its own watch of the file): a change in one that
+// makes entries claimable should wake an idle dispatcher of the other
+// promptly, not at its one-minute safety timer.
+
+/// Far below the dispatcher's idle timer (a minute), far above a wake-up
+/// (milliseconds) on a busy machine.
+const PROMPTLY: Duration = Duration::from_secs(5);
+
+/// Deliveries per destination.
+type Sent = Arc<Mutex<BTreeMap<String, u64>>>;
+
+/// Starts a dispatcher on `store` counting its deliveries per destination.
+fn counting_dispatcher(store: &Store) -> Result<(idemstore::DispatcherHandle, Sent)> {
+    let sent: Sent = Arc::default();
+    let counted = sent.clone();
+    let handle = Dispatcher::builder(store.outbox()).start(move |e| {
+        *counted.lock().entry(e.destination.clone()).or_default() += 1;
+        Delivery::Delivered
+    })?;
+    Ok((handle, sent))
+}
+
+/// Waits up to [`PROMPTLY`] for `destination`'s entries to be sent.
+fn sent_promptly(sent: &Mutex<BTreeMap<String, u64>>, destination: &str, n: u64) -> bool {
+    let deadline = std::time::Instant::now() + PROMPTLY;
+    while std::time::Instant::now() < deadline {
+        if sent.lock().get(destination) == Some(&n) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+#[test]
+#[ignore = "KNOWN BUG in the store's cross-process wake-ups (src/outbox/watch.rs): a resume \
+            commits no new id and no earlier due time, so an idle dispatcher in another \
+            process sleeps until its 60 s idle timer; run with --ignored"]
+fn a_resume_in_one_process_wakes_an_idle_dispatcher_in_another() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resume.idem");
+    let (a, b) = (shared().open(&path)?, shared().open(&path)?);
+    b.outbox().pause_destination("held")?;
+    b.outbox().enqueue(entry("held", "h0"), Utc::now())?;
+    let (dispatcher, sent) = counting_dispatcher(&a)?;
+    // The dispatcher runs, and goes idle with only the paused entry left.
+    b.outbox().enqueue(entry("free", "f0"), Utc::now())?;
+    eventually("the free entry sent", || {
+        sent.lock().get("free") == Some(&1)
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    b.outbox().resume_destination("held")?;
+    let woken = sent_promptly(&sent, "held", 1);
+    dispatcher.shutdown()?;
+    assert!(
+        woken,
+        "the resume in the other store did not wake the dispatcher"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "KNOWN BUG in the store's cross-process wake-ups (src/outbox/watch.rs): a \
+            settlement that frees a capped destination's slot commits no new id and no \
+            earlier due time, so an idle dispatcher in another process sleeps until its \
+            60 s idle timer; run with --ignored"]
+fn a_slot_freed_in_one_process_wakes_a_capped_dispatcher_in_another() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("slot.idem");
+    let (a, b) = (shared().open(&path)?, shared().open(&path)?);
+    b.outbox()
+        .set_destination_policy("capped", DestinationPolicy::default().max_in_flight(1))?;
+    b.outbox().enqueue(entry("capped", "c0"), Utc::now())?;
+    // The other process holds the only slot.
+    let held = b.outbox().claim_due(Utc::now(), 1, "b")?;
+    assert_eq!(held.len(), 1);
+    let (dispatcher, sent) = counting_dispatcher(&a)?;
+    b.outbox().enqueue(entry("capped", "c1"), Utc::now())?;
+    b.outbox().enqueue(entry("free", "f0"), Utc::now())?;
+    // The dispatcher ran after both enqueues, and goes idle at the cap.
+    eventually("the free entry sent", || {
+        sent.lock().get("free") == Some(&1)
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(sent.lock().get("capped"), None, "the cap held");
+    b.outbox().settle(
+        held[0].fence(),
+        idemstore::Settlement::Completed,
+        Utc::now(),
+    )?;
+    let woken = sent_promptly(&sent, "capped", 1);
+    dispatcher.shutdown()?;
+    assert!(
+        woken,
+        "the slot freed in the other store did not wake the dispatcher"
+    );
+    Ok(())
+}
