@@ -171,6 +171,9 @@ pub(crate) fn serve(remote: &SharedRemote) -> String {
 }
 
 fn connection(remote: &SharedRemote, conn: TcpStream) {
+    // Each line in one write, sent at once (no wait for an acknowledgement
+    // of the last one).
+    conn.set_nodelay(true).unwrap();
     let mut out = conn.try_clone().unwrap();
     let mut open: BTreeMap<u64, Send> = BTreeMap::new();
     for line in BufReader::new(conn).lines() {
@@ -199,7 +202,7 @@ fn connection(remote: &SharedRemote, conn: TcpStream) {
             }
             _ => panic!("the remote got {line:?}"),
         };
-        if writeln!(out, "{answer}").is_err() {
+        if out.write_all(format!("{answer}\n").as_bytes()).is_err() {
             break;
         }
     }
@@ -233,7 +236,7 @@ fn ask(addr: &str, line: &str) -> String {
             stream.set_nodelay(true).unwrap();
             (BufReader::new(stream.try_clone().unwrap()), stream)
         });
-        writeln!(writer, "{line}").unwrap();
+        writer.write_all(format!("{line}\n").as_bytes()).unwrap();
         let mut answer = String::new();
         reader.read_line(&mut answer).unwrap();
         answer.trim_end().to_owned()
