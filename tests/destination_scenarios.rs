@@ -191,6 +191,60 @@ fn a_rate_limit_holds_across_two_dispatching_processes() -> Result<()> {
 }
 
 #[test]
+fn two_stores_take_from_one_token_bucket_exactly() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bucket.idem");
+    let (a, b) = (shared().open(&path)?, shared().open(&path)?);
+    a.outbox()
+        .set_destination_policy("metered", DestinationPolicy::default().rate_limit(10.0, 3))?;
+    a.outbox().enqueue_many(
+        (0..40).map(|i| entry("metered", &format!("m{i}"))),
+        common::t(0),
+    )?;
+    let clock = ManualClock::new(common::t(0));
+    let remote = Remote::failing(0);
+    let da = probing_dispatcher(&a, &remote, &clock, 2, "a")?;
+    let db = probing_dispatcher(&b, &remote, &clock, 2, "b")?;
+    // After each step of the clock, exactly the bucket's whole tokens are
+    // sent, by either store: the burst, then one per 100 ms.
+    // (step, sent in all): 2.5 tokens give two (the half stays), and a
+    // second's wait fills the bucket to its 3, no more.
+    let steps = [
+        (0, 3),
+        (100, 4),
+        (100, 5),
+        (100, 6),
+        (250, 8),
+        (50, 9),
+        (100, 10),
+        (30, 10),
+        (70, 11),
+        (1_000, 14),
+        (100, 15),
+    ];
+    for (step_ms, expected) in steps {
+        clock.advance(Duration::from_millis(step_ms));
+        eventually("the tokens sent", || {
+            remote.lock().sends_of("metered") >= expected
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            remote.lock().sends_of("metered"),
+            expected,
+            "at {:?}",
+            clock.now()
+        );
+    }
+    da.shutdown()?;
+    db.shutdown()?;
+    common::report(&format!(
+        "destinations: one token bucket, two stores, a manual clock: sends per store {:?}",
+        remote.lock().sends
+    ));
+    assert_indexes(&a)
+}
+
+#[test]
 fn an_open_circuit_charges_no_attempts_until_the_remote_is_back() -> Result<()> {
     const ENTRIES: u64 = 1000;
     const FAILURES: u32 = 3;
