@@ -245,6 +245,51 @@ fn two_stores_take_from_one_token_bucket_exactly() -> Result<()> {
 }
 
 #[test]
+fn a_throttled_send_holds_its_destination_for_every_store() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("held.idem");
+    let (a, b) = (shared().open(&path)?, shared().open(&path)?);
+    a.outbox().enqueue_many(
+        (0..20).map(|i| entry("busy", &format!("b{i}"))),
+        common::t(0),
+    )?;
+    a.outbox().enqueue_many(
+        (0..5).map(|i| entry("other", &format!("o{i}"))),
+        common::t(0),
+    )?;
+    // One store's send is told to wait 30 s (a 429 with Retry-After).
+    let req = idemstore::ClaimRequest::new(1, "a").one_destination();
+    let throttled = a.outbox().claim(common::t(0), &req)?;
+    assert_eq!(throttled[0].destination, "busy");
+    let wait = idemstore::Settlement::Throttled {
+        reason: "http_429".into(),
+        next_attempt_at: common::t(30),
+    };
+    a.outbox()
+        .settle(throttled[0].fence(), wait, common::t(0))?;
+    assert_eq!(
+        b.outbox().destination("busy")?.held_until,
+        Some(common::t(30))
+    );
+    // The other store's dispatcher sends the rest, none of busy's until then.
+    let clock = ManualClock::new(common::t(1));
+    let remote = Remote::failing(0);
+    let db = probing_dispatcher(&b, &remote, &clock, 2, "b")?;
+    eventually("the other destination's entries sent", || {
+        remote.lock().sends_of("other") == 5
+    });
+    clock.set(common::t(29));
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(remote.lock().sends_of("busy"), 0, "held");
+    assert_eq!(b.outbox().next_due()?, Some(common::t(30)));
+    clock.set(common::t(30));
+    all_completed(&b, 25);
+    db.shutdown()?;
+    assert_eq!(remote.lock().sends_of("busy"), 20);
+    assert_indexes(&b)
+}
+
+#[test]
 fn an_open_circuit_charges_no_attempts_until_the_remote_is_back() -> Result<()> {
     const ENTRIES: u64 = 1000;
     const FAILURES: u32 = 3;
