@@ -1,15 +1,21 @@
 //! Destinations end to end on the embedded store: a cap and a rate limit
-//! held across two dispatching processes on one shared file, a circuit
-//! breaker in front of a dead remote, ordering keys through random failures
-//! and through a SIGKILL of the dispatching process, a pause that survives a
-//! restart, and a file of the format before destinations upgraded on open.
+//! held across two dispatching processes on one shared file (and a token
+//! bucket and a circuit shared exactly by two stores, step by step on a
+//! manual clock), a circuit breaker in front of a dead remote, a throttled
+//! send holding its destination everywhere, ordering keys through random
+//! failures and through a SIGKILL of the dispatching process, a pause that
+//! survives a restart, and a file of the format before destinations
+//! upgraded on open (`upgrade.rs`).
 //!
-//! The remote is a [`Remote`] in the test process: every send of every
-//! dispatcher tells it when it begins and when it ends (child processes over
-//! a line protocol on 127.0.0.1, in-process dispatchers by a direct call),
-//! so it sees what a real remote would see — how many sends of a
-//! destination are in flight at once, in which order each ordering key's
-//! events arrive — and it decides which sends fail.
+//! The remote (`remote.rs`) lives in the test process: every send of every
+//! dispatcher tells it when it begins and when it ends (child processes,
+//! `children.rs`, over a line protocol on 127.0.0.1; in-process dispatchers
+//! by a direct call), so it sees what a real remote would see — how many
+//! sends of a destination are in flight at once, in which order each
+//! ordering key's events arrive — and it decides which sends fail.
+//!
+//! Tests marked `KNOWN BUG` are ignored: each shows a defect of the store
+//! that is still to be fixed; run them with `--ignored`.
 
 #[path = "destination_scenarios/children.rs"]
 mod children;
@@ -108,7 +114,6 @@ fn a_cap_holds_across_two_dispatching_processes() -> Result<()> {
         )?;
         all_completed(&store, (burst + 1) * PER_BURST);
     }
-    all_completed(&store, BURSTS * PER_BURST);
     children.into_iter().for_each(Dispatching::stop);
 
     let remote = remote.lock();
@@ -203,8 +208,8 @@ fn two_stores_take_from_one_token_bucket_exactly() -> Result<()> {
     )?;
     let clock = ManualClock::new(common::t(0));
     let remote = Remote::failing(0);
-    let da = probing_dispatcher(&a, &remote, &clock, 2, "a")?;
-    let db = probing_dispatcher(&b, &remote, &clock, 2, "b")?;
+    let da = clocked_dispatcher(&a, &remote, &clock, 2, "a")?;
+    let db = clocked_dispatcher(&b, &remote, &clock, 2, "b")?;
     // After each step of the clock, exactly the bucket's whole tokens are
     // sent, by either store: the burst, then one per 100 ms.
     // (step, sent in all): 2.5 tokens give two (the half stays), and a
@@ -274,7 +279,7 @@ fn a_throttled_send_holds_its_destination_for_every_store() -> Result<()> {
     // The other store's dispatcher sends the rest, none of busy's until then.
     let clock = ManualClock::new(common::t(1));
     let remote = Remote::failing(0);
-    let db = probing_dispatcher(&b, &remote, &clock, 2, "b")?;
+    let db = clocked_dispatcher(&b, &remote, &clock, 2, "b")?;
     eventually("the other destination's entries sent", || {
         remote.lock().sends_of("other") == 5
     });
@@ -379,7 +384,7 @@ fn open_circuit(store: &Store, destination: &str) -> Option<(chrono::DateTime<Ut
 
 /// A dispatcher on `store` with one-second retries, `workers` claiming one
 /// entry at a time, its sends reaching `remote` at once, on `clock`.
-fn probing_dispatcher(
+fn clocked_dispatcher(
     store: &Store,
     remote: &SharedRemote,
     clock: &ManualClock,
@@ -416,8 +421,8 @@ fn a_circuit_shared_by_two_stores_sends_one_probe_at_a_time() -> Result<()> {
     let clock = ManualClock::new(common::t(0));
     let remote = Remote::failing(0);
     remote.lock().down = true;
-    let da = probing_dispatcher(&a, &remote, &clock, 2, "a")?;
-    let db = probing_dispatcher(&b, &remote, &clock, 2, "b")?;
+    let da = clocked_dispatcher(&a, &remote, &clock, 2, "a")?;
+    let db = clocked_dispatcher(&b, &remote, &clock, 2, "b")?;
     let opened = common::eventually_some("the circuit opens", || open_circuit(&a, "dead"));
     // Three failures open it; the other workers' sends already in flight
     // fail too, and count for nothing.
@@ -484,7 +489,7 @@ fn a_probe_whose_process_died_is_released_and_another_probe_goes() -> Result<()>
     // lease is over, and the next probe goes, to a remote that is up.
     let clock = ManualClock::new(common::t(10));
     let remote = Remote::failing(0);
-    let dispatcher = probing_dispatcher(&store, &remote, &clock, 1, "p")?;
+    let dispatcher = clocked_dispatcher(&store, &remote, &clock, 1, "p")?;
     clock.advance(Duration::from_secs(31));
     eventually("the dead probe released", || {
         dispatcher.stats().released == 1
