@@ -97,6 +97,7 @@ fn a_cap_holds_across_two_dispatching_processes() -> Result<()> {
         batch_size: 1,
         lease_ms: 60_000,
         send_us: 5_000,
+        ahead_ms: 0,
     };
     let children = [
         Dispatching::start(&path, &addr, "p1", setup),
@@ -155,6 +156,7 @@ fn a_rate_limit_holds_across_two_dispatching_processes() -> Result<()> {
         batch_size: 16,
         lease_ms: 60_000,
         send_us: 200,
+        ahead_ms: 0,
     };
     let children = [
         Dispatching::start(&path, &addr, "p1", setup),
@@ -573,8 +575,9 @@ fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> 
     let setup = Setup {
         workers: 8,
         batch_size: 4,
-        lease_ms: 1_000,
+        lease_ms: 10_000,
         send_us: 300,
+        ahead_ms: 0,
     };
     let first = Dispatching::start(&path, &addr, "first", setup);
     eventually("the 300th send hangs", || remote.lock().hung.is_some());
@@ -586,8 +589,13 @@ fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> 
         "killed mid-send"
     );
     // The restarted dispatcher's reaper releases the dead one's claims once
-    // their lease is over; their keys then go on where they stopped.
-    let second = Dispatching::start(&path, &addr, "second", setup);
+    // their lease is over (its clock is past it: nothing waits it out);
+    // their keys then go on where they stopped.
+    let restarted = Setup {
+        ahead_ms: 11_000,
+        ..setup
+    };
+    let second = Dispatching::start(&path, &addr, "second", restarted);
     all_completed(&store, u64::from(KEYS * EVENTS));
     second.stop();
     let remote = remote.lock();
@@ -644,6 +652,7 @@ fn a_pause_survives_a_restart_and_holds_in_every_process_until_resumed() -> Resu
         batch_size: 8,
         lease_ms: 60_000,
         send_us: 100,
+        ahead_ms: 0,
     };
     let child = Dispatching::start(&path, &addr, "p", setup);
     // The other process dispatches the free destination's entries, and none

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Stdio};
 use std::time::Duration;
 
-use idemstore::{Dispatcher, Result};
+use chrono::{DateTime, Utc};
+use idemstore::{Clock, Dispatcher, Result};
 
 use super::common::{child_test, env_of};
 use super::remote::{Link, send_to};
@@ -21,6 +22,19 @@ pub(crate) struct Setup {
     pub(crate) lease_ms: u64,
     /// How long each send takes.
     pub(crate) send_us: u64,
+    /// How far ahead of the system's clock the dispatcher's runs: a
+    /// restarted process whose clock is past the dead one's leases releases
+    /// their claims at once, without waiting them out.
+    pub(crate) ahead_ms: u64,
+}
+
+/// The system's clock, `0` ahead.
+struct Ahead(chrono::Duration);
+
+impl Clock for Ahead {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now() + self.0
+    }
 }
 
 #[test]
@@ -33,8 +47,8 @@ fn dispatching_child() -> Result<()> {
         .split(',')
         .map(|n| n.parse().unwrap())
         .collect();
-    let [workers, batch_size, lease_ms, send_us] = setup[..] else {
-        panic!("four settings");
+    let [workers, batch_size, lease_ms, send_us, ahead_ms] = setup[..] else {
+        panic!("five settings");
     };
     let store = shared().open(&path)?;
     let took = Duration::from_micros(send_us);
@@ -43,6 +57,9 @@ fn dispatching_child() -> Result<()> {
         .batch_size(usize::try_from(batch_size).unwrap())
         .lease(Duration::from_millis(lease_ms))
         .retry(quick_retries())
+        .clock(Ahead(chrono::Duration::milliseconds(
+            i64::try_from(ahead_ms).unwrap(),
+        )))
         .worker_id(process.clone())
         .start(move |entry| send_to(&link, &process, entry, took))?;
     println!("dispatching");
@@ -64,8 +81,8 @@ impl Dispatching {
     /// Starts a child and waits until its dispatcher runs.
     pub(crate) fn start(path: &Path, remote: &str, process: &str, s: Setup) -> Dispatching {
         let setup = format!(
-            "{},{},{},{}",
-            s.workers, s.batch_size, s.lease_ms, s.send_us
+            "{},{},{},{},{}",
+            s.workers, s.batch_size, s.lease_ms, s.send_us, s.ahead_ms
         );
         let mut child = child_test("children::dispatching_child")
             .env("IDEMSTORE_SCEN_PATH", path)
