@@ -545,7 +545,7 @@ fn each_keys_events_go_one_at_a_time_in_order_through_random_failures() -> Resul
     dispatcher.shutdown()?;
     let remote = remote.lock();
     assert_in_order(&remote, KEYS, EVENTS);
-    assert_eq!(remote.duplicates, 0);
+    assert!(remote.duplicates.is_empty(), "{:?}", remote.duplicates);
     let sent = remote.sends_of("ordered");
     assert!(
         sent > u64::from(KEYS * EVENTS) * 11 / 10,
@@ -605,9 +605,9 @@ fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> 
         "{:?}",
         remote.max_in_flight
     );
-    // Only sends the killed process had claimed and not settled can be
-    // seen again: at most the cap's six.
-    assert!(remote.duplicates <= 6, "{} duplicates", remote.duplicates);
+    // Only events the killed process had sent and not settled can reach
+    // the remote again: at most the cap's six claims but the one cut short.
+    assert!(remote.duplicates.len() <= 5, "{:?}", remote.duplicates);
     assert!(remote.sends_of("ordered") > 0);
     assert!(
         remote
@@ -617,8 +617,8 @@ fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> 
     );
     assert_eq!(store.outbox().destination("ordered")?.in_flight, 0);
     common::report(&format!(
-        "destinations: 50 keys x 20 events across a SIGKILL: in order, {} duplicates of events in flight at the kill",
-        remote.duplicates
+        "destinations: 50 keys x 20 events across a SIGKILL: in order, {} events in flight at the kill sent again",
+        remote.duplicates.len()
     ));
     assert_indexes(&store)
 }

@@ -45,8 +45,9 @@ pub(crate) struct Remote {
     /// Per ordering key, how many of its events were delivered in order
     /// (the place of the next one).
     pub(crate) in_order: BTreeMap<String, u32>,
-    /// Sends of an ordered event the remote had already taken.
-    pub(crate) duplicates: u64,
+    /// The ordered events the remote was sent again after it had taken
+    /// them: `(key, place)`.
+    pub(crate) duplicates: BTreeSet<(String, u32)>,
     pub(crate) violations: Vec<String>,
     /// Per entry, how many times the remote took it.
     pub(crate) delivered: BTreeMap<u64, u32>,
@@ -96,7 +97,7 @@ impl Remote {
             }
             let next = self.in_order.get(key).copied().unwrap_or(0);
             if *place + 1 == next {
-                self.duplicates += 1;
+                self.duplicates.insert((key.clone(), *place));
             } else if *place != next {
                 self.violations.push(format!(
                     "{key}: event {place} sent when event {next} was the next in order"
