@@ -1,0 +1,138 @@
+//! A file of the format before destinations (format 1) opened by this
+//! build: it gains the destinations' tables, built from its entries.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use idemstore::{DestinationPolicy, Result, Store};
+
+use super::common;
+use super::{assert_indexes, entry, shared};
+
+/// Writes a file as a build of format 1 left it: entries of this build
+/// (a: three pending, two in flight, one completed; b: one of each status),
+/// then without the destinations' tables, its format version 1.
+fn old_file(path: &Path) -> Result<()> {
+    use idemstore::redb::{Database, TableDefinition, TableHandle as _};
+    let t = common::t;
+    {
+        let store = Store::open(path)?;
+        let outbox = store.outbox();
+        outbox.enqueue_many((0..6).map(|i| entry("a", &format!("a{i}"))), t(0))?;
+        outbox.enqueue_many((0..4).map(|i| entry("b", &format!("b{i}"))), t(1))?;
+        // a: two in flight; b: one completed, one failed, one in doubt.
+        let claimed = outbox.claim_due(t(2), 5, "w")?;
+        let (a, b): (Vec<_>, Vec<_>) = claimed.iter().partition(|e| e.destination == "a");
+        assert_eq!((a.len(), b.len()), (3, 2));
+        outbox.settle(a[2].fence(), idemstore::Settlement::Completed, t(3))?;
+        outbox.settle(b[0].fence(), idemstore::Settlement::Completed, t(3))?;
+        outbox.mark_failed(b[1].id, "gone", None, t(3))?;
+        let more = outbox.claim(t(4), &idemstore::ClaimRequest::new(1, "w").avoid(["a"]))?;
+        assert_eq!(more[0].destination, "b");
+        outbox.mark_outcome_unknown(more[0].id, None)?;
+    }
+    {
+        // As a file of format 1 was: no destination tables.
+        let db = Database::create(path).map_err(idemstore::redb::Error::from)?;
+        let tx = db.begin_write().map_err(idemstore::redb::Error::from)?;
+        let dropped = [
+            "idemstore.v1.outbox.destinations",
+            "idemstore.v1.outbox.ready",
+            "idemstore.v1.outbox.queue",
+            "idemstore.v1.outbox.sequences",
+        ];
+        let tables: Vec<_> = tx
+            .list_tables()
+            .map_err(idemstore::redb::Error::from)?
+            .filter(|t| dropped.contains(&t.name()))
+            .collect();
+        assert_eq!(tables.len(), 4, "the file has the new tables to drop");
+        for table in tables {
+            assert!(tx.delete_table(table)?);
+        }
+        tx.open_table(TableDefinition::<&str, u64>::new("idemstore.meta"))?
+            .insert("format_version", 1)?;
+        tx.commit().map_err(idemstore::redb::Error::from)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.idem");
+    let t = common::t;
+    old_file(&path)?;
+    let store = Store::open(&path)?;
+    assert_eq!(store.stats()?.format_version, 2, "upgraded");
+    assert_indexes(&store)?;
+    let outbox = store.outbox();
+    let states: BTreeMap<String, _> = outbox
+        .destinations()?
+        .into_iter()
+        .map(|d| (d.destination.clone(), d))
+        .collect();
+    assert_eq!(states.len(), 2, "{states:?}");
+    let (a, b) = (&states["a"], &states["b"]);
+    assert_eq!(
+        (a.counts.pending, a.counts.dispatching, a.counts.completed),
+        (3, 2, 1)
+    );
+    assert_eq!(a.in_flight, 2);
+    assert_eq!(
+        (
+            b.counts.pending,
+            b.counts.completed,
+            b.counts.failed,
+            b.counts.outcome_unknown
+        ),
+        (1, 1, 1, 1)
+    );
+    assert_eq!(b.in_flight, 0);
+    // Every pending entry is claimable, a's and b's in turn.
+    let claimed = outbox.claim_due(t(10), 10, "w")?;
+    let destinations: Vec<&str> = claimed.iter().map(|e| e.destination.as_str()).collect();
+    assert_eq!(destinations, ["a", "b", "a", "a"]);
+    // A policy set on the upgraded file counts the claims already in flight.
+    outbox.set_destination_policy("a", DestinationPolicy::default().max_in_flight(5))?;
+    assert_eq!(outbox.destination("a")?.in_flight, 5);
+    outbox.enqueue(entry("a", "late"), t(11))?;
+    assert!(outbox.claim_due(t(12), 10, "w")?.is_empty(), "a at its cap");
+    assert_indexes(&store)
+}
+
+#[test]
+fn stores_opening_an_old_shared_file_at_once_upgrade_it_once() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = Arc::new(dir.path().join("old.idem"));
+    old_file(&path)?;
+    let openers: Vec<_> = (0..4)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || shared().open(&*path))
+        })
+        .collect();
+    let stores: Vec<Store> = openers
+        .into_iter()
+        .map(|o| o.join().expect("no panic"))
+        .collect::<Result<_>>()?;
+    for store in &stores {
+        assert_eq!(store.stats()?.format_version, 2);
+        assert_indexes(store)?;
+        let a = store.outbox().destination("a")?;
+        assert_eq!((a.counts.pending, a.in_flight), (3, 2));
+    }
+    // One destination table each, built once: the claims of one store are
+    // the others' too.
+    let claimed = stores[0].outbox().claim_due(common::t(10), 10, "w")?;
+    assert_eq!(claimed.len(), 4);
+    assert!(
+        stores[1]
+            .outbox()
+            .claim_due(common::t(10), 10, "w")?
+            .is_empty()
+    );
+    assert_eq!(stores[2].outbox().destination("a")?.in_flight, 5);
+    assert_indexes(&stores[3])
+}
