@@ -13,9 +13,6 @@
 //! by a direct call), so it sees what a real remote would see — how many
 //! sends of a destination are in flight at once, in which order each
 //! ordering key's events arrive — and it decides which sends fail.
-//!
-//! Tests marked `KNOWN BUG` are ignored: each shows a defect of the store
-//! that is still to be fixed; run them with `--ignored`.
 
 #[path = "destination_scenarios/children.rs"]
 mod children;
@@ -459,10 +456,6 @@ fn a_circuit_shared_by_two_stores_sends_one_probe_at_a_time() -> Result<()> {
 }
 
 #[test]
-#[ignore = "KNOWN BUG in the store (src/outbox/ops.rs, release_expired): releasing an \
-            expired claim never tells its destination's flow (no Flow::settled), so a released \
-            probe stays the circuit's probe and the destination is blocked for good; run with \
-            --ignored"]
 fn a_probe_whose_process_died_is_released_and_another_probe_goes() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
@@ -722,9 +715,6 @@ fn sent_promptly(sent: &Mutex<BTreeMap<String, u64>>, destination: &str, n: u64)
 }
 
 #[test]
-#[ignore = "KNOWN BUG in the store's cross-process wake-ups (src/outbox/watch.rs): a resume \
-            commits no new id and no earlier due time, so an idle dispatcher in another \
-            process sleeps until its 60 s idle timer; run with --ignored"]
 fn a_resume_in_one_process_wakes_an_idle_dispatcher_in_another() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("resume.idem");
@@ -749,10 +739,6 @@ fn a_resume_in_one_process_wakes_an_idle_dispatcher_in_another() -> Result<()> {
 }
 
 #[test]
-#[ignore = "KNOWN BUG in the store's cross-process wake-ups (src/outbox/watch.rs): a \
-            settlement that frees a capped destination's slot commits no new id and no \
-            earlier due time, so an idle dispatcher in another process sleeps until its \
-            60 s idle timer; run with --ignored"]
 fn a_slot_freed_in_one_process_wakes_a_capped_dispatcher_in_another() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("slot.idem");
