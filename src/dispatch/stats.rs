@@ -19,7 +19,8 @@ use crate::outbox::{OutboxEntry, Settlement};
 pub struct DispatchStats {
     /// Sends that returned [`Delivery::Delivered`](super::Delivery::Delivered).
     pub delivered: u64,
-    /// Sends that asked for a retry (and got one).
+    /// Sends that asked for a retry (and got one): `Retry`, `RetryAt`,
+    /// `Throttled`, and panics.
     pub retried: u64,
     /// Entries that failed for good (a [`Delivery::Failed`](super::Delivery::Failed), or `max_attempts`).
     pub failed: u64,
