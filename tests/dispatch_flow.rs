@@ -1,14 +1,16 @@
 //! The dispatcher and the flow control of destinations: a throttled send
-//! holds its whole destination until the time the remote asked for.
+//! holds its whole destination until the time the remote asked for, and
+//! an idle dispatcher with a rate limit sleeps until the next token.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{eventually, t};
 use idemstore::{
-    Clock as _, Delivery, Dispatcher, ManualClock, NewEntry, OutboxId, OutboxStatus,
-    REASON_MAX_ATTEMPTS, Result, RetryPolicy, Store,
+    Clock as _, Delivery, DestinationPolicy, Dispatcher, ManualClock, NewEntry, OutboxId,
+    OutboxStatus, REASON_MAX_ATTEMPTS, Result, RetryPolicy, Store,
 };
 use parking_lot::Mutex;
 
@@ -123,5 +125,92 @@ fn a_throttled_send_out_of_attempts_fails_for_good_and_holds_nothing() -> Result
     assert_eq!(record.entry.status, OutboxStatus::Failed);
     assert_eq!(record.last_failure.as_deref(), Some(REASON_MAX_ATTEMPTS));
     assert_eq!(outbox.destination("remote")?.held_until, None);
+    Ok(())
+}
+
+/// The store's commits so far: each claim is one.
+fn commits(store: &Store) -> u64 {
+    store.commit_stats().commits
+}
+
+/// How long an idle dispatcher is watched for claims it should not make.
+const WATCH: Duration = Duration::from_millis(500);
+
+#[test]
+fn an_idle_worker_with_a_rate_limit_sleeps_until_the_next_token() -> Result<()> {
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    // One token every 10 s, one at once.
+    outbox.set_destination_policy("remote", DestinationPolicy::default().rate_limit(0.1, 1))?;
+    let clock = ManualClock::new(t(0));
+    let first = outbox.enqueue(entry_to("remote", 1), t(0))?.id();
+    let second = outbox.enqueue(entry_to("remote", 2), t(0))?.id();
+    let sends = Arc::new(Mutex::new(Vec::new()));
+    let (seen, c) = (sends.clone(), clock.clone());
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(clock.clone())
+        .workers(1)
+        .start(move |e| {
+            seen.lock().push((e.id, c.now()));
+            Delivery::Delivered
+        })?;
+    eventually("the first entry is delivered", || {
+        state(&outbox, first) == Some((OutboxStatus::Completed, 1))
+    });
+    // Its settlement and the claim that found no token were one commit;
+    // from then on the worker waits for t(10) without claiming.
+    assert_eq!(outbox.next_due()?, Some(t(10)));
+    let idle = commits(&store);
+    std::thread::sleep(WATCH);
+    assert_eq!(commits(&store), idle, "an idle worker claimed");
+    assert_eq!(state(&outbox, second), Some((OutboxStatus::Pending, 0)));
+    clock.set(t(10));
+    eventually("the second entry is delivered", || {
+        state(&outbox, second) == Some((OutboxStatus::Completed, 1))
+    });
+    handle.shutdown()?;
+    assert_eq!(*sends.lock(), [(first, t(0)), (second, t(10))]);
+    Ok(())
+}
+
+#[cfg(feature = "tokio")]
+#[test]
+fn an_idle_async_dispatcher_with_a_rate_limit_sleeps_until_the_next_token() -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(idemstore::Error::Io)?;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    outbox.set_destination_policy("remote", DestinationPolicy::default().rate_limit(0.1, 1))?;
+    let clock = ManualClock::new(t(0));
+    let first = outbox.enqueue(entry_to("remote", 1), t(0))?.id();
+    let second = outbox.enqueue(entry_to("remote", 2), t(0))?.id();
+    let sends = Arc::new(Mutex::new(Vec::new()));
+    let (seen, c) = (sends.clone(), clock.clone());
+    runtime.block_on(async {
+        let handle = Dispatcher::builder(outbox.clone())
+            .clock(clock.clone())
+            .workers(1)
+            .start_async(move |e| {
+                seen.lock().push((e.id, c.now()));
+                async { Delivery::Delivered }
+            })?;
+        while state(&outbox, first) != Some((OutboxStatus::Completed, 1)) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // The claimer commits the settlement and claims again in one
+        // commit, which finds no token; then it waits for t(10).
+        let idle = commits(&store);
+        tokio::time::sleep(WATCH).await;
+        assert_eq!(commits(&store), idle, "an idle claimer claimed");
+        assert_eq!(state(&outbox, second), Some((OutboxStatus::Pending, 0)));
+        clock.set(t(10));
+        while state(&outbox, second) != Some((OutboxStatus::Completed, 1)) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        handle.shutdown().await
+    })?;
+    assert_eq!(*sends.lock(), [(first, t(0)), (second, t(10))]);
     Ok(())
 }

@@ -124,9 +124,11 @@
 //!
 //! # Wake-ups
 //!
-//! No polling: an idle worker sleeps until the earliest due entry
-//! ([`OutboxBackend::next_due`]) or until a commit that made work due wakes
-//! it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
+//! No polling: an idle worker sleeps until the next entry may be claimed
+//! ([`OutboxBackend::next_due`]: the earliest due entry, or for a
+//! destination held back, the end of its hold or its circuit's cool-down,
+//! or its rate limit's next token) or until a commit that made work due
+//! wakes it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
 //! once; async waiters are signalled by the same commits; on PostgreSQL,
 //! the commits of every process on every machine, by `LISTEN/NOTIFY`, or
 //! by polling once a second on engines without `LISTEN`). Never holds a
