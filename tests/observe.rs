@@ -217,7 +217,7 @@ fn an_enqueue_and_its_delivery_are_reported() -> Result<()> {
     assert_eq!(
         m.counter(
             "idemstore_dispatch_outcomes_total",
-            &[("outcome", "delivered")]
+            &[("outcome", "delivered"), ("destination", "mailer")]
         ),
         Some(1)
     );
@@ -727,4 +727,77 @@ mod layer {
         );
         Ok(())
     }
+}
+
+#[test]
+fn dispatch_metrics_carry_a_destination_label_from_a_bounded_set() -> Result<()> {
+    let seen = observe();
+    let m = &seen.metrics;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    // More destinations than get a label of their own (the first 64 a
+    // process reports; this binary's other tests report `mailer` only).
+    let destinations: Vec<String> = (0..70).map(|i| format!("remote-{i:02}")).collect();
+    outbox.enqueue_many(
+        destinations
+            .iter()
+            .map(|d| NewEntry::new(d.clone(), d.clone(), "key", Vec::new())),
+        t(0),
+    )?;
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(ManualClock::new(t(0)))
+        .start(|_| Delivery::Delivered)?;
+    eventually_some("every entry is delivered", || {
+        (handle.stats().delivered == 70).then_some(())
+    });
+    handle.shutdown()?;
+
+    let label = |labels: &[(String, String)]| {
+        labels
+            .iter()
+            .find(|(k, _)| k == "destination")
+            .map(|(_, v)| v.clone())
+            .expect("a destination label")
+    };
+    let mut own = 0;
+    let mut counted = 0;
+    for labels in m.series("idemstore_dispatch_outcomes_total") {
+        let destination = label(&labels);
+        let pairs: Vec<(&str, &str)> = labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let n = m
+            .counter("idemstore_dispatch_outcomes_total", &pairs)
+            .expect("a count");
+        counted += n;
+        if destination == "_other" {
+            assert!(n >= 6, "at least the six beyond 64: {n}");
+        } else {
+            assert!(destinations.contains(&destination), "{destination}");
+            assert_eq!(n, 1, "{destination}");
+            own += 1;
+        }
+    }
+    assert_eq!(counted, 70, "every settlement counted once");
+    assert!(
+        (63..=64).contains(&own),
+        "{own} destinations with their own label"
+    );
+    // The send times carry the same labels.
+    let histograms = m.series("idemstore_dispatch_send_seconds");
+    assert_eq!(histograms.len(), own + 1);
+    assert!(histograms.iter().any(|l| label(l) == "_other"));
+    // The events carry every destination's own name.
+    let attempts = seen.events.named("idemstore::dispatch", "attempt");
+    let mut named: Vec<&str> = attempts
+        .iter()
+        .filter_map(|e| e.field("destination"))
+        .collect();
+    named.sort_unstable();
+    assert_eq!(
+        named,
+        destinations.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    Ok(())
 }

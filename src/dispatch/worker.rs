@@ -189,7 +189,7 @@ pub(super) fn sent(
     rng: &mut Rng,
 ) -> (Fence, Settlement) {
     let settlement = settle_for(ctx, entry, outcome, rng);
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     let took = (ctx.clock.now() - started).to_std().unwrap_or_default();
     ctx.counters.attempted(entry, &settlement, took);
     (entry.fence(), settlement)
@@ -201,7 +201,7 @@ pub(super) fn give_back(ctx: &Ctx, entry: &OutboxEntry, now: DateTime<Utc>) -> (
     let settlement = Settlement::Rescheduled {
         next_attempt_at: now,
     };
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     (entry.fence(), settlement)
 }
 
