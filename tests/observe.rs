@@ -64,8 +64,8 @@ fn the_event(events: &Events, target: &str, message: &str) -> Captured {
     found.into_iter().next().expect("one event")
 }
 
-/// The outbox's due index, as a caller can reach it to damage it.
-const DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+/// The outbox's records, as a caller can reach them to damage them.
+const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
 
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(
@@ -245,12 +245,13 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     let seen = observe();
     let m = &seen.metrics;
 
-    // A damaged due index (a row without its record): the worker's claim
-    // fails, and it backs off and carries on.
+    // A damaged record, first in line: the worker's claim fails, and it
+    // backs off and carries on.
     let store = Store::in_memory()?;
+    let id = store.outbox().enqueue(entry(1), t(0))?.id();
     store.write(|tx| {
-        tx.open_table(DUE)?
-            .insert((t(0).timestamp_micros(), 999), ())?;
+        tx.open_table(OUTBOX)?
+            .insert(id.0, b"\x01garbage".as_slice())?;
         Ok::<_, Error>(())
     })?;
     let handle = Dispatcher::builder(store.outbox())
@@ -267,7 +268,7 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     assert_eq!(warning.level, Level::WARN);
     assert_eq!(warning.field("during"), Some("claim"));
     let error = warning.field("error").unwrap_or_default();
-    assert!(error.contains("idemstore.v1.outbox.due"), "{error}");
+    assert!(error.contains("idemstore.v1.outbox"), "{error}");
     assert!(m.counter("idemstore_errors_total", &[("during", "claim")]) >= Some(1));
     assert_eq!(
         seen.events
