@@ -49,6 +49,14 @@ fn fast_rate(fast_sent: &AtomicUsize, started: Instant) -> f64 {
     fast_sent.load(Ordering::SeqCst) as f64 / started.elapsed().as_secs_f64()
 }
 
+/// One measurement at a time: the two tests of this file would otherwise
+/// run side by side and each disturb what the other measures.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Asserts that the fast destination's rate beside the slow one is at
 /// least a third of its rate alone.
 fn assert_fair(runtime: &str, alone: f64, beside: f64) {
@@ -91,6 +99,7 @@ fn threads_run(slow: bool) -> Result<f64> {
 
 #[test]
 fn a_slow_destination_never_takes_every_worker_thread() -> Result<()> {
+    let _turn = turn();
     let alone = threads_run(false)?;
     let beside = threads_run(true)?;
     assert_fair("threads", alone, beside);
@@ -139,6 +148,7 @@ mod tasks {
 
     #[test]
     fn a_slow_destination_never_takes_every_send_slot() -> Result<()> {
+        let _turn = turn();
         let alone = tasks_run(false)?;
         let beside = tasks_run(true)?;
         assert_fair("tasks", alone, beside);
