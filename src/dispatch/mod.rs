@@ -70,8 +70,13 @@
 //! room for a destination that has none yet — unless no other destination
 //! has an entry to give. The async dispatcher does the same with its sends
 //! in flight, and gives a free slot to a crowded destination's entry only
-//! once its last claim showed that nothing else is due. The counts are of
-//! one dispatcher; a destination's
+//! once its last claim showed that nothing else is due. A worker thread
+//! stays with its destination until its batch is sent: a destination whose
+//! entries come due while a lone one holds every thread gets its first
+//! thread when one of those batches ends (a smaller
+//! [`batch_size`](DispatcherBuilder::batch_size) shortens that wait; with
+//! `start_async` it is the end of any one send). The counts are of one
+//! dispatcher; a destination's
 //! [`DestinationPolicy`](crate::DestinationPolicy) (a cap on entries in
 //! flight, a rate limit, a circuit breaker) holds across every dispatcher
 //! and process, in the store.
@@ -336,7 +341,9 @@ impl DispatcherBuilder {
     /// claims older than this (a crashed process's entries are sent again),
     /// so it must exceed the time a worker needs for one batch of sends
     /// (with `start_async`: the slowest send, plus the wait of an entry
-    /// claimed ahead for a free slot).
+    /// claimed ahead for a free slot, which for a destination that holds
+    /// its [share](crate::dispatch#fair-sharing) of the slots is the wait
+    /// for one of its own sends to end).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(1));
         self
