@@ -106,6 +106,44 @@ fn a_slow_destination_never_takes_every_worker_thread() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn a_lone_destination_still_gets_every_worker_thread() -> Result<()> {
+    const THREADS: usize = 4;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (now, go) = (in_flight.clone(), release.clone());
+    let handle = Dispatcher::builder(outbox.clone())
+        .workers(THREADS)
+        .batch_size(1)
+        .start(move |_| {
+            now.fetch_add(1, Ordering::SeqCst);
+            let started = Instant::now();
+            while !go.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            now.fetch_sub(1, Ordering::SeqCst);
+            Delivery::Delivered
+        })?;
+    // One entry at a time, each taken by one more thread: beyond its share
+    // (2 of 4), the lone destination's entries still go out, as nothing
+    // else is due.
+    for i in 0..THREADS {
+        let entry = NewEntry::new(format!("c-{i}"), "lone", format!("k-{i}"), Vec::new());
+        outbox.enqueue(entry, Utc::now())?;
+        common::eventually("one more thread sends", || {
+            in_flight.load(Ordering::SeqCst) == i + 1
+        });
+    }
+    release.store(true, Ordering::SeqCst);
+    common::eventually("every entry is delivered", || {
+        outbox.counts().is_ok_and(|c| c.completed == THREADS as u64)
+    });
+    handle.shutdown()?;
+    Ok(())
+}
+
 #[cfg(feature = "tokio")]
 mod tasks {
     use super::*;
