@@ -525,6 +525,25 @@ pub(crate) fn attempt(
     });
 }
 
+/// A dispatcher's send to `destination` started (`true`) or ended: the
+/// sends in flight per destination, summed over the process's dispatchers.
+#[inline]
+pub(crate) fn in_flight(destination: &str, started: bool) {
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        {
+            let destination = labels::destination_label(destination);
+            let gauge =
+                metrics::gauge!("idemstore_dispatch_in_flight", "destination" => destination);
+            if started {
+                gauge.increment(1.0);
+            } else {
+                gauge.decrement(1.0);
+            }
+        }
+    });
+}
+
 /// The time from an entry's enqueue to the start of its first send (for
 /// entries due at once).
 #[inline]

@@ -492,6 +492,11 @@ const DESCRIBED: &[(&str, &str, metrics::Unit)] = &[
         metrics::Unit::Seconds,
     ),
     (
+        "idemstore_dispatch_in_flight",
+        "gauge",
+        metrics::Unit::Count,
+    ),
+    (
         "idemstore_dispatch_latency_seconds",
         "histogram",
         metrics::Unit::Seconds,
@@ -800,5 +805,32 @@ fn dispatch_metrics_carry_a_destination_label_from_a_bounded_set() -> Result<()>
         named,
         destinations.iter().map(String::as_str).collect::<Vec<_>>()
     );
+    Ok(())
+}
+
+#[test]
+fn the_sends_in_flight_are_a_gauge_per_destination() -> Result<()> {
+    let seen = observe();
+    let m = &seen.metrics;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let (go, gate) = crossbeam_channel::bounded::<()>(0);
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(ManualClock::new(t(0)))
+        .workers(1)
+        .start(move |_| {
+            let _ = gate.recv();
+            Delivery::Delivered
+        })?;
+    let in_flight = || m.gauge("idemstore_dispatch_in_flight", &[("destination", "mailer")]);
+    outbox.enqueue(entry(1), t(0))?;
+    eventually_some("the send is in flight", || {
+        (in_flight() == Some(1.0)).then_some(())
+    });
+    go.send(()).expect("the send waits at the gate");
+    eventually_some("the send has ended", || {
+        (handle.stats().delivered == 1 && in_flight() == Some(0.0)).then_some(())
+    });
+    handle.shutdown()?;
     Ok(())
 }

@@ -55,6 +55,11 @@ pub(super) fn all() {
         Unit::Seconds,
         "How long each dispatcher send took, by outcome and destination (the first 64 distinct destinations a process reports; every later one is _other)."
     );
+    describe_gauge!(
+        "idemstore_dispatch_in_flight",
+        Unit::Count,
+        "Sends in flight now, by destination (the first 64 distinct destinations a process reports; every later one is _other), summed over the process's dispatchers."
+    );
     describe_histogram!(
         "idemstore_dispatch_latency_seconds",
         Unit::Seconds,
