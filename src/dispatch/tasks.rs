@@ -8,12 +8,12 @@
 //! `batch_size` claimed entries waiting for a free slot (not counting those
 //! of destinations that hold their share, while they wait for it: see
 //! below), so that a send that ends is followed at once by the next one,
-//! without waiting for a commit. It commits (one `settle_and_claim`: the finished sends'
-//! settlements and the next claim together) whenever it has something to
-//! settle or room to claim into while work may be due, and never two
-//! commits at once: the settlements of every send that ended during one
-//! commit go into the next, so commits batch themselves under load, as
-//! the group commit of the store does.
+//! without waiting for a commit. It commits (one `settle_and_claim`: the
+//! finished sends' settlements and the next claim together) whenever it
+//! has something to settle or room to claim into while work may be due,
+//! and never two commits at once: the settlements of every send that ended
+//! during one commit go into the next, so commits batch themselves under
+//! load, as the group commit of the store does.
 //!
 //! One claimer rather than `workers` claiming tasks: a wake-up makes one
 //! claim (not `workers` claims racing for the same entry), the number of
@@ -414,7 +414,8 @@ struct Claimer {
     /// The most sends in flight.
     slots: usize,
     rng: Rng,
-    /// Claimed, not sent yet (at most `batch_size` beyond the free slots).
+    /// Claimed, not sent yet (at most `batch_size` beyond the free slots,
+    /// besides those of crowded destinations: see [`Claimer::room`]).
     waiting: VecDeque<OutboxEntry>,
     sends: JoinSet<Sent>,
     /// The sends in flight, per destination.
