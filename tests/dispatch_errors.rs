@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::{eventually_some, t};
 use crossbeam_channel::Receiver;
-use idemstore::redb::{TableDefinition, TableHandle as _};
+use idemstore::redb::{ReadableTable as _, TableDefinition, TableHandle as _};
 use idemstore::{
     Clock, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxStatus, Result, Store,
 };
@@ -44,42 +44,39 @@ fn repair(store: &Store, index: Index, at: DateTime<Utc>) -> Result<()> {
     })
 }
 
-/// The destinations' ready line and flow records, as a caller can reach
-/// them to damage them.
-const READY: TableDefinition<(i64, &str), ()> = TableDefinition::new("idemstore.v1.outbox.ready");
-const DESTINATIONS: TableDefinition<&str, &[u8]> =
-    TableDefinition::new("idemstore.v1.outbox.destinations");
-/// A destination with a flow record that does not decode, first in line.
-const BROKEN: &str = "broken";
-
-/// Puts destination [`BROKEN`] first in the ready line with a flow record
-/// that does not decode: the next claim fails.
-fn damage_line(store: &Store) -> Result<()> {
-    store.write(|tx| {
-        tx.open_table(READY)?.insert((0, BROKEN), ())?;
-        tx.open_table(DESTINATIONS)?
-            .insert(BROKEN, [1_u8, 0xff, 0xff].as_slice())?;
-        Ok::<_, Error>(())
-    })
-}
-
-fn repair_line(store: &Store) -> Result<()> {
-    store.write(|tx| {
-        tx.open_table(READY)?.remove((0, BROKEN))?;
-        tx.open_table(DESTINATIONS)?.remove(BROKEN)?;
-        Ok::<_, Error>(())
-    })
-}
-
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(format!("cmd-{i}"), "remote", format!("key-{i}"), vec![])
+}
+
+/// Replaces the bytes of record `id` with some that do not decode;
+/// returns the bytes it had.
+fn damage_record(store: &Store, id: u64) -> Result<Vec<u8>> {
+    store.write(|tx| {
+        let mut records = tx.open_table(OUTBOX)?;
+        let good = records
+            .get(id)?
+            .map(|v| v.value().to_vec())
+            .ok_or(Error::NotFound)?;
+        records.insert(id, b"\x01garbage".as_slice())?;
+        Ok::<_, Error>(good)
+    })
+}
+
+/// Puts back the bytes [`damage_record`] took.
+fn restore_record(store: &Store, id: u64, good: &[u8]) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(OUTBOX)?.insert(id, good)?;
+        Ok::<_, Error>(())
+    })
 }
 
 #[test]
 fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    damage_line(&store)?;
+    // The first entry in line does not decode: the claim that reads it fails.
+    let id = outbox.enqueue(entry(1), t(0))?.id();
+    let good = damage_record(&store, id.0)?;
     let clock = ManualClock::new(t(10));
     let handle = Dispatcher::builder(outbox.clone())
         .clock(clock)
@@ -89,17 +86,16 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     assert_eq!(last.during, "claim");
     assert_eq!(last.at, t(10));
     assert!(
-        last.message.contains(DESTINATIONS.name()) && last.message.contains(BROKEN),
+        last.message.contains(OUTBOX.name()) && last.message.contains(&id.0.to_string()),
         "{}",
         last.message
     );
     let stats = handle.stats();
     assert!(stats.store_errors >= 1, "{stats:?}");
     assert_eq!(stats.janitor, None, "no janitor was asked for");
-    // The worker carries on: with the row repaired, it delivers again, and
+    // The worker carries on: with the record repaired, it delivers it, and
     // the last error stays (the clock has not moved, so it reads the same).
-    repair_line(&store)?;
-    let id = outbox.enqueue(entry(1), t(10))?.id();
+    restore_record(&store, id.0, &good)?;
     eventually_some("the entry is delivered", || {
         outbox
             .get(id)

@@ -19,7 +19,8 @@ use super::settle_for;
 use super::stats::{Counters, EnqueueLatency, bump};
 use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, OutboxEntry, Settlement};
+use crate::observe;
+use crate::outbox::{ClaimRequest, Fence, OutboxEntry, Settlement};
 
 /// The longest an idle worker sleeps before looking again (a safety net:
 /// wake-ups normally come first).
@@ -72,8 +73,8 @@ impl Ctx {
 pub(super) struct BackOff;
 
 /// A worker's store call between two batches: settles the last batch's
-/// `settlements` and claims up to `limit` entries for `worker_id`, in one
-/// commit (one fsync instead of two).
+/// `settlements` and claims what `request` asks for, in one commit (one
+/// fsync instead of two).
 ///
 /// On success `settlements` is emptied (a settlement refused by its fence is
 /// counted in `fenced`). If the call fails it wrote nothing: the
@@ -85,12 +86,11 @@ pub(super) struct BackOff;
 pub(super) fn claim_cycle(
     ctx: &Ctx,
     settlements: &mut Vec<(Fence, Settlement)>,
-    limit: usize,
-    worker_id: &str,
+    request: &ClaimRequest,
 ) -> Result<Vec<OutboxEntry>, BackOff> {
-    let outcome =
-        ctx.outbox
-            .settle_and_claim(settlements.clone(), ctx.clock.now(), limit, worker_id);
+    let outcome = ctx
+        .outbox
+        .settle_and_claim_with(settlements.clone(), ctx.clock.now(), request);
     match outcome {
         Ok((settled, claimed)) => {
             settlements.clear();
@@ -168,10 +168,12 @@ fn count_answer(ctx: &Ctx, answer: &Result<()>) -> bool {
     }
 }
 
-/// Notes that `entry`'s send starts now: on its first attempt, when it was
-/// due at once, its enqueue → send latency. Returns the start, by the
-/// dispatcher's clock, for [`sent`].
+/// Notes that `entry`'s send starts now: one more send in flight to its
+/// destination (reported), and on its first attempt, when it was due at
+/// once, its enqueue → send latency. Returns the start, by the
+/// dispatcher's clock, for [`sent`] (which takes the send off).
 pub(super) fn sending(ctx: &Ctx, entry: &OutboxEntry) -> DateTime<Utc> {
+    observe::in_flight(&entry.destination, true);
     let started = ctx.clock.now();
     let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
     if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
@@ -189,8 +191,9 @@ pub(super) fn sent(
     outcome: std::thread::Result<super::Delivery>,
     rng: &mut Rng,
 ) -> (Fence, Settlement) {
+    observe::in_flight(&entry.destination, false);
     let settlement = settle_for(ctx, entry, outcome, rng);
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     let took = (ctx.clock.now() - started).to_std().unwrap_or_default();
     ctx.counters.attempted(entry, &settlement, took);
     (entry.fence(), settlement)
@@ -202,7 +205,7 @@ pub(super) fn give_back(ctx: &Ctx, entry: &OutboxEntry, now: DateTime<Utc>) -> (
     let settlement = Settlement::Rescheduled {
         next_attempt_at: now,
     };
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     (entry.fence(), settlement)
 }
 
