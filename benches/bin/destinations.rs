@@ -18,6 +18,8 @@
 //!   fsync (`Durability::None`, so the figures show the index work): one
 //!   destination; 1,000 destinations; 1,000 destinations with 5,000
 //!   ordering keys. Median per call; the target is 200k/5k ≤ 1.5×.
+//!   `claim --destinations D [--keys K] [--pending N]` times one spread
+//!   and one backlog only (for a profiler).
 //! - `cycle`: the worker's cycle (`settle_and_claim` of a batch of 16 over
 //!   10 destinations, the last batch completed), without fsync, per entry:
 //!   the drain's store work without the disk.
@@ -83,7 +85,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         drain(runs)?;
     }
     if wants("claim") {
-        claim()?;
+        match flag(&args, "--destinations") {
+            // One spread and one backlog, for a profiler.
+            Some(destinations) => {
+                let spread = Spread {
+                    name: "asked",
+                    destinations: destinations as u64,
+                    keys: flag(&args, "--keys").unwrap_or(0) as u64,
+                };
+                let pending = flag(&args, "--pending").unwrap_or(200_000) as u64;
+                let took = claim_median(spread, pending)?;
+                println!("claim_due({CLAIM}): {took:.1} µs");
+            }
+            None => claim()?,
+        }
     }
     if wants("cycle") {
         cycle()?;
@@ -144,7 +159,7 @@ fn drain(runs: usize) -> Result<(), Box<dyn std::error::Error>> {
         let took = start.elapsed();
         let used = cpu_time()
             .zip(cpu_before)
-            .map(|(after, before)| after - before);
+            .map(|(after, before)| after.saturating_sub(before));
         handle.shutdown()?;
         let rate = DRAIN_ENTRIES as f64 / took.as_secs_f64();
         let per_entry = used.map_or(f64::NAN, |d| d.as_secs_f64() * 1e6 / DRAIN_ENTRIES as f64);
@@ -419,13 +434,13 @@ fn fast_run(
     }
     enqueue("B", FAST_ENTRIES)?;
     let slow_started = Arc::new(AtomicU64::new(0));
-    let fast_sent = Arc::new(AtomicU64::new(0));
+    let b_delivered = Arc::new(AtomicU64::new(0));
     // When B's last send so far ended.
     let fast_last = Arc::new(Mutex::new(None::<Instant>));
     let start = Instant::now();
     let handle = {
-        let (slow_started, fast_sent, fast_last) =
-            (slow_started.clone(), fast_sent.clone(), fast_last.clone());
+        let (slow_started, b_delivered, fast_last) =
+            (slow_started.clone(), b_delivered.clone(), fast_last.clone());
         Dispatcher::builder(outbox.clone())
             .workers(HOL_WORKERS)
             .start(move |e| {
@@ -437,7 +452,7 @@ fn fast_run(
                         std::thread::sleep(d);
                     }
                     let mut last = fast_last.lock();
-                    fast_sent.fetch_add(1, Ordering::SeqCst);
+                    b_delivered.fetch_add(1, Ordering::SeqCst);
                     *last = Some(Instant::now());
                 }
                 Delivery::Delivered
@@ -447,7 +462,7 @@ fn fast_run(
     let (end, sent) = loop {
         let slow_done = with_slow && slow_started.load(Ordering::SeqCst) >= SLOW_ENTRIES;
         let now = Instant::now();
-        let sent = fast_sent.load(Ordering::SeqCst);
+        let sent = b_delivered.load(Ordering::SeqCst);
         if sent >= FAST_ENTRIES {
             break (fast_last.lock().unwrap_or(now), sent);
         }
