@@ -48,6 +48,27 @@
 //! fails, is given back or ends in doubt is kept in the entry's [attempt
 //! history](crate::outbox#attempt-history).
 //!
+//! # Fair sharing
+//!
+//! While several destinations have due entries, none holds more than its
+//! share of a dispatcher's workers (its threads; with `start_async`, its
+//! sends in flight), with no policy to set: a slow destination's backlog
+//! never takes every worker from the others, and a lone destination gets
+//! them all. Each worker thread claims a batch of one destination
+//! ([`ClaimRequest::one_destination`](crate::ClaimRequest::one_destination)),
+//! so a slow destination delays only its own entries; the dispatcher
+//! counts the workers busy with each destination, and a claim
+//! [avoids](crate::ClaimRequest::avoid) those that hold
+//! `ceil(workers / (busy destinations + 1))` of them — the `+ 1` keeps
+//! room for a destination that has none yet — unless no other destination
+//! has an entry to give. The async dispatcher does the same with its sends
+//! in flight, and gives a free slot to a crowded destination's entry only
+//! once its last claim showed that nothing else is due. The counts are of
+//! one dispatcher; a destination's
+//! [`DestinationPolicy`](crate::DestinationPolicy) (a cap on entries in
+//! flight, a rate limit, a circuit breaker) holds across every dispatcher
+//! and process, in the store.
+//!
 //! # Two runtimes
 //!
 //! Both share one set of steps (claim and settle, retry, fencing, stats,
@@ -139,6 +160,7 @@
 mod clock;
 mod janitor;
 mod retry;
+mod share;
 mod stats;
 #[cfg(feature = "tokio")]
 mod tasks;
@@ -279,8 +301,9 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Entries a worker claims at once. With `start_async`: the most
-    /// entries claimed ahead of a free send slot. Default: 16.
+    /// Entries a worker claims at once (all of one destination: see [fair
+    /// sharing](crate::dispatch#fair-sharing)). With `start_async`: the
+    /// most entries claimed ahead of a free send slot. Default: 16.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self

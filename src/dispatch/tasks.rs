@@ -19,6 +19,19 @@
 //! sends in flight is `workers` whatever the batch size and the backlog,
 //! and an idle dispatcher has one task waiting, not `workers`.
 //!
+//! # Fair sharing
+//!
+//! The claimer counts the sends in flight per destination (`share.rs`).
+//! Its claims avoid the destinations that hold their share of the slots
+//! (the store takes from them only if no other destination has anything
+//! to give), and a free slot goes to the first waiting entry of a
+//! destination below its share. If only crowded destinations' entries
+//! wait, the slot goes to one of them (the least loaded) only once a claim
+//! has shown that no other destination has entries due; until then the
+//! slot stays free for the claim that may bring one. So a slow
+//! destination's backlog never fills every slot while another has entries
+//! due, and a lone destination still gets them all.
+//!
 //! Every store call runs on tokio's blocking pool (they fsync). Waiting —
 //! for a wake-up of the outbox, a jump of a [`ManualClock`](super::ManualClock),
 //! the next due time, a back-off, the stop signal — is async: no thread is
@@ -39,11 +52,12 @@ use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use super::janitor::Janitor;
+use super::share::Busy;
 use super::stats::{DispatchStats, LastError};
 use super::worker::{self, BACK_OFF, BackOff, Ctx, IDLE_CAP, Rng};
 use super::{Delivery, DispatcherBuilder, Parts};
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, OutboxEntry, Settlement};
+use crate::outbox::{ClaimRequest, Fence, OutboxEntry, Settlement};
 
 type SendFuture = Pin<Box<dyn Future<Output = Delivery> + Send>>;
 type SendFn = dyn Fn(OutboxEntry) -> SendFuture + Send + Sync;
@@ -372,6 +386,8 @@ struct Commit {
     claimed: Result<Vec<OutboxEntry>, BackOff>,
     /// How many it asked for.
     limit: usize,
+    /// The destinations it avoided.
+    avoided: Vec<String>,
     /// When it claimed fewer than it asked for: when the next entry is due.
     next_due: Option<Result<Option<chrono::DateTime<Utc>>, BackOff>>,
 }
@@ -400,6 +416,13 @@ struct Claimer {
     /// Claimed, not sent yet (at most `batch_size` beyond the free slots).
     waiting: VecDeque<OutboxEntry>,
     sends: JoinSet<Sent>,
+    /// The sends in flight, per destination.
+    busy: Busy,
+    /// What the last claim showed of the store: `Some(destinations)`
+    /// when no destination but these had entries due (empty: none at all);
+    /// `None` when others may have. Forgotten (`None`) on a wake-up, a
+    /// clock jump or a due time.
+    due_only: Option<Vec<String>>,
     /// Sent, not settled yet: committed with the next claim.
     settlements: Vec<(Fence, Settlement)>,
     /// The commit in progress on the blocking pool.
@@ -436,6 +459,8 @@ impl Claimer {
             slots,
             waiting: VecDeque::new(),
             sends: JoinSet::new(),
+            busy: Busy::default(),
+            due_only: None,
             settlements: Vec::new(),
             commit: None,
             look: true,
@@ -472,12 +497,15 @@ impl Claimer {
         blocking(move || worker::settle_last(&ctx, settlements)).await;
     }
 
-    /// Starts sends from the waiting entries while slots are free.
+    /// Starts sends from the waiting entries while slots are free, the
+    /// first entry of a destination below its share first (see the
+    /// module's docs).
     fn start_sends(&mut self) {
         while self.sends.len() < self.slots {
-            let Some(entry) = self.waiting.pop_front() else {
+            let Some(entry) = self.next_waiting() else {
                 break;
             };
+            self.busy.add(&entry.destination);
             let started = worker::sending(&self.ctx, &entry);
             let send = self.send.clone();
             let copy = entry.clone();
@@ -489,6 +517,62 @@ impl Claimer {
         }
     }
 
+    /// The waiting entry to send next, taken out of the queue: the first
+    /// one of a destination below its share; else, if no other destination
+    /// has entries due, the first one of the least loaded destination.
+    /// `None` leaves the free slots for a claim (see the module's docs).
+    fn next_waiting(&mut self) -> Option<OutboxEntry> {
+        let crowded = self.busy.crowded(self.slots);
+        let fair = self
+            .waiting
+            .iter()
+            .position(|e| !crowded.contains(&e.destination));
+        let index = fair.or_else(|| {
+            if !self.others_idle(&crowded) {
+                // A claim may bring another destination's entry.
+                self.look |= !self.waiting.is_empty();
+                return None;
+            }
+            let least = self
+                .waiting
+                .iter()
+                .map(|e| self.busy.get(&e.destination))
+                .min()?;
+            self.waiting
+                .iter()
+                .position(|e| self.busy.get(&e.destination) == least)
+        })?;
+        self.waiting.remove(index)
+    }
+
+    /// Whether no destination but the `crowded` ones has entries due, as
+    /// the last claim showed: then a crowded destination's entry may take a
+    /// free slot.
+    fn others_idle(&self, crowded: &[String]) -> bool {
+        self.due_only
+            .as_ref()
+            .is_some_and(|only| only.iter().all(|d| crowded.contains(d)))
+    }
+
+    /// How many entries a claim may take: up to `workers + batch_size`
+    /// claimed, sends in flight included, not counting the waiting entries
+    /// of crowded destinations while they may not take a free slot (they
+    /// wait for their destination's share, and must not crowd out the
+    /// entries claimed ahead for the others).
+    fn room(&self) -> usize {
+        let crowded = self.busy.crowded(self.slots);
+        let stuck = if self.others_idle(&crowded) {
+            0
+        } else {
+            self.waiting
+                .iter()
+                .filter(|e| crowded.contains(&e.destination))
+                .count()
+        };
+        let claimed = self.waiting.len() - stuck + self.sends.len();
+        (self.slots + self.ctx.batch_size).saturating_sub(claimed)
+    }
+
     /// Starts a commit unless one runs or the claimer backs off: when sends
     /// finished (their settlements are due), or when there is room to claim
     /// into and work may be due.
@@ -496,8 +580,7 @@ impl Claimer {
         if self.commit.is_some() || self.backing_off.is_some() {
             return;
         }
-        let claimed = self.waiting.len() + self.sends.len();
-        let room = (self.slots + self.ctx.batch_size).saturating_sub(claimed);
+        let room = self.room();
         if self.settlements.is_empty() && !(self.look && room > 0) {
             return;
         }
@@ -505,8 +588,10 @@ impl Claimer {
         let (ctx, worker_id) = (self.ctx.clone(), self.worker_id.clone());
         let mut settlements = std::mem::take(&mut self.settlements);
         let limit = room;
+        let avoided = self.busy.crowded(self.slots);
+        let request = ClaimRequest::new(limit, &*worker_id).avoid(avoided.clone());
         self.commit = Some(tokio::task::spawn_blocking(move || {
-            let claimed = worker::claim_cycle(&ctx, &mut settlements, limit, &worker_id);
+            let claimed = worker::claim_cycle(&ctx, &mut settlements, &request);
             // Fewer than asked for: nothing else is due now; when will it be?
             let next_due = match &claimed {
                 Ok(entries) if entries.len() < limit => Some(worker::next_due(&ctx)),
@@ -516,6 +601,7 @@ impl Claimer {
                 settlements,
                 claimed,
                 limit,
+                avoided,
                 next_due,
             }
         }));
@@ -529,9 +615,7 @@ impl Claimer {
     async fn next_event(&mut self) -> Event {
         let stopping = self.ctx.stopping();
         let deadline = self.backing_off.or_else(|| {
-            let claimed = self.waiting.len() + self.sends.len();
-            let room = claimed < self.slots + self.ctx.batch_size;
-            (!stopping && !self.look && room)
+            (!stopping && !self.look && self.room() > 0)
                 .then(|| Instant::now() + self.ctx.timeout(self.due, IDLE_CAP))
         });
         let Claimer {
@@ -587,6 +671,7 @@ impl Claimer {
                 self.committed(commit);
             }
             Event::Sent(Ok((entry, started, outcome))) => {
+                self.busy.remove(&entry.destination);
                 let settlement = worker::sent(&self.ctx, &entry, started, outcome, &mut self.rng);
                 self.settlements.push(settlement);
             }
@@ -596,12 +681,14 @@ impl Claimer {
             Event::Sent(Err(_)) => {}
             Event::Wake(alive) => {
                 self.look = true;
+                self.due_only = None;
                 if !alive {
                     self.wake = None;
                 }
             }
             Event::ClockChanged(alive) => {
                 self.look = true;
+                self.due_only = None;
                 if !alive {
                     self.changes = None;
                 }
@@ -609,6 +696,7 @@ impl Claimer {
             Event::Timer => {
                 self.backing_off = None;
                 self.look = true;
+                self.due_only = None;
             }
         }
     }
@@ -622,6 +710,9 @@ impl Claimer {
             Ok(entries) => {
                 // A full claim: more may be due.
                 self.look |= commit.limit > 0 && entries.len() == commit.limit;
+                if commit.limit > 0 {
+                    self.due_only = due_only(&entries, commit.limit, commit.avoided);
+                }
                 self.waiting.extend(entries);
             }
             Err(BackOff) => self.back_off(),
@@ -639,6 +730,42 @@ impl Claimer {
         self.backing_off = Some(Instant::now() + BACK_OFF);
         self.look = true;
     }
+}
+
+/// What a claim of up to `limit` entries that avoided `avoided` and took
+/// `entries` shows of the store (see [`Claimer::due_only`]), by the claim
+/// rule: the store takes from avoided destinations only when no other
+/// destination gave anything; otherwise it visits the claimable
+/// destinations (at most `limit` of them) taking one entry from each per
+/// round, so a destination that gave nothing had nothing to give, and a
+/// claim that took fewer than it asked for took all that was claimable.
+fn due_only(
+    entries: &[OutboxEntry],
+    limit: usize,
+    mut avoided: Vec<String>,
+) -> Option<Vec<String>> {
+    if entries.len() < limit {
+        let from_others = entries.iter().any(|e| !avoided.contains(&e.destination));
+        // Only the avoided may have more (they were not looked at), or
+        // nothing is left at all.
+        return Some(if from_others { avoided } else { Vec::new() });
+    }
+    let mut gave: Vec<&str> = Vec::new();
+    for e in entries {
+        if !gave.contains(&e.destination.as_str()) {
+            gave.push(&e.destination);
+        }
+    }
+    if gave.len() >= limit {
+        // Claimable destinations beyond the first `limit` were not visited.
+        return None;
+    }
+    for d in gave {
+        if !avoided.iter().any(|a| a == d) {
+            avoided.push(d.to_owned());
+        }
+    }
+    Some(avoided)
 }
 
 /// A future whose panics are caught: its output, or the panic's payload.

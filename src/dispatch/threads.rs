@@ -1,7 +1,14 @@
 //! The dispatcher on threads: [`DispatcherBuilder::start`] and its
-//! [`DispatcherHandle`]. Each worker thread claims a batch, sends it in
-//! order, then settles it together with the next claim; the reaper and the
-//! janitor have a thread each. The steps are `worker.rs`'s.
+//! [`DispatcherHandle`]. Each worker thread claims a batch of one
+//! destination, sends it in order, then settles it together with the next
+//! claim; the reaper and the janitor have a thread each. The steps are
+//! `worker.rs`'s.
+//!
+//! A batch holds one destination's entries only, so a slow destination
+//! delays its own entries, never another's; and a worker's claim avoids
+//! the destinations that already hold their share of the workers
+//! (`share.rs`), so a slow destination's backlog never takes every worker
+//! while another destination has entries due.
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
@@ -11,11 +18,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, Sender, select};
 
+use parking_lot::Mutex;
+
+use super::share::Busy;
 use super::stats::{DispatchStats, LastError};
 use super::worker::{self, BACK_OFF, Ctx, IDLE_CAP, Rng, claim_cycle, give_back, sending, sent};
 use super::{Delivery, DispatcherBuilder, Parts};
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, OutboxEntry, Settlement};
+use crate::outbox::{ClaimRequest, Fence, OutboxEntry, Settlement};
 
 type SendFn = dyn Fn(&OutboxEntry) -> Delivery + Send + Sync;
 
@@ -45,12 +55,19 @@ impl DispatcherBuilder {
         // The reaper first, so a restart releases a crashed run's claims
         // before the workers look for work.
         handle.start_thread("idemstore-reaper".into(), REAPER_THREAD, &stop_rx, reaper)?;
+        // Per destination, the workers busy with it: for fair sharing.
+        let busy = Arc::new(Mutex::new(Busy::default()));
         for i in 0..workers {
             let id = format!("{worker_id}-{i}");
             let name = format!("idemstore-{id}");
-            let send = send.clone();
+            let (send, busy) = (send.clone(), busy.clone());
             handle.start_thread(name, WORKER_THREAD, &stop_rx, move |c, stop| {
-                worker(c, &*send, &id, stop);
+                let share = Share {
+                    busy: &busy,
+                    workers,
+                    holding: None,
+                };
+                worker(c, &*send, &id, share, stop);
             })?;
         }
         if let Some(janitor) = janitor {
@@ -185,7 +202,50 @@ fn back_off(ctx: &Ctx, stop: &Receiver<()>) -> bool {
     }
 }
 
-fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, stop: &Receiver<()>) {
+/// A worker thread's part in fair sharing: the destination it is busy
+/// with, counted among the dispatcher's workers while it holds it.
+struct Share<'a> {
+    busy: &'a Mutex<Busy>,
+    /// How many worker threads the dispatcher has.
+    workers: usize,
+    holding: Option<String>,
+}
+
+impl Share<'_> {
+    /// Busy with no destination any more: its batch is sent.
+    fn release(&mut self) {
+        if let Some(destination) = self.holding.take() {
+            self.busy.lock().remove(&destination);
+        }
+    }
+
+    /// Busy with `destination` (the claimed batch's).
+    fn hold(&mut self, destination: &str) {
+        self.release();
+        self.busy.lock().add(destination);
+        self.holding = Some(destination.to_owned());
+    }
+
+    /// The next claim of a worker busy with nothing: up to `limit`
+    /// entries of one destination, avoiding those that hold their share of
+    /// the workers (the store takes from them only if no other destination
+    /// has any entry to give).
+    fn request(&self, limit: usize, worker_id: &str) -> ClaimRequest {
+        let crowded = self.busy.lock().crowded(self.workers);
+        ClaimRequest::new(limit, worker_id)
+            .one_destination()
+            .avoid(crowded)
+    }
+}
+
+impl Drop for Share<'_> {
+    fn drop(&mut self) {
+        // Also when the thread ends with a panic.
+        self.release();
+    }
+}
+
+fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, mut share: Share<'_>, stop: &Receiver<()>) {
     let wake = ctx.outbox.subscribe();
     let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
     let mut rng = Rng::seeded(worker_id);
@@ -193,7 +253,9 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, stop: &Receiver<()>) {
     // claim: one durable commit per batch instead of two.
     let mut settlements: Vec<(Fence, Settlement)> = Vec::new();
     while !ctx.stopping() {
-        let Ok(entries) = claim_cycle(ctx, &mut settlements, ctx.batch_size, worker_id) else {
+        share.release();
+        let request = share.request(ctx.batch_size, worker_id);
+        let Ok(entries) = claim_cycle(ctx, &mut settlements, &request) else {
             if !back_off(ctx, stop) {
                 break;
             }
@@ -211,8 +273,12 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, stop: &Receiver<()>) {
             }
             continue;
         }
+        if let Some(first) = entries.first() {
+            share.hold(&first.destination);
+        }
         settlements = deliver_batch(ctx, send, &entries, &mut rng);
     }
+    share.release();
     // Settle what was sent before stopping.
     worker::settle_last(ctx, settlements);
 }

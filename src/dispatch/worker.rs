@@ -19,7 +19,7 @@ use super::settle_for;
 use super::stats::{Counters, EnqueueLatency, bump};
 use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
-use crate::outbox::{Fence, OutboxEntry, Settlement};
+use crate::outbox::{ClaimRequest, Fence, OutboxEntry, Settlement};
 
 /// The longest an idle worker sleeps before looking again (a safety net:
 /// wake-ups normally come first).
@@ -72,8 +72,8 @@ impl Ctx {
 pub(super) struct BackOff;
 
 /// A worker's store call between two batches: settles the last batch's
-/// `settlements` and claims up to `limit` entries for `worker_id`, in one
-/// commit (one fsync instead of two).
+/// `settlements` and claims what `request` asks for, in one commit (one
+/// fsync instead of two).
 ///
 /// On success `settlements` is emptied (a settlement refused by its fence is
 /// counted in `fenced`). If the call fails it wrote nothing: the
@@ -85,12 +85,11 @@ pub(super) struct BackOff;
 pub(super) fn claim_cycle(
     ctx: &Ctx,
     settlements: &mut Vec<(Fence, Settlement)>,
-    limit: usize,
-    worker_id: &str,
+    request: &ClaimRequest,
 ) -> Result<Vec<OutboxEntry>, BackOff> {
-    let outcome =
-        ctx.outbox
-            .settle_and_claim(settlements.clone(), ctx.clock.now(), limit, worker_id);
+    let outcome = ctx
+        .outbox
+        .settle_and_claim_with(settlements.clone(), ctx.clock.now(), request);
     match outcome {
         Ok((settled, claimed)) => {
             settlements.clear();
