@@ -22,7 +22,9 @@
 //!   and one backlog only (for a profiler).
 //! - `cycle`: the worker's cycle (`settle_and_claim` of a batch of 16 over
 //!   10 destinations, the last batch completed), without fsync, per entry:
-//!   the drain's store work without the disk.
+//!   the drain's store work without the disk; a batch across destinations,
+//!   and a batch of one destination (what the dispatcher's workers claim
+//!   once it shares them fairly).
 //! - `hol`: head of line. Destination A's send takes 300 ms (a backlog of
 //!   400, enqueued first), B's 1 ms (1,500 entries), 8 workers: B's
 //!   delivery rate while A still has a backlog, beside B's rate with A
@@ -241,10 +243,19 @@ fn claim() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn cycle() -> Result<(), Box<dyn std::error::Error>> {
-    let cycle = cycle_median()?;
     println!(
-        "\nworker cycle, settle_and_claim({CYCLE_BATCH}) over {DRAIN_DESTINATIONS} destinations, 200k pending, no fsync: {cycle:.2} µs per entry (median of {CYCLE_SAMPLES} cycles)"
+        "\nworker cycle over {DRAIN_DESTINATIONS} destinations, 200k pending, no fsync, median of {CYCLE_SAMPLES} cycles:"
     );
+    let cycle = cycle_median(false)?;
+    println!(
+        "  settle_and_claim({CYCLE_BATCH}), a batch across destinations: {cycle:.2} µs per entry"
+    );
+    if cfg!(feature = "destinations") {
+        let cycle = cycle_median(true)?;
+        println!(
+            "  the same, a batch of one destination (ClaimRequest::one_destination): {cycle:.2} µs per entry"
+        );
+    }
     Ok(())
 }
 
@@ -328,7 +339,7 @@ fn claim_median(spread: Spread, n: u64) -> Result<f64, Box<dyn std::error::Error
 /// The worker's cycle without fsync: completes the last batch and claims
 /// the next in one call, over a backlog of 200k across 10 destinations
 /// (refilled as it drains); the median per entry, in µs.
-fn cycle_median() -> Result<f64, Box<dyn std::error::Error>> {
+fn cycle_median(one_destination: bool) -> Result<f64, Box<dyn std::error::Error>> {
     let spread = Spread {
         name: "cycle",
         destinations: DRAIN_DESTINATIONS,
@@ -342,12 +353,8 @@ fn cycle_median() -> Result<f64, Box<dyn std::error::Error>> {
     let mut samples = Vec::with_capacity(CYCLE_SAMPLES);
     for _ in 0..CYCLE_SAMPLES {
         let start = Instant::now();
-        let (_, claimed) = outbox.settle_and_claim(
-            std::mem::take(&mut settlements),
-            t(10),
-            CYCLE_BATCH,
-            "bench",
-        )?;
+        let (_, claimed) =
+            settle_and_claim(&outbox, std::mem::take(&mut settlements), one_destination)?;
         samples.push(start.elapsed().as_secs_f64() * 1e6 / CYCLE_BATCH as f64);
         assert_eq!(claimed.len(), CYCLE_BATCH, "a full batch");
         settlements = claimed
@@ -356,6 +363,34 @@ fn cycle_median() -> Result<f64, Box<dyn std::error::Error>> {
             .collect();
     }
     Ok(median(&mut samples))
+}
+
+/// Settles `settlements` and claims a batch at `t(10)`, in one call; of
+/// one destination only if `one_destination`.
+#[cfg(feature = "destinations")]
+fn settle_and_claim(
+    outbox: &Outbox,
+    settlements: Vec<(idemstore::Fence, Settlement)>,
+    one_destination: bool,
+) -> Result<idemstore::SettledAndClaimed, idemstore::Error> {
+    let mut request = idemstore::ClaimRequest::new(CYCLE_BATCH, "bench");
+    if one_destination {
+        request = request.one_destination();
+    }
+    outbox.settle_and_claim_with(settlements, t(10), &request)
+}
+
+#[cfg(not(feature = "destinations"))]
+fn settle_and_claim(
+    outbox: &Outbox,
+    settlements: Vec<(idemstore::Fence, Settlement)>,
+    one_destination: bool,
+) -> Result<idemstore::SettledAndClaimed, idemstore::Error> {
+    assert!(
+        !one_destination,
+        "a batch of one destination needs feature `destinations`"
+    );
+    outbox.settle_and_claim(settlements, t(10), CYCLE_BATCH, "bench")
 }
 
 // ---------- head of line ----------
