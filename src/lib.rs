@@ -234,9 +234,13 @@
 //!   [`metrics`](https://docs.rs/metrics/0.24) crate, named `idemstore_*`.
 //!
 //! Without the features nothing is compiled in: each report is an empty
-//! function. With them, label values are static strings or the inbox name the
-//! inbox already holds, so a report allocates nothing beyond what the facades
-//! do. A claim or a completion made inside your own `Store::write`
+//! function. With them, label values are static strings, the inbox name the
+//! inbox already holds, or a destination's label, so a report allocates
+//! nothing beyond what the facades do. Destination labels come from a bounded
+//! set, so that a process sending to many destinations never grows its
+//! recorder without end: the first 64 distinct destinations a process reports
+//! get their own name as their label, every later one shares `_other`, for
+//! the life of the process (the tracing events always carry the name). A claim or a completion made inside your own `Store::write`
 //! (`Inbox::claim_in`, `IdempotencyKeys::complete_in`) is counted once that
 //! transaction commits, never if it rolls back, in the metrics and in
 //! `IdempotencyStats` alike. On PostgreSQL the same holds inside
@@ -267,8 +271,9 @@
 //! | `idemstore_idempotency_begins_total` | counter | `outcome`: `proceed`, `takeover`, `replay`, `in_flight`, `mismatch` | answers of `IdempotencyKeys::begin` (`takeover`: a `Proceed` that replaced a reservation whose lease ended; `in_flight` is the 409, `mismatch` the 422) |
 //! | `idemstore_idempotency_completions_total` | counter | `outcome`: `stored`, `fenced_out` | `complete` / `complete_in` calls: response stored, or refused because another request took the key over once the lease ended (raise the lease if these grow). A `complete` that finds the response its own reservation already stored (the `IdempotencyLayer`'s, after a handler's `complete_in`) counts nothing: it is neither |
 //! | `idemstore_outbox_entries` | gauge | `status`: `pending`, `dispatching`, `completed`, `failed`, `outcome_unknown` | outbox entries in each status. Embedded: set from the outbox's status counters after every commit that writes the outbox, exact. PostgreSQL: the server keeps no such counters (one row that every write of every process updates would serialize them all), so the gauge is set from `PgOutbox::counts` (`SELECT status, count(*) … GROUP BY status`, which reads every row): by each `counts` call, and by this process's outbox writes (enqueue, claim, settle, operator calls) at most once every 5 s per store; it counts every process's entries and may lag by that much. One gauge set per process: with several stores, the last one set |
-//! | `idemstore_dispatch_outcomes_total` | counter | `outcome`: `delivered`, `retried`, `failed`, `outcome_unknown`, `returned` | how dispatchers settled each attempt (`returned`: given back unsent at shutdown); the same counts as `DispatchStats` |
-//! | `idemstore_dispatch_send_seconds` | histogram | `outcome` | how long each `send` took |
+//! | `idemstore_dispatch_outcomes_total` | counter | `outcome`: `delivered`, `retried`, `failed`, `outcome_unknown`, `returned`; `destination` (the first 64 a process reports; then `_other`) | how dispatchers settled each attempt (`returned`: given back unsent at shutdown; `retried` includes `Throttled`); summed over destinations, the same counts as `DispatchStats` |
+//! | `idemstore_dispatch_send_seconds` | histogram | `outcome`, `destination` | how long each `send` took |
+//! | `idemstore_dispatch_in_flight` | gauge | `destination` | sends in flight now, summed over the process's dispatchers (each adds a send as it starts and takes it off as it ends) |
 //! | `idemstore_dispatch_latency_seconds` | histogram | — | enqueue → start of the first send, for entries due at once (`DispatchStats::latency`) |
 //! | `idemstore_dispatch_fenced_total` | counter | — | settlements refused because the claim had expired and the entry moved on |
 //! | `idemstore_dispatch_panics_total` | counter | — | sends that panicked (retried as failures with reason `panic`) |

@@ -16,7 +16,11 @@
 //!
 //! - Names start with `idemstore_`; tracing targets with `idemstore::`.
 //! - Label values are `&'static str`, except the inbox name, which the inbox
-//!   already holds in an `Arc<str>` (the facade shares it, no copy). So with
+//!   already holds in an `Arc<str>` (the facade shares it, no copy), and a
+//!   destination, whose label is an `Arc<str>` from a bounded set: the first
+//!   64 distinct destinations a process reports get their own name as their
+//!   label, every later one `_other` (`labels`), so that a process sending
+//!   to many destinations never grows its recorder without end. So with
 //!   static labels the metric keys are statics: no allocation per event on
 //!   the hot path beyond what the facades need.
 //! - Durations go to histograms in seconds, to tracing in whole
@@ -117,6 +121,12 @@ macro_rules! labelled {
             $($pat => metrics::$kind!($name, $label => $text),)+
         }
     };
+    // With a second label, `$key` (its value, `$other`, not a static).
+    ($kind:ident!($name:literal, $label:literal, $key:literal => $other:expr), $value:expr, {$($pat:pat => $text:literal),+ $(,)?}) => {
+        match $value {
+            $($pat => metrics::$kind!($name, $label => $text, $key => $other),)+
+        }
+    };
 }
 
 /// A commit counter or histogram, by durability.
@@ -127,11 +137,12 @@ macro_rules! by_durability {
     };
 }
 
-/// A dispatch counter or histogram, by outcome.
+/// A dispatch counter or histogram, by outcome and destination (its
+/// bounded label: see `labels`).
 #[cfg(feature = "metrics")]
 macro_rules! by_outcome {
-    ($kind:ident!($name:literal), $outcome:expr) => {
-        labelled!($kind!($name, "outcome"), $outcome, {
+    ($kind:ident!($name:literal), $outcome:expr, $destination:expr) => {
+        labelled!($kind!($name, "outcome", "destination" => $destination), $outcome, {
             Settled::Delivered => "delivered",
             Settled::Retried => "retried",
             Settled::Failed => "failed",
@@ -447,13 +458,21 @@ impl Settled {
     }
 }
 
-/// A dispatcher settled an entry with `outcome` (counted once per
-/// settlement, whatever the store then answers).
+/// A dispatcher settled an entry for `destination` with `outcome`
+/// (counted once per settlement, whatever the store then answers).
 #[inline]
-pub(crate) fn settled(outcome: Settled) {
+pub(crate) fn settled(destination: &str, outcome: Settled) {
     guarded(|| {
         #[cfg(feature = "metrics")]
-        by_outcome!(counter!("idemstore_dispatch_outcomes_total"), outcome).increment(1);
+        {
+            let destination = labels::destination_label(destination);
+            by_outcome!(
+                counter!("idemstore_dispatch_outcomes_total"),
+                outcome,
+                destination
+            )
+            .increment(1);
+        }
     });
 }
 
@@ -494,8 +513,34 @@ pub(crate) fn attempt(
             }
         }
         #[cfg(feature = "metrics")]
-        by_outcome!(histogram!("idemstore_dispatch_send_seconds"), outcome)
+        {
+            let destination = labels::destination_label(destination);
+            by_outcome!(
+                histogram!("idemstore_dispatch_send_seconds"),
+                outcome,
+                destination
+            )
             .record(took.as_secs_f64());
+        }
+    });
+}
+
+/// A dispatcher's send to `destination` started (`true`) or ended: the
+/// sends in flight per destination, summed over the process's dispatchers.
+#[inline]
+pub(crate) fn in_flight(destination: &str, started: bool) {
+    guarded(|| {
+        #[cfg(feature = "metrics")]
+        {
+            let destination = labels::destination_label(destination);
+            let gauge =
+                metrics::gauge!("idemstore_dispatch_in_flight", "destination" => destination);
+            if started {
+                gauge.increment(1.0);
+            } else {
+                gauge.decrement(1.0);
+            }
+        }
     });
 }
 
@@ -719,6 +764,11 @@ pub(crate) fn layer_without_runtime(key: &str) {
 /// Describes every metric the store reports (`# HELP` text and unit) to
 /// the installed recorder.
 ///
+/// The dispatch metrics carry a `destination` label from a bounded set:
+/// the first 64 distinct destinations a process reports get their own name
+/// as their label, every later one shares `_other`, so that sending to many
+/// destinations never grows the recorder without end.
+///
 /// The store calls it whenever one is opened ([`Store::open`](crate::Store::open)
 /// and its builder, `PgStore::connect`), so a recorder installed before
 /// that gets the descriptions with nothing more to do. A recorder
@@ -735,6 +785,10 @@ pub fn describe_metrics() {
 /// The description of every metric.
 #[cfg(feature = "metrics")]
 mod describe;
+
+/// The bounded set of destination labels.
+#[cfg(feature = "metrics")]
+mod labels;
 
 /// The capturing subscriber and recorder of the integration tests.
 #[cfg(all(test, feature = "tracing", feature = "metrics"))]

@@ -1245,3 +1245,220 @@ fn the_cli_names_shared_true_when_a_running_program_holds_the_store_alone() -> T
     assert!(ok(&["stats", s(&file)])?.contains("live: "));
     Ok(())
 }
+
+#[test]
+fn destinations_shows_each_destinations_policy_state_and_entries() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        outbox.set_destination_policy(
+            "bank",
+            idemstore::DestinationPolicy::default()
+                .max_in_flight(4)
+                .rate_limit(10.0, 5)
+                .circuit_breaker(3, std::time::Duration::from_secs(30)),
+        )?;
+        outbox.pause_destination("mail")?;
+    }
+    let v = json(&["destinations", s(&file)])?;
+    let all = v.as_array().ok_or("an array")?;
+    assert_eq!(all.len(), 2, "{v}");
+    let (bank, mail) = (&all[0], &all[1]);
+    assert_eq!(bank["destination"], "bank");
+    assert_eq!(
+        bank["policy"],
+        serde_json::json!({
+            "max_in_flight": 4,
+            "rate_limit": {"per_second": 10.0, "burst": 5},
+            "circuit_breaker": {"consecutive_failures": 3, "cool_down_ms": 30_000},
+        })
+    );
+    assert_eq!(bank["paused"], false);
+    assert_eq!(
+        bank["circuit"],
+        serde_json::json!({"state": "closed", "consecutive_failures": 0})
+    );
+    assert_eq!(bank["held_until"], Value::Null);
+    assert_eq!(bank["tokens"], 5.0);
+    assert_eq!(bank["in_flight"], 1);
+    assert_eq!(
+        bank["counts"],
+        serde_json::json!({
+            "pending": 0, "dispatching": 1, "completed": 1, "failed": 1, "outcome_unknown": 2,
+        })
+    );
+    assert_eq!(mail["destination"], "mail");
+    assert_eq!(mail["paused"], true);
+    assert_eq!(
+        mail["policy"],
+        serde_json::json!({"max_in_flight": null, "rate_limit": null, "circuit_breaker": null})
+    );
+    assert_eq!(mail["tokens"], Value::Null);
+    assert_eq!(mail["counts"]["pending"], 1);
+
+    let text = ok(&["destinations", s(&file)])?;
+    for line in [
+        "bank\n",
+        "  policy     at most 4 in flight; 10/s, bursts of 5; circuit opens after 3 failures in a row, cool-down 30s\n",
+        "  circuit    closed (0 failures in a row)\n",
+        "  tokens     5.0 of 5 (as last stored)\n",
+        "  in flight  1\n",
+        "  entries    0 pending, 1 dispatching, 1 completed, 1 failed, 2 outcome_unknown\n",
+        "mail\n",
+        "  policy     no limits\n",
+        "  paused     yes\n",
+        "2 destinations\n",
+    ] {
+        assert!(text.contains(line), "{line:?} in\n{text}");
+    }
+    Ok(())
+}
+
+#[test]
+fn destination_pause_resume_and_set_change_what_every_dispatcher_sees() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let state = |name: &str| -> Result<idemstore::DestinationState, idemstore::Error> {
+        Store::open(&file)?.outbox().destination(name)
+    };
+
+    let v = json(&["destination", "pause", s(&file), "mail"])?;
+    assert_eq!(
+        v,
+        serde_json::json!({"destination": "mail", "paused": true})
+    );
+    assert!(state("mail")?.paused);
+    // A paused destination's due entry is not claimed.
+    {
+        let store = Store::open(&file)?;
+        assert!(store.outbox().claim_due(ago(-2 * D), 10, "w")?.is_empty());
+    }
+    let text = ok(&["destination", "resume", s(&file), "mail"])?;
+    assert!(text.contains("resumed destination mail"), "{text}");
+    assert!(!state("mail")?.paused);
+
+    let v = json(&[
+        "destination",
+        "set",
+        s(&file),
+        "mail",
+        "--max-in-flight",
+        "2",
+        "--rate",
+        "0.5",
+        "--burst",
+        "3",
+        "--circuit",
+        "5",
+        "--cool-down",
+        "1m30s",
+    ])?;
+    assert_eq!(v["destination"], "mail");
+    assert_eq!(v["policy"]["rate_limit"]["per_second"], 0.5);
+    let want = idemstore::DestinationPolicy::default()
+        .max_in_flight(2)
+        .rate_limit(0.5, 3)
+        .circuit_breaker(5, std::time::Duration::from_secs(90));
+    assert_eq!(state("mail")?.policy, want);
+    // A set replaces the whole policy.
+    let text = ok(&[
+        "destination",
+        "set",
+        s(&file),
+        "mail",
+        "--max-in-flight",
+        "7",
+    ])?;
+    assert!(
+        text.contains("set the policy of destination mail: at most 7 in flight"),
+        "{text}"
+    );
+    assert_eq!(
+        state("mail")?.policy,
+        idemstore::DestinationPolicy::default().max_in_flight(7)
+    );
+    let text = ok(&["destination", "set", s(&file), "mail", "--clear"])?;
+    assert!(text.contains("mail: no limits"), "{text}");
+    assert!(state("mail")?.policy.is_unlimited());
+    Ok(())
+}
+
+#[test]
+fn destination_set_refuses_bad_usage_and_settings_the_store_refuses() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    // Bad usage exits 2; a setting the store refuses exits 1 with its
+    // message. Neither changes anything.
+    for args in [
+        &["destination", "set", s(&file), "mail"][..],
+        &["destination", "set", s(&file), "mail", "--rate", "5"],
+        &["destination", "set", s(&file), "mail", "--circuit", "5"],
+        &["destination", "set", s(&file), "mail", "--cool-down", "5s"],
+        &[
+            "destination",
+            "set",
+            s(&file),
+            "mail",
+            "--clear",
+            "--max-in-flight",
+            "1",
+        ],
+        &[
+            "destination",
+            "set",
+            s(&file),
+            "mail",
+            "--circuit",
+            "5",
+            "--cool-down",
+            "5x",
+        ],
+    ] {
+        let o = run(args)?;
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+    }
+    let o = run(&[
+        "destination",
+        "set",
+        s(&file),
+        "mail",
+        "--max-in-flight",
+        "0",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("max_in_flight"), "{}", stderr(&o));
+    let o = run(&[
+        "destination",
+        "set",
+        s(&file),
+        "mail",
+        "--rate",
+        "0",
+        "--burst",
+        "1",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("rate_limit"), "{}", stderr(&o));
+    let o = run(&[
+        "destination",
+        "set",
+        s(&file),
+        "mail",
+        "--circuit",
+        "1",
+        "--cool-down",
+        "2d",
+    ])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("circuit_breaker"), "{}", stderr(&o));
+    assert!(
+        Store::open(&file)?
+            .outbox()
+            .destination("mail")?
+            .policy
+            .is_unlimited()
+    );
+    Ok(())
+}

@@ -23,7 +23,7 @@ use chrono::{DateTime, Utc};
 use common::t;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idemstore::redb::{TableDefinition, TableHandle as _};
+use idemstore::redb::{ReadableTable as _, TableDefinition, TableHandle as _};
 use idemstore::{
     Clock, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxEntry, OutboxId,
     OutboxStatus, REASON_MAX_ATTEMPTS, REASON_PANIC, RetryPolicy, Store,
@@ -868,31 +868,39 @@ async fn the_janitor_runs_on_its_schedule_by_the_clock() -> TestResult {
     Ok(())
 }
 
-/// The outbox's due index, as a caller can reach it to damage it.
-const DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+/// The outbox's records, as a caller can reach them to damage them.
+const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_failed_claim_is_kept_with_its_time_and_the_dispatcher_carries_on() -> TestResult {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    // A due-index row for a record that does not exist.
-    let ghost = (t(0).timestamp_micros(), 999);
-    store.write(|tx| {
-        tx.open_table(DUE)?.insert(ghost, ())?;
-        Ok::<_, Error>(())
+    // The first entry in line does not decode: the claim that reads it fails.
+    let id = outbox.enqueue(entry(1), t(10))?.id();
+    let good = store.write(|tx| {
+        let mut records = tx.open_table(OUTBOX)?;
+        let good = records
+            .get(id.0)?
+            .map(|v| v.value().to_vec())
+            .ok_or(Error::NotFound)?;
+        records.insert(id.0, b"\x01garbage".as_slice())?;
+        Ok::<_, Error>(good)
     })?;
     let handle = Dispatcher::builder(outbox.clone())
         .clock(ManualClock::new(t(10)))
         .start_async(|_| async { Delivery::Delivered })?;
     let last = eventually("the claim fails", || handle.stats().last_error).await;
     assert_eq!((last.during, last.at), ("claim", t(10)));
-    assert!(last.message.contains(DUE.name()), "{}", last.message);
+    assert!(
+        last.message.contains(OUTBOX.name()) && last.message.contains(&id.0.to_string()),
+        "{}",
+        last.message
+    );
     // Repaired, it delivers again (after its back-off).
     store.write(|tx| {
-        tx.open_table(DUE)?.remove(ghost)?;
+        tx.open_table(OUTBOX)?.insert(id.0, good.as_slice())?;
         Ok::<_, Error>(())
     })?;
-    let id = outbox.enqueue(entry(1), t(10))?.id();
     eventually("the entry is delivered", || {
         (status(&outbox, id) == Some(OutboxStatus::Completed)).then_some(())
     })

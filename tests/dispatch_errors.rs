@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::{eventually_some, t};
 use crossbeam_channel::Receiver;
-use idemstore::redb::{TableDefinition, TableHandle as _};
+use idemstore::redb::{ReadableTable as _, TableDefinition, TableHandle as _};
 use idemstore::{
     Clock, Delivery, Dispatcher, Error, Janitor, ManualClock, NewEntry, OutboxStatus, Result, Store,
 };
@@ -21,7 +21,6 @@ use idemstore::{
 /// threads, so its effects are observed, not awaited.
 /// The outbox's index tables, as a caller can reach them to damage them.
 type Index = TableDefinition<'static, (i64, u64), ()>;
-const DUE: Index = TableDefinition::new("idemstore.v1.outbox.due");
 const CLAIMED: Index = TableDefinition::new("idemstore.v1.outbox.claimed");
 const FINISHED: Index = TableDefinition::new("idemstore.v1.outbox.finished");
 
@@ -49,11 +48,35 @@ fn entry(i: usize) -> NewEntry {
     NewEntry::new(format!("cmd-{i}"), "remote", format!("key-{i}"), vec![])
 }
 
+/// Replaces the bytes of record `id` with some that do not decode;
+/// returns the bytes it had.
+fn damage_record(store: &Store, id: u64) -> Result<Vec<u8>> {
+    store.write(|tx| {
+        let mut records = tx.open_table(OUTBOX)?;
+        let good = records
+            .get(id)?
+            .map(|v| v.value().to_vec())
+            .ok_or(Error::NotFound)?;
+        records.insert(id, b"\x01garbage".as_slice())?;
+        Ok::<_, Error>(good)
+    })
+}
+
+/// Puts back the bytes [`damage_record`] took.
+fn restore_record(store: &Store, id: u64, good: &[u8]) -> Result<()> {
+    store.write(|tx| {
+        tx.open_table(OUTBOX)?.insert(id, good)?;
+        Ok::<_, Error>(())
+    })
+}
+
 #[test]
 fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
-    damage(&store, DUE, t(0))?;
+    // The first entry in line does not decode: the claim that reads it fails.
+    let id = outbox.enqueue(entry(1), t(0))?.id();
+    let good = damage_record(&store, id.0)?;
     let clock = ManualClock::new(t(10));
     let handle = Dispatcher::builder(outbox.clone())
         .clock(clock)
@@ -63,17 +86,16 @@ fn a_workers_failed_claim_is_kept_with_its_time() -> Result<()> {
     assert_eq!(last.during, "claim");
     assert_eq!(last.at, t(10));
     assert!(
-        last.message.contains(DUE.name()) && last.message.contains(&GHOST.to_string()),
+        last.message.contains(OUTBOX.name()) && last.message.contains(&id.0.to_string()),
         "{}",
         last.message
     );
     let stats = handle.stats();
     assert!(stats.store_errors >= 1, "{stats:?}");
     assert_eq!(stats.janitor, None, "no janitor was asked for");
-    // The worker carries on: with the row repaired, it delivers again, and
+    // The worker carries on: with the record repaired, it delivers it, and
     // the last error stays (the clock has not moved, so it reads the same).
-    repair(&store, DUE, t(0))?;
-    let id = outbox.enqueue(entry(1), t(10))?.id();
+    restore_record(&store, id.0, &good)?;
     eventually_some("the entry is delivered", || {
         outbox
             .get(id)

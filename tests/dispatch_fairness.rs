@@ -49,6 +49,14 @@ fn fast_rate(fast_sent: &AtomicUsize, started: Instant) -> f64 {
     fast_sent.load(Ordering::SeqCst) as f64 / started.elapsed().as_secs_f64()
 }
 
+/// One measurement at a time: the two tests of this file would otherwise
+/// run side by side and each disturb what the other measures.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Asserts that the fast destination's rate beside the slow one is at
 /// least a third of its rate alone.
 fn assert_fair(runtime: &str, alone: f64, beside: f64) {
@@ -91,9 +99,48 @@ fn threads_run(slow: bool) -> Result<f64> {
 
 #[test]
 fn a_slow_destination_never_takes_every_worker_thread() -> Result<()> {
+    let _turn = turn();
     let alone = threads_run(false)?;
     let beside = threads_run(true)?;
     assert_fair("threads", alone, beside);
+    Ok(())
+}
+
+#[test]
+fn a_lone_destination_still_gets_every_worker_thread() -> Result<()> {
+    const THREADS: usize = 4;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (now, go) = (in_flight.clone(), release.clone());
+    let handle = Dispatcher::builder(outbox.clone())
+        .workers(THREADS)
+        .batch_size(1)
+        .start(move |_| {
+            now.fetch_add(1, Ordering::SeqCst);
+            let started = Instant::now();
+            while !go.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            now.fetch_sub(1, Ordering::SeqCst);
+            Delivery::Delivered
+        })?;
+    // One entry at a time, each taken by one more thread: beyond its share
+    // (2 of 4), the lone destination's entries still go out, as nothing
+    // else is due.
+    for i in 0..THREADS {
+        let entry = NewEntry::new(format!("c-{i}"), "lone", format!("k-{i}"), Vec::new());
+        outbox.enqueue(entry, Utc::now())?;
+        common::eventually("one more thread sends", || {
+            in_flight.load(Ordering::SeqCst) == i + 1
+        });
+    }
+    release.store(true, Ordering::SeqCst);
+    common::eventually("every entry is delivered", || {
+        outbox.counts().is_ok_and(|c| c.completed == THREADS as u64)
+    });
+    handle.shutdown()?;
     Ok(())
 }
 
@@ -139,6 +186,7 @@ mod tasks {
 
     #[test]
     fn a_slow_destination_never_takes_every_send_slot() -> Result<()> {
+        let _turn = turn();
         let alone = tasks_run(false)?;
         let beside = tasks_run(true)?;
         assert_fair("tasks", alone, beside);

@@ -64,8 +64,8 @@ fn the_event(events: &Events, target: &str, message: &str) -> Captured {
     found.into_iter().next().expect("one event")
 }
 
-/// The outbox's due index, as a caller can reach it to damage it.
-const DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+/// The outbox's records, as a caller can reach them to damage them.
+const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
 
 fn entry(i: usize) -> NewEntry {
     NewEntry::new(
@@ -217,7 +217,7 @@ fn an_enqueue_and_its_delivery_are_reported() -> Result<()> {
     assert_eq!(
         m.counter(
             "idemstore_dispatch_outcomes_total",
-            &[("outcome", "delivered")]
+            &[("outcome", "delivered"), ("destination", "mailer")]
         ),
         Some(1)
     );
@@ -245,12 +245,13 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     let seen = observe();
     let m = &seen.metrics;
 
-    // A damaged due index (a row without its record): the worker's claim
-    // fails, and it backs off and carries on.
+    // A damaged record, first in line: the worker's claim fails, and it
+    // backs off and carries on.
     let store = Store::in_memory()?;
+    let id = store.outbox().enqueue(entry(1), t(0))?.id();
     store.write(|tx| {
-        tx.open_table(DUE)?
-            .insert((t(0).timestamp_micros(), 999), ())?;
+        tx.open_table(OUTBOX)?
+            .insert(id.0, b"\x01garbage".as_slice())?;
         Ok::<_, Error>(())
     })?;
     let handle = Dispatcher::builder(store.outbox())
@@ -267,7 +268,7 @@ fn a_failed_store_call_is_a_warning_and_a_failed_commit_an_error() -> Result<()>
     assert_eq!(warning.level, Level::WARN);
     assert_eq!(warning.field("during"), Some("claim"));
     let error = warning.field("error").unwrap_or_default();
-    assert!(error.contains("idemstore.v1.outbox.due"), "{error}");
+    assert!(error.contains("idemstore.v1.outbox"), "{error}");
     assert!(m.counter("idemstore_errors_total", &[("during", "claim")]) >= Some(1));
     assert_eq!(
         seen.events
@@ -489,6 +490,11 @@ const DESCRIBED: &[(&str, &str, metrics::Unit)] = &[
         "idemstore_dispatch_send_seconds",
         "histogram",
         metrics::Unit::Seconds,
+    ),
+    (
+        "idemstore_dispatch_in_flight",
+        "gauge",
+        metrics::Unit::Count,
     ),
     (
         "idemstore_dispatch_latency_seconds",
@@ -727,4 +733,104 @@ mod layer {
         );
         Ok(())
     }
+}
+
+#[test]
+fn dispatch_metrics_carry_a_destination_label_from_a_bounded_set() -> Result<()> {
+    let seen = observe();
+    let m = &seen.metrics;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    // More destinations than get a label of their own (the first 64 a
+    // process reports; this binary's other tests report `mailer` only).
+    let destinations: Vec<String> = (0..70).map(|i| format!("remote-{i:02}")).collect();
+    outbox.enqueue_many(
+        destinations
+            .iter()
+            .map(|d| NewEntry::new(d.clone(), d.clone(), "key", Vec::new())),
+        t(0),
+    )?;
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(ManualClock::new(t(0)))
+        .start(|_| Delivery::Delivered)?;
+    eventually_some("every entry is delivered", || {
+        (handle.stats().delivered == 70).then_some(())
+    });
+    handle.shutdown()?;
+
+    let label = |labels: &[(String, String)]| {
+        labels
+            .iter()
+            .find(|(k, _)| k == "destination")
+            .map(|(_, v)| v.clone())
+            .expect("a destination label")
+    };
+    let mut own = 0;
+    let mut counted = 0;
+    for labels in m.series("idemstore_dispatch_outcomes_total") {
+        let destination = label(&labels);
+        let pairs: Vec<(&str, &str)> = labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let n = m
+            .counter("idemstore_dispatch_outcomes_total", &pairs)
+            .expect("a count");
+        counted += n;
+        if destination == "_other" {
+            assert!(n >= 6, "at least the six beyond 64: {n}");
+        } else {
+            assert!(destinations.contains(&destination), "{destination}");
+            assert_eq!(n, 1, "{destination}");
+            own += 1;
+        }
+    }
+    assert_eq!(counted, 70, "every settlement counted once");
+    assert!(
+        (63..=64).contains(&own),
+        "{own} destinations with their own label"
+    );
+    // The send times carry the same labels.
+    let histograms = m.series("idemstore_dispatch_send_seconds");
+    assert_eq!(histograms.len(), own + 1);
+    assert!(histograms.iter().any(|l| label(l) == "_other"));
+    // The events carry every destination's own name.
+    let attempts = seen.events.named("idemstore::dispatch", "attempt");
+    let mut named: Vec<&str> = attempts
+        .iter()
+        .filter_map(|e| e.field("destination"))
+        .collect();
+    named.sort_unstable();
+    assert_eq!(
+        named,
+        destinations.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+#[test]
+fn the_sends_in_flight_are_a_gauge_per_destination() -> Result<()> {
+    let seen = observe();
+    let m = &seen.metrics;
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let (go, gate) = crossbeam_channel::bounded::<()>(0);
+    let handle = Dispatcher::builder(outbox.clone())
+        .clock(ManualClock::new(t(0)))
+        .workers(1)
+        .start(move |_| {
+            let _ = gate.recv();
+            Delivery::Delivered
+        })?;
+    let in_flight = || m.gauge("idemstore_dispatch_in_flight", &[("destination", "mailer")]);
+    outbox.enqueue(entry(1), t(0))?;
+    eventually_some("the send is in flight", || {
+        (in_flight() == Some(1.0)).then_some(())
+    });
+    go.send(()).expect("the send waits at the gate");
+    eventually_some("the send has ended", || {
+        (handle.stats().delivered == 1 && in_flight() == Some(0.0)).then_some(())
+    });
+    handle.shutdown()?;
+    Ok(())
 }

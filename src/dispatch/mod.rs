@@ -41,9 +41,16 @@
 //! `send` returns a [`Delivery`]: `Delivered`; `Retry { reason }` (back-off
 //! from the [`RetryPolicy`]: exponential, capped, with jitter; `Failed`
 //! with reason `max_attempts` when the attempts run out); `RetryAt {
-//! next_attempt_at, reason }` (the time the remote asked for); `Failed {
+//! next_attempt_at, reason }` (the time the remote asked for); `Throttled
+//! { next_attempt_at, reason }` (the remote asked the whole destination to
+//! wait, as a 429 or a 503 with `Retry-After` does: the entry is retried
+//! then, and no entry of its destination is claimed before then, by any
+//! dispatcher on the store; counted in [`DispatchStats::retried`], and
+//! not a failure for the destination's circuit breaker); `Failed {
 //! reason }`; or `OutcomeUnknown { remote_ref }` (the request may have
-//! happened: the entry is left for reconciliation). A panicking `send`
+//! happened: the entry is left for reconciliation). Every retryable
+//! answer (`Retry`, `RetryAt`, `Throttled`, a panic) counts towards
+//! `max_attempts`. A panicking `send`
 //! counts as a retryable failure with reason `panic`. Each attempt that
 //! fails, is given back or ends in doubt is kept in the entry's [attempt
 //! history](crate::outbox#attempt-history).
@@ -63,8 +70,13 @@
 //! room for a destination that has none yet — unless no other destination
 //! has an entry to give. The async dispatcher does the same with its sends
 //! in flight, and gives a free slot to a crowded destination's entry only
-//! once its last claim showed that nothing else is due. The counts are of
-//! one dispatcher; a destination's
+//! once its last claim showed that nothing else is due. A worker thread
+//! stays with its destination until its batch is sent: a destination whose
+//! entries come due while a lone one holds every thread gets its first
+//! thread when one of those batches ends (a smaller
+//! [`batch_size`](DispatcherBuilder::batch_size) shortens that wait; with
+//! `start_async` it is the end of any one send). The counts are of one
+//! dispatcher; a destination's
 //! [`DestinationPolicy`](crate::DestinationPolicy) (a cap on entries in
 //! flight, a rate limit, a circuit breaker) holds across every dispatcher
 //! and process, in the store.
@@ -117,9 +129,11 @@
 //!
 //! # Wake-ups
 //!
-//! No polling: an idle worker sleeps until the earliest due entry
-//! ([`OutboxBackend::next_due`]) or until a commit that made work due wakes
-//! it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
+//! No polling: an idle worker sleeps until the next entry may be claimed
+//! ([`OutboxBackend::next_due`]: the earliest due entry, or for a
+//! destination held back, the end of its hold or its circuit's cool-down,
+//! or its rate limit's next token) or until a commit that made work due
+//! wakes it ([`OutboxBackend::subscribe`]; an enqueue wakes an idle dispatcher at
 //! once; async waiters are signalled by the same commits; on PostgreSQL,
 //! the commits of every process on every machine, by `LISTEN/NOTIFY`, or
 //! by polling once a second on engines without `LISTEN`). Never holds a
@@ -209,6 +223,20 @@ pub enum Delivery {
         /// When to try again.
         next_attempt_at: DateTime<Utc>,
         /// A stable failure code, stored on the entry.
+        reason: String,
+    },
+    /// The remote asked the whole destination to wait (a 429 or 503 with
+    /// `Retry-After`): a retryable failure retried at `next_attempt_at`, as
+    /// [`Delivery::RetryAt`], and, until then, no entry of the destination
+    /// is claimed, by any dispatcher on the store
+    /// ([`Settlement::Throttled`]). It does not count towards the
+    /// destination's circuit breaker. When the attempts are used up, the
+    /// entry fails for good with reason `max_attempts`, as a `Retry` does,
+    /// and holds nothing back.
+    Throttled {
+        /// When to try again: the destination waits until then.
+        next_attempt_at: DateTime<Utc>,
+        /// A stable failure code, stored on the entry (`http_429`).
         reason: String,
     },
     /// A permanent failure: the entry is `Failed`.
@@ -313,7 +341,9 @@ impl DispatcherBuilder {
     /// claims older than this (a crashed process's entries are sent again),
     /// so it must exceed the time a worker needs for one batch of sends
     /// (with `start_async`: the slowest send, plus the wait of an entry
-    /// claimed ahead for a free slot).
+    /// claimed ahead for a free slot, which for a destination that holds
+    /// its [share](crate::dispatch#fair-sharing) of the slots is the wait
+    /// for one of its own sends to end).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(1));
         self
@@ -402,6 +432,20 @@ fn settle_for(
             next_attempt_at,
             reason,
         }) => (stored_reason(reason), Some(next_attempt_at)),
+        Ok(Delivery::Throttled {
+            next_attempt_at,
+            reason,
+        }) => {
+            let reason = stored_reason(reason);
+            return if entry.attempt_count >= ctx.retry.attempts() {
+                out_of_attempts(reason)
+            } else {
+                Settlement::Throttled {
+                    reason,
+                    next_attempt_at,
+                }
+            };
+        }
         Err(_) => {
             bump(&ctx.counters.panics, 1);
             (REASON_PANIC.to_owned(), None)
@@ -409,28 +453,30 @@ fn settle_for(
     };
     let now = ctx.clock.now();
     match ctx.retry.next_attempt(entry.attempt_count, now, rng.unit()) {
-        // The attempts ran out. The entry's `last_failure` is the code,
-        // `max_attempts`; the detail in parentheses keeps this attempt's own
-        // reason in its history (`max_attempts (http_500)`), cut so that the
-        // whole fits the field.
-        None => {
-            let mut reason = reason;
-            let mut room = MAX_OUTBOX_FIELD_LEN.saturating_sub(REASON_MAX_ATTEMPTS.len() + 3);
-            if reason.len() > room {
-                while !reason.is_char_boundary(room) {
-                    room -= 1;
-                }
-                reason.truncate(room);
-            }
-            Settlement::Failed {
-                reason: format!("{REASON_MAX_ATTEMPTS} ({reason})"),
-                next_attempt_at: None,
-            }
-        }
+        None => out_of_attempts(reason),
         Some(backoff) => Settlement::Failed {
             reason,
             next_attempt_at: Some(next_attempt_at.unwrap_or(backoff)),
         },
+    }
+}
+
+/// The settlement of an attempt that failed with `reason` when the
+/// attempts ran out. The entry's `last_failure` is the code,
+/// `max_attempts`; the detail in parentheses keeps this attempt's own
+/// reason in its history (`max_attempts (http_500)`), cut so that the
+/// whole fits the field.
+fn out_of_attempts(mut reason: String) -> Settlement {
+    let mut room = MAX_OUTBOX_FIELD_LEN.saturating_sub(REASON_MAX_ATTEMPTS.len() + 3);
+    if reason.len() > room {
+        while !reason.is_char_boundary(room) {
+            room -= 1;
+        }
+        reason.truncate(room);
+    }
+    Settlement::Failed {
+        reason: format!("{REASON_MAX_ATTEMPTS} ({reason})"),
+        next_attempt_at: None,
     }
 }
 

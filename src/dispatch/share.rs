@@ -48,6 +48,7 @@ impl Busy {
     }
 
     /// How many workers are busy with `destination`.
+    #[cfg(any(feature = "tokio", test))]
     pub(super) fn get(&self, destination: &str) -> usize {
         self.counts.get(destination).copied().unwrap_or(0)
     }

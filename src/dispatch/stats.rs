@@ -19,7 +19,8 @@ use crate::outbox::{OutboxEntry, Settlement};
 pub struct DispatchStats {
     /// Sends that returned [`Delivery::Delivered`](super::Delivery::Delivered).
     pub delivered: u64,
-    /// Sends that asked for a retry (and got one).
+    /// Sends that asked for a retry (and got one): `Retry`, `RetryAt`,
+    /// `Throttled`, and panics.
     pub retried: u64,
     /// Entries that failed for good (a [`Delivery::Failed`](super::Delivery::Failed), or `max_attempts`).
     pub failed: u64,
@@ -320,9 +321,9 @@ impl Counters {
         }
     }
 
-    /// Counts how a worker settles an attempt (or gives an entry back
+    /// Counts how a worker settles an attempt of `entry` (or gives it back
     /// unsent): the one place the outcome counters change.
-    pub(crate) fn settled(&self, settlement: &Settlement) {
+    pub(crate) fn settled(&self, entry: &OutboxEntry, settlement: &Settlement) {
         let outcome = outcome(settlement);
         let counter = match outcome {
             Settled::Delivered => &self.delivered,
@@ -332,7 +333,7 @@ impl Counters {
             Settled::Returned => &self.returned,
         };
         bump(counter, 1);
-        observe::settled(outcome);
+        observe::settled(&entry.destination, outcome);
     }
 
     /// Reports one attempt: `entry` was sent, its `send` took `took`, and
@@ -473,8 +474,12 @@ mod tests {
         assert_eq!(delivered.level, tracing::Level::DEBUG);
         assert_eq!(delivered.field("outcome"), Some("delivered"));
         assert_eq!(delivered.field("reason"), None);
-        let send =
-            |outcome| metrics.histogram("idemstore_dispatch_send_seconds", &[("outcome", outcome)]);
+        let send = |outcome| {
+            metrics.histogram(
+                "idemstore_dispatch_send_seconds",
+                &[("outcome", outcome), ("destination", "mailer")],
+            )
+        };
         assert_eq!(send("retried"), [0.003]);
         assert_eq!(send("delivered"), [0.001]);
         // Counting is `settled`'s.

@@ -5,9 +5,10 @@
 //!
 //! One *claimer* task claims and settles; each send is a task of its own,
 //! and at most `workers` of them run at once. The claimer keeps up to
-//! `batch_size` claimed entries waiting for a free slot, so that a send
-//! that ends is followed at once by the next one, without waiting for a
-//! commit. It commits (one `settle_and_claim`: the finished sends'
+//! `batch_size` claimed entries waiting for a free slot (not counting those
+//! of destinations that hold their share, while they wait for it: see
+//! below), so that a send that ends is followed at once by the next one,
+//! without waiting for a commit. It commits (one `settle_and_claim`: the finished sends'
 //! settlements and the next claim together) whenever it has something to
 //! settle or room to claim into while work may be due, and never two
 //! commits at once: the settlements of every send that ended during one

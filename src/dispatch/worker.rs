@@ -19,6 +19,7 @@ use super::settle_for;
 use super::stats::{Counters, EnqueueLatency, bump};
 use crate::backend::OutboxBackend;
 use crate::error::{Error, Result};
+use crate::observe;
 use crate::outbox::{ClaimRequest, Fence, OutboxEntry, Settlement};
 
 /// The longest an idle worker sleeps before looking again (a safety net:
@@ -167,10 +168,12 @@ fn count_answer(ctx: &Ctx, answer: &Result<()>) -> bool {
     }
 }
 
-/// Notes that `entry`'s send starts now: on its first attempt, when it was
-/// due at once, its enqueue → send latency. Returns the start, by the
-/// dispatcher's clock, for [`sent`].
+/// Notes that `entry`'s send starts now: one more send in flight to its
+/// destination (reported), and on its first attempt, when it was due at
+/// once, its enqueue → send latency. Returns the start, by the
+/// dispatcher's clock, for [`sent`] (which takes the send off).
 pub(super) fn sending(ctx: &Ctx, entry: &OutboxEntry) -> DateTime<Utc> {
+    observe::in_flight(&entry.destination, true);
     let started = ctx.clock.now();
     let first_try = entry.attempt_count == 1 && entry.next_attempt_at.is_none();
     if let (true, Ok(latency)) = (first_try, (started - entry.created_at).to_std()) {
@@ -188,8 +191,9 @@ pub(super) fn sent(
     outcome: std::thread::Result<super::Delivery>,
     rng: &mut Rng,
 ) -> (Fence, Settlement) {
+    observe::in_flight(&entry.destination, false);
     let settlement = settle_for(ctx, entry, outcome, rng);
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     let took = (ctx.clock.now() - started).to_std().unwrap_or_default();
     ctx.counters.attempted(entry, &settlement, took);
     (entry.fence(), settlement)
@@ -201,7 +205,7 @@ pub(super) fn give_back(ctx: &Ctx, entry: &OutboxEntry, now: DateTime<Utc>) -> (
     let settlement = Settlement::Rescheduled {
         next_attempt_at: now,
     };
-    ctx.counters.settled(&settlement);
+    ctx.counters.settled(entry, &settlement);
     (entry.fence(), settlement)
 }
 

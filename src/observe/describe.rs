@@ -48,12 +48,17 @@ pub(super) fn all() {
     describe_counter!(
         "idemstore_dispatch_outcomes_total",
         Unit::Count,
-        "How dispatchers settled each attempt, by outcome: delivered, retried, failed, outcome_unknown, returned (given back unsent at shutdown)."
+        "How dispatchers settled each attempt, by outcome: delivered, retried, failed, outcome_unknown, returned (given back unsent at shutdown); and by destination (the first 64 distinct destinations a process reports; every later one is _other)."
     );
     describe_histogram!(
         "idemstore_dispatch_send_seconds",
         Unit::Seconds,
-        "How long each dispatcher send took, by outcome."
+        "How long each dispatcher send took, by outcome and destination (the first 64 distinct destinations a process reports; every later one is _other)."
+    );
+    describe_gauge!(
+        "idemstore_dispatch_in_flight",
+        Unit::Count,
+        "Sends in flight now, by destination (the first 64 distinct destinations a process reports; every later one is _other), summed over the process's dispatchers."
     );
     describe_histogram!(
         "idemstore_dispatch_latency_seconds",

@@ -63,6 +63,8 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
                 )
             })
         }
+        Command::Destinations { file } => crate::destinations::list(file, json),
+        Command::Destination(c) => crate::destinations::run(c, json),
         Command::Compact { file } => compact(file, json),
         Command::Check { file } => check(file, json),
         Command::Export { file, .. } => export(file),
@@ -80,7 +82,11 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
     clippy::unnecessary_wraps,
     reason = "commands end with `report(..)` as their result"
 )]
-fn report(json: bool, v: &Value, human: impl FnOnce() -> String) -> Result<Outcome, Failure> {
+pub(crate) fn report(
+    json: bool,
+    v: &Value,
+    human: impl FnOnce() -> String,
+) -> Result<Outcome, Failure> {
     if json {
         print_json(v);
     } else {

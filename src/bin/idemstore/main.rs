@@ -1,9 +1,10 @@
 //! `idemstore`: the operator's tool for an idemstore file.
 //!
-//! Inspect a store (`stats`, `inbox list`, `outbox list|show`, `keys list`),
-//! repair by hand (`outbox retry|resolve|release|cancel`), reclaim space (`inbox
-//! prune`, `outbox purge`, `keys purge`, `compact`), verify it (`check`) and
-//! back it up (`export --jsonl`). Output is for people by default and JSON
+//! Inspect a store (`stats`, `inbox list`, `outbox list|show`, `keys list`,
+//! `destinations`), repair by hand (`outbox retry|resolve|release|cancel`),
+//! steer the dispatchers (`destination pause|resume|set`), reclaim space
+//! (`inbox prune`, `outbox purge`, `keys purge`, `compact`), verify it
+//! (`check`) and back it up (`export --jsonl`). Output is for people by default and JSON
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
 //! usage.
 //!
@@ -23,6 +24,7 @@
 #![deny(clippy::print_stdout)]
 
 mod commands;
+mod destinations;
 mod migrate;
 mod output;
 mod time;
@@ -37,7 +39,8 @@ use idemstore::{Error, OutboxStatus, Store};
 /// Inspect, repair and back up an idemstore file.
 ///
 /// TIME is RFC 3339 (2025-01-31T12:00:00Z) or an age meaning now minus that:
-/// 7d, 24h, 30m, 45s (or combined, 1d12h).
+/// 7d, 24h, 30m, 45s (or combined, 1d12h). DURATION is a number and a unit:
+/// 500ms, 30s, 5m, 1h, 1d (or combined, 1m30s).
 ///
 /// A running program's store: every command but compact works beside a
 /// program that opened the file with `StoreBuilder::shared(true)`, reading what
@@ -73,6 +76,16 @@ pub(crate) enum Command {
     /// HTTP idempotency keys.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Every destination with an entry, a policy or a pause: its policy,
+    /// pause, circuit, hold, entries in flight and entries by status.
+    Destinations {
+        /// The store file.
+        file: PathBuf,
+    },
+    /// Pause, resume or set the policy of one destination (every
+    /// dispatcher on the file follows it from its next claim).
+    #[command(subcommand)]
+    Destination(DestinationCommand),
     /// Rewrite the file to return free space to the file system.
     ///
     /// Needs the file to itself: stop every program that has it open first.
@@ -252,6 +265,58 @@ pub(crate) enum KeysCommand {
         /// Delete records created strictly before this TIME.
         #[arg(long, value_parser = time::parse_time)]
         before: DateTime<Utc>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum DestinationCommand {
+    /// Stop claiming the destination's entries (those in flight finish).
+    Pause {
+        /// The store file.
+        file: PathBuf,
+        /// The destination.
+        name: String,
+    },
+    /// Let a paused destination's entries be claimed again.
+    Resume {
+        /// The store file.
+        file: PathBuf,
+        /// The destination.
+        name: String,
+    },
+    /// Replace the destination's policy with the limits given (a limit not
+    /// given is removed); --clear removes them all.
+    #[command(group(
+        ArgGroup::new("limits")
+            .required(true)
+            .multiple(true)
+            .args(["max_in_flight", "rate", "circuit", "clear"])
+    ))]
+    Set {
+        /// The store file.
+        file: PathBuf,
+        /// The destination.
+        name: String,
+        /// At most N entries dispatching at once, across every dispatcher.
+        #[arg(long, value_name = "N")]
+        max_in_flight: Option<u32>,
+        /// At most this many claims per second on average (with --burst).
+        #[arg(long, value_name = "PER_SECOND", requires = "burst")]
+        rate: Option<f64>,
+        /// At most B claims at once (the rate limit's bucket).
+        #[arg(long, value_name = "B", requires = "rate")]
+        burst: Option<u32>,
+        /// Hold the destination back after K retryable failures in a row
+        /// (with --cool-down).
+        #[arg(long, value_name = "K", requires = "cool_down")]
+        circuit: Option<u32>,
+        /// How long the circuit holds it back before one probe (doubling
+        /// after each failed probe).
+        #[arg(long, value_name = "DURATION", requires = "circuit", value_parser = time::parse_duration)]
+        cool_down: Option<std::time::Duration>,
+        /// No limits at all.
+        #[arg(long, conflicts_with_all = ["max_in_flight", "rate", "burst", "circuit", "cool_down"])]
+        clear: bool,
     },
 }
 

@@ -1,5 +1,8 @@
 //! `TIME` arguments: an RFC 3339 instant or a relative age meaning "now minus
-//! that" (`7d`, `24h`, `30m`, `45s`, or combined: `1d12h`).
+//! that" (`7d`, `24h`, `30m`, `45s`, or combined: `1d12h`); and `DURATION`
+//! arguments, the same ages with milliseconds too (`500ms`, `1m30s`).
+
+use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 
@@ -62,9 +65,72 @@ fn parse_age(s: &str) -> Result<TimeDelta, String> {
     }
 }
 
+/// Parses a `DURATION` argument (for clap): a number and a unit (`d`,
+/// `h`, `m`, `s`, `ms`), or a run of them (`1m30s`).
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || {
+        format!(
+            "{s:?} is not a duration; use a number and a unit: 30s, 500ms, 5m, 1h, 1d, or a run of them (1m30s)"
+        )
+    };
+    let mut total = Duration::ZERO;
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let (number, tail) = rest.split_at(digits);
+        let n: u64 = number.parse().map_err(|_| bad())?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let millis = match unit {
+            "ms" => Some(1),
+            "s" => Some(1_000),
+            "m" => Some(60_000),
+            "h" => Some(3_600_000),
+            "d" => Some(86_400_000),
+            _ => None,
+        }
+        .and_then(|per: u64| n.checked_mul(per))
+        .ok_or_else(bad)?;
+        total = total
+            .checked_add(Duration::from_millis(millis))
+            .ok_or_else(bad)?;
+        rest = tail;
+    }
+    Ok(total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_read_each_unit_and_runs_of_them() -> Result<(), String> {
+        assert_eq!(parse_duration("500ms")?, Duration::from_millis(500));
+        assert_eq!(parse_duration("30s")?, Duration::from_secs(30));
+        assert_eq!(parse_duration("5m")?, Duration::from_secs(300));
+        assert_eq!(parse_duration("1h")?, Duration::from_secs(3_600));
+        assert_eq!(parse_duration("1d")?, Duration::from_secs(86_400));
+        assert_eq!(parse_duration("1m30s")?, Duration::from_secs(90));
+        assert_eq!(parse_duration("1s500ms")?, Duration::from_millis(1_500));
+        for bad in [
+            "",
+            "30",
+            "s",
+            "30x",
+            "-5s",
+            "5 s",
+            "1.5s",
+            "99999999999999999999s",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} was accepted");
+        }
+        Ok(())
+    }
 
     fn now() -> DateTime<Utc> {
         DateTime::parse_from_rfc3339("2025-06-15T12:00:00Z")
