@@ -16,7 +16,7 @@
 //!   get theirs when merged into the ledger); [`INBOX_COUNT`] holds the
 //!   number of ledger rows of each inbox (journal rows are counted when
 //!   merged).
-//! - outbox: see `src/outbox/index.rs` for the record, its five indexes,
+//! - outbox: see `src/outbox/index.rs` for the record, its four indexes,
 //!   its attempt history and the status counters.
 //! - idempotency keys: a row `(tenant, key)` exists iff
 //!   `(created_at, tenant, key)` exists in [`IDEM_CREATED`], where
@@ -68,7 +68,9 @@ pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =
 
 /// `id → record` (postcard).
 pub(crate) const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
-/// `(due µs, id) → ()` for `Pending` entries only.
+/// `(due µs, id) → ()` for `Pending` entries: the due index of format 1,
+/// which each destination's queue ([`OUTBOX_QUEUE`]) replaced; deleted when
+/// such a file is upgraded.
 pub(crate) const OUTBOX_DUE: TableDefinition<(i64, u64), ()> =
     TableDefinition::new("idemstore.v1.outbox.due");
 /// `(claimed_at µs, id) → ()` for `Dispatching` entries only.
@@ -191,6 +193,6 @@ mod tests {
         let tx = redb::ReadableDatabase::begin_read(&db).unwrap();
         let err = open_read(&tx, OUTBOX).err().unwrap();
         assert!(matches!(err, Error::IncompatibleFormat { .. }), "{err:?}");
-        assert!(open_read(&tx, OUTBOX_DUE).unwrap().is_none());
+        assert!(open_read(&tx, OUTBOX_READY).unwrap().is_none());
     }
 }

@@ -21,7 +21,8 @@ use serde_json::Value;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-const OUTBOX_DUE: TableDefinition<(i64, u64), ()> = TableDefinition::new("idemstore.v1.outbox.due");
+const OUTBOX_CLAIMED: TableDefinition<(i64, u64), ()> =
+    TableDefinition::new("idemstore.v1.outbox.claimed");
 const INBOX_SEEN: TableDefinition<(&str, i64, &str), ()> =
     TableDefinition::new("idemstore.v1.inbox.seen_at");
 
@@ -697,7 +698,7 @@ fn check_passes_a_clean_file() -> TestResult {
     Ok(())
 }
 
-/// Removes the first row of the outbox's due index and of the inboxes'
+/// Removes the first row of the outbox's claims index and of the inboxes'
 /// `seen_at` index: two findings for `check`.
 fn damage_indexes(file: &Path) -> TestResult {
     // Recent claims sit in the journal; a prune (of nothing) merges them
@@ -707,9 +708,12 @@ fn damage_indexes(file: &Path) -> TestResult {
         let db = redb::Database::open(file)?;
         let tx = db.begin_write()?;
         {
-            let mut due = tx.open_table(OUTBOX_DUE)?;
-            let first = due.first()?.map(|(k, _)| k.value()).ok_or("no due row")?;
-            due.remove(first)?;
+            let mut claimed = tx.open_table(OUTBOX_CLAIMED)?;
+            let first = claimed
+                .first()?
+                .map(|(k, _)| k.value())
+                .ok_or("no claims row")?;
+            claimed.remove(first)?;
             let mut seen = tx.open_table(INBOX_SEEN)?;
             let first = seen.first()?.map(|(k, _)| {
                 let (n, at, key) = k.value();
@@ -732,7 +736,7 @@ fn check_names_each_missing_index_row_and_exits_1() -> TestResult {
     assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
     let text = stdout(&o);
     assert!(
-        text.contains("idemstore.v1.outbox.due: missing index row"),
+        text.contains("idemstore.v1.outbox.claimed: missing index row"),
         "{text}"
     );
     assert!(

@@ -29,8 +29,8 @@ use super::{OutboxCounts, OutboxStatus};
 use crate::codec::{decode, encode, from_micros};
 use crate::error::{Error, Result};
 use crate::schema::{
-    OUTBOX, OUTBOX_DESTINATIONS, OUTBOX_QUEUE, OUTBOX_READY, OUTBOX_SEQUENCES, open_read,
-    open_write,
+    OUTBOX, OUTBOX_DESTINATIONS, OUTBOX_DUE, OUTBOX_QUEUE, OUTBOX_READY, OUTBOX_SEQUENCES,
+    open_read, open_write,
 };
 
 /// Ranks: one per priority.
@@ -486,6 +486,9 @@ pub(super) fn build(tx: &WriteTransaction) -> Result<()> {
     }
     drop(rows);
     flows.finish()?;
+    // The queues replace format 1's due index.
+    tx.delete_table(OUTBOX_DUE)
+        .map_err(crate::schema::store_table_error)?;
     Ok(())
 }
 

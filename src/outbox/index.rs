@@ -7,7 +7,6 @@
 //! | [`OUTBOX`]            | `id → record`                        | always                       |
 //! | [`OUTBOX_DEDUP`]      | `(destination, key) → id`            | always                       |
 //! | [`OUTBOX_BY_COMMAND`] | `(command_id, created_at, id)`       | always                       |
-//! | [`OUTBOX_DUE`]        | `(next_attempt_at ∨ created_at, id)` | `s = Pending`                |
 //! | [`OUTBOX_CLAIMED`]    | `(claimed_at, id)`                   | `s = Dispatching`            |
 //! | [`OUTBOX_FINISHED`]   | `(completed_at, id)`                 | `s ∈ {Completed, Failed}`    |
 //! | [`OUTBOX_COUNT`]      | `status code → n`                    | one count per status, no zeros |
@@ -48,15 +47,15 @@ use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
 use crate::schema::{
     META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED,
-    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_DUE, OUTBOX_FINISHED, open_write,
+    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_FINISHED, open_write,
 };
 
 /// The status-dependent index keys of a record: the time of its
-/// `(time, id)` row in the due, the claims and the finished index, when it
-/// has one (at most one of the three).
+/// `(time, id)` row in the claims and the finished index, when it has one
+/// (at most one of the two). A `Pending` record's row is in its
+/// destination's queue instead (`flow.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct StatusKeys {
-    due: Option<i64>,
     claimed: Option<i64>,
     finished: Option<i64>,
 }
@@ -65,10 +64,7 @@ struct StatusKeys {
 fn status_keys(id: u64, row: Times) -> Result<StatusKeys> {
     let none = StatusKeys::default();
     Ok(match row.status(id)? {
-        OutboxStatus::Pending => StatusKeys {
-            due: Some(row.due_at()),
-            ..none
-        },
+        OutboxStatus::Pending | OutboxStatus::OutcomeUnknown => none,
         OutboxStatus::Dispatching => StatusKeys {
             claimed: Some(row.claimed_at()),
             ..none
@@ -77,7 +73,6 @@ fn status_keys(id: u64, row: Times) -> Result<StatusKeys> {
             finished: Some(row.completed_at.unwrap_or(row.created_at)),
             ..none
         },
-        OutboxStatus::OutcomeUnknown => none,
     })
 }
 
@@ -137,7 +132,6 @@ pub(super) fn load_attempts(
 /// Every outbox table, open in one write transaction.
 pub(super) struct Tables<'tx> {
     pub(super) rows: Table<'tx, u64, &'static [u8]>,
-    pub(super) due: TimeIndex<'tx>,
     pub(super) claimed: TimeIndex<'tx>,
     pub(super) dedup: Table<'tx, (&'static str, &'static str), u64>,
     pub(super) by_command: Table<'tx, (&'static str, i64, u64), ()>,
@@ -158,7 +152,6 @@ impl<'tx> Tables<'tx> {
     pub(super) fn open(tx: &'tx WriteTransaction) -> Result<Tables<'tx>> {
         Ok(Tables {
             rows: open_write(tx, OUTBOX)?,
-            due: open_write(tx, OUTBOX_DUE)?,
             claimed: open_write(tx, OUTBOX_CLAIMED)?,
             dedup: open_write(tx, OUTBOX_DEDUP)?,
             by_command: open_write(tx, OUTBOX_BY_COMMAND)?,
@@ -297,9 +290,8 @@ impl<'tx> Tables<'tx> {
     }
 
     /// Each status index with the time of the record's row in it, if any.
-    fn status_indexes(&mut self, keys: StatusKeys) -> [(Option<i64>, &mut TimeIndex<'tx>); 3] {
+    fn status_indexes(&mut self, keys: StatusKeys) -> [(Option<i64>, &mut TimeIndex<'tx>); 2] {
         [
-            (keys.due, &mut self.due),
             (keys.claimed, &mut self.claimed),
             (keys.finished, &mut self.finished),
         ]
@@ -427,7 +419,6 @@ fn compare<T: Ord + std::fmt::Debug>(
 /// The index rows and counters the records call for.
 #[derive(Default)]
 struct Expected {
-    due: BTreeSet<(i64, u64)>,
     claimed: BTreeSet<(i64, u64)>,
     finished: BTreeSet<(i64, u64)>,
     by_command: BTreeSet<(String, i64, u64)>,
@@ -476,7 +467,6 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
             ));
         }
         let keys = status_keys(id, rec.times())?;
-        ex.due.extend(keys.due.map(|at| (at, id)));
         ex.claimed.extend(keys.claimed.map(|at| (at, id)));
         ex.finished.extend(keys.finished.map(|at| (at, id)));
         ex.by_command
@@ -495,7 +485,6 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
     let mut findings = Vec::new();
     let expected = expected_rows(tx, &mut findings)?;
     let Expected {
-        due,
         claimed,
         finished,
         by_command,
@@ -504,11 +493,7 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         max_id,
         ids,
     } = expected;
-    for (index, expected) in [
-        (OUTBOX_DUE, due),
-        (OUTBOX_CLAIMED, claimed),
-        (OUTBOX_FINISHED, finished),
-    ] {
+    for (index, expected) in [(OUTBOX_CLAIMED, claimed), (OUTBOX_FINISHED, finished)] {
         compare(&mut findings, index.name(), &expected, &pairs(tx, index)?);
     }
     let mut found = BTreeSet::new();

@@ -182,7 +182,7 @@
 //!
 //! # Layout
 //!
-//! One row per entry (`id → record`), five index tables and the attempt
+//! One row per entry (`id → record`), four index tables and the attempt
 //! history, written in the same transaction: see `src/outbox/index.rs` for
 //! the invariants, which [`Outbox::check_indexes`] verifies. The
 //! destinations have four tables of their own (their flow records, the

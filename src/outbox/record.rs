@@ -146,11 +146,6 @@ impl Times {
         })
     }
 
-    /// When a `Pending` record is due: `next_attempt_at`, else `created_at`.
-    pub(crate) fn due_at(&self) -> i64 {
-        self.next_attempt_at.unwrap_or(self.created_at)
-    }
-
     /// When the latest attempt was claimed (`created_at` if none is stored).
     pub(crate) fn claimed_at(&self) -> i64 {
         self.claimed_at.unwrap_or(self.created_at)
