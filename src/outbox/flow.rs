@@ -49,6 +49,13 @@ pub(super) struct DestRec {
     served_at: i64,
     /// Its row's key in [`OUTBOX_READY`].
     ready: Option<i64>,
+    /// The earliest due time among its rows in [`OUTBOX_QUEUE`], kept so
+    /// that an operation that leaves the queue alone (a completion, a
+    /// final failure) need not read it.
+    earliest: Option<i64>,
+    /// Whether `earliest` must be read again from the queue (an operation
+    /// removed the row it was the time of). Not stored.
+    stale: bool,
 }
 
 /// A [`DestRec`] as stored. Field order is the wire format: append only.
@@ -69,6 +76,7 @@ struct StoredDest {
     queued: [u64; RANKS],
     served_at: i64,
     ready: Option<i64>,
+    earliest: Option<i64>,
 }
 
 impl DestRec {
@@ -90,6 +98,7 @@ impl DestRec {
             queued: self.queued,
             served_at: self.served_at,
             ready: self.ready,
+            earliest: self.earliest,
         })
     }
 
@@ -116,6 +125,8 @@ impl DestRec {
             queued: s.queued,
             served_at: s.served_at,
             ready: s.ready,
+            earliest: s.earliest,
+            stale: false,
         };
         let bad = |reason: &str| Error::Corrupted {
             table: OUTBOX_DESTINATIONS.name(),
@@ -205,14 +216,16 @@ impl<'tx> Flows<'tx> {
     /// The flow record of `destination`, to change (a destination without
     /// a row starts from the default).
     pub(super) fn rec(&mut self, destination: &str) -> Result<&mut DestRec> {
-        use std::collections::btree_map::Entry;
-        Ok(match self.cache.entry(destination.to_owned()) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(match self.dests.get(destination)? {
+        if !self.cache.contains_key(destination) {
+            let rec = match self.dests.get(destination)? {
                 Some(v) => DestRec::decode(destination, v.value())?,
                 None => DestRec::default(),
-            }),
-        })
+            };
+            self.cache.insert(destination.to_owned(), rec);
+        }
+        self.cache
+            .get_mut(destination)
+            .ok_or_else(|| Error::Io(std::io::Error::other("a flow record just cached is gone")))
     }
 
     /// Notes that a claim took an entry of `destination` at `now`.
@@ -253,14 +266,20 @@ impl<'tx> Flows<'tx> {
 
     fn enqueue(&mut self, key: QueueKey<'_>) -> Result<()> {
         if self.queue.insert(key, ())?.is_none() {
-            bump(&mut self.rec(key.0)?.queued, key.1, 1);
+            let rec = self.rec(key.0)?;
+            bump(&mut rec.queued, key.1, 1);
+            rec.earliest = Some(rec.earliest.map_or(key.2, |e| e.min(key.2)));
         }
         Ok(())
     }
 
     fn dequeue(&mut self, key: QueueKey<'_>) -> Result<()> {
         if self.queue.remove(key)?.is_some() {
-            bump(&mut self.rec(key.0)?.queued, key.1, -1);
+            let rec = self.rec(key.0)?;
+            bump(&mut rec.queued, key.1, -1);
+            if rec.earliest.is_none_or(|e| e >= key.2) {
+                rec.stale = true;
+            }
         }
         Ok(())
     }
@@ -422,7 +441,10 @@ impl<'tx> Flows<'tx> {
         let mut sooner = false;
         let cache = std::mem::take(&mut self.cache);
         for (destination, mut rec) in cache {
-            let ready = match self.earliest_queued(&destination, &rec)? {
+            if rec.stale {
+                rec.earliest = self.earliest_queued(&destination, &rec)?;
+            }
+            let ready = match rec.earliest {
                 Some(due) => rec
                     .flow
                     .open_from()
@@ -594,6 +616,17 @@ fn check_destinations(
             if qd == d {
                 bump(&mut queued, *r, 1);
             }
+        }
+        let earliest = queue
+            .iter()
+            .filter(|(qd, ..)| qd == d)
+            .map(|(_, _, due, _)| *due)
+            .min();
+        if earliest != rec.earliest {
+            findings.push(format!(
+                "destination {d:?}: earliest queued {:?} but the queue's is {earliest:?}",
+                rec.earliest
+            ));
         }
         if queued != rec.queued {
             findings.push(format!(

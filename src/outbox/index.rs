@@ -252,12 +252,18 @@ impl<'tx> Tables<'tx> {
     /// (see [`sequenced`](super::destinations::sequenced)): what is written is `new` with it.
     pub(super) fn replace(&mut self, id: u64, old: &Row, new: &Row) -> Result<()> {
         let tx = self.tx;
-        let new = &super::destinations::sequenced(old, new.clone(), || {
-            let mut meta = open_write(tx, META)?;
-            let seq = next_id(&meta)?;
-            meta.insert(META_OUTBOX_NEXT_ID, seq.saturating_add(1))?;
-            Ok(seq)
-        })?;
+        let sequenced;
+        let new = if new.ordering_key.is_some() {
+            sequenced = super::destinations::sequenced(old, new.clone(), || {
+                let mut meta = open_write(tx, META)?;
+                let seq = next_id(&meta)?;
+                meta.insert(META_OUTBOX_NEXT_ID, seq.saturating_add(1))?;
+                Ok(seq)
+            })?;
+            &sequenced
+        } else {
+            new
+        };
         let (old_keys, new_keys) = (status_keys(id, old.times())?, status_keys(id, new.times())?);
         self.rows.insert(id, new.encode().as_slice())?;
         if old_keys != new_keys {
