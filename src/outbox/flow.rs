@@ -196,7 +196,10 @@ pub(super) struct Flows<'tx> {
     dests: Table<'tx, &'static str, &'static [u8]>,
     ready: Table<'tx, (i64, &'static str), ()>,
     pub(super) queue: Table<'tx, (&'static str, u8, i64, u64), ()>,
-    seqs: Table<'tx, (&'static str, &'static str, u64), u64>,
+    /// The ordering sequences, opened on first use: entries without an
+    /// ordering key never touch them.
+    seqs: Option<Table<'tx, (&'static str, &'static str, u64), u64>>,
+    tx: &'tx WriteTransaction,
     /// The flow records the operation read, each written back by
     /// [`Flows::finish`].
     cache: BTreeMap<String, DestRec>,
@@ -208,7 +211,8 @@ impl<'tx> Flows<'tx> {
             dests: open_write(tx, OUTBOX_DESTINATIONS)?,
             ready: open_write(tx, OUTBOX_READY)?,
             queue: open_write(tx, OUTBOX_QUEUE)?,
-            seqs: open_write(tx, OUTBOX_SEQUENCES)?,
+            seqs: None,
+            tx,
             cache: BTreeMap::new(),
         })
     }
@@ -236,9 +240,17 @@ impl<'tx> Flows<'tx> {
     }
 
     /// Whether `seq` is the first of its sequence `(destination, key)`.
-    fn is_head(&self, destination: &str, key: &str, seq: u64) -> Result<bool> {
+    /// The ordering sequences' table.
+    fn seqs(&mut self) -> Result<&mut Table<'tx, (&'static str, &'static str, u64), u64>> {
+        match &mut self.seqs {
+            Some(t) => Ok(t),
+            slot @ None => Ok(slot.insert(open_write(self.tx, OUTBOX_SEQUENCES)?)),
+        }
+    }
+
+    fn is_head(&mut self, destination: &str, key: &str, seq: u64) -> Result<bool> {
         let first = self
-            .seqs
+            .seqs()?
             .range((destination, key, 0)..=(destination, key, u64::MAX))?
             .next()
             .transpose()?;
@@ -246,7 +258,7 @@ impl<'tx> Flows<'tx> {
     }
 
     /// The row of `row` (record `id`) in the queue, if it belongs there.
-    fn queue_key<'r>(&self, id: u64, row: &'r Row) -> Result<Option<QueueKey<'r>>> {
+    fn queue_key<'r>(&mut self, id: u64, row: &'r Row) -> Result<Option<QueueKey<'r>>> {
         if row.status != OutboxStatus::Pending {
             return Ok(None);
         }
@@ -287,7 +299,7 @@ impl<'tx> Flows<'tx> {
     /// A new record `id`: its sequence, queue and count rows.
     pub(super) fn inserted(&mut self, id: u64, row: &Row) -> Result<()> {
         if let (Some(key), Some(seq)) = (&row.ordering_key, row.seq) {
-            self.seqs
+            self.seqs()?
                 .insert((row.destination.as_str(), key.as_str(), seq), id)?;
         }
         if let Some(q) = self.queue_key(id, row)? {
@@ -316,12 +328,12 @@ impl<'tx> Flows<'tx> {
         let mut left = None;
         if was != is {
             if let Some((key, seq)) = &was {
-                self.seqs
+                self.seqs()?
                     .remove((old.destination.as_str(), key.as_str(), *seq))?;
                 left = Some(key.clone());
             }
             if let Some((key, seq)) = &is {
-                self.seqs
+                self.seqs()?
                     .insert((new.destination.as_str(), key.as_str(), *seq), id)?;
             }
         }
@@ -354,7 +366,7 @@ impl<'tx> Flows<'tx> {
         rows: &impl ReadableTable<u64, &'static [u8]>,
     ) -> Result<()> {
         let first = self
-            .seqs
+            .seqs()?
             .range((destination, key, 0)..=(destination, key, u64::MAX))?
             .next()
             .transpose()?
@@ -378,21 +390,21 @@ impl<'tx> Flows<'tx> {
         Ok(())
     }
 
-    /// The first claimable entry of `destination` due at `now`: highest
-    /// priority first, then earliest due, then id.
-    pub(super) fn first_due(&mut self, destination: &str, now: i64) -> Result<Option<u64>> {
+    /// The first `n` claimable entries of `destination` due at `now`:
+    /// highest priority first, then earliest due, then id.
+    pub(super) fn first_due(&mut self, destination: &str, now: i64, n: usize) -> Result<Vec<u64>> {
         let queued = self.rec(destination)?.queued;
+        let mut out = Vec::new();
         for r in ranks_in_use(&queued) {
-            let first = self
-                .queue
-                .range((destination, r, i64::MIN, 0)..=(destination, r, now, u64::MAX))?
-                .next()
-                .transpose()?;
-            if let Some((k, _)) = first {
-                return Ok(Some(k.value().3));
+            let range = (destination, r, i64::MIN, 0)..=(destination, r, now, u64::MAX);
+            for row in self.queue.range(range)? {
+                if out.len() >= n {
+                    return Ok(out);
+                }
+                out.push(row?.0.value().3);
             }
         }
-        Ok(None)
+        Ok(out)
     }
 
     /// The destinations ready at `now`, front of the line first, at most

@@ -132,20 +132,24 @@ fn take_from(
         let Allowance::Take { max, probe } = t.flows.rec(destination)?.flow.allowance(now) else {
             break;
         };
-        if max == 0 {
+        // Claiming an entry never queues another (the next of a sequence
+        // waits for this one to finish), so the first `want` due now are
+        // the ones a claim of one at a time would take.
+        let want = (n - taken).min(usize::try_from(max).unwrap_or(usize::MAX));
+        let ids = t.flows.first_due(destination, now, want)?;
+        if ids.is_empty() {
             break;
         }
-        let Some(id) = t.flows.first_due(destination, now)? else {
-            break;
-        };
-        let index = OUTBOX_QUEUE.name();
-        let old = t.load_indexed(index, id, |s| s == OutboxStatus::Pending)?;
-        let new = plan(id, &old, change, None)?.ok_or_else(|| index_mismatch(index, id))?;
-        out.push(new.to_record(id)?.entry);
-        t.replace(id, &old, &new)?;
-        t.flows.rec(destination)?.flow.claimed(1, id, probe, now);
+        for id in ids {
+            let index = OUTBOX_QUEUE.name();
+            let old = t.load_indexed(index, id, |s| s == OutboxStatus::Pending)?;
+            let new = plan(id, &old, change, None)?.ok_or_else(|| index_mismatch(index, id))?;
+            out.push(new.to_record(id)?.entry);
+            t.replace(id, &old, &new)?;
+            t.flows.rec(destination)?.flow.claimed(1, id, probe, now);
+            taken += 1;
+        }
         t.flows.served(destination, now)?;
-        taken += 1;
     }
     Ok(taken)
 }
