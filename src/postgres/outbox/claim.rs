@@ -58,6 +58,11 @@ fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
     let mut n = 0;
     while n < limit {
         match f.allowance(now) {
+            // Neither a cap, a bucket nor a probe: it gives all it has.
+            Allowance::Take {
+                max: u32::MAX,
+                probe: false,
+            } => return limit,
             Allowance::Take { max, probe } if max > 0 => {
                 f.claimed(1, 0, probe, now);
                 f.in_flight += 1;
