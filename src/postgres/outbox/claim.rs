@@ -344,11 +344,11 @@ impl PgOutbox {
             }
             out.push(e);
         }
-        for d in touched {
-            if let Some(r) = locked.get(d) {
-                self.write_flow(db, d, r)?;
-            }
-        }
+        let writes: Vec<(&str, &Stored)> = touched
+            .into_iter()
+            .filter_map(|d| Some((d, locked.get(d)?)))
+            .collect();
+        self.write_flows(db, &writes)?;
         Ok(out)
     }
 
