@@ -917,6 +917,38 @@ mod destinations_pg {
     }
 
     #[test]
+    fn a_probe_the_reaper_releases_ends_and_the_next_claim_probes_again() -> TestResult {
+        let f = fixture!();
+        let outbox = f.store.outbox();
+        let breaker =
+            DestinationPolicy::default().circuit_breaker(1, std::time::Duration::from_secs(1));
+        outbox.set_destination_policy("a", breaker)?;
+        outbox.enqueue(NewEntry::new("c", "a", "a0", vec![0]), t(0))?;
+        outbox.enqueue(NewEntry::new("c", "a", "a1", vec![0]), t(0))?;
+        let first = outbox.claim_due(t(1), 1, "w")?;
+        let retry = Settlement::Failed {
+            reason: "http_503".into(),
+            next_attempt_at: Some(t(1)),
+        };
+        outbox.settle(first[0].fence(), retry, t(1))?;
+        let probe = outbox.claim_due(t(2), 10, "w")?;
+        assert_eq!(probe.len(), 1, "one probe");
+        assert!(matches!(
+            outbox.destination("a")?.circuit,
+            idemstore::CircuitState::Probing { .. }
+        ));
+        // Its dispatcher died: the reaper hands it back, and the circuit
+        // no longer waits for it.
+        assert_eq!(outbox.release_expired_claims(t(3))?, [probe[0].id]);
+        assert!(matches!(
+            outbox.destination("a")?.circuit,
+            idemstore::CircuitState::Open { trips: 1, .. }
+        ));
+        assert_eq!(outbox.claim_due(t(4), 10, "w")?.len(), 1, "a new probe");
+        Ok(())
+    }
+
+    #[test]
     fn a_schema_from_before_destinations_migrates_in_place() -> TestResult {
         let f = fixture!();
         let outbox = f.store.outbox();

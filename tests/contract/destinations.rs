@@ -161,6 +161,25 @@ macro_rules! destinations_contract {
             }
 
             #[test]
+            fn a_claim_without_a_limit_takes_every_claimable_entry() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                outbox
+                    .set_destination_policy("b", DestinationPolicy::default().max_in_flight(2))?;
+                for i in 0..5 {
+                    outbox.enqueue(entry("a", &format!("a{i}")), t(0))?;
+                    outbox.enqueue(entry("b", &format!("b{i}")), t(0))?;
+                }
+                let got = outbox.claim_due(t(1), usize::MAX, "w")?;
+                assert_eq!(
+                    destinations_of(&got),
+                    ["a", "b", "a", "b", "a", "a", "a"],
+                    "in turn while both give, b up to its cap"
+                );
+                Ok(())
+            }
+
+            #[test]
             fn higher_priority_goes_first_within_a_destination() -> TestResult {
                 let f = fixture!();
                 let outbox = f.store.outbox();

@@ -59,6 +59,11 @@ fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
     let mut n = 0;
     while n < limit {
         match f.allowance(now) {
+            // Neither a cap, a bucket nor a probe: it gives all it has.
+            Allowance::Take {
+                max: u32::MAX,
+                probe: false,
+            } => return limit,
             Allowance::Take { max, probe } if max > 0 => {
                 f.claimed(1, 0, probe, now);
                 f.in_flight += 1;
@@ -340,11 +345,11 @@ impl PgOutbox {
             }
             out.push(e);
         }
-        for d in touched {
-            if let Some(r) = locked.get(d) {
-                self.write_flow(db, d, r)?;
-            }
-        }
+        let writes: Vec<(&str, &Stored)> = touched
+            .into_iter()
+            .filter_map(|d| Some((d, locked.get(d)?)))
+            .collect();
+        self.write_flows(db, &writes)?;
         Ok(out)
     }
 

@@ -250,6 +250,79 @@ impl PgOutbox {
         Ok(())
     }
 
+    /// Writes each `(dest, stored)` as the row of `dest` (which exists,
+    /// locked): one statement for all.
+    pub(super) fn write_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        rows: &[(&str, &Stored)],
+    ) -> Result<()> {
+        if let [(dest, stored)] = rows {
+            return self.write_flow(db, dest, stored);
+        }
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let s = self.s();
+        let col = |f: &dyn Fn(&Stored) -> Option<i64>| -> Vec<Option<i64>> {
+            rows.iter().map(|(_, r)| f(r)).collect()
+        };
+        let names: Vec<&[u8]> = rows.iter().map(|(d, _)| d.as_bytes()).collect();
+        let cap = col(&|r| r.flow.policy.max_in_flight.map(i64::from));
+        let per_second: Vec<Option<f64>> = rows
+            .iter()
+            .map(|(_, r)| r.flow.policy.rate.map(|x| x.0))
+            .collect();
+        let burst = col(&|r| r.flow.policy.rate.map(|x| i64::from(x.1)));
+        let k = col(&|r| r.flow.policy.circuit.map(|c| i64::from(c.0)));
+        let cool_down = col(&|r| r.flow.policy.circuit.map(|c| c.1));
+        let paused: Vec<bool> = rows.iter().map(|(_, r)| r.flow.paused).collect();
+        let tokens: Vec<Option<f64>> = rows.iter().map(|(_, r)| r.flow.tokens).collect();
+        let tokens_at = col(&|r| Some(r.flow.tokens_at));
+        let failures = col(&|r| Some(i64::from(r.flow.failures)));
+        let trips = col(&|r| Some(i64::from(r.flow.trips)));
+        let open_until = col(&|r| r.flow.open_until);
+        let probe = col(&|r| r.flow.probe.map(|id| i64::try_from(id).unwrap_or(i64::MAX)));
+        let held_until = col(&|r| r.flow.held_until);
+        let served_at = col(&|r| Some(r.served_at));
+        let params: [&(dyn ToSql + Sync); 15] = [
+            &names,
+            &cap,
+            &per_second,
+            &burst,
+            &k,
+            &cool_down,
+            &paused,
+            &tokens,
+            &tokens_at,
+            &failures,
+            &trips,
+            &open_until,
+            &probe,
+            &held_until,
+            &served_at,
+        ];
+        db.execute(
+            &format!(
+                "UPDATE {s}.destinations d SET max_in_flight = u.cap, \
+                 rate_per_second = u.per_second, rate_burst = u.burst, \
+                 circuit_failures = u.k, circuit_cool_down = u.cool_down, paused = u.paused, \
+                 tokens = u.tokens, tokens_at = u.tokens_at, failures = u.failures, \
+                 trips = u.trips, open_until = u.open_until, probe = u.probe, \
+                 held_until = u.held_until, served_at = u.served_at \
+                 FROM unnest($1::bytea[], $2::bigint[], $3::float8[], $4::bigint[], \
+                     $5::bigint[], $6::bigint[], $7::boolean[], $8::float8[], $9::bigint[], \
+                     $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[], \
+                     $14::bigint[], $15::bigint[]) \
+                     AS u(destination, cap, per_second, burst, k, cool_down, paused, tokens, \
+                          tokens_at, failures, trips, open_until, probe, held_until, served_at) \
+                 WHERE d.destination = u.destination"
+            ),
+            &params,
+        )?;
+        Ok(())
+    }
+
     /// Deletes the rows of `dests` that hold nothing ([`Stored::is_idle`])
     /// and whose destinations have no entry left.
     pub(super) fn drop_idle_flows(
@@ -304,6 +377,7 @@ impl PgOutbox {
                 .map(|(d, _)| d.as_str())
                 .collect();
             let in_flight = self.count_in_flight(db, &capped)?;
+            let mut changed = Vec::new();
             for (dest, stored) in &mut rows {
                 let Some(events) = by_dest.get(dest.as_str()) else {
                     continue;
@@ -332,9 +406,14 @@ impl PgOutbox {
                     (_, None) => false,
                 };
                 if *stored != before {
-                    self.write_flow(db, dest, stored)?;
+                    changed.push(dest.clone());
                 }
             }
+            let writes: Vec<(&str, &Stored)> = changed
+                .iter()
+                .filter_map(|d| Some((d.as_str(), rows.get(d)?)))
+                .collect();
+            self.write_flows(db, &writes)?;
         }
         if sooner {
             db.execute(
