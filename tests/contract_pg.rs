@@ -867,15 +867,9 @@ mod destinations_pg {
                         pg.resume_destination(dest)?;
                     }
                 }
-                // The reaper, for claims held over 3 s — not while a
-                // circuit probes: the embedded store does not end a probe
-                // whose claim the reaper releases (the circuit then waits
-                // for a probe that never comes back), the server does.
-                13 if !em
-                    .destinations()?
-                    .iter()
-                    .any(|d| matches!(d.circuit, idemstore::CircuitState::Probing { .. })) =>
-                {
+                // The reaper, for claims held over 3 s (a released probe
+                // ends, and the circuit may probe again).
+                13 => {
                     let cutoff = at(now - 3000);
                     let (a, b) = (
                         em.release_expired_claims(cutoff)?.len(),

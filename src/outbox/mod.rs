@@ -513,19 +513,9 @@ impl Outbox {
         let now = micros(now);
         // One operation: if the claim fails after the settlements wrote,
         // the engine rolls the settlements back with it.
-        let (settled, claimed, sooner) = self.engine.execute(move |tx| {
-            let (settled, sooner) = if changes.is_empty() {
-                (Vec::new(), false)
-            } else {
-                ops::change_many(tx, &changes)?
-            };
-            let claimed = if request.limit == 0 {
-                Vec::new()
-            } else {
-                ops::claim(tx, now, &request)?
-            };
-            Ok((settled, claimed, sooner))
-        })?;
+        let (settled, claimed, sooner) = self
+            .engine
+            .execute(move |tx| ops::settle_and_claim(tx, &changes, now, &request))?;
         self.notify_if_settled(wake || sooner, &settled);
         Ok((settled, claimed))
     }

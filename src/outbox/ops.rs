@@ -71,11 +71,38 @@ pub(super) fn claim(
     request: &ClaimRequest,
 ) -> Result<Vec<OutboxEntry>> {
     let mut t = Tables::open(tx)?;
-    let mut out = claim_from(&mut t, now, request, |d| !request.avoids(d))?;
-    if out.is_empty() && !request.avoid.is_empty() {
-        out = claim_from(&mut t, now, request, |d| request.avoids(d))?;
-    }
+    let out = claim_in(&mut t, now, request)?;
     t.finish()?;
+    Ok(out)
+}
+
+/// Settles `changes` (as [`change_many`]) and then claims what `request`
+/// asks for (as [`claim`]), in one set of open tables: a dispatcher's step
+/// between two batches. Returns the settlements' answers, the claimed
+/// entries and whether a destination became claimable sooner.
+pub(super) fn settle_and_claim(
+    tx: &WriteTransaction,
+    changes: &[(u64, u32, Change)],
+    now: i64,
+    request: &ClaimRequest,
+) -> Result<(Vec<Result<()>>, Vec<OutboxEntry>, bool)> {
+    let mut t = Tables::open(tx)?;
+    let settled = change_all(&mut t, changes)?;
+    let claimed = if request.limit == 0 {
+        Vec::new()
+    } else {
+        claim_in(&mut t, now, request)?
+    };
+    let sooner = t.finish()?;
+    Ok((settled, claimed, sooner))
+}
+
+/// [`claim`] on tables already open.
+fn claim_in(t: &mut Tables<'_>, now: i64, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
+    let mut out = claim_from(t, now, request, |d| !request.avoids(d))?;
+    if out.is_empty() && !request.avoid.is_empty() {
+        out = claim_from(t, now, request, |d| request.avoids(d))?;
+    }
     Ok(out)
 }
 
@@ -209,6 +236,13 @@ pub(super) fn change_many(
     changes: &[(u64, u32, Change)],
 ) -> Result<(Vec<Result<()>>, bool)> {
     let mut t = Tables::open(tx)?;
+    let out = change_all(&mut t, changes)?;
+    let sooner = t.finish()?;
+    Ok((out, sooner))
+}
+
+/// [`change_many`] on tables already open.
+fn change_all(t: &mut Tables<'_>, changes: &[(u64, u32, Change)]) -> Result<Vec<Result<()>>> {
     let mut out = Vec::with_capacity(changes.len());
     for (id, attempt, c) in changes {
         let Some(old) = t.load(*id)? else {
@@ -221,7 +255,7 @@ pub(super) fn change_many(
                 if let Some(a) = c.attempt_row(&old, old.status) {
                     t.push_attempt(*id, &a)?;
                 }
-                tell_destination(&mut t, *id, &old, c)?;
+                tell_destination(t, *id, &old, c)?;
                 Ok(())
             }
             Ok(None) => Ok(()),
@@ -229,8 +263,7 @@ pub(super) fn change_many(
             Err(e) => return Err(e),
         });
     }
-    let sooner = t.finish()?;
-    Ok((out, sooner))
+    Ok(out)
 }
 
 /// Moves up to `limit` of the `Dispatching` entries claimed strictly before
