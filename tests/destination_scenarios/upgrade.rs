@@ -10,13 +10,17 @@ use idemstore::{DestinationPolicy, Result, Store};
 use super::common;
 use super::{assert_indexes, entry, shared};
 
+/// Format 1's due index, which the upgrade drops.
+const DUE: idemstore::redb::TableDefinition<(i64, u64), ()> =
+    idemstore::redb::TableDefinition::new("idemstore.v1.outbox.due");
+
 /// Writes a file as a build of format 1 left it: entries of this build
 /// (a: three pending, two in flight, one completed; b: one of each status),
 /// then without the destinations' tables, its format version 1.
 fn old_file(path: &Path) -> Result<()> {
     use idemstore::redb::{Database, TableDefinition, TableHandle as _};
     let t = common::t;
-    {
+    let pending = {
         let store = Store::open(path)?;
         let outbox = store.outbox();
         outbox.enqueue_many((0..6).map(|i| entry("a", &format!("a{i}"))), t(0))?;
@@ -31,7 +35,15 @@ fn old_file(path: &Path) -> Result<()> {
         let more = outbox.claim(t(4), &idemstore::ClaimRequest::new(1, "w").avoid(["a"]))?;
         assert_eq!(more[0].destination, "b");
         outbox.mark_outcome_unknown(more[0].id, None)?;
-    }
+        outbox
+            .list(
+                &idemstore::OutboxFilter::any().status(idemstore::OutboxStatus::Pending),
+                100,
+            )?
+            .iter()
+            .map(|r| (r.entry.due_at().timestamp_micros(), r.entry.id.0))
+            .collect::<Vec<_>>()
+    };
     {
         // As a file of format 1 was: no destination tables.
         let db = Database::create(path).map_err(idemstore::redb::Error::from)?;
@@ -47,10 +59,17 @@ fn old_file(path: &Path) -> Result<()> {
             .map_err(idemstore::redb::Error::from)?
             .filter(|t| dropped.contains(&t.name()))
             .collect();
-        assert_eq!(tables.len(), 4, "the file has the new tables to drop");
+        // The sequences' table exists once an entry had an ordering key.
+        assert_eq!(tables.len(), 3, "the file has the new tables to drop");
         for table in tables {
             assert!(tx.delete_table(table)?);
         }
+        // Format 1's due index: `(due, id)` for each pending entry.
+        let mut due = tx.open_table(DUE)?;
+        for row in &pending {
+            due.insert(*row, ())?;
+        }
+        drop(due);
         tx.open_table(TableDefinition::<&str, u64>::new("idemstore.meta"))?
             .insert("format_version", 1)?;
         tx.commit().map_err(idemstore::redb::Error::from)?;
@@ -99,7 +118,22 @@ fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
     assert_eq!(outbox.destination("a")?.in_flight, 5);
     outbox.enqueue(entry("a", "late"), t(11))?;
     assert!(outbox.claim_due(t(12), 10, "w")?.is_empty(), "a at its cap");
-    assert_indexes(&store)
+    assert_indexes(&store)?;
+    drop((outbox, store));
+    // The queues replaced format 1's due index, which is gone.
+    let db = idemstore::redb::Database::open(&path).map_err(idemstore::redb::Error::from)?;
+    let tx =
+        idemstore::redb::ReadableDatabase::begin_read(&db).map_err(idemstore::redb::Error::from)?;
+    let names: Vec<String> = tx
+        .list_tables()
+        .map_err(idemstore::redb::Error::from)?
+        .map(|t| idemstore::redb::TableHandle::name(&t).to_owned())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n == "idemstore.v1.outbox.due"),
+        "{names:?}"
+    );
+    Ok(())
 }
 
 #[test]
