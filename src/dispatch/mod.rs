@@ -66,8 +66,8 @@
 //! so a slow destination delays only its own entries; the dispatcher
 //! counts the workers busy with each destination, and a claim
 //! [avoids](crate::ClaimRequest::avoid) those that hold
-//! `ceil(workers / (busy destinations + 1))` of them — the `+ 1` keeps
-//! room for a destination that has none yet — unless no other destination
+//! `ceil(workers / max(busy destinations, 2))` of them — half while only
+//! one is busy, so a newcomer finds room — unless no other destination
 //! has an entry to give. The async dispatcher does the same with its sends
 //! in flight, and gives a free slot to a crowded destination's entry only
 //! once its last claim showed that nothing else is due. A worker thread

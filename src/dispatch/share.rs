@@ -4,8 +4,10 @@
 //!
 //! A dispatcher counts, per destination, the workers busy with it
 //! ([`Busy`]). A destination's share of `workers` is
-//! `ceil(workers / (busy destinations + 1))`: the `+ 1` keeps room for a
-//! destination that has no worker yet, so a newcomer always gets one. The
+//! `ceil(workers / max(busy destinations, 2))`: an even part among the
+//! destinations busy now, and half while only one is, so that a newcomer
+//! finds a worker free (and among several busy ones, each worker a fast
+//! destination hands back may go to a newcomer first in line). The
 //! destinations that hold their share are *crowded*; a claim asks the
 //! store to [avoid](crate::ClaimRequest::avoid) them, which it does only
 //! while another destination has something to give: a lone destination
@@ -60,7 +62,7 @@ impl Busy {
         if busy == 0 {
             return Vec::new();
         }
-        let share = workers.div_ceil(busy + 1).max(1);
+        let share = workers.div_ceil(busy.max(2)).max(1);
         let mut crowded: Vec<(&String, usize)> = self
             .counts
             .iter()
@@ -110,7 +112,12 @@ mod tests {
         // Both at their share, unequally: the least loaded is not crowded.
         assert_eq!(crowded(&busy(&[("a", 4), ("b", 3)]), 8), ["a"]);
         // Both at their share, equally: both are (a newcomer goes first).
-        assert_eq!(crowded(&busy(&[("a", 3), ("b", 3)]), 8), ["a", "b"]);
+        assert!(crowded(&busy(&[("a", 3), ("b", 3)]), 8).is_empty());
+        assert_eq!(crowded(&busy(&[("a", 4), ("b", 4)]), 8), ["a", "b"]);
+        assert_eq!(
+            crowded(&busy(&[("a", 3), ("b", 3), ("c", 2)]), 8),
+            ["a", "b"]
+        );
         // One worker: its share is always 1.
         assert_eq!(crowded(&busy(&[("a", 1)]), 1), ["a"]);
     }
