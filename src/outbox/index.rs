@@ -133,8 +133,10 @@ pub(super) fn load_attempts(
 pub(super) struct Tables<'tx> {
     pub(super) rows: Table<'tx, u64, &'static [u8]>,
     pub(super) claimed: TimeIndex<'tx>,
-    pub(super) dedup: Table<'tx, (&'static str, &'static str), u64>,
-    pub(super) by_command: Table<'tx, (&'static str, i64, u64), ()>,
+    /// The uniqueness and by-command indexes, opened on first use: only
+    /// enqueues and purges touch them, not claims and settlements.
+    dedup: Option<Table<'tx, (&'static str, &'static str), u64>>,
+    by_command: Option<Table<'tx, (&'static str, i64, u64), ()>>,
     pub(super) finished: TimeIndex<'tx>,
     count: Table<'tx, u8, u64>,
     /// The attempt history, opened on first use: most operations (claims,
@@ -153,8 +155,8 @@ impl<'tx> Tables<'tx> {
         Ok(Tables {
             rows: open_write(tx, OUTBOX)?,
             claimed: open_write(tx, OUTBOX_CLAIMED)?,
-            dedup: open_write(tx, OUTBOX_DEDUP)?,
-            by_command: open_write(tx, OUTBOX_BY_COMMAND)?,
+            dedup: None,
+            by_command: None,
             finished: open_write(tx, OUTBOX_FINISHED)?,
             count: open_write(tx, OUTBOX_COUNT)?,
             attempts: None,
@@ -172,6 +174,22 @@ impl<'tx> Tables<'tx> {
         match &mut self.attempts {
             Some(t) => Ok(t),
             slot @ None => Ok(slot.insert(open_write(self.tx, OUTBOX_ATTEMPTS)?)),
+        }
+    }
+
+    /// The `(destination, idempotency key) → id` index, opened on first use.
+    pub(super) fn dedup(&mut self) -> Result<&mut Table<'tx, (&'static str, &'static str), u64>> {
+        match &mut self.dedup {
+            Some(t) => Ok(t),
+            slot @ None => Ok(slot.insert(open_write(self.tx, OUTBOX_DEDUP)?)),
+        }
+    }
+
+    /// The `(command id, created_at, id)` index, opened on first use.
+    fn by_command(&mut self) -> Result<&mut Table<'tx, (&'static str, i64, u64), ()>> {
+        match &mut self.by_command {
+            Some(t) => Ok(t),
+            slot @ None => Ok(slot.insert(open_write(self.tx, OUTBOX_BY_COMMAND)?)),
         }
     }
 
@@ -234,9 +252,9 @@ impl<'tx> Tables<'tx> {
     pub(super) fn insert_new(&mut self, id: u64, s: &Row) -> Result<()> {
         let keys = status_keys(id, s.times())?;
         self.rows.insert(id, s.encode().as_slice())?;
-        self.dedup
+        self.dedup()?
             .insert((s.destination.as_str(), s.idempotency_key.as_str()), id)?;
-        self.by_command
+        self.by_command()?
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
         self.count_move(None, Some(s.status.code()));
@@ -280,9 +298,9 @@ impl<'tx> Tables<'tx> {
     pub(super) fn delete(&mut self, id: u64, old: &RowKeys) -> Result<()> {
         let keys = status_keys(id, old.times)?;
         self.rows.remove(id)?;
-        self.dedup
+        self.dedup()?
             .remove((old.destination.as_str(), old.idempotency_key.as_str()))?;
-        self.by_command
+        self.by_command()?
             .remove((old.command_id.as_str(), old.times.created_at, id))?;
         self.remove_status_keys(id, keys)?;
         self.count_move(Some(old.times.status), None);

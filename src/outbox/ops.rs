@@ -39,7 +39,7 @@ pub(super) fn enqueue(
     let mut out = Vec::with_capacity(entries.len());
     for e in entries {
         let existing = t
-            .dedup
+            .dedup()?
             .get((e.destination.as_str(), e.idempotency_key.as_str()))?
             .map(|v| v.value());
         if let Some(id) = existing {
