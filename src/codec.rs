@@ -50,18 +50,30 @@ pub(crate) fn decode_borrowed<'a, T: Deserialize<'a>>(
     key: &dyn Display,
     bytes: &'a [u8],
 ) -> Result<T> {
-    let corrupted = |reason: String| Error::Corrupted {
+    let corrupted = corrupted(table, key);
+    match postcard::take_from_bytes(body(table, key, bytes)?) {
+        Ok((record, [])) => Ok(record),
+        Ok((_, rest)) => Err(corrupted(format!("{} trailing bytes", rest.len()))),
+        Err(e) => Err(corrupted(e.to_string())),
+    }
+}
+
+/// What a row's bad bytes are, as the error that says so.
+fn corrupted<'k>(table: &'static str, key: &'k dyn Display) -> impl Fn(String) -> Error + 'k {
+    move |reason| Error::Corrupted {
         table,
         key: key.to_string(),
         reason,
-    };
+    }
+}
+
+/// A stored row's postcard encoding, after its version byte (which must be
+/// this build's).
+fn body<'a>(table: &'static str, key: &dyn Display, bytes: &'a [u8]) -> Result<&'a [u8]> {
+    let corrupted = corrupted(table, key);
     match bytes.split_first() {
         None => Err(corrupted("empty record".into())),
-        Some((&RECORD_VERSION, body)) => match postcard::take_from_bytes(body) {
-            Ok((record, [])) => Ok(record),
-            Ok((_, rest)) => Err(corrupted(format!("{} trailing bytes", rest.len()))),
-            Err(e) => Err(corrupted(e.to_string())),
-        },
+        Some((&RECORD_VERSION, body)) => Ok(body),
         Some((v, _)) => Err(corrupted(format!("unknown record version {v}"))),
     }
 }
@@ -75,26 +87,16 @@ pub(crate) fn decode_extended<'a, T: Deserialize<'a>, X: Deserialize<'a> + Defau
     key: &dyn Display,
     bytes: &'a [u8],
 ) -> Result<(T, X)> {
-    let corrupted = |reason: String| Error::Corrupted {
-        table,
-        key: key.to_string(),
-        reason,
-    };
-    match bytes.split_first() {
-        None => Err(corrupted("empty record".into())),
-        Some((&RECORD_VERSION, body)) => {
-            let (record, rest) =
-                postcard::take_from_bytes(body).map_err(|e| corrupted(e.to_string()))?;
-            if rest.is_empty() {
-                return Ok((record, X::default()));
-            }
-            match postcard::take_from_bytes(rest) {
-                Ok((extension, [])) => Ok((record, extension)),
-                Ok((_, rest)) => Err(corrupted(format!("{} trailing bytes", rest.len()))),
-                Err(e) => Err(corrupted(e.to_string())),
-            }
-        }
-        Some((v, _)) => Err(corrupted(format!("unknown record version {v}"))),
+    let corrupted = corrupted(table, key);
+    let (record, rest) = postcard::take_from_bytes(body(table, key, bytes)?)
+        .map_err(|e| corrupted(e.to_string()))?;
+    if rest.is_empty() {
+        return Ok((record, X::default()));
+    }
+    match postcard::take_from_bytes(rest) {
+        Ok((extension, [])) => Ok((record, extension)),
+        Ok((_, rest)) => Err(corrupted(format!("{} trailing bytes", rest.len()))),
+        Err(e) => Err(corrupted(e.to_string())),
     }
 }
 
