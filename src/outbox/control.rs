@@ -6,9 +6,9 @@
 
 use redb::{TableHandle as _, WriteTransaction};
 
-use super::destinations::{CircuitState, DestinationPolicy, DestinationState, check_destination};
-use super::flow::{self, Flows};
-use super::{Outbox, OutboxCounts};
+use super::Outbox;
+use super::destinations::{DestinationPolicy, DestinationState, check_destination};
+use super::flow::{self, DestRec, Flows};
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::schema::OUTBOX_DESTINATIONS;
@@ -56,25 +56,21 @@ impl Outbox {
         self.engine.read(|tx| {
             flow::read_all(tx)?
                 .into_iter()
-                .map(|(name, rec)| {
-                    rec.flow.to_state(&name, rec.counts(), |us| {
-                        from_micros(OUTBOX_DESTINATIONS.name(), &name, us)
-                    })
-                })
+                .map(|(name, rec)| state_of(&name, &rec))
                 .collect()
         })
     }
 
     /// The state of `destination` as [`Outbox::destinations`] reports it
     /// (a destination the store has nothing of is reported without limits
-    /// or entries).
+    /// or entries). Reads its one flow record.
     pub fn destination(&self, destination: &str) -> Result<DestinationState> {
         check_destination(destination)?;
-        let found = self
-            .destinations()?
-            .into_iter()
-            .find(|d| d.destination == destination);
-        Ok(found.unwrap_or_else(|| DestinationState::empty(destination)))
+        self.engine
+            .read(|tx| match flow::read_one(tx, destination)? {
+                Some(rec) => state_of(destination, &rec),
+                None => Ok(DestinationState::empty(destination)),
+            })
     }
 
     fn set_paused(&self, destination: &str, paused: bool) -> Result<()> {
@@ -104,20 +100,9 @@ impl Outbox {
     }
 }
 
-impl DestinationState {
-    /// A destination the store holds nothing of.
-    pub(crate) fn empty(destination: &str) -> DestinationState {
-        DestinationState {
-            destination: destination.to_owned(),
-            policy: DestinationPolicy::default(),
-            paused: false,
-            circuit: CircuitState::Closed {
-                consecutive_failures: 0,
-            },
-            held_until: None,
-            tokens: None,
-            in_flight: 0,
-            counts: OutboxCounts::default(),
-        }
-    }
+/// The public view of `destination`'s flow record.
+fn state_of(destination: &str, rec: &DestRec) -> Result<DestinationState> {
+    rec.flow.to_state(destination, rec.counts(), |us| {
+        from_micros(OUTBOX_DESTINATIONS.name(), &destination, us)
+    })
 }

@@ -230,6 +230,24 @@ pub struct DestinationState {
     pub counts: OutboxCounts,
 }
 
+impl DestinationState {
+    /// A destination the store holds nothing of.
+    pub(crate) fn empty(destination: &str) -> DestinationState {
+        DestinationState {
+            destination: destination.to_owned(),
+            policy: DestinationPolicy::default(),
+            paused: false,
+            circuit: CircuitState::Closed {
+                consecutive_failures: 0,
+            },
+            held_until: None,
+            tokens: None,
+            in_flight: 0,
+            counts: OutboxCounts::default(),
+        }
+    }
+}
+
 /// What a claim may take from one destination at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Allowance {

@@ -497,6 +497,17 @@ pub(super) fn read_all(tx: &ReadTransaction) -> Result<Vec<(String, DestRec)>> {
     Ok(out)
 }
 
+/// The flow record of `destination`, if it has one.
+pub(super) fn read_one(tx: &ReadTransaction, destination: &str) -> Result<Option<DestRec>> {
+    let Some(t) = open_read(tx, OUTBOX_DESTINATIONS)? else {
+        return Ok(None);
+    };
+    match t.get(destination)? {
+        Some(v) => DestRec::decode(destination, v.value()).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// The first row of [`OUTBOX_READY`]: when the next destination may be
 /// claimed from.
 pub(super) fn first_ready(tx: &ReadTransaction) -> Result<Option<i64>> {
@@ -618,22 +629,19 @@ fn check_destinations(
             ));
         }
     }
+    // Each destination's queue rows by rank, and its earliest due time.
+    let mut by_destination: BTreeMap<&str, ([u64; RANKS], Option<i64>)> = BTreeMap::new();
+    for (d, r, due, _) in queue {
+        let (queued, earliest) = by_destination.entry(d.as_str()).or_default();
+        bump(queued, *r, 1);
+        *earliest = Some(earliest.map_or(*due, |e| e.min(*due)));
+    }
     let mut ready = BTreeSet::new();
     for (d, rec) in &recs {
         if !counts.contains_key(d) && rec.counts.iter().any(|&n| n > 0) {
             findings.push(format!("destination {d:?} counts records it does not have"));
         }
-        let mut queued = [0_u64; RANKS];
-        for (qd, r, _, _) in queue {
-            if qd == d {
-                bump(&mut queued, *r, 1);
-            }
-        }
-        let earliest = queue
-            .iter()
-            .filter(|(qd, ..)| qd == d)
-            .map(|(_, _, due, _)| *due)
-            .min();
+        let (queued, earliest) = by_destination.get(d.as_str()).copied().unwrap_or_default();
         if earliest != rec.earliest {
             findings.push(format!(
                 "destination {d:?}: earliest queued {:?} but the queue's is {earliest:?}",
