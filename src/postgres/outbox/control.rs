@@ -58,10 +58,20 @@ impl PgOutbox {
     /// by status. Counts the entries (one `GROUP BY`): for monitoring at a
     /// modest rate.
     pub fn destinations(&self) -> Result<Vec<DestinationState>> {
+        self.states(None)
+    }
+
+    /// The states of every destination, or of `only` that one.
+    fn states(&self, only: Option<&str>) -> Result<Vec<DestinationState>> {
         let s = self.s();
-        let flows_sql = format!("SELECT destination, {FLOW_COLS} FROM {s}.destinations");
+        let only: Option<&[u8]> = only.map(str::as_bytes);
+        let flows_sql = format!(
+            "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
+             WHERE $1::bytea IS NULL OR destination = $1"
+        );
         let counts_sql = format!(
-            "SELECT destination, status, count(*) FROM {s}.outbox GROUP BY destination, status"
+            "SELECT destination, status, count(*) FROM {s}.outbox \
+             WHERE $1::bytea IS NULL OR destination = $1 GROUP BY destination, status"
         );
         // One snapshot for both: a repeatable-read transaction.
         let (flows, counts) = self.server.run(Mode::Read, |conn| {
@@ -71,8 +81,8 @@ impl PgOutbox {
                 .isolation_level(::postgres::IsolationLevel::RepeatableRead)
                 .read_only(true)
                 .start()?;
-            let flows = tx.query(&flows_sql, &[])?;
-            let counts = tx.query(&counts_sql, &[])?;
+            let flows = tx.query(&flows_sql, &[&only])?;
+            let counts = tx.query(&counts_sql, &[&only])?;
             tx.commit()?;
             Ok((flows, counts))
         })?;
@@ -116,10 +126,7 @@ impl PgOutbox {
     /// or entries).
     pub fn destination(&self, destination: &str) -> Result<DestinationState> {
         check_destination(destination)?;
-        let found = self
-            .destinations()?
-            .into_iter()
-            .find(|d| d.destination == destination);
+        let found = self.states(Some(destination))?.into_iter().next();
         Ok(found.unwrap_or_else(|| DestinationState::empty(destination)))
     }
 
