@@ -68,6 +68,13 @@ pub(crate) const INBOX_COUNT: TableDefinition<&str, u64> =
 
 /// `id → record` (postcard).
 pub(crate) const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
+/// `id → state` (postcard): the state of each entry that changed since it
+/// was enqueued (status, attempts, times, settlement details, place in its
+/// sequence), in place of the state its row in [`OUTBOX`] was written
+/// with. A claim or a settlement rewrites this small row only, never the
+/// entry's payload.
+pub(crate) const OUTBOX_STATE: TableDefinition<u64, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.state");
 /// `(due µs, id) → ()` for `Pending` entries: the due index of format 1,
 /// which each destination's queue ([`OUTBOX_QUEUE`]) replaced; deleted when
 /// such a file is upgraded.

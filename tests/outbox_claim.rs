@@ -503,6 +503,61 @@ fn a_garbage_record_is_corrupted_not_a_panic() -> Result<()> {
 }
 
 #[test]
+fn a_garbage_or_orphaned_state_row_is_corrupted_or_a_finding_not_a_panic() -> Result<()> {
+    const STATE: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox.state");
+    let store = Store::in_memory()?;
+    let outbox = store.outbox();
+    let id = outbox.enqueue(entry("g"), t(0))?.id();
+    let good = outbox.enqueue(entry("h"), t(0))?.id();
+    // A change after the enqueue is kept in the entry's state row.
+    let claimed = outbox.claim_due(t(1), 2, "w")?;
+    outbox.settle(claimed[1].fence(), Settlement::Completed, t(2))?;
+    assert_eq!(outbox.get(good)?.entry.status, OutboxStatus::Completed);
+    assert!(outbox.check_indexes()?.is_empty());
+    for garbage in [
+        &[][..],
+        &[1, 0xff, 0xff, 0xff][..],
+        &[1, 9, 0, 0, 0, 0, 0, 0, 0][..],
+    ] {
+        store.write(|tx| {
+            tx.open_table(STATE)?.insert(id.0, garbage)?;
+            Ok::<_, Error>(())
+        })?;
+        let err = outbox.get(id).unwrap_err();
+        assert!(
+            matches!(&err, Error::Corrupted { table, .. } if *table == "idemstore.v1.outbox.state"),
+            "{garbage:?}: {err:?}"
+        );
+        assert!(matches!(
+            outbox.settle(claimed[0].fence(), Settlement::Completed, t(3)),
+            Err(Error::Corrupted { .. })
+        ));
+        assert!(!outbox.check_indexes()?.is_empty(), "the check reports it");
+    }
+    store.write(|tx| {
+        let mut table = tx.open_table(STATE)?;
+        table.remove(id.0)?;
+        // A state row of an id that has no entry.
+        table.insert(99, &[1, 0, 0, 0, 0, 0, 0, 0, 0][..])?;
+        Ok::<_, Error>(())
+    })?;
+    assert_eq!(
+        outbox.get(id)?.entry.status,
+        OutboxStatus::Pending,
+        "as enqueued"
+    );
+    let findings = outbox.check_indexes()?;
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.contains("state row 99 has no outbox record")),
+        "{findings:?}"
+    );
+    assert_eq!(outbox.get(good)?.entry.status, OutboxStatus::Completed);
+    Ok(())
+}
+
+#[test]
 fn concurrent_claimers_take_each_entry_exactly_once() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().join("claims.idem"))?;

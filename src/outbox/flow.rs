@@ -24,13 +24,14 @@ use redb::{ReadTransaction, ReadableTable, Table, TableHandle as _, WriteTransac
 use serde::{Deserialize, Serialize};
 
 use super::destinations::{Flow, MAX_PRIORITY, PolicyParts};
+use super::index::{RecordTables, decode_row, load_row};
 use super::rules::Row;
 use super::{OutboxCounts, OutboxStatus};
 use crate::codec::{decode, encode, from_micros};
 use crate::error::{Error, Result};
 use crate::schema::{
     OUTBOX, OUTBOX_DESTINATIONS, OUTBOX_DUE, OUTBOX_QUEUE, OUTBOX_READY, OUTBOX_SEQUENCES,
-    open_read, open_write,
+    OUTBOX_STATE, open_read, open_write,
 };
 
 /// Ranks: one per priority.
@@ -310,15 +311,19 @@ impl<'tx> Flows<'tx> {
     }
 
     /// Record `id` changed from `old` to `new` (its sequence number already
-    /// given by [`sequenced`]). `rows` reads the other records (the next of
-    /// a sequence, when this one leaves it).
-    pub(super) fn replaced(
+    /// given by [`sequenced`]). `records` reads the other records (the next
+    /// of a sequence, when this one leaves it).
+    pub(super) fn replaced<R, S>(
         &mut self,
         id: u64,
         old: &Row,
         new: &Row,
-        rows: &impl ReadableTable<u64, &'static [u8]>,
-    ) -> Result<()> {
+        records: RecordTables<'_, R, S>,
+    ) -> Result<()>
+    where
+        R: ReadableTable<u64, &'static [u8]>,
+        S: ReadableTable<u64, &'static [u8]>,
+    {
         let old_q = self.queue_key(id, old)?;
         let in_seq = |r: &Row| match (&r.ordering_key, r.seq) {
             (Some(k), Some(seq)) if !r.status.is_finished() => Some((k.clone(), seq)),
@@ -347,7 +352,7 @@ impl<'tx> Flows<'tx> {
             }
         }
         if let Some(key) = left {
-            self.promote(&old.destination, &key, rows)?;
+            self.promote(&old.destination, &key, records)?;
         }
         if old.status != new.status {
             let rec = self.rec(&new.destination)?;
@@ -359,12 +364,16 @@ impl<'tx> Flows<'tx> {
 
     /// Queues the first record of sequence `(destination, key)` if it is
     /// `Pending` (an entry before it just left the sequence).
-    fn promote(
+    fn promote<R, S>(
         &mut self,
         destination: &str,
         key: &str,
-        rows: &impl ReadableTable<u64, &'static [u8]>,
-    ) -> Result<()> {
+        records: RecordTables<'_, R, S>,
+    ) -> Result<()>
+    where
+        R: ReadableTable<u64, &'static [u8]>,
+        S: ReadableTable<u64, &'static [u8]>,
+    {
         let first = self
             .seqs()?
             .range((destination, key, 0)..=(destination, key, u64::MAX))?
@@ -374,10 +383,8 @@ impl<'tx> Flows<'tx> {
         let Some(next) = first else {
             return Ok(());
         };
-        let row = match rows.get(next)? {
-            Some(v) => Row::decode(next, v.value())?,
-            None => return Err(super::index::dangling(OUTBOX_SEQUENCES.name(), next)),
-        };
+        let row = load_row(records, next)?
+            .ok_or_else(|| super::index::dangling(OUTBOX_SEQUENCES.name(), next))?;
         if let Some(q) = self.queue_key(next, &row)? {
             self.enqueue(q)?;
         }
@@ -522,14 +529,17 @@ pub(super) fn first_ready(tx: &ReadTransaction) -> Result<Option<i64>> {
 /// once.
 pub(super) fn build(tx: &WriteTransaction) -> Result<()> {
     let rows = open_write(tx, OUTBOX)?;
+    // Format 1 kept each record whole in its row (no state rows); read as
+    // every record is read all the same.
+    let states = open_write(tx, OUTBOX_STATE)?;
     let mut flows = Flows::open(tx)?;
     for row in rows.iter()? {
         let (k, v) = row?;
         let id = k.value();
-        let row = Row::decode(id, v.value())?;
+        let row = decode_row(Some(&states), id, v.value())?;
         flows.inserted(id, &row)?;
     }
-    drop(rows);
+    drop((rows, states));
     flows.finish()?;
     // The queues replace format 1's due index.
     tx.delete_table(OUTBOX_DUE)
@@ -543,13 +553,14 @@ pub(super) fn check(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<
     let Some(rows) = open_read(tx, OUTBOX)? else {
         return Ok(());
     };
+    let states = open_read(tx, OUTBOX_STATE)?;
     let mut seqs: BTreeSet<(String, String, u64, u64)> = BTreeSet::new();
     let mut pending: Vec<(u64, Row)> = Vec::new();
     let mut counts: BTreeMap<String, [u64; 5]> = BTreeMap::new();
     for row in rows.iter()? {
         let (k, v) = row?;
         let id = k.value();
-        let Ok(row) = Row::decode(id, v.value()) else {
+        let Ok(row) = decode_row(states.as_ref(), id, v.value()) else {
             continue; // reported by the record check
         };
         bump(

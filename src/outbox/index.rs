@@ -5,6 +5,7 @@
 //! | table                 | row                                  | present when                 |
 //! |-----------------------|--------------------------------------|------------------------------|
 //! | [`OUTBOX`]            | `id → record`                        | always                       |
+//! | [`OUTBOX_STATE`]      | `id → state`                         | the record changed since it was enqueued |
 //! | [`OUTBOX_DEDUP`]      | `(destination, key) → id`            | always                       |
 //! | [`OUTBOX_BY_COMMAND`] | `(command_id, created_at, id)`       | always                       |
 //! | [`OUTBOX_CLAIMED`]    | `(claimed_at, id)`                   | `s = Dispatching`            |
@@ -21,6 +22,11 @@
 //! have no such table (read as empty histories), and such a build that
 //! purges entries of a file this build wrote leaves their history rows
 //! behind, which [`check`] reports.
+//!
+//! A record is its row in [`OUTBOX`], written once by its enqueue, with
+//! its row in [`OUTBOX_STATE`], once it has one, in place of the state the
+//! first was written with (see `record.rs`): every change after the
+//! enqueue writes the state row only. Every state row belongs to a record.
 //!
 //! Only `Dispatching` holds a claim: its `(claimed_at, id)` row in
 //! [`OUTBOX_CLAIMED`] is what the reaper walks, and every edge out of
@@ -47,7 +53,7 @@ use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
 use crate::schema::{
     META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED,
-    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_FINISHED, open_write,
+    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_FINISHED, OUTBOX_STATE, open_write,
 };
 
 /// The status-dependent index keys of a record: the time of its
@@ -76,15 +82,36 @@ fn status_keys(id: u64, row: Times) -> Result<StatusKeys> {
     })
 }
 
-/// The record `id` of the outbox's rows, decoded; `None` if there is none.
-pub(super) fn load_row(
-    rows: &impl ReadableTable<u64, &'static [u8]>,
-    id: u64,
-) -> Result<Option<Row>> {
+/// The outbox's records: the rows written by enqueues and the state rows
+/// written by the changes since (`None` in a file whose state table was
+/// never written).
+pub(super) type RecordTables<'t, R, S> = (&'t R, Option<&'t S>);
+
+/// The record `id` of the outbox's `rows` and `states`, decoded; `None`
+/// if there is none.
+pub(super) fn load_row<R, S>(tables: RecordTables<'_, R, S>, id: u64) -> Result<Option<Row>>
+where
+    R: ReadableTable<u64, &'static [u8]>,
+    S: ReadableTable<u64, &'static [u8]>,
+{
+    let (rows, states) = tables;
     match rows.get(id)? {
-        Some(v) => Row::decode(id, v.value()).map(Some),
+        Some(v) => decode_row(states, id, v.value()).map(Some),
         None => Ok(None),
     }
+}
+
+/// Record `id` decoded from its row `bytes` and its row in `states`, if
+/// it has one.
+pub(super) fn decode_row<S>(states: Option<&S>, id: u64, bytes: &[u8]) -> Result<Row>
+where
+    S: ReadableTable<u64, &'static [u8]>,
+{
+    let state = match states {
+        Some(states) => states.get(id)?,
+        None => None,
+    };
+    Row::decode(id, bytes, state.as_ref().map(redb::AccessGuard::value))
 }
 
 /// An index row whose record is missing.
@@ -132,6 +159,8 @@ pub(super) fn load_attempts(
 /// Every outbox table, open in one write transaction.
 pub(super) struct Tables<'tx> {
     pub(super) rows: Table<'tx, u64, &'static [u8]>,
+    /// The records' state since their enqueue, which every change writes.
+    states: Table<'tx, u64, &'static [u8]>,
     pub(super) claimed: TimeIndex<'tx>,
     /// The uniqueness and by-command indexes, opened on first use: only
     /// enqueues and purges touch them, not claims and settlements.
@@ -154,6 +183,7 @@ impl<'tx> Tables<'tx> {
     pub(super) fn open(tx: &'tx WriteTransaction) -> Result<Tables<'tx>> {
         Ok(Tables {
             rows: open_write(tx, OUTBOX)?,
+            states: open_write(tx, OUTBOX_STATE)?,
             claimed: open_write(tx, OUTBOX_CLAIMED)?,
             dedup: None,
             by_command: None,
@@ -209,7 +239,7 @@ impl<'tx> Tables<'tx> {
 
     /// The record `id`, decoded; `None` if there is none.
     pub(super) fn load(&self, id: u64) -> Result<Option<Row>> {
-        load_row(&self.rows, id)
+        load_row((&self.rows, Some(&self.states)), id)
     }
 
     /// The record a row of `index` points at, which the index holds in a
@@ -237,10 +267,15 @@ impl<'tx> Tables<'tx> {
         id: u64,
         indexed: impl Fn(OutboxStatus) -> bool,
     ) -> Result<RowKeys> {
-        let keys = match self.rows.get(id)? {
-            Some(v) => RowKeys::decode(id, v.value())?,
-            None => return Err(dangling(index, id)),
+        let Some(row) = self.rows.get(id)? else {
+            return Err(dangling(index, id));
         };
+        let state = self.states.get(id)?;
+        let keys = RowKeys::decode(
+            id,
+            row.value(),
+            state.as_ref().map(redb::AccessGuard::value),
+        )?;
         if indexed(keys.times.status(id)?) {
             Ok(keys)
         } else {
@@ -263,8 +298,10 @@ impl<'tx> Tables<'tx> {
     }
 
     /// Replaces record `id` (`old` as stored) by `new`, moving its status
-    /// index rows and counts. Immutable fields (destination, key, command,
-    /// `created_at`) keep their index rows.
+    /// index rows and counts. Only the state changes (see `record.rs`):
+    /// what is written is `new`'s state row; the fields written by the
+    /// enqueue (destination, key, command, payload, `created_at`, ordering
+    /// key, priority) and their index rows stay as they are.
     ///
     /// A record with an ordering key gets its place in its sequence here
     /// (see [`sequenced`](super::destinations::sequenced)): what is written is `new` with it.
@@ -283,13 +320,24 @@ impl<'tx> Tables<'tx> {
             new
         };
         let (old_keys, new_keys) = (status_keys(id, old.times())?, status_keys(id, new.times())?);
-        self.rows.insert(id, new.encode().as_slice())?;
+        debug_assert!(
+            new.command_id == old.command_id
+                && new.destination == old.destination
+                && new.idempotency_key == old.idempotency_key
+                && new.payload == old.payload
+                && new.created_at == old.created_at
+                && new.ordering_key == old.ordering_key
+                && new.priority == old.priority,
+            "a change of record {id} rewrote a field its enqueue wrote"
+        );
+        self.states.insert(id, new.encode_state().as_slice())?;
         if old_keys != new_keys {
             self.remove_status_keys(id, old_keys)?;
             self.put_status_keys(id, new_keys)?;
         }
         self.count_move(Some(old.status.code()), Some(new.status.code()));
-        self.flows.replaced(id, old, new, &self.rows)?;
+        let records = (&self.rows, Some(&self.states));
+        self.flows.replaced(id, old, new, records)?;
         Ok(())
     }
 
@@ -298,6 +346,7 @@ impl<'tx> Tables<'tx> {
     pub(super) fn delete(&mut self, id: u64, old: &RowKeys) -> Result<()> {
         let keys = status_keys(id, old.times)?;
         self.rows.remove(id)?;
+        self.states.remove(id)?;
         self.dedup()?
             .remove((old.destination.as_str(), old.idempotency_key.as_str()))?;
         self.by_command()?
@@ -456,7 +505,11 @@ struct Expected {
 /// Reads every record; notes findings about single records.
 fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Expected> {
     let mut ex = Expected::default();
+    let state_rows = open_read(tx, OUTBOX_STATE)?;
     let Some(rows) = open_read(tx, OUTBOX)? else {
+        if let Some(states) = &state_rows {
+            orphan_states(states, &ex.ids, findings)?;
+        }
         return Ok(ex);
     };
     for row in rows.iter()? {
@@ -464,7 +517,7 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
         let id = key.value();
         ex.max_id = ex.max_id.max(id);
         ex.ids.insert(id);
-        let rec = match Row::decode(id, value.value()) {
+        let rec = match decode_row(state_rows.as_ref(), id, value.value()) {
             Ok(rec) => rec,
             Err(e) => {
                 findings.push(format!("record {id}: {e}"));
@@ -499,7 +552,28 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
             .insert((rec.destination.clone(), rec.idempotency_key.clone(), id));
         *ex.counts.entry(rec.status.code()).or_default() += 1;
     }
+    if let Some(states) = &state_rows {
+        orphan_states(states, &ex.ids, findings)?;
+    }
     Ok(ex)
+}
+
+/// Notes every state row without its record.
+fn orphan_states(
+    states: &impl ReadableTable<u64, &'static [u8]>,
+    ids: &BTreeSet<u64>,
+    findings: &mut Vec<String>,
+) -> Result<()> {
+    for row in states.iter()? {
+        let id = row?.0.value();
+        if !ids.contains(&id) {
+            findings.push(format!(
+                "{}: state row {id} has no outbox record",
+                OUTBOX_STATE.name()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks every invariant of the module docs over the whole outbox; returns

@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _};
 
-use super::index::{self, dangling, load_attempts, load_row, open_read};
+use super::index::{self, dangling, decode_row, load_attempts, load_row, open_read};
 use super::rules::Row;
 use super::{
     Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field, flow,
@@ -15,12 +15,14 @@ use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::{
     META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
-    OUTBOX_READY,
+    OUTBOX_READY, OUTBOX_STATE,
 };
 
-/// The outbox's rows and attempt history, open in one read transaction.
+/// The outbox's records and attempt history, open in one read transaction.
 struct Reader {
     rows: ReadOnlyTable<u64, &'static [u8]>,
+    /// `None` in a file whose state table was never written.
+    states: Option<ReadOnlyTable<u64, &'static [u8]>>,
     /// `None` in a file whose history table was never written.
     attempts: Option<ReadOnlyTable<(u64, u64), &'static [u8]>>,
 }
@@ -31,13 +33,18 @@ impl Reader {
         let Some(rows) = open_read(tx, OUTBOX)? else {
             return Ok(None);
         };
+        let states = open_read(tx, OUTBOX_STATE)?;
         let attempts = open_read(tx, OUTBOX_ATTEMPTS)?;
-        Ok(Some(Reader { rows, attempts }))
+        Ok(Some(Reader {
+            rows,
+            states,
+            attempts,
+        }))
     }
 
     /// The record `id`, with its attempt history, if there is one.
     fn record(&self, id: u64) -> Result<Option<OutboxRecord>> {
-        load_row(&self.rows, id)?
+        load_row((&self.rows, self.states.as_ref()), id)?
             .map(|row| self.complete(id, &row))
             .transpose()
     }
@@ -165,7 +172,7 @@ impl Outbox {
                 }
                 let (k, v) = row?;
                 let id = k.value();
-                let row = Row::decode(id, v.value())?;
+                let row = decode_row(reader.states.as_ref(), id, v.value())?;
                 if filter.matches(&row) {
                     out.push(reader.complete(id, &row)?);
                 }

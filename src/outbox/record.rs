@@ -5,15 +5,23 @@
 //! [`AttemptRow`] of the history. Decoding checks what a stored row must
 //! hold (a known status code, every timestamp in range). The rules that
 //! change a row are in `rules.rs` and know nothing of this encoding.
+//!
+//! An entry is written whole once, when it is enqueued. What changes after
+//! (its status, attempts, times, settlement details and place in its
+//! sequence: [`StoredState`]) is written to its row in [`OUTBOX_STATE`],
+//! which stands in for the state the whole row was written with: a claim
+//! or a settlement rewrites a few dozen bytes, not the entry and its
+//! payload, and the entries a batch of one destination touches (spread
+//! among the other destinations' ids) share fewer pages.
 
 use redb::TableHandle as _;
 use serde::{Deserialize, Serialize};
 
 use super::OutboxStatus;
 use super::rules::{AttemptRow, Row};
-use crate::codec::{encode, from_micros};
+use crate::codec::{decode_borrowed, decode_extended, encode, from_micros};
 use crate::error::{Error, Result};
-use crate::schema::{OUTBOX, OUTBOX_ATTEMPTS};
+use crate::schema::{OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_STATE};
 
 /// A [`Row`] as stored, every string and the payload borrowed: what is
 /// encoded, and what is decoded in place. Field order is the wire format:
@@ -62,6 +70,53 @@ impl<'a> Appended<'a> {
     }
 }
 
+/// The state of an entry that changed since it was enqueued, as stored in
+/// [`OUTBOX_STATE`]: it replaces the fields of the same names of the
+/// entry's [`Stored`] row and the `seq` of its [`Appended`] fields. Field
+/// order is the wire format: append only.
+#[derive(Serialize, Deserialize)]
+struct StoredState<'a> {
+    status: u8,
+    attempt_count: u32,
+    next_attempt_at: Option<i64>,
+    completed_at: Option<i64>,
+    #[serde(borrow)]
+    attempt: Option<(&'a str, i64)>,
+    #[serde(borrow)]
+    last_failure: Option<&'a str>,
+    #[serde(borrow)]
+    remote_ref: Option<&'a str>,
+    seq: Option<u64>,
+}
+
+impl<'a> StoredState<'a> {
+    fn of(row: &'a Row) -> StoredState<'a> {
+        StoredState {
+            status: row.status.code(),
+            attempt_count: row.attempt_count,
+            next_attempt_at: row.next_attempt_at,
+            completed_at: row.completed_at,
+            attempt: row.attempt.as_ref().map(|(w, at)| (w.as_str(), *at)),
+            last_failure: row.last_failure.as_deref(),
+            remote_ref: row.remote_ref.as_deref(),
+            seq: row.seq,
+        }
+    }
+
+    /// Puts this state in place of the one `stored` and `appended` were
+    /// written with.
+    fn apply(self, stored: &mut Stored<'a>, appended: &mut Appended<'a>) {
+        stored.status = self.status;
+        stored.attempt_count = self.attempt_count;
+        stored.next_attempt_at = self.next_attempt_at;
+        stored.completed_at = self.completed_at;
+        stored.attempt = self.attempt;
+        stored.last_failure = self.last_failure;
+        stored.remote_ref = self.remote_ref;
+        appended.seq = self.seq;
+    }
+}
+
 impl<'a> Stored<'a> {
     fn of(row: &'a Row) -> Stored<'a> {
         Stored {
@@ -80,11 +135,26 @@ impl<'a> Stored<'a> {
         }
     }
 
-    /// Decodes and checks stored bytes (status code, timestamps in range).
-    fn decode(id: u64, bytes: &'a [u8]) -> Result<(Stored<'a>, Appended<'a>)> {
-        let (stored, appended): (Stored<'_>, Appended<'_>) =
-            crate::codec::decode_extended(OUTBOX.name(), &id, bytes)?;
-        stored.times().check(id)?;
+    /// Decodes and checks record `id` (status code, timestamps in range):
+    /// its row `bytes` in [`OUTBOX`] and, if it changed since it was
+    /// enqueued, its `state` in [`OUTBOX_STATE`].
+    fn decode(
+        id: u64,
+        bytes: &'a [u8],
+        state: Option<&'a [u8]>,
+    ) -> Result<(Stored<'a>, Appended<'a>)> {
+        let (mut stored, mut appended): (Stored<'_>, Appended<'_>) =
+            decode_extended(OUTBOX.name(), &id, bytes)?;
+        // A bad state or time is named by the row that holds it.
+        let table = match state {
+            Some(state) => {
+                decode_borrowed::<StoredState<'_>>(OUTBOX_STATE.name(), &id, state)?
+                    .apply(&mut stored, &mut appended);
+                OUTBOX_STATE.name()
+            }
+            None => OUTBOX.name(),
+        };
+        stored.times().check(table, id)?;
         Ok((stored, appended))
     }
 
@@ -139,8 +209,14 @@ pub(crate) struct Times {
 impl Times {
     /// The record's status; an unknown code is [`Error::Corrupted`].
     pub(crate) fn status(&self, id: u64) -> Result<OutboxStatus> {
+        self.status_in(OUTBOX.name(), id)
+    }
+
+    /// [`Times::status`], an unknown code named by the row of `table` that
+    /// holds it.
+    fn status_in(&self, table: &'static str, id: u64) -> Result<OutboxStatus> {
         OutboxStatus::from_code(self.status).ok_or_else(|| Error::Corrupted {
-            table: OUTBOX.name(),
+            table,
             key: id.to_string(),
             reason: format!("unknown status code {}", self.status),
         })
@@ -151,17 +227,17 @@ impl Times {
         self.claimed_at.unwrap_or(self.created_at)
     }
 
-    /// Checks what a stored row must hold: a known status code, every
-    /// timestamp in range.
-    fn check(&self, id: u64) -> Result<()> {
-        self.status(id)?;
+    /// Checks what a stored row of `table` must hold: a known status code,
+    /// every timestamp in range.
+    fn check(&self, table: &'static str, id: u64) -> Result<()> {
+        self.status_in(table, id)?;
         let times = [self.created_at]
             .into_iter()
             .chain(self.next_attempt_at)
             .chain(self.completed_at)
             .chain(self.claimed_at);
         for us in times {
-            from_micros(OUTBOX.name(), &id, us)?;
+            from_micros(table, &id, us)?;
         }
         Ok(())
     }
@@ -178,11 +254,11 @@ pub(crate) struct RowKeys {
 }
 
 impl RowKeys {
-    /// Decodes and checks a stored row as [`Row::decode`] does (the same
+    /// Decodes and checks a stored record as [`Row::decode`] does (the same
     /// bytes are refused), copying only the fields deleting it needs: a
     /// purge does not load the payloads it deletes.
-    pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<RowKeys> {
-        let (stored, _) = Stored::decode(id, bytes)?;
+    pub(crate) fn decode(id: u64, bytes: &[u8], state: Option<&[u8]>) -> Result<RowKeys> {
+        let (stored, _) = Stored::decode(id, bytes, state)?;
         Ok(RowKeys {
             command_id: stored.command_id.to_owned(),
             destination: stored.destination.to_owned(),
@@ -204,9 +280,11 @@ impl Row {
         }
     }
 
-    /// Decodes and checks a stored row (status code, timestamps in range).
-    pub(crate) fn decode(id: u64, bytes: &[u8]) -> Result<Row> {
-        let (s, appended) = Stored::decode(id, bytes)?;
+    /// Decodes and checks a stored record (status code, timestamps in
+    /// range): its row `bytes` and, if it changed since it was enqueued,
+    /// its `state`.
+    pub(crate) fn decode(id: u64, bytes: &[u8], state: Option<&[u8]>) -> Result<Row> {
+        let (s, appended) = Stored::decode(id, bytes, state)?;
         let status = s.times().status(id)?;
         Ok(Row {
             command_id: s.command_id.to_owned(),
@@ -234,6 +312,11 @@ impl Row {
             return encode(&Stored::of(self));
         }
         encode(&(Stored::of(self), Appended::of(self)))
+    }
+
+    /// The stored bytes of this row's state: what a change writes.
+    pub(crate) fn encode_state(&self) -> Vec<u8> {
+        encode(&StoredState::of(self))
     }
 }
 
@@ -296,16 +379,16 @@ mod tests {
     #[test]
     fn round_trips_and_rejects_unknown_statuses_and_times() {
         let good = row(OutboxStatus::Pending);
-        assert_eq!(Row::decode(1, &good.encode()).unwrap(), good);
+        assert_eq!(Row::decode(1, &good.encode(), None).unwrap(), good);
         let bad_status = with_code(&row(OutboxStatus::Pending), 9);
         assert!(matches!(
-            Row::decode(1, &bad_status),
+            Row::decode(1, &bad_status, None),
             Err(Error::Corrupted { .. })
         ));
         let mut bad_time = row(OutboxStatus::Pending);
         bad_time.next_attempt_at = Some(i64::MAX);
         assert!(matches!(
-            Row::decode(1, &bad_time.encode()),
+            Row::decode(1, &bad_time.encode(), None),
             Err(Error::Corrupted { .. })
         ));
     }
@@ -318,7 +401,7 @@ mod tests {
         full.attempt = Some(("w".into(), full.created_at + 3));
         full.last_failure = Some("http_500".into());
         full.remote_ref = Some("r".into());
-        let keys = RowKeys::decode(4, &full.encode()).unwrap();
+        let keys = RowKeys::decode(4, &full.encode(), None).unwrap();
         assert_eq!(
             keys,
             RowKeys {
@@ -329,8 +412,10 @@ mod tests {
             }
         );
         assert_eq!(
-            RowKeys::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap().times,
-            Row::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap().times()
+            RowKeys::decode(3, &OLD_OUTCOME_UNKNOWN, None)
+                .unwrap()
+                .times,
+            Row::decode(3, &OLD_OUTCOME_UNKNOWN, None).unwrap().times()
         );
         let mut bad_time = full.clone();
         bad_time.completed_at = Some(i64::MIN);
@@ -341,11 +426,75 @@ mod tests {
             [full.encode(), vec![0]].concat(),
         ] {
             assert!(
-                matches!(RowKeys::decode(1, &bad), Err(Error::Corrupted { .. })),
+                matches!(RowKeys::decode(1, &bad, None), Err(Error::Corrupted { .. })),
                 "{bad:?}"
             );
-            assert!(matches!(Row::decode(1, &bad), Err(Error::Corrupted { .. })));
+            assert!(matches!(
+                Row::decode(1, &bad, None),
+                Err(Error::Corrupted { .. })
+            ));
         }
+    }
+
+    #[test]
+    fn a_state_row_stands_in_for_the_state_the_row_was_written_with() {
+        let enqueued = {
+            let mut r = row(OutboxStatus::Pending);
+            r.payload = vec![7; 5000];
+            r.ordering_key = Some("o".into());
+            r.priority = 3;
+            r.seq = Some(4);
+            r
+        };
+        let mut settled = enqueued.clone();
+        settled.status = OutboxStatus::Completed;
+        settled.attempt_count = 2;
+        settled.completed_at = Some(enqueued.created_at + 9);
+        settled.last_failure = Some("http_500".into());
+        settled.remote_ref = Some("r".into());
+        settled.seq = None;
+        let state = settled.encode_state();
+        assert!(
+            state.len() < 40,
+            "a state row is small: {} bytes",
+            state.len()
+        );
+        let bytes = enqueued.encode();
+        assert_eq!(Row::decode(5, &bytes, Some(&state)).unwrap(), settled);
+        assert_eq!(
+            RowKeys::decode(5, &bytes, Some(&state)).unwrap().times,
+            settled.times()
+        );
+        assert_eq!(Row::decode(5, &bytes, None).unwrap(), enqueued);
+        // A bad state row is refused as a bad row is, naming its table.
+        let mut bad_time = settled.clone();
+        bad_time.completed_at = Some(i64::MIN);
+        let mut bad_code = settled.encode_state();
+        bad_code[1] = 9;
+        for bad in [
+            bad_time.encode_state(),
+            bad_code,
+            state[..state.len() - 1].to_vec(),
+            [state.clone(), vec![0]].concat(),
+            vec![],
+        ] {
+            assert!(
+                matches!(
+                    Row::decode(5, &bytes, Some(&bad)),
+                    Err(Error::Corrupted { .. })
+                ),
+                "{bad:?}"
+            );
+            assert!(matches!(
+                RowKeys::decode(5, &bytes, Some(&bad)),
+                Err(Error::Corrupted { .. })
+            ));
+        }
+        let err = Row::decode(5, &bytes, Some(&[1, 0xff])).unwrap_err();
+        assert!(
+            matches!(&err, Error::Corrupted { table, .. } if *table == OUTBOX_STATE.name()),
+            "{err:?}"
+        );
     }
 
     /// An `OutcomeUnknown` record as earlier builds wrote it, when the
@@ -368,7 +517,7 @@ mod tests {
 
     #[test]
     fn records_written_before_read_the_same_and_hold_no_claim_when_in_doubt() {
-        let old = Row::decode(3, &OLD_OUTCOME_UNKNOWN).unwrap();
+        let old = Row::decode(3, &OLD_OUTCOME_UNKNOWN, None).unwrap();
         assert_eq!(old.attempt, Some(("w".to_owned(), 7)));
         assert_eq!(old.status, OutboxStatus::OutcomeUnknown);
         // The wire form has not changed: this build writes the same bytes.

@@ -16,7 +16,9 @@ const DUE: idemstore::redb::TableDefinition<(i64, u64), ()> =
 
 /// Writes a file as a build of format 1 left it: entries of this build
 /// (a: three pending, two in flight, one completed; b: one of each status),
-/// then without the destinations' tables, its format version 1.
+/// then without the destinations' tables, its format version 1. (Format 1
+/// kept each record whole in one row; this build's records read the same,
+/// their state rows included.)
 fn old_file(path: &Path) -> Result<()> {
     use idemstore::redb::{Database, TableDefinition, TableHandle as _};
     let t = common::t;

@@ -1,5 +1,5 @@
-//! The codec target: stored records (outbox rows and their attempt
-//! history, idempotency rows, inbox keys) replaced by arbitrary bytes, or by
+//! The codec target: stored records (outbox rows, their state rows and
+//! their attempt history, idempotency rows, inbox keys) replaced by arbitrary bytes, or by
 //! valid records with bytes flipped, cut or inserted, then every reader and
 //! writer called. No call may panic; an error is `Corrupted`, or for calls
 //! where it is an expected answer `NotFound` or `Conflict`.
@@ -16,6 +16,8 @@ use super::t;
 
 /// The record tables, with the key and value types of `src/schema.rs`.
 const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox");
+/// The state rows the changes since an entry's enqueue wrote.
+const STATE: TableDefinition<u64, &[u8]> = TableDefinition::new("idemstore.v1.outbox.state");
 const ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
     TableDefinition::new("idemstore.v1.outbox.attempts");
 const IDEM: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("idemstore.v1.idempotency");
@@ -49,9 +51,20 @@ struct AttemptPatch {
 /// One stored value to replace.
 #[derive(Debug, Arbitrary)]
 enum Patch {
-    Outbox { id: u8, bytes: Bytes },
-    Idem { row: u8, bytes: Bytes },
-    Inbox { row: u8, seen_at: i64 },
+    /// Outbox id `1 + id % 7`: its row, or with `id`'s top bit set its
+    /// state row.
+    Outbox {
+        id: u8,
+        bytes: Bytes,
+    },
+    Idem {
+        row: u8,
+        bytes: Bytes,
+    },
+    Inbox {
+        row: u8,
+        seen_at: i64,
+    },
 }
 
 /// The new value: raw bytes, or the stored value (empty if none) changed.
@@ -206,8 +219,9 @@ fn patch(store: &Store, p: &Patch) {
         .write(|tx| {
             match p {
                 Patch::Outbox { id, bytes } => {
+                    let def = if *id >= 0x80 { STATE } else { OUTBOX };
                     let id = 1 + u64::from(*id) % OUTBOX_IDS;
-                    let mut table = tx.open_table(OUTBOX)?;
+                    let mut table = tx.open_table(def)?;
                     let old = table
                         .get(id)?
                         .map(|v| v.value().to_vec())
