@@ -100,17 +100,19 @@ pub(crate) const OUTBOX_FINISHED: TableDefinition<(i64, u64), ()> =
 /// read unchanged.
 pub(crate) const OUTBOX_ATTEMPTS: TableDefinition<(u64, u64), &[u8]> =
     TableDefinition::new("idemstore.v1.outbox.attempts");
-/// `status code → number of entries`.
+/// `status code → number of entries`: format 1's counts, which the flows'
+/// small rows ([`OUTBOX_FLOWS`]) replaced; deleted when such a file is
+/// upgraded.
 pub(crate) const OUTBOX_COUNT: TableDefinition<u8, u64> =
     TableDefinition::new("idemstore.v1.outbox.count");
-/// `destination → flow record` (postcard): a destination's policy and
-/// state (see `src/outbox/flow.rs`).
-pub(crate) const OUTBOX_DESTINATIONS: TableDefinition<&str, &[u8]> =
-    TableDefinition::new("idemstore.v1.outbox.destinations");
-/// `(ready_at µs, destination) → ()`: each destination that has an entry
-/// to give and may give it from `ready_at` on.
-pub(crate) const OUTBOX_READY: TableDefinition<(i64, &str), ()> =
-    TableDefinition::new("idemstore.v1.outbox.ready");
+/// The destinations' small rows (see `src/outbox/flow.rs`), by kind:
+/// `(1, 0, destination) → flow record` (postcard: a destination's policy
+/// and state), `(2, ready_at µs, destination) → []` (the ready line: each
+/// destination that has an entry to give and may give it from `ready_at`
+/// on), and `(0, 0, "") → counts` (postcard: the outbox's entries by
+/// status code).
+pub(crate) const OUTBOX_FLOWS: TableDefinition<(u8, i64, &str), &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.flows");
 /// `(destination, rank, due µs, id) → ()`: the claimable `Pending` entries
 /// of each destination (`rank` = `MAX_PRIORITY - priority`).
 pub(crate) const OUTBOX_QUEUE: TableDefinition<(&str, u8, i64, u64), ()> =
@@ -200,6 +202,6 @@ mod tests {
         let tx = redb::ReadableDatabase::begin_read(&db).unwrap();
         let err = open_read(&tx, OUTBOX).err().unwrap();
         assert!(matches!(err, Error::IncompatibleFormat { .. }), "{err:?}");
-        assert!(open_read(&tx, OUTBOX_READY).unwrap().is_none());
+        assert!(open_read(&tx, OUTBOX_FLOWS).unwrap().is_none());
     }
 }

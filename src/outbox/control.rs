@@ -11,7 +11,7 @@ use super::destinations::{DestinationPolicy, DestinationState, check_destination
 use super::flow::{self, DestRec, Flows};
 use crate::codec::from_micros;
 use crate::error::Result;
-use crate::schema::OUTBOX_DESTINATIONS;
+use crate::schema::OUTBOX_FLOWS;
 
 impl Outbox {
     /// Sets `destination`'s policy (replacing the one before; the default
@@ -103,6 +103,6 @@ impl Outbox {
 /// The public view of `destination`'s flow record.
 fn state_of(destination: &str, rec: &DestRec) -> Result<DestinationState> {
     rec.flow.to_state(destination, rec.counts(), |us| {
-        from_micros(OUTBOX_DESTINATIONS.name(), &destination, us)
+        from_micros(OUTBOX_FLOWS.name(), &destination, us)
     })
 }

@@ -1,20 +1,26 @@
 //! The destinations' tables in the embedded store, and the invariants
 //! between them and the records (kept by [`Flows`], checked by [`check`]):
 //!
-//! | table                  | row                                   | present when |
-//! |------------------------|---------------------------------------|--------------|
-//! | [`OUTBOX_SEQUENCES`]   | `(destination, ordering key, seq) → id` | the record has an ordering key and is not `Completed` or `Failed` |
-//! | [`OUTBOX_QUEUE`]       | `(destination, rank, due, id)`        | the record is `Pending` and either has no ordering key or is the first of its sequence |
-//! | [`OUTBOX_DESTINATIONS`]| `destination → flow record`           | the destination has a record, a policy or a pause |
-//! | [`OUTBOX_READY`]       | `(ready_at, destination)`             | the destination has a queued record and [`Flow::open_from`] is some time |
+//! | table                | row                                     | present when |
+//! |----------------------|-----------------------------------------|--------------|
+//! | [`OUTBOX_SEQUENCES`] | `(destination, ordering key, seq) → id` | the record has an ordering key and is not `Completed` or `Failed` |
+//! | [`OUTBOX_QUEUE`]     | `(destination, rank, due, id)`          | the record is `Pending` and either has no ordering key or is the first of its sequence |
+//! | [`OUTBOX_FLOWS`]     | `(RECORD, 0, destination) → flow record` | the destination has a record, a policy or a pause |
+//! | [`OUTBOX_FLOWS`]     | `(READY, ready_at, destination)`        | the destination has a queued record and [`Flow::open_from`] is some time |
+//! | [`OUTBOX_FLOWS`]     | `(COUNTS, 0, "") → counts by status`    | the outbox has a record |
+//!
+//! The small rows (flow records, the ready line, the outbox's counts) share
+//! one table, told apart by their first key field: every write of a
+//! record changes some of each, and each table a transaction writes costs
+//! its commit a page or two more.
 //!
 //! `rank` is [`MAX_PRIORITY`] minus the record's priority, so a
 //! destination's queue reads highest priority first, then earliest due,
 //! then id. A flow record counts its destination's records by status (the
 //! `Dispatching` count is its in-flight count, which a cap limits) and its
-//! queued records by rank, and remembers its own row in [`OUTBOX_READY`],
+//! queued records by rank, and remembers its own row in the ready line,
 //! keyed by the latest of: when its flow opens, its earliest queued due
-//! time, and when it was last served. Claims walk [`OUTBOX_READY`] from
+//! time, and when it was last served. Claims walk the ready line from
 //! the front, so the destination served longest ago goes first: fair
 //! sharing, at O(log n) per destination visited, whatever the backlog.
 
@@ -30,12 +36,49 @@ use super::{OutboxCounts, OutboxStatus};
 use crate::codec::{decode, encode, from_micros};
 use crate::error::{Error, Result};
 use crate::schema::{
-    OUTBOX, OUTBOX_DESTINATIONS, OUTBOX_DUE, OUTBOX_QUEUE, OUTBOX_READY, OUTBOX_SEQUENCES,
-    OUTBOX_STATE, open_read, open_write,
+    OUTBOX, OUTBOX_COUNT, OUTBOX_DUE, OUTBOX_FLOWS, OUTBOX_QUEUE, OUTBOX_SEQUENCES, OUTBOX_STATE,
+    open_read, open_write,
 };
 
 /// Ranks: one per priority.
 const RANKS: usize = MAX_PRIORITY as usize + 1;
+
+/// The first key field of the outbox's counts by status in
+/// [`OUTBOX_FLOWS`].
+const COUNTS: u8 = 0;
+/// The first key field of a flow record in [`OUTBOX_FLOWS`].
+const RECORD: u8 = 1;
+/// The first key field of a row of the ready line in [`OUTBOX_FLOWS`].
+const READY: u8 = 2;
+/// The key of the outbox's counts.
+const COUNTS_KEY: (u8, i64, &str) = (COUNTS, 0, "");
+
+/// A row of [`OUTBOX_FLOWS`]'s key.
+type FlowKey<'a> = (u8, i64, &'a str);
+
+/// The rows of one kind of [`OUTBOX_FLOWS`].
+fn kind(kind: u8) -> std::ops::Range<FlowKey<'static>> {
+    (kind, i64::MIN, "")..(kind.saturating_add(1), i64::MIN, "")
+}
+
+/// The outbox's records by status code, as stored.
+type Totals = [u64; 5];
+
+/// The outbox's counts as stored, by status code.
+fn decode_totals(bytes: &[u8]) -> Result<Totals> {
+    decode(OUTBOX_FLOWS.name(), &"counts", bytes)
+}
+
+/// The outbox's records by status code (zeros if none was ever written).
+pub(super) fn read_totals(tx: &ReadTransaction) -> Result<Totals> {
+    let Some(t) = open_read(tx, OUTBOX_FLOWS)? else {
+        return Ok(Totals::default());
+    };
+    match t.get(COUNTS_KEY)? {
+        Some(v) => decode_totals(v.value()),
+        None => Ok(Totals::default()),
+    }
+}
 
 /// A destination's flow record: its [`Flow`] and the embedded store's
 /// bookkeeping of its rows.
@@ -48,7 +91,7 @@ pub(super) struct DestRec {
     queued: [u64; RANKS],
     /// When a claim last took one of its entries (µs).
     served_at: i64,
-    /// Its row's key in [`OUTBOX_READY`].
+    /// The time of its row in the ready line.
     ready: Option<i64>,
     /// The earliest due time among its rows in [`OUTBOX_QUEUE`], kept so
     /// that an operation that leaves the queue alone (a completion, a
@@ -104,7 +147,7 @@ impl DestRec {
     }
 
     pub(super) fn decode(destination: &str, bytes: &[u8]) -> Result<DestRec> {
-        let s: StoredDest = decode(OUTBOX_DESTINATIONS.name(), &destination, bytes)?;
+        let s: StoredDest = decode(OUTBOX_FLOWS.name(), &destination, bytes)?;
         let rec = DestRec {
             flow: Flow {
                 policy: PolicyParts {
@@ -130,7 +173,7 @@ impl DestRec {
             stale: false,
         };
         let bad = |reason: &str| Error::Corrupted {
-            table: OUTBOX_DESTINATIONS.name(),
+            table: OUTBOX_FLOWS.name(),
             key: destination.to_owned(),
             reason: reason.to_owned(),
         };
@@ -192,10 +235,10 @@ fn rank(p: u8) -> u8 {
 }
 
 /// The destinations' tables, open in one write transaction, and the flow
-/// records the operation changed (written by [`Flows::finish`]).
+/// records and counts the operation changed (written by [`Flows::finish`]).
 pub(super) struct Flows<'tx> {
-    dests: Table<'tx, &'static str, &'static [u8]>,
-    ready: Table<'tx, (i64, &'static str), ()>,
+    /// The flow records, the ready line and the outbox's counts.
+    small: Table<'tx, FlowKey<'static>, &'static [u8]>,
     pub(super) queue: Table<'tx, (&'static str, u8, i64, u64), ()>,
     /// The ordering sequences, opened on first use: entries without an
     /// ordering key never touch them.
@@ -204,17 +247,19 @@ pub(super) struct Flows<'tx> {
     /// The flow records the operation read, each written back by
     /// [`Flows::finish`].
     cache: BTreeMap<String, DestRec>,
+    /// How the operation moved the outbox's counts, by status code.
+    moved: [i64; 5],
 }
 
 impl<'tx> Flows<'tx> {
     pub(super) fn open(tx: &'tx WriteTransaction) -> Result<Flows<'tx>> {
         Ok(Flows {
-            dests: open_write(tx, OUTBOX_DESTINATIONS)?,
-            ready: open_write(tx, OUTBOX_READY)?,
+            small: open_write(tx, OUTBOX_FLOWS)?,
             queue: open_write(tx, OUTBOX_QUEUE)?,
             seqs: None,
             tx,
             cache: BTreeMap::new(),
+            moved: [0; 5],
         })
     }
 
@@ -222,7 +267,7 @@ impl<'tx> Flows<'tx> {
     /// a row starts from the default).
     pub(super) fn rec(&mut self, destination: &str) -> Result<&mut DestRec> {
         if !self.cache.contains_key(destination) {
-            let rec = match self.dests.get(destination)? {
+            let rec = match self.small.get((RECORD, 0, destination))? {
                 Some(v) => DestRec::decode(destination, v.value())?,
                 None => DestRec::default(),
             };
@@ -307,6 +352,7 @@ impl<'tx> Flows<'tx> {
             self.enqueue(q)?;
         }
         self.rec(&row.destination)?.count(row.status, 1);
+        self.count_total(row.status, 1);
         Ok(())
     }
 
@@ -358,6 +404,8 @@ impl<'tx> Flows<'tx> {
             let rec = self.rec(&new.destination)?;
             rec.count(old.status, -1);
             rec.count(new.status, 1);
+            self.count_total(old.status, -1);
+            self.count_total(new.status, 1);
         }
         Ok(())
     }
@@ -394,6 +442,7 @@ impl<'tx> Flows<'tx> {
     /// A finished record of `destination` in status `status` was deleted.
     pub(super) fn deleted(&mut self, destination: &str, status: OutboxStatus) -> Result<()> {
         self.rec(destination)?.count(status, -1);
+        self.count_total(status, -1);
         Ok(())
     }
 
@@ -423,12 +472,13 @@ impl<'tx> Flows<'tx> {
         take: impl Fn(&str) -> bool,
     ) -> Result<Vec<String>> {
         let mut out = Vec::new();
-        for row in self.ready.range(..(now.saturating_add(1), ""))? {
+        let front = (READY, i64::MIN, "")..(READY, now.saturating_add(1), "");
+        for row in self.small.range(front)? {
             if out.len() >= limit {
                 break;
             }
             let (k, _) = row?;
-            let (_, destination) = k.value();
+            let (_, _, destination) = k.value();
             if take(destination) {
                 out.push(destination.to_owned());
             }
@@ -453,9 +503,10 @@ impl<'tx> Flows<'tx> {
         Ok(earliest)
     }
 
-    /// Writes the changed flow records and their rows in
-    /// [`OUTBOX_READY`]. Returns whether a destination became claimable
-    /// sooner than before (worth a wake-up).
+    /// Writes the changed flow records, their rows in the ready line and
+    /// the outbox's counts: once per operation, not once per entry. Returns
+    /// whether a destination became claimable sooner than before (worth a
+    /// wake-up).
     pub(super) fn finish(mut self) -> Result<bool> {
         let mut sooner = false;
         let cache = std::mem::take(&mut self.cache);
@@ -472,56 +523,98 @@ impl<'tx> Flows<'tx> {
             };
             if ready != rec.ready {
                 if let Some(old) = rec.ready {
-                    self.ready.remove((old, destination.as_str()))?;
+                    self.small.remove((READY, old, destination.as_str()))?;
                 }
                 if let Some(new) = ready {
-                    self.ready.insert((new, destination.as_str()), ())?;
+                    self.small
+                        .insert((READY, new, destination.as_str()), [].as_slice())?;
                     sooner |= rec.ready.is_none_or(|old| new < old);
                 }
                 rec.ready = ready;
             }
+            let key = (RECORD, 0, destination.as_str());
             if rec.is_idle() {
-                self.dests.remove(destination.as_str())?;
+                self.small.remove(key)?;
             } else {
-                self.dests
-                    .insert(destination.as_str(), rec.encode().as_slice())?;
+                self.small.insert(key, rec.encode().as_slice())?;
             }
         }
+        let totals = self.write_totals()?;
+        if let Some(totals) = totals {
+            super::depth::report_after_commit(totals);
+        }
         Ok(sooner)
+    }
+
+    /// Moves the outbox's count of `status` by `delta`.
+    fn count_total(&mut self, status: OutboxStatus, delta: i64) {
+        if let Some(n) = self.moved.get_mut(usize::from(status.code())) {
+            *n += delta;
+        }
+    }
+
+    /// Writes the outbox's counts as the operation moved them; returns
+    /// them (read even if unmoved where metrics want them), or `None`.
+    fn write_totals(&mut self) -> Result<Option<Totals>> {
+        let unmoved = self.moved.iter().all(|&d| d == 0);
+        if unmoved && !crate::observe::METRICS {
+            return Ok(None);
+        }
+        let mut totals = match self.small.get(COUNTS_KEY)? {
+            Some(v) => decode_totals(v.value())?,
+            None => Totals::default(),
+        };
+        if unmoved {
+            return Ok(Some(totals));
+        }
+        for (n, d) in totals.iter_mut().zip(self.moved) {
+            *n = n.saturating_add_signed(d);
+        }
+        if totals.iter().all(|&n| n == 0) {
+            self.small.remove(COUNTS_KEY)?;
+        } else {
+            self.small.insert(COUNTS_KEY, encode(&totals).as_slice())?;
+        }
+        Ok(Some(totals))
     }
 }
 
 /// The destinations' flow records, by name (a read for inspection).
 pub(super) fn read_all(tx: &ReadTransaction) -> Result<Vec<(String, DestRec)>> {
-    let Some(t) = open_read(tx, OUTBOX_DESTINATIONS)? else {
+    let Some(t) = open_read(tx, OUTBOX_FLOWS)? else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
-    for row in t.iter()? {
+    for row in t.range(kind(RECORD))? {
         let (k, v) = row?;
-        out.push((k.value().to_owned(), DestRec::decode(k.value(), v.value())?));
+        let (_, _, destination) = k.value();
+        out.push((
+            destination.to_owned(),
+            DestRec::decode(destination, v.value())?,
+        ));
     }
     Ok(out)
 }
 
 /// The flow record of `destination`, if it has one.
 pub(super) fn read_one(tx: &ReadTransaction, destination: &str) -> Result<Option<DestRec>> {
-    let Some(t) = open_read(tx, OUTBOX_DESTINATIONS)? else {
+    let Some(t) = open_read(tx, OUTBOX_FLOWS)? else {
         return Ok(None);
     };
-    match t.get(destination)? {
+    match t.get((RECORD, 0, destination))? {
         Some(v) => DestRec::decode(destination, v.value()).map(Some),
         None => Ok(None),
     }
 }
 
-/// The first row of [`OUTBOX_READY`]: when the next destination may be
-/// claimed from.
+/// The front of the ready line: when the next destination may be claimed
+/// from.
 pub(super) fn first_ready(tx: &ReadTransaction) -> Result<Option<i64>> {
-    match open_read(tx, OUTBOX_READY)? {
-        Some(t) => Ok(t.first()?.map(|(k, _)| k.value().0)),
-        None => Ok(None),
-    }
+    let Some(t) = open_read(tx, OUTBOX_FLOWS)? else {
+        return Ok(None);
+    };
+    let first = t.range(kind(READY))?.next().transpose()?;
+    Ok(first.map(|(k, _)| k.value().1))
 }
 
 /// Builds the destinations' tables of a file written before they existed
@@ -541,8 +634,11 @@ pub(super) fn build(tx: &WriteTransaction) -> Result<()> {
     }
     drop((rows, states));
     flows.finish()?;
-    // The queues replace format 1's due index.
+    // The queues replace format 1's due index, and the counts it kept in a
+    // table of their own are among the flows' small rows.
     tx.delete_table(OUTBOX_DUE)
+        .map_err(crate::schema::store_table_error)?;
+    tx.delete_table(OUTBOX_COUNT)
         .map_err(crate::schema::store_table_error)?;
     Ok(())
 }
@@ -682,20 +778,35 @@ fn check_destinations(
             ));
         }
         if let Some(at) = rec.ready
-            && from_micros(OUTBOX_READY.name(), d, at).is_err()
+            && from_micros(OUTBOX_FLOWS.name(), d, at).is_err()
         {
             findings.push(format!("destination {d:?}: ready time {at} out of range"));
         }
     }
     let mut found = BTreeSet::new();
-    if let Some(t) = open_read(tx, OUTBOX_READY)? {
+    if let Some(t) = open_read(tx, OUTBOX_FLOWS)? {
         for row in t.iter()? {
-            let (k, _) = row?;
-            let (at, d) = k.value();
-            found.insert((at, d.to_owned()));
+            let (k, v) = row?;
+            let (what, at, d) = k.value();
+            let odd = match what {
+                READY => {
+                    found.insert((at, d.to_owned()));
+                    !v.value().is_empty()
+                }
+                RECORD => at != 0,
+                COUNTS => (at, d) != (COUNTS_KEY.1, COUNTS_KEY.2),
+                _ => true,
+            };
+            if odd {
+                findings.push(format!(
+                    "{}: row {:?} is of no known kind",
+                    OUTBOX_FLOWS.name(),
+                    (what, at, d)
+                ));
+            }
         }
     }
-    compare(findings, OUTBOX_READY.name(), &ready, &found);
+    compare(findings, "the ready line", &ready, &found);
     Ok(())
 }
 

@@ -10,7 +10,6 @@
 //! | [`OUTBOX_BY_COMMAND`] | `(command_id, created_at, id)`       | always                       |
 //! | [`OUTBOX_CLAIMED`]    | `(claimed_at, id)`                   | `s = Dispatching`            |
 //! | [`OUTBOX_FINISHED`]   | `(completed_at, id)`                 | `s ∈ {Completed, Failed}`    |
-//! | [`OUTBOX_COUNT`]      | `status code → n`                    | one count per status, no zeros |
 //! | [`OUTBOX_ATTEMPTS`]   | `(id, seq) → attempt record`         | 0 to [`MAX_ATTEMPT_HISTORY`] rows, oldest first |
 //!
 //! The attempt history is not an index: its rows are written beside the
@@ -35,7 +34,9 @@
 //!
 //! Within the record: the latest `attempt` `(worker, claimed_at)` is present
 //! iff `s ∈ {Dispatching, OutcomeUnknown}` (the claim, then the attempt in
-//! doubt), `completed_at` iff `s ∈ {Completed, Failed}`. The next id in
+//! doubt), `completed_at` iff `s ∈ {Completed, Failed}`. The outbox's
+//! counts by status (kept with the destinations' rows, `flow.rs`) count
+//! every record. The next id in
 //! [`META`] is larger than every id in use. [`Tables`] keeps all of this true
 //! on every write; [`check`] verifies it.
 
@@ -53,7 +54,7 @@ use crate::error::{Error, Result};
 pub(super) use crate::schema::open_read;
 use crate::schema::{
     META, META_OUTBOX_NEXT_ID, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED,
-    OUTBOX_COUNT, OUTBOX_DEDUP, OUTBOX_FINISHED, OUTBOX_STATE, open_write,
+    OUTBOX_DEDUP, OUTBOX_FINISHED, OUTBOX_FLOWS, OUTBOX_STATE, open_write,
 };
 
 /// The status-dependent index keys of a record: the time of its
@@ -167,7 +168,6 @@ pub(super) struct Tables<'tx> {
     dedup: Option<Table<'tx, (&'static str, &'static str), u64>>,
     by_command: Option<Table<'tx, (&'static str, i64, u64), ()>>,
     pub(super) finished: TimeIndex<'tx>,
-    count: Table<'tx, u8, u64>,
     /// The attempt history, opened on first use: most operations (claims,
     /// completions) never touch it.
     attempts: Option<Table<'tx, (u64, u64), &'static [u8]>>,
@@ -175,8 +175,6 @@ pub(super) struct Tables<'tx> {
     /// record keeps up to date.
     pub(super) flows: Flows<'tx>,
     tx: &'tx WriteTransaction,
-    /// Count changes per status, written by [`Tables::finish`].
-    deltas: BTreeMap<u8, i64>,
 }
 
 impl<'tx> Tables<'tx> {
@@ -188,11 +186,9 @@ impl<'tx> Tables<'tx> {
             dedup: None,
             by_command: None,
             finished: open_write(tx, OUTBOX_FINISHED)?,
-            count: open_write(tx, OUTBOX_COUNT)?,
             attempts: None,
             flows: Flows::open(tx)?,
             tx,
-            deltas: BTreeMap::new(),
         })
     }
 
@@ -292,7 +288,6 @@ impl<'tx> Tables<'tx> {
         self.by_command()?
             .insert((s.command_id.as_str(), s.created_at, id), ())?;
         self.put_status_keys(id, keys)?;
-        self.count_move(None, Some(s.status.code()));
         self.flows.inserted(id, s)?;
         Ok(())
     }
@@ -335,7 +330,6 @@ impl<'tx> Tables<'tx> {
             self.remove_status_keys(id, old_keys)?;
             self.put_status_keys(id, new_keys)?;
         }
-        self.count_move(Some(old.status.code()), Some(new.status.code()));
         let records = (&self.rows, Some(&self.states));
         self.flows.replaced(id, old, new, records)?;
         Ok(())
@@ -352,7 +346,6 @@ impl<'tx> Tables<'tx> {
         self.by_command()?
             .remove((old.command_id.as_str(), old.times.created_at, id))?;
         self.remove_status_keys(id, keys)?;
-        self.count_move(Some(old.times.status), None);
         self.flows
             .deleted(&old.destination, old.times.status(id)?)?;
         let attempts = self.attempts()?;
@@ -388,39 +381,12 @@ impl<'tx> Tables<'tx> {
         Ok(())
     }
 
-    /// Notes that a record left the status with code `from` (`None`: it is
-    /// new) for the one with code `to` (`None`: it is deleted); the one
-    /// place where counts change. [`Tables::finish`] writes them.
-    fn count_move(&mut self, from: Option<u8>, to: Option<u8>) {
-        if from == to {
-            return;
-        }
-        let moves = from.map(|code| (code, -1)).into_iter();
-        for (code, delta) in moves.chain(to.map(|code| (code, 1))) {
-            *self.deltas.entry(code).or_default() += delta;
-        }
-    }
-
-    /// Writes the status counters and the flow records changed since
-    /// `open`: once per operation, not once per entry. Every operation that
-    /// writes ends with it. Returns whether a destination became claimable
-    /// sooner (worth a wake-up).
-    pub(super) fn finish(mut self) -> Result<bool> {
-        let sooner = self.flows.finish()?;
-        for (code, delta) in self.deltas {
-            if delta == 0 {
-                continue;
-            }
-            let current = self.count.get(code)?.map_or(0, |v| v.value());
-            let next = current.saturating_add_signed(delta);
-            if next == 0 {
-                self.count.remove(code)?;
-            } else {
-                self.count.insert(code, next)?;
-            }
-        }
-        super::depth::report_after_commit(&self.count);
-        Ok(sooner)
+    /// Writes the flow records and counts changed since `open`: once per
+    /// operation, not once per entry. Every operation that writes ends with
+    /// it. Returns whether a destination became claimable sooner (worth a
+    /// wake-up).
+    pub(super) fn finish(self) -> Result<bool> {
+        self.flows.finish()
     }
 }
 
@@ -436,26 +402,6 @@ pub(super) fn index_mismatch(index: &'static str, id: u64) -> Error {
         key: id.to_string(),
         reason: "indexed record is not in the indexed status".into(),
     }
-}
-
-/// The status counters as stored: `status code → n`.
-pub(super) fn read_counts(tx: &ReadTransaction) -> Result<BTreeMap<u8, u64>> {
-    match open_read(tx, OUTBOX_COUNT)? {
-        Some(t) => counts_in(&t),
-        None => Ok(BTreeMap::new()),
-    }
-}
-
-/// The status counts a count table holds, by status code: the one reader
-/// of that table, in a read transaction or in the write that just moved
-/// them.
-pub(super) fn counts_in(table: &impl ReadableTable<u8, u64>) -> Result<BTreeMap<u8, u64>> {
-    let mut counts = BTreeMap::new();
-    for row in table.iter()? {
-        let (k, v) = row?;
-        counts.insert(k.value(), v.value());
-    }
-    Ok(counts)
 }
 
 /// Every key of a `(i64, u64) → ()` index.
@@ -496,7 +442,7 @@ struct Expected {
     finished: BTreeSet<(i64, u64)>,
     by_command: BTreeSet<(String, i64, u64)>,
     dedup: BTreeSet<(String, String, u64)>,
-    counts: BTreeMap<u8, u64>,
+    counts: [u64; 5],
     max_id: u64,
     /// Every record's id.
     ids: BTreeSet<u64>,
@@ -550,7 +496,9 @@ fn expected_rows(tx: &ReadTransaction, findings: &mut Vec<String>) -> Result<Exp
             .insert((rec.command_id.clone(), rec.created_at, id));
         ex.dedup
             .insert((rec.destination.clone(), rec.idempotency_key.clone(), id));
-        *ex.counts.entry(rec.status.code()).or_default() += 1;
+        if let Some(n) = ex.counts.get_mut(usize::from(rec.status.code())) {
+            *n += 1;
+        }
     }
     if let Some(states) = &state_rows {
         orphan_states(states, &ex.ids, findings)?;
@@ -612,11 +560,11 @@ pub(super) fn check(tx: &ReadTransaction) -> Result<Vec<String>> {
         }
     }
     compare(&mut findings, OUTBOX_DEDUP.name(), &dedup, &found);
-    let stored_counts = read_counts(tx)?;
+    let stored_counts = flow::read_totals(tx)?;
     if stored_counts != counts {
         findings.push(format!(
-            "{}: counters {stored_counts:?} but records say {counts:?}",
-            OUTBOX_COUNT.name()
+            "{}: counts {stored_counts:?} but records say {counts:?}",
+            OUTBOX_FLOWS.name()
         ));
     }
     let next = match open_read(tx, META)? {

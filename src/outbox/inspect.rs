@@ -8,14 +8,12 @@ use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, Table
 
 use super::index::{self, dangling, decode_row, load_attempts, load_row, open_read};
 use super::rules::Row;
-use super::{
-    Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field, flow,
-};
+use super::{Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, check_field, flow};
 use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::{
-    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_COUNT, OUTBOX_DEDUP,
-    OUTBOX_READY, OUTBOX_STATE,
+    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_DEDUP, OUTBOX_FLOWS,
+    OUTBOX_STATE,
 };
 
 /// The outbox's records and attempt history, open in one read transaction.
@@ -118,19 +116,9 @@ impl Outbox {
     /// How many entries are in each status (from counters, no scan).
     pub fn counts(&self) -> Result<OutboxCounts> {
         self.engine.read(|tx| {
-            let counts = index::read_counts(tx)?;
-            if let Some(code) = counts
-                .keys()
-                .find(|c| OutboxStatus::from_code(**c).is_none())
-            {
-                return Err(Error::Corrupted {
-                    table: OUTBOX_COUNT.name(),
-                    key: code.to_string(),
-                    reason: "unknown status code".into(),
-                });
-            }
+            let totals = flow::read_totals(tx)?;
             Ok(OutboxCounts::from_fn(|s| {
-                counts.get(&s.code()).copied().unwrap_or(0)
+                totals.get(usize::from(s.code())).copied().unwrap_or(0)
             }))
         })
     }
@@ -145,7 +133,7 @@ impl Outbox {
     /// [`subscribe`](Outbox::subscribe) signal.
     pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
         self.engine.read(|tx| match flow::first_ready(tx)? {
-            Some(at) => from_micros(OUTBOX_READY.name(), &"first", at).map(Some),
+            Some(at) => from_micros(OUTBOX_FLOWS.name(), &"the ready line", at).map(Some),
             None => Ok(None),
         })
     }

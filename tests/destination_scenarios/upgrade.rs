@@ -13,6 +13,9 @@ use super::{assert_indexes, entry, shared};
 /// Format 1's due index, which the upgrade drops.
 const DUE: idemstore::redb::TableDefinition<(i64, u64), ()> =
     idemstore::redb::TableDefinition::new("idemstore.v1.outbox.due");
+/// Format 1's counts by status code, which the upgrade moves.
+const COUNT: idemstore::redb::TableDefinition<u8, u64> =
+    idemstore::redb::TableDefinition::new("idemstore.v1.outbox.count");
 
 /// Writes a file as a build of format 1 left it: entries of this build
 /// (a: three pending, two in flight, one completed; b: one of each status),
@@ -22,7 +25,7 @@ const DUE: idemstore::redb::TableDefinition<(i64, u64), ()> =
 fn old_file(path: &Path) -> Result<()> {
     use idemstore::redb::{Database, TableDefinition, TableHandle as _};
     let t = common::t;
-    let pending = {
+    let (pending, counts) = {
         let store = Store::open(path)?;
         let outbox = store.outbox();
         outbox.enqueue_many((0..6).map(|i| entry("a", &format!("a{i}"))), t(0))?;
@@ -37,22 +40,30 @@ fn old_file(path: &Path) -> Result<()> {
         let more = outbox.claim(t(4), &idemstore::ClaimRequest::new(1, "w").avoid(["a"]))?;
         assert_eq!(more[0].destination, "b");
         outbox.mark_outcome_unknown(more[0].id, None)?;
-        outbox
+        let pending = outbox
             .list(
                 &idemstore::OutboxFilter::any().status(idemstore::OutboxStatus::Pending),
                 100,
             )?
             .iter()
             .map(|r| (r.entry.due_at().timestamp_micros(), r.entry.id.0))
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>();
+        let c = outbox.counts()?;
+        let counts = [
+            c.pending,
+            c.dispatching,
+            c.completed,
+            c.failed,
+            c.outcome_unknown,
+        ];
+        (pending, counts)
     };
     {
         // As a file of format 1 was: no destination tables.
         let db = Database::create(path).map_err(idemstore::redb::Error::from)?;
         let tx = db.begin_write().map_err(idemstore::redb::Error::from)?;
         let dropped = [
-            "idemstore.v1.outbox.destinations",
-            "idemstore.v1.outbox.ready",
+            "idemstore.v1.outbox.flows",
             "idemstore.v1.outbox.queue",
             "idemstore.v1.outbox.sequences",
         ];
@@ -62,7 +73,7 @@ fn old_file(path: &Path) -> Result<()> {
             .filter(|t| dropped.contains(&t.name()))
             .collect();
         // The sequences' table exists once an entry had an ordering key.
-        assert_eq!(tables.len(), 3, "the file has the new tables to drop");
+        assert_eq!(tables.len(), 2, "the file has the new tables to drop");
         for table in tables {
             assert!(tx.delete_table(table)?);
         }
@@ -72,6 +83,14 @@ fn old_file(path: &Path) -> Result<()> {
             due.insert(*row, ())?;
         }
         drop(due);
+        // Its counts: `status code → n`, no zeros.
+        let mut count = tx.open_table(COUNT)?;
+        for (code, n) in (0_u8..).zip(counts) {
+            if n > 0 {
+                count.insert(code, n)?;
+            }
+        }
+        drop(count);
         tx.open_table(TableDefinition::<&str, u64>::new("idemstore.meta"))?
             .insert("format_version", 1)?;
         tx.commit().map_err(idemstore::redb::Error::from)?;
@@ -111,6 +130,18 @@ fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
         (1, 1, 1, 1)
     );
     assert_eq!(b.in_flight, 0);
+    let c = outbox.counts()?;
+    assert_eq!(
+        [
+            c.pending,
+            c.dispatching,
+            c.completed,
+            c.failed,
+            c.outcome_unknown
+        ],
+        [4, 2, 2, 1, 1],
+        "format 1's counts carried over"
+    );
     // Every pending entry is claimable, a's and b's in turn.
     let claimed = outbox.claim_due(t(10), 10, "w")?;
     let destinations: Vec<&str> = claimed.iter().map(|e| e.destination.as_str()).collect();
@@ -122,7 +153,8 @@ fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
     assert!(outbox.claim_due(t(12), 10, "w")?.is_empty(), "a at its cap");
     assert_indexes(&store)?;
     drop((outbox, store));
-    // The queues replaced format 1's due index, which is gone.
+    // The queues replaced format 1's due index and the flows' rows its
+    // count table, which are gone.
     let db = idemstore::redb::Database::open(&path).map_err(idemstore::redb::Error::from)?;
     let tx =
         idemstore::redb::ReadableDatabase::begin_read(&db).map_err(idemstore::redb::Error::from)?;
@@ -131,10 +163,9 @@ fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
         .map_err(idemstore::redb::Error::from)?
         .map(|t| idemstore::redb::TableHandle::name(&t).to_owned())
         .collect();
-    assert!(
-        !names.iter().any(|n| n == "idemstore.v1.outbox.due"),
-        "{names:?}"
-    );
+    for gone in ["idemstore.v1.outbox.due", "idemstore.v1.outbox.count"] {
+        assert!(!names.iter().any(|n| n == gone), "{names:?}");
+    }
     Ok(())
 }
 
