@@ -219,14 +219,17 @@ impl Model {
         out
     }
 
-    fn line(&self) -> Vec<(i64, &'static str)> {
-        let mut line: Vec<(i64, &'static str)> = DESTS
+    /// The ready line: each destination with a queued entry and an open
+    /// flow, by the later of when it is claimable from and when it was
+    /// last served; with when it is claimable from.
+    fn line(&self) -> Vec<(i64, &'static str, i64)> {
+        let mut line: Vec<(i64, &'static str, i64)> = DESTS
             .iter()
             .filter_map(|&d| {
                 let earliest = self.queued(d).iter().map(|q| q.1).min()?;
-                let open = self.open_from(d)?;
+                let from = self.open_from(d)?.max(earliest);
                 let served = self.dests.get(d).map_or(0, |f| f.served);
-                Some((open.max(earliest).max(served), d))
+                Some((from.max(served), d, from))
             })
             .collect();
         line.sort_unstable();
@@ -282,8 +285,8 @@ impl Model {
         let ready: Vec<&'static str> = self
             .line()
             .into_iter()
-            .filter(|(k, d)| *k <= now && take(d))
-            .map(|(_, d)| d)
+            .filter(|(_, d, from)| *from <= now && take(d))
+            .map(|(_, d, _)| d)
             .collect();
         let mut out = Vec::new();
         if one {
@@ -436,6 +439,13 @@ fn op(rng: &mut Rng, outbox: &Outbox, m: &mut Model, now: i64) -> Result<String>
             format!("enqueue {id} to {d} key {key:?} prio {prio}")
         }
         30..=54 => {
+            // Now and then a claim whose clock is behind the last one's (two
+            // workers read it a moment apart).
+            let now = if rng.chance(20) {
+                now - i64::try_from(rng.below(100_000)).unwrap()
+            } else {
+                now
+            };
             let limit = usize::try_from(1 + rng.below(5)).unwrap();
             let one = rng.chance(30);
             let avoid: Vec<&str> = DESTS.iter().copied().filter(|_| rng.chance(20)).collect();

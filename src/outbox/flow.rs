@@ -6,8 +6,9 @@
 //! | [`OUTBOX_SEQUENCES`] | `(destination, ordering key, seq) → id` | the record has an ordering key and is not `Completed` or `Failed` |
 //! | [`OUTBOX_QUEUE`]     | `(destination, rank, due, id)`          | the record is `Pending` and either has no ordering key or is the first of its sequence |
 //! | [`OUTBOX_FLOWS`]     | `(RECORD, 0, destination) → flow record` | the destination has a record, a policy or a pause |
-//! | [`OUTBOX_FLOWS`]     | `(READY, ready_at, destination)`        | the destination has a queued record and [`Flow::open_from`] is some time |
+//! | [`OUTBOX_FLOWS`]     | `(READY, ready_at, destination) → claimable_from` | the destination has a queued record and [`Flow::open_from`] is some time |
 //! | [`OUTBOX_FLOWS`]     | `(COUNTS, 0, "") → counts by status`    | the outbox has a record |
+//! | [`OUTBOX_FLOWS`]     | `(SERVED, 0, "") → served_at`           | a claim took an entry: the latest time one did (at least every destination's own) |
 //!
 //! The small rows (flow records, the ready line, the outbox's counts) share
 //! one table, told apart by their first key field: every write of a
@@ -18,11 +19,17 @@
 //! destination's queue reads highest priority first, then earliest due,
 //! then id. A flow record counts its destination's records by status (the
 //! `Dispatching` count is its in-flight count, which a cap limits) and its
-//! queued records by rank, and remembers its own row in the ready line,
-//! keyed by the latest of: when its flow opens, its earliest queued due
-//! time, and when it was last served. Claims walk the ready line from
-//! the front, so the destination served longest ago goes first: fair
-//! sharing, at O(log n) per destination visited, whatever the backlog.
+//! queued records by rank, and remembers its own row in the ready line.
+//! The row holds when the destination is claimable from (the later of when
+//! its flow opens and its earliest queued due time) and is keyed by the
+//! later of that and when a claim last took one of its entries. Claims
+//! walk the ready line from the front, so the destination served longest
+//! ago goes first: fair sharing, at O(log n) per destination visited,
+//! whatever the backlog. A claim whose time is behind another's (two
+//! workers' clocks read a moment apart) walks on past its own time to the
+//! latest time a claim served (`SERVED`) and takes the destinations
+//! claimable at its time there too: a destination just served by the
+//! other claim is behind in the line, not out of it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -50,6 +57,11 @@ const COUNTS: u8 = 0;
 const RECORD: u8 = 1;
 /// The first key field of a row of the ready line in [`OUTBOX_FLOWS`].
 const READY: u8 = 2;
+/// The first key field of the latest time a claim served, in
+/// [`OUTBOX_FLOWS`].
+const SERVED: u8 = 3;
+/// The key of the latest time a claim served.
+const SERVED_KEY: (u8, i64, &str) = (SERVED, 0, "");
 /// The key of the outbox's counts.
 const COUNTS_KEY: (u8, i64, &str) = (COUNTS, 0, "");
 
@@ -67,6 +79,11 @@ type Totals = [u64; 5];
 /// The outbox's counts as stored, by status code.
 fn decode_totals(bytes: &[u8]) -> Result<Totals> {
     decode(OUTBOX_FLOWS.name(), &"counts", bytes)
+}
+
+/// A time as stored in a small row (`what` names the row in an error).
+fn decode_time(what: &str, bytes: &[u8]) -> Result<i64> {
+    decode(OUTBOX_FLOWS.name(), &what, bytes)
 }
 
 /// The outbox's records by status code (zeros if none was ever written).
@@ -91,8 +108,9 @@ pub(super) struct DestRec {
     queued: [u64; RANKS],
     /// When a claim last took one of its entries (µs).
     served_at: i64,
-    /// The time of its row in the ready line.
-    ready: Option<i64>,
+    /// Its row in the ready line: the row's time, and when it is
+    /// claimable from.
+    ready: Option<(i64, i64)>,
     /// The earliest due time among its rows in [`OUTBOX_QUEUE`], kept so
     /// that an operation that leaves the queue alone (a completion, a
     /// final failure) need not read it.
@@ -119,7 +137,7 @@ struct StoredDest {
     counts: [u64; 5],
     queued: [u64; RANKS],
     served_at: i64,
-    ready: Option<i64>,
+    ready: Option<(i64, i64)>,
     earliest: Option<i64>,
 }
 
@@ -249,6 +267,8 @@ pub(super) struct Flows<'tx> {
     cache: BTreeMap<String, DestRec>,
     /// How the operation moved the outbox's counts, by status code.
     moved: [i64; 5],
+    /// The latest time the operation's claims took an entry at.
+    served: Option<i64>,
 }
 
 impl<'tx> Flows<'tx> {
@@ -260,6 +280,7 @@ impl<'tx> Flows<'tx> {
             tx,
             cache: BTreeMap::new(),
             moved: [0; 5],
+            served: None,
         })
     }
 
@@ -282,7 +303,16 @@ impl<'tx> Flows<'tx> {
     pub(super) fn served(&mut self, destination: &str, now: i64) -> Result<()> {
         let rec = self.rec(destination)?;
         rec.served_at = rec.served_at.max(now);
+        self.served = Some(self.served.map_or(now, |s| s.max(now)));
         Ok(())
+    }
+
+    /// The latest time a claim took an entry, as stored.
+    fn latest_served(&self) -> Result<Option<i64>> {
+        match self.small.get(SERVED_KEY)? {
+            Some(v) => decode_time("served", v.value()).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Whether `seq` is the first of its sequence `(destination, key)`.
@@ -472,14 +502,16 @@ impl<'tx> Flows<'tx> {
         take: impl Fn(&str) -> bool,
     ) -> Result<Vec<String>> {
         let mut out = Vec::new();
-        let front = (READY, i64::MIN, "")..(READY, now.saturating_add(1), "");
+        // Past `now` only rows a claim at a later time served.
+        let end = now.max(self.latest_served()?.unwrap_or(now));
+        let front = (READY, i64::MIN, "")..(READY, end.saturating_add(1), "");
         for row in self.small.range(front)? {
             if out.len() >= limit {
                 break;
             }
-            let (k, _) = row?;
+            let (k, v) = row?;
             let (_, _, destination) = k.value();
-            if take(destination) {
+            if decode_time(destination, v.value())? <= now && take(destination) {
                 out.push(destination.to_owned());
             }
         }
@@ -515,20 +547,20 @@ impl<'tx> Flows<'tx> {
                 rec.earliest = self.earliest_queued(&destination, &rec)?;
             }
             let ready = match rec.earliest {
-                Some(due) => rec
-                    .flow
-                    .open_from()
-                    .map(|open| open.max(due).max(rec.served_at)),
+                Some(due) => rec.flow.open_from().map(|open| {
+                    let from = open.max(due);
+                    (from.max(rec.served_at), from)
+                }),
                 None => None,
             };
             if ready != rec.ready {
-                if let Some(old) = rec.ready {
+                if let Some((old, _)) = rec.ready {
                     self.small.remove((READY, old, destination.as_str()))?;
                 }
-                if let Some(new) = ready {
-                    self.small
-                        .insert((READY, new, destination.as_str()), [].as_slice())?;
-                    sooner |= rec.ready.is_none_or(|old| new < old);
+                if let Some((at, from)) = ready {
+                    let key = (READY, at, destination.as_str());
+                    self.small.insert(key, encode(&from).as_slice())?;
+                    sooner |= rec.ready.is_none_or(|(_, old)| from < old);
                 }
                 rec.ready = ready;
             }
@@ -538,6 +570,11 @@ impl<'tx> Flows<'tx> {
             } else {
                 self.small.insert(key, rec.encode().as_slice())?;
             }
+        }
+        if let Some(served) = self.served
+            && self.latest_served()?.is_none_or(|s| s < served)
+        {
+            self.small.insert(SERVED_KEY, encode(&served).as_slice())?;
         }
         let totals = self.write_totals()?;
         if let Some(totals) = totals {
@@ -761,10 +798,23 @@ fn check_destinations(
                 rec.queued
             ));
         }
-        if let Some(at) = rec.ready {
-            ready.insert((at, d.clone()));
+        if let Some((at, from)) = rec.ready {
+            ready.insert((at, d.clone(), from));
         }
         let has_queued = queued.iter().any(|&n| n > 0);
+        let should = match (earliest, rec.flow.open_from()) {
+            (Some(due), Some(open)) => {
+                let from = open.max(due);
+                Some((from.max(rec.served_at), from))
+            }
+            _ => None,
+        };
+        if rec.ready.is_some() && rec.ready != should {
+            findings.push(format!(
+                "destination {d:?}: its row in the ready line is {:?} but its flow calls for {should:?}",
+                rec.ready
+            ));
+        }
         if rec.ready.is_some() != (has_queued && rec.flow.open_from().is_some()) {
             findings.push(format!(
                 "destination {d:?} is {}in the ready line, with {} queued and its flow {}",
@@ -777,36 +827,65 @@ fn check_destinations(
                 }
             ));
         }
-        if let Some(at) = rec.ready
+        if let Some((at, _)) = rec.ready
             && from_micros(OUTBOX_FLOWS.name(), d, at).is_err()
         {
             findings.push(format!("destination {d:?}: ready time {at} out of range"));
         }
     }
+    let latest = recs.values().map(|r| r.served_at).max().unwrap_or(0);
+    check_small_rows(tx, &ready, latest, findings)
+}
+
+/// The rows of [`OUTBOX_FLOWS`] that are not flow records against what
+/// the flow records call for: the `ready` line, and a latest time a claim
+/// served no earlier than any destination's (`latest`). Notes rows of no
+/// known kind.
+fn check_small_rows(
+    tx: &ReadTransaction,
+    ready: &BTreeSet<(i64, String, i64)>,
+    latest: i64,
+    findings: &mut Vec<String>,
+) -> Result<()> {
     let mut found = BTreeSet::new();
+    let mut served = None;
     if let Some(t) = open_read(tx, OUTBOX_FLOWS)? {
         for row in t.iter()? {
             let (k, v) = row?;
-            let (what, at, d) = k.value();
+            let key = k.value();
+            let (what, at, d) = key;
             let odd = match what {
-                READY => {
-                    found.insert((at, d.to_owned()));
-                    !v.value().is_empty()
-                }
+                READY => match decode_time(d, v.value()) {
+                    Ok(from) => !found.insert((at, d.to_owned(), from)),
+                    Err(e) => {
+                        findings.push(format!("the ready line's row of {d:?}: {e}"));
+                        false
+                    }
+                },
                 RECORD => at != 0,
-                COUNTS => (at, d) != (COUNTS_KEY.1, COUNTS_KEY.2),
+                COUNTS => key != COUNTS_KEY,
+                SERVED if key == SERVED_KEY => {
+                    served = Some(decode_time("served", v.value()));
+                    false
+                }
                 _ => true,
             };
             if odd {
                 findings.push(format!(
-                    "{}: row {:?} is of no known kind",
-                    OUTBOX_FLOWS.name(),
-                    (what, at, d)
+                    "{}: row {key:?} is of no known kind",
+                    OUTBOX_FLOWS.name()
                 ));
             }
         }
     }
-    compare(findings, "the ready line", &ready, &found);
+    compare(findings, "the ready line", ready, &found);
+    match served.transpose() {
+        Ok(served) if latest > served.unwrap_or(0) => findings.push(format!(
+            "the latest time a claim served, {served:?}, is before a destination's {latest}"
+        )),
+        Ok(_) => {}
+        Err(e) => findings.push(format!("the latest time a claim served: {e}")),
+    }
     Ok(())
 }
 
