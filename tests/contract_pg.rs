@@ -955,6 +955,8 @@ mod destinations_pg {
              ALTER TABLE {s}.outbox DROP COLUMN ordering_key, DROP COLUMN priority, \
                  DROP COLUMN seq, DROP COLUMN waiting; \
              DROP TABLE {s}.destinations; \
+             CREATE INDEX outbox_due ON {s}.outbox ((coalesce(next_attempt_at, created_at)), id) \
+                 WHERE status = 'pending'; \
              UPDATE {s}.schema_version SET version = 1;",
             s = f.schema
         ))?;

@@ -16,7 +16,7 @@
 //! |-----------------------|-----------------------------------------------------------------|---------|
 //! | `S.schema_version`    | the one row: the version of the last migration applied         | — |
 //! | `S.inbox`             | `(inbox, event_key) → seen_at`                                   | `(inbox, seen_at, event_key)` (prune, list) |
-//! | `S.outbox`            | `id → entry, status, attempt, settlement details`, and the entry's `ordering_key`, `priority`, `seq` (its place in its ordering sequence while unfinished) and `waiting` (behind an unfinished entry of its sequence) | unique `(destination, idempotency_key)`; due `(coalesce(next_attempt_at, created_at), id) WHERE status = 'pending'`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)`; claimable ones by destination: queue `(destination, priority, due, id)` and line `(destination, due, id) WHERE status = 'pending' AND NOT waiting`; sequences `(destination, ordering_key, seq) WHERE seq IS NOT NULL`; in flight `(destination) WHERE status = 'dispatching'` |
+//! | `S.outbox`            | `id → entry, status, attempt, settlement details`, and the entry's `ordering_key`, `priority`, `seq` (its place in its ordering sequence while unfinished) and `waiting` (behind an unfinished entry of its sequence) | unique `(destination, idempotency_key)`; claims `(claimed_at, id) WHERE status = 'dispatching'`; finished `(completed_at, id) WHERE status IN ('completed', 'failed')`; `(command_id, created_at, id)`; claimable ones by destination and priority: queue `(destination, priority, due, id) WHERE status = 'pending' AND NOT waiting`; sequences `(destination, ordering_key, seq) WHERE seq IS NOT NULL`; in flight `(destination) WHERE status = 'dispatching'` |
 //! | `S.destinations`      | `destination →` policy, pause, token bucket, circuit, hold, `served_at` | — |
 //! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
 //! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
@@ -137,7 +137,8 @@ CREATE SEQUENCE {s}.idempotency_fence AS bigint MINVALUE 1;
 
 /// Destinations: the entries' ordering keys, priorities and places in
 /// their sequences, and the destinations' policies and flow state. Rows
-/// of an older schema get no ordering key and priority 0.
+/// of an older schema get no ordering key and priority 0. The queue index
+/// replaces the first schema's due index, which claims no longer read.
 const V2: &str = r"
 ALTER TABLE {s}.outbox
     ADD COLUMN ordering_key bytea,
@@ -151,9 +152,7 @@ ALTER TABLE {s}.outbox
 CREATE INDEX outbox_queue ON {s}.outbox
     (destination, priority, (coalesce(next_attempt_at, created_at)), id)
     WHERE status = 'pending' AND NOT waiting;
-CREATE INDEX outbox_line ON {s}.outbox
-    (destination, (coalesce(next_attempt_at, created_at)), id)
-    WHERE status = 'pending' AND NOT waiting;
+DROP INDEX {s}.outbox_due;
 CREATE INDEX outbox_sequences ON {s}.outbox (destination, ordering_key, seq)
     WHERE seq IS NOT NULL;
 CREATE INDEX outbox_in_flight ON {s}.outbox (destination) WHERE status = 'dispatching';

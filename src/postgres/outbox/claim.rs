@@ -2,14 +2,15 @@
 //! by the same `Flow` methods, on the server's rows.
 //!
 //! 1. **The line.** Every destination with a claimable entry (`pending`
-//!    and not waiting behind an earlier entry of its ordering sequence)
-//!    and its earliest due time, one index descent each (a skip scan of
-//!    the partial `outbox_line` index), joined with its flow row and, for a
-//!    capped one, its in-flight count. Its place is `max(open_from,
-//!    earliest due, served_at)`; it is in line if `open_from` is some time.
-//!    Destinations at or before `now` are taken front first, ties by name.
-//!    Costs one step per destination with claimable entries, whatever the
-//!    backlog.
+//!    and not waiting behind an earlier entry of its ordering sequence),
+//!    the priorities its claimable entries have and its earliest due time,
+//!    one index descent per destination and priority (a skip scan of the
+//!    partial `outbox_queue` index), joined with its flow row and, for a
+//!    capped one, its in-flight count. It is claimable from `max(open_from,
+//!    earliest due)` if `open_from` is some time, and its place in line is
+//!    the later of that and `served_at`. Destinations claimable at `now`
+//!    are taken front first, ties by name. Costs one step per destination
+//!    and priority with claimable entries, whatever the backlog.
 //! 2. **The locks.** The flow rows of the destinations visited (at most
 //!    `limit`, or one at a time for a one-destination claim) are created
 //!    if missing and locked `FOR UPDATE SKIP LOCKED` in name order: a
@@ -19,8 +20,8 @@
 //!    caps, tokens and probes hold exactly across processes.
 //! 3. **The entries.** Each destination gives what its flow allows at
 //!    `now` (`Flow::allowance`, taken one by one as the embedded store
-//!    does), highest priority first, then earliest due, then id (ten
-//!    descents of the partial `outbox_queue` index, one per priority); the
+//!    does), highest priority first, then earliest due, then id (one
+//!    descent of the partial `outbox_queue` index per priority it has); the
 //!    claim takes one from each per round, round after round, up to
 //!    `limit`, in one `UPDATE`, and writes each flow back
 //!    (`Flow::claimed`, `served_at`).
@@ -35,20 +36,72 @@ use super::{COLS, PgOutbox, TABLE, read_entry};
 use crate::codec::{from_micros, micros};
 use crate::error::Result;
 use crate::outbox::destinations::ONE_DESTINATION_LOOKS;
-use crate::outbox::destinations::{Allowance, Flow, MAX_PRIORITY};
+use crate::outbox::destinations::{Allowance, Flow, PolicyParts};
 use crate::outbox::{ClaimRequest, OutboxEntry};
 use crate::postgres::conn::{Db, Mode};
 use crate::postgres::errors::{unsigned, utf8};
 use crate::postgres::refuse_reentrant;
 
+/// The entries a claim takes from `available` (each destination's, in its
+/// order), in rounds: one from each destination of `wants` per round, in
+/// line order, each at most its capacity, up to `limit` in all.
+fn rounds(
+    wants: &[(&str, usize, &[i16])],
+    available: &HashMap<&str, Vec<u64>>,
+    limit: usize,
+) -> Vec<(String, u64)> {
+    let mut chosen: Vec<(String, u64)> = Vec::new();
+    let mut active: Vec<&str> = wants.iter().map(|(d, ..)| *d).collect();
+    let mut given: HashMap<&str, usize> = HashMap::new();
+    while chosen.len() < limit && !active.is_empty() {
+        let mut still = Vec::with_capacity(active.len());
+        for d in active {
+            if chosen.len() >= limit {
+                break;
+            }
+            let n = given.entry(d).or_insert(0);
+            let cap = wants
+                .iter()
+                .find(|(w, ..)| *w == d)
+                .map_or(0, |(_, c, _)| *c);
+            let Some(ids) = available.get(d) else {
+                continue;
+            };
+            if *n < cap
+                && let Some(id) = ids.get(*n)
+            {
+                chosen.push((d.to_owned(), *id));
+                *n += 1;
+                still.push(d);
+            }
+        }
+        active = still;
+    }
+    chosen
+}
+
+/// The column of a free claim's round (`k`) after [`COLS`], the line
+/// position after it.
+const FREE_K: usize = 17;
+
 /// A destination with a claimable entry.
 #[derive(Clone, Debug)]
 struct Candidate {
     destination: String,
-    /// Its place in line; `None` while its flow is blocked.
+    /// Its place in line: the later of `from` and when a claim last took
+    /// one of its entries; `None` while its flow is blocked.
     place: Option<i64>,
+    /// When it is claimable from: the later of when its flow opens and its
+    /// earliest claimable entry's due time.
+    from: Option<i64>,
+    /// The priorities of its claimable entries, highest first.
+    priorities: Vec<i16>,
     /// Whether it has a flow row.
     has_row: bool,
+    /// Whether its flow, as read, holds nothing a claim must keep exact
+    /// (no policy, pause, hold, probe or circuit state): see
+    /// [`PgOutbox::take_free`].
+    free: bool,
 }
 
 /// How many entries `flow` lets a claim at `now` take one after the
@@ -81,18 +134,21 @@ impl PgOutbox {
         let s = self.s();
         let due = "coalesce(o.next_attempt_at, o.created_at)";
         let sql = format!(
-            "WITH RECURSIVE line (destination, due) AS ( \
-                 (SELECT o.destination, {due} FROM {s}.outbox o \
+            "WITH RECURSIVE pairs (destination, priority, due) AS ( \
+                 (SELECT o.destination, o.priority, {due} FROM {s}.outbox o \
                   WHERE o.status = 'pending' AND NOT o.waiting \
-                  ORDER BY o.destination, {due}, o.id LIMIT 1) \
+                  ORDER BY o.destination, o.priority, {due}, o.id LIMIT 1) \
                UNION ALL \
-                 SELECT n.destination, n.due FROM line l CROSS JOIN LATERAL ( \
-                     SELECT o.destination, {due} AS due FROM {s}.outbox o \
+                 SELECT n.destination, n.priority, n.due FROM pairs l CROSS JOIN LATERAL ( \
+                     SELECT o.destination, o.priority, {due} AS due FROM {s}.outbox o \
                      WHERE o.status = 'pending' AND NOT o.waiting \
-                     AND o.destination > l.destination \
-                     ORDER BY o.destination, {due}, o.id LIMIT 1) n \
-             ) \
-             SELECT l.destination, l.due, d.destination IS NOT NULL, \
+                     AND (o.destination, o.priority) > (l.destination, l.priority) \
+                     ORDER BY o.destination, o.priority, {due}, o.id LIMIT 1) n \
+             ), \
+             line AS (SELECT destination, min(due) AS due, \
+                 array_agg(priority ORDER BY priority DESC) AS priorities \
+                 FROM pairs GROUP BY destination) \
+             SELECT l.destination, l.due, l.priorities, d.destination IS NOT NULL, \
                  CASE WHEN d.max_in_flight IS NULL THEN 0 ELSE \
                      (SELECT count(*) FROM {s}.outbox f \
                       WHERE f.destination = l.destination AND f.status = 'dispatching') END, \
@@ -104,43 +160,49 @@ impl PgOutbox {
         for r in &rows {
             let destination = utf8(DESTINATIONS, &"line", r.try_get(0)?)?;
             let due: i64 = r.try_get(1)?;
-            let has_row: bool = r.try_get(2)?;
-            let in_flight: i64 = r.try_get(3)?;
+            let priorities: Vec<i16> = r.try_get(2)?;
+            let has_row: bool = r.try_get(3)?;
+            let in_flight: i64 = r.try_get(4)?;
             let mut stored = if has_row {
-                read_flow(r, 4, &destination)?
+                read_flow(r, 5, &destination)?
             } else {
                 Stored::default()
             };
             stored.flow.in_flight = u64::try_from(in_flight).unwrap_or(0);
-            let place = stored
-                .flow
-                .open_from()
-                .map(|open| open.max(due).max(stored.served_at));
+            let from = stored.flow.open_from().map(|open| open.max(due));
+            let f = &stored.flow;
+            let free = f.policy == PolicyParts::default()
+                && !f.paused
+                && f.probe.is_none()
+                && f.open_until.is_none()
+                && f.held_until.is_none()
+                && f.failures == 0
+                && f.trips == 0;
             out.push(Candidate {
                 destination,
-                place,
+                place: from.map(|from| from.max(stored.served_at)),
+                from,
+                priorities,
                 has_row,
+                free,
             });
         }
         Ok(out)
     }
 
-    /// The destinations in line at `now` that `take` accepts, front first.
-    fn ready_at(
-        &self,
-        db: &mut Db<'_, impl GenericClient>,
-        now: i64,
-        take: impl Fn(&str) -> bool,
-    ) -> Result<Vec<Candidate>> {
-        let mut ready: Vec<Candidate> = self
-            .line(db)?
-            .into_iter()
-            .filter(|c| c.place.is_some_and(|p| p <= now) && take(&c.destination))
+    /// The destinations of `line` claimable at `now` that `take` accepts,
+    /// front of the line first (a destination just served by a claim whose
+    /// clock is ahead of this one's is claimable, behind in the line).
+    fn ready_at(line: &[Candidate], now: i64, take: impl Fn(&str) -> bool) -> Vec<Candidate> {
+        let mut ready: Vec<Candidate> = line
+            .iter()
+            .filter(|c| c.from.is_some_and(|f| f <= now) && take(&c.destination))
+            .cloned()
             .collect();
         ready.sort_by(|a, b| {
             (a.place, a.destination.as_bytes()).cmp(&(b.place, b.destination.as_bytes()))
         });
-        Ok(ready)
+        ready
     }
 
     /// When the next entry may be claimed (possibly in the past: work is
@@ -209,24 +271,26 @@ impl PgOutbox {
         if request.limit() == 0 {
             return Ok(Vec::new());
         }
-        let mut out = self.claim_from(db, now, request, |d| !request.avoids(d))?;
+        let line = self.line(db)?;
+        let mut out = self.claim_from(db, &line, now, request, |d| !request.avoids(d))?;
         if out.is_empty() && !request.avoid.is_empty() {
-            out = self.claim_from(db, now, request, |d| request.avoids(d))?;
+            out = self.claim_from(db, &line, now, request, |d| request.avoids(d))?;
         }
         Ok(out)
     }
 
-    /// [`PgOutbox::claim_in`] from the destinations in line that `take`
-    /// accepts.
+    /// [`PgOutbox::claim_in`] from the destinations of `line` (read once
+    /// for both passes) that `take` accepts.
     fn claim_from(
         &self,
         db: &mut Db<'_, impl GenericClient>,
+        line: &[Candidate],
         now: i64,
         request: &ClaimRequest,
         take: impl Fn(&str) -> bool,
     ) -> Result<Vec<OutboxEntry>> {
         let limit = request.limit();
-        let ready = self.ready_at(db, now, take)?;
+        let ready = Self::ready_at(line, now, take);
         if request.one_destination {
             for c in ready.iter().take(ONE_DESTINATION_LOOKS) {
                 let got = self.take_rounds(db, std::slice::from_ref(c), limit, now, request)?;
@@ -250,6 +314,9 @@ impl PgOutbox {
         now: i64,
         request: &ClaimRequest,
     ) -> Result<Vec<OutboxEntry>> {
+        if visit.iter().all(|c| c.free) {
+            return self.take_free(db, visit, limit, now, request);
+        }
         let missing: Vec<String> = visit
             .iter()
             .filter(|c| !c.has_row)
@@ -270,40 +337,16 @@ impl PgOutbox {
             r.flow.in_flight = counts.get(d).copied().unwrap_or(0);
         }
         // What each may give, and its entries that could be taken.
-        let wants: Vec<(&str, usize)> = visit
+        let wants: Vec<(&str, usize, &[i16])> = visit
             .iter()
             .filter_map(|c| {
                 let r = locked.get(&c.destination)?;
                 let n = capacity(&r.flow, now, limit);
-                (n > 0).then_some((c.destination.as_str(), n))
+                (n > 0).then_some((c.destination.as_str(), n, c.priorities.as_slice()))
             })
             .collect();
-        let mut available = self.first_entries(db, &wants, now)?;
-        // Rounds, in line order.
-        let mut chosen: Vec<(String, u64)> = Vec::new();
-        let mut active: Vec<&str> = wants.iter().map(|(d, _)| *d).collect();
-        let mut given: HashMap<&str, usize> = HashMap::new();
-        while chosen.len() < limit && !active.is_empty() {
-            let mut still = Vec::with_capacity(active.len());
-            for d in active {
-                if chosen.len() >= limit {
-                    break;
-                }
-                let n = given.entry(d).or_insert(0);
-                let cap = wants.iter().find(|(w, _)| *w == d).map_or(0, |(_, c)| *c);
-                let Some(ids) = available.get_mut(d) else {
-                    continue;
-                };
-                if *n < cap
-                    && let Some(id) = ids.get(*n)
-                {
-                    chosen.push((d.to_owned(), *id));
-                    *n += 1;
-                    still.push(d);
-                }
-            }
-            active = still;
-        }
+        let available = self.first_entries(db, &wants, now)?;
+        let chosen = rounds(&wants, &available, limit);
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
@@ -353,13 +396,100 @@ impl PgOutbox {
         Ok(out)
     }
 
+    /// [`PgOutbox::take_rounds`] of destinations that are all
+    /// [`free`](Candidate::free): none has a limit to keep, so none is
+    /// locked. Their entries are taken as concurrent claimers take them
+    /// from one queue (`FOR UPDATE SKIP LOCKED`, each claimer its own), the
+    /// rounds done by the server (the `k`-th entry of each destination in
+    /// line order, `k` = 1, 2, …), and when each was served is moved
+    /// forward where no other transaction holds its row (a claimer that
+    /// does is moving it as far). One statement. A destination given a
+    /// policy, a pause or a hold since the line was read is left out of it.
+    fn take_free(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        visit: &[Candidate],
+        limit: usize,
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
+        let s = self.s();
+        let due = "coalesce(o.next_attempt_at, o.created_at)";
+        let names: Vec<&[u8]> = visit.iter().map(|c| c.destination.as_bytes()).collect();
+        // One row per destination and priority, with the destination's
+        // place in line.
+        let (mut pair_names, mut positions, mut priorities) = (Vec::new(), Vec::new(), Vec::new());
+        for (pos, c) in (0_i32..).zip(visit) {
+            for p in &c.priorities {
+                pair_names.push(c.destination.as_bytes());
+                positions.push(pos);
+                priorities.push(*p);
+            }
+        }
+        let missing: Vec<&[u8]> = visit
+            .iter()
+            .filter(|c| !c.has_row)
+            .map(|c| c.destination.as_bytes())
+            .collect();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = db.query(
+            &format!(
+                "WITH q (d, pos, pr) AS ( \
+                     SELECT * FROM unnest($1::bytea[], $2::int[], $3::smallint[])), \
+                 open AS (SELECT q.d, q.pos, q.pr FROM q WHERE NOT EXISTS ( \
+                     SELECT 1 FROM {s}.destinations f WHERE f.destination = q.d AND ( \
+                     f.paused OR f.max_in_flight IS NOT NULL OR f.rate_per_second IS NOT NULL \
+                     OR f.circuit_failures IS NOT NULL OR f.held_until IS NOT NULL))), \
+                 pick (pid, k, pos) AS (SELECT x.id, x.k, x.pos FROM ( \
+                     SELECT e.id, open.pos, row_number() OVER ( \
+                         PARTITION BY open.pos ORDER BY open.pr DESC, e.due, e.id) AS k \
+                     FROM open CROSS JOIN LATERAL ( \
+                         SELECT o.id, {due} AS due FROM {s}.outbox o \
+                         WHERE o.destination = open.d AND o.priority = open.pr \
+                         AND o.status = 'pending' AND NOT o.waiting AND {due} <= $4 \
+                         ORDER BY o.destination, o.priority, {due}, o.id \
+                         LIMIT $5 FOR UPDATE SKIP LOCKED) e) x \
+                     ORDER BY x.k, x.pos LIMIT $5), \
+                 served AS (UPDATE {s}.destinations f SET served_at = GREATEST(f.served_at, $4) \
+                     WHERE f.destination IN (SELECT l.destination FROM {s}.destinations l \
+                         WHERE l.destination = ANY($8) FOR UPDATE SKIP LOCKED)), \
+                 born AS (INSERT INTO {s}.destinations (destination, served_at) \
+                     SELECT d, $4 FROM unnest($7::bytea[]) AS m(d) ORDER BY d \
+                     ON CONFLICT DO NOTHING) \
+                 UPDATE {s}.outbox o SET status = 'dispatching', \
+                     attempt_count = LEAST(o.attempt_count + 1, 4294967295), \
+                     worker_id = $6, claimed_at = $4 \
+                 FROM pick WHERE o.id = pick.pid \
+                 RETURNING {COLS}, pick.k, pick.pos"
+            ),
+            &[
+                &pair_names,
+                &positions,
+                &priorities,
+                &now,
+                &limit,
+                &request.worker_id().as_bytes(),
+                &missing,
+                &names,
+            ],
+        )?;
+        let mut taken = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let k: i64 = r.try_get(FREE_K)?;
+            let pos: i32 = r.try_get(FREE_K + 1)?;
+            taken.push(((k, pos), read_entry(r)?));
+        }
+        taken.sort_by_key(|(order, _)| *order);
+        Ok(taken.into_iter().map(|(_, e)| e).collect())
+    }
+
     /// The first claimable entries due at `now` of each destination in
     /// `wants`, as many as it says, highest priority first, then earliest
     /// due, then id.
     fn first_entries<'a>(
         &self,
         db: &mut Db<'_, impl GenericClient>,
-        wants: &[(&'a str, usize)],
+        wants: &[(&'a str, usize, &[i16])],
         now: i64,
     ) -> Result<HashMap<&'a str, Vec<u64>>> {
         let mut out: HashMap<&'a str, Vec<u64>> = HashMap::new();
@@ -368,30 +498,31 @@ impl PgOutbox {
         }
         let s = self.s();
         let due = "coalesce(o.next_attempt_at, o.created_at)";
-        let names: Vec<&[u8]> = wants.iter().map(|(d, _)| d.as_bytes()).collect();
-        let counts: Vec<i64> = wants
-            .iter()
-            .map(|(_, n)| i64::try_from(*n).unwrap_or(i64::MAX))
-            .collect();
-        let priorities: Vec<i16> = (0..=MAX_PRIORITY).rev().map(i16::from).collect();
+        // One row per destination and priority it has.
+        let (mut names, mut counts, mut priorities) = (Vec::new(), Vec::new(), Vec::new());
+        for (d, n, ps) in wants {
+            for p in *ps {
+                names.push(d.as_bytes());
+                counts.push(i64::try_from(*n).unwrap_or(i64::MAX));
+                priorities.push(*p);
+            }
+        }
         let rows = db.query(
             &format!(
-                "SELECT q.d, e.id, e.priority, e.due \
-                 FROM unnest($1::bytea[], $2::bigint[]) AS q(d, n) CROSS JOIN LATERAL ( \
-                     SELECT p.id, p.priority, p.due \
-                     FROM unnest($4::smallint[]) AS r(pr) CROSS JOIN LATERAL ( \
-                         SELECT o.id, o.priority, {due} AS due FROM {s}.outbox o \
-                         WHERE o.destination = q.d AND o.status = 'pending' \
-                         AND NOT o.waiting AND o.priority = r.pr AND {due} <= $3 \
-                         ORDER BY {due}, o.id LIMIT q.n) p \
-                     ORDER BY p.priority DESC, p.due, p.id LIMIT q.n) e"
+                "SELECT q.d, e.id, q.pr, e.due \
+                 FROM unnest($1::bytea[], $2::bigint[], $4::smallint[]) AS q(d, n, pr) \
+                 CROSS JOIN LATERAL ( \
+                     SELECT o.id, {due} AS due FROM {s}.outbox o \
+                     WHERE o.destination = q.d AND o.priority = q.pr AND o.status = 'pending' \
+                     AND NOT o.waiting AND {due} <= $3 \
+                     ORDER BY o.destination, o.priority, {due}, o.id LIMIT q.n) e"
             ),
             &[&names, &counts, &now, &priorities],
         )?;
         let mut found: HashMap<&'a str, Vec<(i16, i64, u64)>> = HashMap::new();
         for r in &rows {
             let d: &[u8] = r.try_get(0)?;
-            let Some((name, _)) = wants.iter().find(|(w, _)| w.as_bytes() == d) else {
+            let Some((name, ..)) = wants.iter().find(|(w, ..)| w.as_bytes() == d) else {
                 continue;
             };
             let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(1)?)?;

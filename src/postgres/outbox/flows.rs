@@ -151,15 +151,52 @@ impl PgOutbox {
             ),
             &[&names],
         )?;
-        let mut out = BTreeMap::new();
-        for r in &rows {
-            let dest = utf8(DESTINATIONS, &"?", r.try_get(0)?)?;
-            let stored = read_flow(r, 1, &dest)?;
-            out.insert(dest, stored);
-        }
-        Ok(out)
+        read_flows(&rows)
     }
 
+    /// The rows of `dests` (sorted, distinct) whose flows a settlement can
+    /// change, locked in name order: those of `held` (to be held back), and
+    /// those with a policy or a circuit's state. The others, left unlocked,
+    /// are flows that no settlement changes (`Flow::settled` of a flow
+    /// without a circuit, probe or failure count changes nothing), so
+    /// concurrent settlements and claims of such a destination do not wait
+    /// for each other.
+    fn lock_settled_flows(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        dests: &[String],
+        held: &[String],
+    ) -> Result<BTreeMap<String, Stored>> {
+        let s = self.s();
+        let names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
+        let held: Vec<&[u8]> = held.iter().map(String::as_bytes).collect();
+        let rows = db.query(
+            &format!(
+                "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
+                 WHERE destination = ANY($1) AND (destination = ANY($2) \
+                     OR max_in_flight IS NOT NULL OR rate_per_second IS NOT NULL \
+                     OR circuit_failures IS NOT NULL OR probe IS NOT NULL \
+                     OR failures <> 0 OR trips <> 0 OR open_until IS NOT NULL) \
+                 ORDER BY destination FOR UPDATE"
+            ),
+            &[&names, &held],
+        )?;
+        read_flows(&rows)
+    }
+}
+
+/// The flows of `rows`, each its destination then its [`FLOW_COLS`].
+fn read_flows(rows: &[::postgres::Row]) -> Result<BTreeMap<String, Stored>> {
+    let mut out = BTreeMap::new();
+    for r in rows {
+        let dest = utf8(DESTINATIONS, &"?", r.try_get(0)?)?;
+        let stored = read_flow(r, 1, &dest)?;
+        out.insert(dest, stored);
+    }
+    Ok(out)
+}
+
+impl PgOutbox {
     /// Creates the rows of `dests` that do not exist yet (the default flow),
     /// in name order.
     pub(super) fn ensure_flows(
@@ -370,7 +407,7 @@ impl PgOutbox {
                 .collect();
             self.ensure_flows(db, &held)?;
             let dests: Vec<String> = by_dest.keys().map(|d| (*d).to_owned()).collect();
-            let mut rows = self.lock_flows(db, &dests, false)?;
+            let mut rows = self.lock_settled_flows(db, &dests, &held)?;
             let capped: Vec<&str> = rows
                 .iter()
                 .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
