@@ -74,6 +74,29 @@ macro_rules! destinations_contract {
             }
 
             #[test]
+            fn a_claim_whose_clock_is_behind_still_takes_from_a_destination_just_served()
+            -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                for i in 0..3 {
+                    outbox.enqueue(entry("a", &format!("a{i}")), t(0))?;
+                }
+                outbox.enqueue(entry("b", "b0"), t(0))?;
+                let one = ClaimRequest::new(1, "w").one_destination();
+                assert_eq!(destinations_of(&outbox.claim(t(10), &one)?), ["a"]);
+                // A second worker read its clock a moment before the first:
+                // a, served at 10, is still claimable at 9, behind b in line.
+                let avoid_b = ClaimRequest::new(1, "w2").one_destination().avoid(["b"]);
+                assert_eq!(destinations_of(&outbox.claim(t(9), &avoid_b)?), ["a"]);
+                assert_eq!(
+                    destinations_of(&outbox.claim_due(t(9), 2, "w3")?),
+                    ["b", "a"]
+                );
+                assert!(outbox.check_indexes()?.is_empty());
+                Ok(())
+            }
+
+            #[test]
             fn a_cap_holds_and_a_settlement_frees_a_slot() -> TestResult {
                 let f = fixture!();
                 let outbox = f.store.outbox();
