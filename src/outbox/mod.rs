@@ -182,15 +182,18 @@
 //!
 //! # Layout
 //!
-//! One row per entry (`id → record`), four index tables and the attempt
-//! history, written in the same transaction: see `src/outbox/index.rs` for
-//! the invariants, which [`Outbox::check_indexes`] verifies. The
-//! destinations have four tables of their own (their flow records, the
-//! ready line, each destination's queue of claimable entries and the
-//! ordering sequences), kept by the same writes: see `src/outbox/flow.rs`.
-//! Files written before destinations existed (format 1) gain them when
-//! this version first opens them, in one transaction that reads every
-//! entry once.
+//! One row per entry (`id → record`), written whole by its enqueue, and
+//! one small row of its state once it changes (a claim or a settlement
+//! rewrites that, not the entry and its payload); four index tables and
+//! the attempt history, written in the same transaction: see
+//! `src/outbox/index.rs` for the invariants, which
+//! [`Outbox::check_indexes`] verifies. The destinations have three tables
+//! of their own (their small rows — flow records, the ready line, the
+//! outbox's counts — each destination's queue of claimable entries, and
+//! the ordering sequences), kept by the same writes: see
+//! `src/outbox/flow.rs`. Files written before destinations existed (format
+//! 1) gain them when this version first opens them, in one transaction
+//! that reads every entry once.
 
 mod control;
 mod depth;
