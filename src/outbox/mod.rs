@@ -191,9 +191,9 @@
 //! of their own (their small rows — flow records, the ready line, the
 //! outbox's counts — each destination's queue of claimable entries, and
 //! the ordering sequences), kept by the same writes: see
-//! `src/outbox/flow.rs`. Files written before destinations existed (format
-//! 1) gain them when this version first opens them, in one transaction
-//! that reads every entry once.
+//! `src/outbox/flow.rs`. Files of format 1, written before destinations
+//! existed, gain them when this version first opens them, in one
+//! transaction that reads every entry once.
 
 mod control;
 mod depth;
