@@ -10,6 +10,7 @@ use idemstore::{
 };
 use serde_json::{Value, json};
 
+use crate::handle::{OutboxHandle, open_outbox};
 use crate::output::{
     bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner, ts,
     ts_opt, when, when_opt, write_record,
@@ -24,6 +25,19 @@ const PAGE: usize = 1000;
 /// Runs the command `cli` names.
 pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
     let json = cli.json;
+    let schema = cli.schema.as_deref();
+    let on_a_server = matches!(
+        cli.command,
+        Command::Outbox(_)
+            | Command::Destinations { .. }
+            | Command::Destination(_)
+            | Command::Migrate { .. }
+    );
+    if schema.is_some() && !on_a_server {
+        return Err(Failure(
+            "--schema names a PostgreSQL store's schema: this command works on store files".into(),
+        ));
+    }
     match &cli.command {
         Command::Stats { file } => stats(file, json),
         Command::Inbox(InboxCommand::List { file, name, limit }) => {
@@ -45,7 +59,7 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
                 },
             )
         }
-        Command::Outbox(c) => outbox(c, json),
+        Command::Outbox(c) => outbox(c, schema, json),
         Command::Keys(KeysCommand::List {
             file,
             tenant,
@@ -63,17 +77,16 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
                 )
             })
         }
-        Command::Destinations { file } => crate::destinations::list(file, json),
-        Command::Destination(c) => crate::destinations::run(c, json),
+        Command::Destinations { store } => crate::destinations::list(store, schema, json),
+        Command::Destination(c) => crate::destinations::run(c, schema, json),
         Command::Compact { file } => compact(file, json),
         Command::Check { file } => check(file, json),
         Command::Export { file, .. } => export(file),
         Command::Migrate {
             file,
             to_postgres,
-            schema,
             batch,
-        } => crate::migrate::run(file, to_postgres, schema.as_deref(), *batch, json),
+        } => crate::migrate::run(file, to_postgres, schema, *batch, json),
     }
 }
 
@@ -215,10 +228,10 @@ fn inbox_list(file: &Path, name: &str, limit: usize, json: bool) -> Result<Outco
     Ok(Outcome::Ok)
 }
 
-fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
+fn outbox(c: &OutboxCommand, schema: Option<&str>, json: bool) -> Result<Outcome, Failure> {
     match c {
         OutboxCommand::List {
-            file,
+            store,
             status,
             destination,
             limit,
@@ -230,10 +243,15 @@ fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
             if let Some(d) = destination {
                 filter = filter.destination(d.clone());
             }
-            outbox_list(file, filter, limit_or_all(*limit), json)
+            outbox_list(
+                &open_outbox(store, schema)?,
+                filter,
+                limit_or_all(*limit),
+                json,
+            )
         }
-        OutboxCommand::Show { file, id } => {
-            let r = open(file)?.outbox().get(OutboxId(*id))?;
+        OutboxCommand::Show { store, id } => {
+            let r = open_outbox(store, schema)?.get(OutboxId(*id))?;
             if json {
                 print_json(&outbox_json(&r, true));
             } else {
@@ -241,21 +259,24 @@ fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
             }
             Ok(Outcome::Ok)
         }
-        OutboxCommand::Retry { file, ids } => retry(file, ids, json),
-        OutboxCommand::Cancel { file, ids } => cancel(file, ids, json),
+        OutboxCommand::Retry { store, ids } => Ok(retry(&open_outbox(store, schema)?, ids, json)),
+        OutboxCommand::Cancel { store, ids } => Ok(cancel(&open_outbox(store, schema)?, ids, json)),
         OutboxCommand::Resolve {
-            file,
+            store,
             id,
             failed,
             completed: _,
-        } => resolve(file, OutboxId(*id), failed.as_deref(), json),
+        } => resolve(
+            &open_outbox(store, schema)?,
+            OutboxId(*id),
+            failed.as_deref(),
+            json,
+        ),
         OutboxCommand::Release {
-            file,
+            store,
             claimed_before,
         } => {
-            let ids = open(file)?
-                .outbox()
-                .release_expired_claims(*claimed_before)?;
+            let ids = open_outbox(store, schema)?.release_expired_claims(*claimed_before)?;
             let list: Vec<u64> = ids.iter().map(|i| i.0).collect();
             report(json, &json!({"released": list}), || {
                 let shown: Vec<String> = list.iter().map(u64::to_string).collect();
@@ -269,12 +290,12 @@ fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
             })
         }
         OutboxCommand::Purge {
-            file,
+            store,
             finished_before,
         } => {
-            let store = open(file)?;
+            let outbox = open_outbox(store, schema)?;
             let pb = spinner("purging finished outbox entries");
-            let n = store.outbox().purge_finished(*finished_before)?;
+            let n = outbox.purge_finished(*finished_before)?;
             pb.finish_and_clear();
             report(
                 json,
@@ -291,12 +312,11 @@ fn outbox(c: &OutboxCommand, json: bool) -> Result<Outcome, Failure> {
 }
 
 fn outbox_list(
-    file: &Path,
+    outbox: &OutboxHandle,
     filter: OutboxFilter,
     limit: usize,
     json: bool,
 ) -> Result<Outcome, Failure> {
-    let outbox = open(file)?.outbox();
     let mut rows = Vec::new();
     let mut filter = filter;
     while rows.len() < limit {
@@ -416,8 +436,7 @@ fn clip(s: &str, max: usize) -> String {
     out
 }
 
-fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
-    let outbox = open(file)?.outbox();
+fn cancel(outbox: &OutboxHandle, ids: &[u64], json: bool) -> Outcome {
     let now = Utc::now();
     let mut done = Vec::new();
     let mut failed = Vec::new();
@@ -449,15 +468,14 @@ fn cancel(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
     } else {
         out!("cancelled {} of {} entries", done.len(), ids.len());
     }
-    Ok(if failed.is_empty() {
+    if failed.is_empty() {
         Outcome::Ok
     } else {
         Outcome::Findings
-    })
+    }
 }
 
-fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
-    let outbox = open(file)?.outbox();
+fn retry(outbox: &OutboxHandle, ids: &[u64], json: bool) -> Outcome {
     let now = Utc::now();
     let mut done = Vec::new();
     let mut failed = Vec::new();
@@ -485,20 +503,19 @@ fn retry(file: &Path, ids: &[u64], json: bool) -> Result<Outcome, Failure> {
     } else {
         out!("requeued {} of {} entries", done.len(), ids.len());
     }
-    Ok(if failed.is_empty() {
+    if failed.is_empty() {
         Outcome::Ok
     } else {
         Outcome::Findings
-    })
+    }
 }
 
 fn resolve(
-    file: &Path,
+    outbox: &OutboxHandle,
     id: OutboxId,
     failed: Option<&str>,
     json: bool,
 ) -> Result<Outcome, Failure> {
-    let outbox = open(file)?.outbox();
     let before = outbox.get(id)?;
     if before.entry.status != OutboxStatus::OutcomeUnknown {
         return Err(Failure(format!(
@@ -509,7 +526,7 @@ fn resolve(
     }
     let now = Utc::now();
     match failed {
-        Some(reason) => outbox.mark_failed(id, reason, None, now)?,
+        Some(reason) => outbox.mark_failed(id, reason, now)?,
         None => outbox.mark_completed(id, now)?,
     }
     let to = if failed.is_some() {

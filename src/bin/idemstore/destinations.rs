@@ -1,9 +1,8 @@
 //! `destinations` and `destination pause|resume|set`: what each destination
 //! holds and how it is treated, and an operator's changes to it. A change
-//! is one commit, which every dispatcher on the file follows from its next
-//! claim.
+//! is one commit, which every dispatcher on the store follows from its
+//! next claim. On a store file or on a PostgreSQL server alike.
 
-use std::path::Path;
 use std::time::Duration;
 
 use chrono::Utc;
@@ -11,12 +10,14 @@ use idemstore::{CircuitState, DestinationPolicy, DestinationState, OutboxStatus}
 use serde_json::{Value, json};
 
 use crate::commands::report;
+use crate::handle::open_outbox;
 use crate::output::{out, print_json, ts, ts_opt, when};
-use crate::{DestinationCommand, Failure, Outcome, open};
+use crate::target::Target;
+use crate::{DestinationCommand, Failure, Outcome};
 
-/// `destinations FILE`.
-pub(crate) fn list(file: &Path, json: bool) -> Result<Outcome, Failure> {
-    let destinations = open(file)?.outbox().destinations()?;
+/// `destinations STORE`.
+pub(crate) fn list(store: &Target, schema: Option<&str>, json: bool) -> Result<Outcome, Failure> {
+    let destinations = open_outbox(store, schema)?.destinations()?;
     if json {
         print_json(&Value::Array(destinations.iter().map(state_json).collect()));
         return Ok(Outcome::Ok);
@@ -63,24 +64,28 @@ pub(crate) fn list(file: &Path, json: bool) -> Result<Outcome, Failure> {
 }
 
 /// `destination pause|resume|set`.
-pub(crate) fn run(c: &DestinationCommand, json: bool) -> Result<Outcome, Failure> {
+pub(crate) fn run(
+    c: &DestinationCommand,
+    schema: Option<&str>,
+    json: bool,
+) -> Result<Outcome, Failure> {
     match c {
-        DestinationCommand::Pause { file, name } => {
-            open(file)?.outbox().pause_destination(name)?;
+        DestinationCommand::Pause { store, name } => {
+            open_outbox(store, schema)?.pause_destination(name)?;
             report(json, &json!({"destination": name, "paused": true}), || {
                 format!(
                     "paused destination {name}: none of its entries is claimed until it is resumed"
                 )
             })
         }
-        DestinationCommand::Resume { file, name } => {
-            open(file)?.outbox().resume_destination(name)?;
+        DestinationCommand::Resume { store, name } => {
+            open_outbox(store, schema)?.resume_destination(name)?;
             report(json, &json!({"destination": name, "paused": false}), || {
                 format!("resumed destination {name}")
             })
         }
         DestinationCommand::Set {
-            file,
+            store,
             name,
             max_in_flight,
             rate,
@@ -99,7 +104,7 @@ pub(crate) fn run(c: &DestinationCommand, json: bool) -> Result<Outcome, Failure
             if let (Some(k), Some(cool_down)) = (circuit, cool_down) {
                 policy = policy.circuit_breaker(*k, *cool_down);
             }
-            open(file)?.outbox().set_destination_policy(name, policy)?;
+            open_outbox(store, schema)?.set_destination_policy(name, policy)?;
             report(
                 json,
                 &json!({"destination": name, "policy": policy_json(&policy)}),

@@ -6,7 +6,9 @@
 //! (`inbox prune`, `outbox purge`, `keys purge`, `compact`), verify it
 //! (`check`) and back it up (`export --jsonl`). Output is for people by default and JSON
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
-//! usage.
+//! usage. The outbox and destination commands also work on a PostgreSQL
+//! store, given its connection string (and `--schema`) in place of the file
+//! (`target.rs`, `handle.rs`).
 //!
 //! Every command but `compact` opens the file shared between processes
 //! (`StoreBuilder::shared(true)`): it works on a file nobody has open, and
@@ -25,8 +27,10 @@
 
 mod commands;
 mod destinations;
+mod handle;
 mod migrate;
 mod output;
+mod target;
 mod time;
 
 use std::path::{Path, PathBuf};
@@ -35,6 +39,8 @@ use std::process::ExitCode;
 use chrono::{DateTime, Utc};
 use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use idemstore::{Error, OutboxStatus, Store};
+
+use crate::target::Target;
 
 /// Inspect, repair and back up an idemstore file.
 ///
@@ -48,6 +54,10 @@ use idemstore::{Error, OutboxStatus, Store};
 /// alone (the default) holds it exclusively: open it shared there, or stop
 /// the program first. compact needs the file to itself.
 ///
+/// STORE is a store file, or a PostgreSQL store's connection string: a
+/// postgres:// URL or libpq key=value pairs (with --schema if its schema is
+/// not idemstore). The outbox and destination commands take either.
+///
 /// Exit codes: 0 ok, 1 findings (check) or a failed operation, 2 bad usage.
 #[derive(Debug, Parser)]
 #[command(name = "idemstore", version, about, long_about)]
@@ -55,6 +65,11 @@ pub(crate) struct Cli {
     /// Print JSON for scripts instead of text for people.
     #[arg(long, global = true)]
     pub(crate) json: bool,
+    /// The schema of a PostgreSQL store: the store the outbox and
+    /// destination commands work on, or the one migrate copies into
+    /// (created if absent). Default: idemstore.
+    #[arg(long, global = true, value_name = "SCHEMA")]
+    pub(crate) schema: Option<String>,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -79,8 +94,9 @@ pub(crate) enum Command {
     /// Every destination with an entry, a policy or a pause: its policy,
     /// pause, circuit, hold, entries in flight and entries by status.
     Destinations {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
     },
     /// Pause, resume or set the policy of one destination (every
     /// dispatcher on the file follows it from its next claim).
@@ -125,7 +141,8 @@ pub(crate) enum Command {
     /// different row on the server holds is not copied: it is counted and
     /// named on stderr, and the command exits 1. Copy into a new schema, or
     /// one that holds only rows from this file. Prints the counts on both
-    /// sides. Needs a build with the `postgres` feature.
+    /// sides. The schema is --schema's. Needs a build with the `postgres`
+    /// feature.
     ///
     /// Stop the program that writes the file first (or what it writes
     /// meanwhile may or may not be copied).
@@ -136,9 +153,6 @@ pub(crate) enum Command {
         /// (host=/run/postgresql user=app dbname=app).
         #[arg(long = "to-postgres", value_name = "URL")]
         to_postgres: String,
-        /// The schema to copy into (created if absent). Default: idemstore.
-        #[arg(long)]
-        schema: Option<String>,
         /// Rows per transaction.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,
@@ -174,8 +188,9 @@ pub(crate) enum OutboxCommand {
     /// Entries by id, optionally of one status or destination, each with
     /// the reason of its latest attempt record.
     List {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// Only entries in this status.
         #[arg(long, value_enum)]
         status: Option<StatusArg>,
@@ -188,15 +203,17 @@ pub(crate) enum OutboxCommand {
     },
     /// One entry in full, with its attempt history.
     Show {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The entry's id.
         id: u64,
     },
     /// Move failed or outcome-unknown entries back to pending, due now.
     Retry {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The entries' ids.
         #[arg(required = true)]
         ids: Vec<u64>,
@@ -205,8 +222,9 @@ pub(crate) enum OutboxCommand {
     /// `cancelled`, never sent (again). An entry being dispatched must be
     /// settled first.
     Cancel {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The entries' ids.
         #[arg(required = true)]
         ids: Vec<u64>,
@@ -214,8 +232,9 @@ pub(crate) enum OutboxCommand {
     /// Settle an outcome-unknown entry after reconciling it by hand.
     #[command(group(ArgGroup::new("outcome").required(true).args(["completed", "failed"])))]
     Resolve {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The entry's id.
         id: u64,
         /// The effect happened: mark it Completed.
@@ -228,16 +247,18 @@ pub(crate) enum OutboxCommand {
     /// Release Dispatching entries claimed before TIME back to Pending (their
     /// dispatcher died).
     Release {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// Release claims made strictly before this TIME.
         #[arg(long, value_parser = time::parse_time)]
         claimed_before: DateTime<Utc>,
     },
     /// Delete Completed and Failed entries finished before TIME.
     Purge {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// Delete entries finished strictly before this TIME.
         #[arg(long, value_parser = time::parse_time)]
         finished_before: DateTime<Utc>,
@@ -272,15 +293,17 @@ pub(crate) enum KeysCommand {
 pub(crate) enum DestinationCommand {
     /// Stop claiming the destination's entries (those in flight finish).
     Pause {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The destination.
         name: String,
     },
     /// Let a paused destination's entries be claimed again.
     Resume {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The destination.
         name: String,
     },
@@ -293,8 +316,9 @@ pub(crate) enum DestinationCommand {
             .args(["max_in_flight", "rate", "circuit", "clear"])
     ))]
     Set {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The destination.
         name: String,
         /// At most N entries dispatching at once, across every dispatcher.

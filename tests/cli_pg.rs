@@ -1,0 +1,221 @@
+//! The outbox and destination commands of `idemstore` on a PostgreSQL
+//! store: the same output, JSON and exit codes as on a store file, the
+//! password never shown, and no store made where there was none.
+//!
+//! Needs `IDEMSTORE_TEST_POSTGRES` (see `tests/common/pg.rs`); without it
+//! the tests say so and pass, except under `CI=true`.
+
+use std::process::{Command, Output};
+
+use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
+use idemstore::postgres::PgStore;
+use idemstore::{NewEntry, OutboxId, OutboxStatus, Settlement, Store};
+use serde_json::Value;
+
+mod common;
+
+use common::pg::{DropSchema, client, unique_schema, url};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn t(s: i64) -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2025, 3, 1, 0, 0, 0).unwrap() + Duration::seconds(s)
+}
+
+fn run(args: &[&str]) -> std::io::Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .output()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+/// The same entries in both stores, made by the same calls: `a` has two
+/// failed entries and one pending, `b` one failed and one in doubt.
+macro_rules! populate {
+    ($outbox:expr) => {{
+        let o = $outbox;
+        for (d, k) in [
+            ("a", "a1"),
+            ("a", "a2"),
+            ("b", "b1"),
+            ("b", "b2"),
+            ("a", "a3"),
+        ] {
+            o.enqueue(NewEntry::new("cmd", d, k, k.as_bytes().to_vec()), t(0))?;
+        }
+        let claimed = o.claim_due(t(1), 4, "w")?;
+        assert_eq!(claimed.len(), 4);
+        for e in &claimed {
+            let s = if e.idempotency_key == "b2" {
+                Settlement::OutcomeUnknown { remote_ref: None }
+            } else {
+                Settlement::Failed {
+                    reason: "http_500".into(),
+                    next_attempt_at: None,
+                }
+            };
+            o.settle(e.fence(), s, t(2))?;
+        }
+    }};
+}
+
+#[test]
+fn outbox_and_destination_commands_answer_alike_on_a_file_and_on_postgresql() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let schema = unique_schema();
+    let _drop = DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let pg = PgStore::builder().schema(&schema).connect(&url)?;
+    populate!(pg.outbox());
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("s.idem");
+    {
+        let store = Store::open(&file)?;
+        populate!(store.outbox());
+    }
+    let file = file.to_str().ok_or("a UTF-8 path")?.to_owned();
+    let on = |store: &str, args: &[&str]| -> std::io::Result<Output> {
+        let mut all: Vec<&str> = args.to_vec();
+        all.push(store);
+        if store == url.as_str() {
+            all.extend(["--schema", schema.as_str()]);
+        }
+        run(&all)
+    };
+    for store in [file.as_str(), url.as_str()] {
+        let list = on(store, &["--json", "outbox", "list", "--status", "failed"])?;
+        assert!(list.status.success(), "{}", stderr(&list));
+        let keys: Vec<String> = json(&list)
+            .as_array()
+            .ok_or("an array")?
+            .iter()
+            .map(|r| r["idempotency_key"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        assert_eq!(keys, ["a1", "a2", "b1"], "on {store}");
+        // The text listing is the same table on both.
+        let text = on(store, &["outbox", "list", "--destination", "b"])?;
+        assert!(
+            stdout(&text).contains("outcome_unknown"),
+            "{}",
+            stdout(&text)
+        );
+        assert!(stdout(&text).ends_with("2 entries\n"), "{}", stdout(&text));
+    }
+    // Retry the failed entries of `a` on the server: pending again, `b`'s
+    // untouched; an unknown id is reported and the exit code is 1.
+    let out = run(&["outbox", "retry", &url, "--schema", &schema, "1", "2", "99"])?;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("requeued 2 of 3 entries"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(stderr(&out).contains("entry 99"), "{}", stderr(&out));
+    let o = pg.outbox();
+    assert_eq!(o.get(OutboxId(1))?.entry.status, OutboxStatus::Pending);
+    assert_eq!(o.get(OutboxId(2))?.entry.status, OutboxStatus::Pending);
+    assert_eq!(o.get(OutboxId(3))?.entry.status, OutboxStatus::Failed);
+    // Resolve the entry in doubt, cancel a pending one.
+    let out = run(&[
+        "--json",
+        "outbox",
+        "resolve",
+        &url,
+        "--schema",
+        &schema,
+        "4",
+        "--completed",
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json(&out)["now"], "completed");
+    let out = run(&["outbox", "cancel", &url, "--schema", &schema, "5"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(o.get(OutboxId(5))?.entry.status, OutboxStatus::Failed);
+    let out = run(&["outbox", "show", &url, "--schema", &schema, "3"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("http_500"), "{}", stdout(&out));
+    // Destinations: pause and a policy, seen by the store, listed by the CLI.
+    let out = run(&["destination", "pause", &url, "--schema", &schema, "a"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(&[
+        "destination",
+        "set",
+        &url,
+        "--schema",
+        &schema,
+        "b",
+        "--max-in-flight",
+        "3",
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(o.destination("a")?.paused);
+    assert_eq!(o.destination("b")?.policy.limits().max_in_flight, Some(3));
+    let out = run(&["--json", "destinations", &url, "--schema", &schema])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let names: Vec<String> = json(&out)
+        .as_array()
+        .ok_or("an array")?
+        .iter()
+        .filter_map(|d| d["destination"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    assert!(
+        o.claim_due(t(10), 10, "w")?.is_empty(),
+        "a paused; b has nothing due"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_missing_schema_or_server_is_an_error_that_hides_the_password() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let schema = unique_schema();
+    let out = run(&["outbox", "list", &url, "--schema", &schema])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no idemstore store"),
+        "{}",
+        stderr(&out)
+    );
+    let found: bool = client(&url)
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+            &[&schema],
+        )?
+        .get(0);
+    assert!(!found, "a command made no schema");
+    // A server that is not there, with a password in the URL.
+    let bad = "postgresql://app:s3cret@127.0.0.1:1/app?connect_timeout=2";
+    let out = run(&["outbox", "list", bad])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("postgresql://app:***@127.0.0.1:1"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!stderr(&out).contains("s3cret"), "{}", stderr(&out));
+    // --schema names a server's schema: with a file it is a mistake.
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("s.idem");
+    drop(Store::open(&file)?);
+    let file = file.to_str().ok_or("a UTF-8 path")?;
+    let out = run(&["outbox", "list", file, "--schema", "x"])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("--schema"), "{}", stderr(&out));
+    let out = run(&["stats", file, "--schema", "x"])?;
+    assert_eq!(out.status.code(), Some(1));
+    Ok(())
+}
