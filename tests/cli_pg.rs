@@ -70,15 +70,25 @@ macro_rules! populate {
     }};
 }
 
-#[test]
-fn outbox_and_destination_commands_answer_alike_on_a_file_and_on_postgresql() -> TestResult {
-    let Some(url) = url() else { return Ok(()) };
+/// A store in a fresh schema of the test server (dropped with the
+/// guard), with the server's connection string and the schema; `None`
+/// when the tests skip.
+fn server_store() -> Result<Option<(String, String, DropSchema, PgStore)>, idemstore::Error> {
+    let Some(url) = url() else { return Ok(None) };
     let schema = unique_schema();
-    let _drop = DropSchema {
+    let guard = DropSchema {
         url: url.clone(),
         schema: schema.clone(),
     };
     let pg = PgStore::builder().schema(&schema).connect(&url)?;
+    Ok(Some((url, schema, guard, pg)))
+}
+
+#[test]
+fn outbox_and_destination_commands_answer_alike_on_a_file_and_on_postgresql() -> TestResult {
+    let Some((url, schema, _drop, pg)) = server_store()? else {
+        return Ok(());
+    };
     populate!(pg.outbox());
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("s.idem");
@@ -207,6 +217,20 @@ fn a_missing_schema_or_server_is_an_error_that_hides_the_password() -> TestResul
         stderr(&out)
     );
     assert!(!stderr(&out).contains("s3cret"), "{}", stderr(&out));
+    // compact and migrate work on files: said so, the password hidden.
+    for args in [
+        vec!["compact", bad],
+        vec!["migrate", bad, "--to-postgres", &url],
+    ] {
+        let out = run(&args)?;
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            stderr(&out).contains("works on a store file"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(!stderr(&out).contains("s3cret"), "{}", stderr(&out));
+    }
     // --schema names a server's schema: with a file it is a mistake.
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("s.idem");
@@ -217,5 +241,100 @@ fn a_missing_schema_or_server_is_an_error_that_hides_the_password() -> TestResul
     assert!(stderr(&out).contains("--schema"), "{}", stderr(&out));
     let out = run(&["stats", file, "--schema", "x"])?;
     assert_eq!(out.status.code(), Some(1));
+    Ok(())
+}
+
+#[test]
+fn stats_inbox_keys_check_and_export_read_a_postgresql_store() -> TestResult {
+    let Some((url, schema, _drop, pg)) = server_store()? else {
+        return Ok(());
+    };
+    let hooks = pg.inbox("hooks")?;
+    for (i, key) in ["e1", "e2", "e3"].iter().enumerate() {
+        assert!(hooks.claim(key, t(i64::try_from(i)?))?);
+    }
+    for k in ["k1", "k2"] {
+        let r = idemstore::ResponseRecord {
+            tenant: "acme".into(),
+            idempotency_key: k.into(),
+            request_fingerprint: idemstore::fingerprint("POST", "/orders", b"{}"),
+            response_status: 201,
+            content_type: Some("application/json".into()),
+            headers: vec![("location".into(), "/orders/1".into())],
+            response_body: b"{\"id\":1}".to_vec(),
+            created_at: t(5),
+        };
+        assert!(pg.idempotency_keys().put(&r)?);
+    }
+    populate!(pg.outbox());
+    let with = |args: &[&str]| -> std::io::Result<Output> {
+        let mut all = args.to_vec();
+        all.extend(["--schema", schema.as_str()]);
+        run(&all)
+    };
+    let out = with(&["--json", "stats", &url])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["schema"], schema.as_str());
+    assert!(v.get("file").is_none(), "{v}");
+    assert_eq!(v["outbox"]["total"], 5);
+    assert_eq!(v["outbox"]["counts"]["failed"], 3);
+    assert_eq!(v["inboxes"][0]["name"], "hooks");
+    assert_eq!(v["inboxes"][0]["keys"], 3);
+    assert_eq!(v["keys"]["completed"], 2);
+    let out = with(&["stats", &url])?;
+    assert!(
+        stdout(&out).contains(&format!("schema     {schema}")),
+        "{}",
+        stdout(&out)
+    );
+
+    let out = with(&["--json", "inbox", "list", &url, "hooks", "--limit", "2"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json(&out).as_array().map(Vec::len), Some(2));
+    let out = with(&["--json", "keys", "list", &url, "--tenant", "acme"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json(&out).as_array().map(Vec::len), Some(2));
+
+    let out = with(&["check", &url])?;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).starts_with("ok: "), "{}", stdout(&out));
+
+    // Every record once, of each kind, as from a file.
+    let out = with(&["export", &url, "--jsonl"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut kinds = std::collections::BTreeMap::new();
+    for line in stdout(&out).lines() {
+        let v: Value = serde_json::from_str(line)?;
+        *kinds
+            .entry(v["kind"].as_str().unwrap_or("?").to_owned())
+            .or_insert(0) += 1;
+    }
+    assert_eq!(
+        kinds.into_iter().collect::<Vec<_>>(),
+        [("inbox".into(), 3), ("key".into(), 2), ("outbox".into(), 5)]
+    );
+
+    // Pruning and purging write to the server.
+    let before = "2025-03-01T00:00:02Z";
+    let out = with(&[
+        "--json", "inbox", "prune", &url, "hooks", "--before", before,
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json(&out)["pruned"], 2);
+    assert_eq!(pg.inbox("hooks")?.len()?, 1);
+    let out = with(&[
+        "--json",
+        "keys",
+        "purge",
+        &url,
+        "--before",
+        "2025-03-01T00:00:06Z",
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json(&out)["purged"], 2);
+    // compact is for files only.
+    let out = with(&["compact", &url])?;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     Ok(())
 }

@@ -589,14 +589,33 @@ impl PgIdempotencyKeys {
         let rows = self.server.run(Mode::Read, |conn| {
             conn.db().query(&sql, &[&tenant.map(str::as_bytes), &limit])
         })?;
-        rows.iter()
-            .map(|r| {
-                let t = utf8(TABLE, &"?", r.try_get(0)?)?;
-                let k = utf8(TABLE, &key_name(&t, "?"), r.try_get(1)?)?;
-                let row = read_row(&t, &k, r, 2)?;
-                key_entry(&t, &k, row)
-            })
-            .collect()
+        key_entries(&rows)
+    }
+
+    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
+    /// `after` (the `(tenant, key)` of a previous page's last row): every
+    /// row, a page per statement, as the embedded store's `list_after`. For
+    /// `idemstore export`; not a stable API.
+    #[doc(hidden)]
+    pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let s = self.s();
+        let (tenant, key) = after.map_or((None, None), |(t, k)| (Some(t), Some(k)));
+        let sql = format!(
+            "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
+             WHERE $1::bytea IS NULL OR (tenant, idem_key) > ($1, $2::bytea) \
+             ORDER BY tenant, idem_key LIMIT $3"
+        );
+        let rows = self.server.run(Mode::Read, |conn| {
+            conn.db().query(
+                &sql,
+                &[&tenant.map(str::as_bytes), &key.map(str::as_bytes), &limit],
+            )
+        })?;
+        key_entries(&rows)
     }
 
     /// The completed response stored at `(tenant, key)`, whatever its age:
@@ -677,4 +696,16 @@ impl PgIdempotencyKeys {
         }
         Ok(findings)
     }
+}
+
+/// The rows of a listing (tenant, key, then [`COLS`]) as entries.
+fn key_entries(rows: &[::postgres::Row]) -> Result<Vec<KeyEntry>> {
+    rows.iter()
+        .map(|r| {
+            let t = utf8(TABLE, &"?", r.try_get(0)?)?;
+            let k = utf8(TABLE, &key_name(&t, "?"), r.try_get(1)?)?;
+            let row = read_row(&t, &k, r, 2)?;
+            key_entry(&t, &k, row)
+        })
+        .collect()
 }

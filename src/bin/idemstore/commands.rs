@@ -5,19 +5,18 @@ use std::path::Path;
 
 use chrono::{DateTime, Utc};
 use idemstore::{
-    IdempotencyKeys, Inbox, KeyEntry, KeyState, Outbox, OutboxFilter, OutboxId, OutboxRecord,
-    OutboxStatus, ResponseRecord, Store,
+    KeyEntry, KeyState, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, ResponseRecord,
+    StoreStats,
 };
 use serde_json::{Value, json};
 
-use crate::handle::{OutboxHandle, open_outbox};
+use crate::handle::{InboxHandle, KeysHandle, OutboxHandle, StoreHandle, open_outbox, open_store};
 use crate::output::{
     bar, bytes, key_json, last_reason, out, outbox_json, preview, print_json, put, spinner, ts,
     ts_opt, when, when_opt, write_record,
 };
-use crate::{
-    Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
-};
+use crate::target::Target;
+use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open_alone};
 
 /// Rows read per read transaction when walking a whole table.
 const PAGE: usize = 1000;
@@ -26,25 +25,22 @@ const PAGE: usize = 1000;
 pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
     let json = cli.json;
     let schema = cli.schema.as_deref();
-    let on_a_server = matches!(
-        cli.command,
-        Command::Outbox(_)
-            | Command::Destinations { .. }
-            | Command::Destination(_)
-            | Command::Migrate { .. }
-    );
-    if schema.is_some() && !on_a_server {
+    if schema.is_some() && matches!(cli.command, Command::Compact { .. }) {
         return Err(Failure(
-            "--schema names a PostgreSQL store's schema: this command works on store files".into(),
+            "--schema names a PostgreSQL store's schema: compact works on store files".into(),
         ));
     }
     match &cli.command {
-        Command::Stats { file } => stats(file, json),
-        Command::Inbox(InboxCommand::List { file, name, limit }) => {
-            inbox_list(file, name, *limit, json)
+        Command::Stats { store } => stats(store, schema, json),
+        Command::Inbox(InboxCommand::List { store, name, limit }) => {
+            inbox_list(&open_store(store, schema)?, name, *limit, json)
         }
-        Command::Inbox(InboxCommand::Prune { file, name, before }) => {
-            let store = open(file)?;
+        Command::Inbox(InboxCommand::Prune {
+            store: target,
+            name,
+            before,
+        }) => {
+            let store = open_store(target, schema)?;
             let pb = spinner(&format!("pruning inbox {name}"));
             let n = store.inbox(name)?.prune(*before)?;
             pb.finish_and_clear();
@@ -61,14 +57,19 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
         }
         Command::Outbox(c) => outbox(c, schema, json),
         Command::Keys(KeysCommand::List {
-            file,
+            store,
             tenant,
             limit,
-        }) => keys_list(file, tenant.as_deref(), *limit, json),
-        Command::Keys(KeysCommand::Purge { file, before }) => {
-            let store = open(file)?;
+        }) => keys_list(
+            &open_store(store, schema)?.keys(),
+            tenant.as_deref(),
+            *limit,
+            json,
+        ),
+        Command::Keys(KeysCommand::Purge { store, before }) => {
+            let keys = open_store(store, schema)?.keys();
             let pb = spinner("purging idempotency keys");
-            let n = store.idempotency_keys().purge_expired(*before)?;
+            let n = keys.purge_expired(*before)?;
             pb.finish_and_clear();
             report(json, &json!({"purged": n, "before": ts(*before)}), || {
                 format!(
@@ -79,14 +80,14 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
         }
         Command::Destinations { store } => crate::destinations::list(store, schema, json),
         Command::Destination(c) => crate::destinations::run(c, schema, json),
-        Command::Compact { file } => compact(file, json),
-        Command::Check { file } => check(file, json),
-        Command::Export { file, .. } => export(file),
+        Command::Compact { file } => compact(file.file("compact")?, json),
+        Command::Check { store } => check(store, schema, json),
+        Command::Export { store, .. } => export(&open_store(store, schema)?),
         Command::Migrate {
             file,
             to_postgres,
             batch,
-        } => crate::migrate::run(file, to_postgres, schema, *batch, json),
+        } => crate::migrate::run(file.file("migrate")?, to_postgres, schema, *batch, json),
     }
 }
 
@@ -113,10 +114,9 @@ fn limit_or_all(limit: usize) -> usize {
     if limit == 0 { usize::MAX } else { limit }
 }
 
-fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
-    let store = open(file)?;
+fn stats(target: &Target, schema: Option<&str>, json: bool) -> Result<Outcome, Failure> {
+    let store = open_store(target, schema)?;
     let now = Utc::now();
-    let s = store.stats()?;
     let mut inboxes = Vec::new();
     for name in store.inbox_names()? {
         let inbox = store.inbox(&name)?;
@@ -126,24 +126,20 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
     let outbox = store.outbox();
     let counts = outbox.counts()?;
     let (next_due, oldest_claim) = (outbox.next_due()?, outbox.oldest_claim()?);
-    let keys = store.idempotency_keys().summary()?;
+    let keys = store.keys().summary()?;
+    // A file's size, format and space; a server's schema.
+    let file: Result<StoreStats, String> = match &store {
+        StoreHandle::File(s) => Ok(s.stats()?),
+        #[cfg(feature = "postgres")]
+        StoreHandle::Postgres(s) => Err(s.schema().to_owned()),
+    };
     if json {
         let per_status: serde_json::Map<String, Value> = OutboxStatus::ALL
             .iter()
             .map(|st| (st.as_str().to_owned(), json!(counts.get(*st))))
             .collect();
-        print_json(&json!({
-            "file": file.display().to_string(),
-            "file_bytes": s.file_bytes,
-            "format_version": s.format_version,
-            "space": {
-                "stored_bytes": s.stored_bytes,
-                "metadata_bytes": s.metadata_bytes,
-                "fragmented_bytes": s.fragmented_bytes,
-                "allocated_pages": s.allocated_pages,
-                "page_size": s.page_size,
-                "tree_height": s.tree_height,
-            },
+        let mut v = where_json(target, &file);
+        let rest = json!({
             "inboxes": inboxes.iter().map(|(name, n, oldest)| json!({
                 "name": name, "keys": n, "oldest_seen_at": ts_opt(*oldest),
             })).collect::<Vec<_>>(),
@@ -158,23 +154,14 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
                 "in_flight": keys.reserved,
                 "oldest": ts_opt(keys.oldest),
             },
-        }));
+        });
+        if let (Some(v), Value::Object(rest)) = (v.as_object_mut(), rest) {
+            v.extend(rest);
+        }
+        print_json(&v);
         return Ok(Outcome::Ok);
     }
-    out!("file       {}", file.display());
-    if let Some(n) = s.file_bytes {
-        out!("size       {} ({n} bytes)", bytes(n));
-    }
-    out!("format     {}", s.format_version);
-    out!(
-        "space      {} stored, {} metadata, {} fragmented (compact can reclaim it); \
-         {} pages of {} B",
-        bytes(s.stored_bytes),
-        bytes(s.metadata_bytes),
-        bytes(s.fragmented_bytes),
-        s.allocated_pages,
-        s.page_size,
-    );
+    print_where(target, &file);
     out!("inboxes    {}", inboxes.len());
     for (name, n, oldest) in &inboxes {
         out!("  {name}: {n} keys, oldest seen {}", when_opt(*oldest, now));
@@ -199,8 +186,62 @@ fn stats(file: &Path, json: bool) -> Result<Outcome, Failure> {
     Ok(Outcome::Ok)
 }
 
-fn inbox_list(file: &Path, name: &str, limit: usize, json: bool) -> Result<Outcome, Failure> {
-    let store = open(file)?;
+/// Where `stats` read: a file's path, size, format and space, or a
+/// server's connection string (its password hidden) and schema.
+fn where_json(target: &Target, about: &Result<StoreStats, String>) -> Value {
+    match about {
+        Ok(s) => json!({
+            "file": target.to_string(),
+            "file_bytes": s.file_bytes,
+            "format_version": s.format_version,
+            "space": {
+                "stored_bytes": s.stored_bytes,
+                "metadata_bytes": s.metadata_bytes,
+                "fragmented_bytes": s.fragmented_bytes,
+                "allocated_pages": s.allocated_pages,
+                "page_size": s.page_size,
+                "tree_height": s.tree_height,
+            },
+        }),
+        Err(schema) => json!({
+            "postgres": target.to_string(),
+            "schema": schema,
+        }),
+    }
+}
+
+/// [`where_json`] for people.
+fn print_where(target: &Target, about: &Result<StoreStats, String>) {
+    match about {
+        Ok(s) => {
+            out!("file       {target}");
+            if let Some(n) = s.file_bytes {
+                out!("size       {} ({n} bytes)", bytes(n));
+            }
+            out!("format     {}", s.format_version);
+            out!(
+                "space      {} stored, {} metadata, {} fragmented (compact can reclaim it); \
+                 {} pages of {} B",
+                bytes(s.stored_bytes),
+                bytes(s.metadata_bytes),
+                bytes(s.fragmented_bytes),
+                s.allocated_pages,
+                s.page_size,
+            );
+        }
+        Err(schema) => {
+            out!("postgres   {target}");
+            out!("schema     {schema}");
+        }
+    }
+}
+
+fn inbox_list(
+    store: &StoreHandle,
+    name: &str,
+    limit: usize,
+    json: bool,
+) -> Result<Outcome, Failure> {
     let inbox = store.inbox(name)?;
     let limit = limit_or_all(limit);
     let mut rows: Vec<(String, DateTime<Utc>)> = Vec::new();
@@ -546,14 +587,12 @@ fn resolve(
 }
 
 fn keys_list(
-    file: &Path,
+    keys: &KeysHandle,
     tenant: Option<&str>,
     limit: usize,
     json: bool,
 ) -> Result<Outcome, Failure> {
-    let rows = open(file)?
-        .idempotency_keys()
-        .list(tenant, limit_or_all(limit))?;
+    let rows = keys.list(tenant, limit_or_all(limit))?;
     if json {
         print_json(&Value::Array(
             rows.iter().map(|k| key_json(k, None)).collect(),
@@ -622,24 +661,33 @@ fn size(file: &Path) -> Result<u64, Failure> {
         .map_err(|e| Failure(format!("{}: {e}", file.display())))
 }
 
-fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
-    let store = open(file)?;
+fn check(target: &Target, schema: Option<&str>, json: bool) -> Result<Outcome, Failure> {
+    let store = open_store(target, schema)?;
     let pb = spinner("checking");
     let mut findings: Vec<(&str, String)> = Vec::new();
-    pb.set_message("checking the engine's integrity");
-    if !store.check_integrity()? {
-        findings.push((
-            "engine",
-            "redb's integrity check failed (the engine repaired its allocator state)".into(),
-        ));
+    // Only a file has an engine and inbox indexes of its own to check.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(
+            irrefutable_let_patterns,
+            reason = "a build without the server's store"
+        )
+    )]
+    if let StoreHandle::File(file) = &store {
+        pb.set_message("checking the engine's integrity");
+        if !file.check_integrity()? {
+            findings.push((
+                "engine",
+                "redb's integrity check failed (the engine repaired its allocator state)".into(),
+            ));
+        }
+        pb.set_message("checking inbox indexes");
+        findings.extend(
+            file.check_inbox_indexes()?
+                .into_iter()
+                .map(|f| ("inbox", f)),
+        );
     }
-    pb.set_message("checking inbox indexes");
-    findings.extend(
-        store
-            .check_inbox_indexes()?
-            .into_iter()
-            .map(|f| ("inbox", f)),
-    );
     pb.set_message("checking outbox indexes");
     findings.extend(
         store
@@ -651,7 +699,7 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
     pb.set_message("checking idempotency key indexes");
     findings.extend(
         store
-            .idempotency_keys()
+            .keys()
             .check_indexes()?
             .into_iter()
             .map(|f| ("keys", f)),
@@ -664,15 +712,21 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
             .collect();
         print_json(&json!({"ok": findings.is_empty(), "findings": v}));
     } else if findings.is_empty() {
-        out!(
-            "ok: {} passed the integrity check and every index agrees with its rows",
-            file.display()
-        );
+        let what = match store {
+            StoreHandle::File(_) => {
+                "passed the integrity check and every index agrees with its rows"
+            }
+            #[cfg(feature = "postgres")]
+            StoreHandle::Postgres(_) => {
+                "holds the rows the store wrote (the server keeps its own indexes)"
+            }
+        };
+        out!("ok: {target} {what}");
     } else {
         for (part, f) in &findings {
             out!("{part}: {f}");
         }
-        out!("{} findings in {}", findings.len(), file.display());
+        out!("{} findings in {target}", findings.len());
     }
     Ok(if findings.is_empty() {
         Outcome::Ok
@@ -685,9 +739,8 @@ fn check(file: &Path, json: bool) -> Result<Outcome, Failure> {
 /// entries (payload in base64), idempotency rows (body in base64). Stops
 /// early, with success, when stdout's reader goes away (see
 /// [`output::line`](crate::output::line)).
-fn export(file: &Path) -> Result<Outcome, Failure> {
-    let store = open(file)?;
-    let holds = Holdings::read(&store)?;
+fn export(store: &StoreHandle) -> Result<Outcome, Failure> {
+    let holds = Holdings::read(store)?;
     let pb = bar(holds.total(), "exporting");
     let mut out = BufWriter::new(std::io::stdout().lock());
     for name in &holds.inbox_names {
@@ -715,7 +768,7 @@ fn export(file: &Path) -> Result<Outcome, Failure> {
         }
         pb.inc(page.len() as u64);
     }
-    for page in key_pages(&store.idempotency_keys(), PAGE) {
+    for page in key_pages(&store.keys(), PAGE) {
         let page = page?;
         for (k, response) in &page {
             let mut v = key_json(k, response.as_ref());
@@ -745,13 +798,13 @@ pub(crate) struct Holdings {
 }
 
 impl Holdings {
-    pub(crate) fn read(store: &Store) -> Result<Holdings, Failure> {
+    pub(crate) fn read(store: &StoreHandle) -> Result<Holdings, Failure> {
         let inbox_names = store.inbox_names()?;
         let mut inbox_keys = 0;
         for name in &inbox_names {
             inbox_keys += store.inbox(name)?.len()?;
         }
-        let keys = store.idempotency_keys().summary()?;
+        let keys = store.keys().summary()?;
         Ok(Holdings {
             inbox_names,
             inbox_keys,
@@ -793,7 +846,7 @@ fn pages<T: Clone>(
 
 /// An inbox's keys with their claim times, oldest first, `batch` a page.
 pub(crate) fn inbox_pages(
-    inbox: &Inbox,
+    inbox: &InboxHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<(String, DateTime<Utc>)>, Failure>> + '_ {
     pages(move |last: Option<&(String, DateTime<Utc>)>| {
@@ -803,7 +856,7 @@ pub(crate) fn inbox_pages(
 
 /// Every outbox record by id, `batch` a page.
 pub(crate) fn outbox_pages(
-    outbox: &Outbox,
+    outbox: &OutboxHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<OutboxRecord>, Failure>> + '_ {
     pages(move |last: Option<&OutboxRecord>| {
@@ -818,7 +871,7 @@ pub(crate) fn outbox_pages(
 /// Every idempotency record in `(tenant, key)` order, each completed one
 /// with its stored response, `batch` a page.
 pub(crate) fn key_pages(
-    keys: &IdempotencyKeys,
+    keys: &KeysHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<(KeyEntry, Option<ResponseRecord>)>, Failure>> + '_ {
     pages(move |last: Option<&(KeyEntry, Option<ResponseRecord>)>| {

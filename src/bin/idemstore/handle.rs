@@ -1,14 +1,36 @@
-//! The outbox of a command's store, a file's or a PostgreSQL server's,
-//! with the calls the commands make: the same answers from either, so a
-//! command is written once.
+//! A command's store, a file or a PostgreSQL server's schema, and its
+//! inboxes, outbox and idempotency keys, with the calls the commands make:
+//! the same answers from either, so a command is written once.
 
 use chrono::{DateTime, Utc};
 use idemstore::{
-    DestinationPolicy, DestinationState, Outbox, OutboxFilter, OutboxId, OutboxRecord, Result,
+    DestinationPolicy, DestinationState, IdempotencyKeys, Inbox, KeyEntry, KeySummary, Outbox,
+    OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, ResponseRecord, Result, Store,
 };
 
 use crate::Failure;
 use crate::target::Target;
+
+/// A store file, or a store on a PostgreSQL server.
+pub(crate) enum StoreHandle {
+    File(Store),
+    #[cfg(feature = "postgres")]
+    Postgres(idemstore::postgres::PgStore),
+}
+
+/// An inbox of a [`StoreHandle`].
+pub(crate) enum InboxHandle {
+    File(Inbox),
+    #[cfg(feature = "postgres")]
+    Postgres(idemstore::postgres::PgInbox),
+}
+
+/// The idempotency keys of a [`StoreHandle`].
+pub(crate) enum KeysHandle {
+    File(IdempotencyKeys),
+    #[cfg(feature = "postgres")]
+    Postgres(idemstore::postgres::PgIdempotencyKeys),
+}
 
 /// An outbox, on a store file or on a PostgreSQL server.
 pub(crate) enum OutboxHandle {
@@ -17,72 +39,172 @@ pub(crate) enum OutboxHandle {
     Postgres(idemstore::postgres::PgOutbox),
 }
 
-/// The same call on whichever outbox `$h` holds.
+/// The same call on whichever backend's value `$h` (a handle of type
+/// `$t`) holds.
 macro_rules! both {
-    ($h:expr, $o:ident => $call:expr) => {
+    ($t:ident, $h:expr, $o:ident => $call:expr) => {
         match $h {
-            OutboxHandle::File($o) => $call,
+            $t::File($o) => $call,
             #[cfg(feature = "postgres")]
-            OutboxHandle::Postgres($o) => $call,
+            $t::Postgres($o) => $call,
         }
     };
 }
 
-impl OutboxHandle {
-    pub(crate) fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
-        both!(self, o => o.list(filter, limit))
+impl StoreHandle {
+    pub(crate) fn outbox(&self) -> OutboxHandle {
+        match self {
+            StoreHandle::File(s) => OutboxHandle::File(s.outbox()),
+            #[cfg(feature = "postgres")]
+            StoreHandle::Postgres(s) => OutboxHandle::Postgres(s.outbox()),
+        }
     }
 
-    pub(crate) fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
-        both!(self, o => o.get(id))
+    pub(crate) fn inbox(&self, name: &str) -> Result<InboxHandle> {
+        Ok(match self {
+            StoreHandle::File(s) => InboxHandle::File(s.inbox(name)?),
+            #[cfg(feature = "postgres")]
+            StoreHandle::Postgres(s) => InboxHandle::Postgres(s.inbox(name)?),
+        })
     }
 
-    pub(crate) fn requeue(&self, id: OutboxId, due: DateTime<Utc>) -> Result<()> {
-        both!(self, o => o.requeue(id, due))
+    pub(crate) fn keys(&self) -> KeysHandle {
+        match self {
+            StoreHandle::File(s) => KeysHandle::File(s.idempotency_keys()),
+            #[cfg(feature = "postgres")]
+            StoreHandle::Postgres(s) => KeysHandle::Postgres(s.idempotency_keys()),
+        }
     }
 
-    pub(crate) fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
-        both!(self, o => o.cancel(id, now))
-    }
-
-    pub(crate) fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
-        both!(self, o => o.mark_completed(id, now))
-    }
-
-    pub(crate) fn mark_failed(&self, id: OutboxId, reason: &str, now: DateTime<Utc>) -> Result<()> {
-        both!(self, o => o.mark_failed(id, reason, None, now))
-    }
-
-    pub(crate) fn release_expired_claims(&self, before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
-        both!(self, o => o.release_expired_claims(before))
-    }
-
-    pub(crate) fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
-        both!(self, o => o.purge_finished(before))
-    }
-
-    pub(crate) fn destinations(&self) -> Result<Vec<DestinationState>> {
-        both!(self, o => o.destinations())
-    }
-
-    pub(crate) fn pause_destination(&self, name: &str) -> Result<()> {
-        both!(self, o => o.pause_destination(name))
-    }
-
-    pub(crate) fn resume_destination(&self, name: &str) -> Result<()> {
-        both!(self, o => o.resume_destination(name))
-    }
-
-    pub(crate) fn set_destination_policy(&self, name: &str, p: DestinationPolicy) -> Result<()> {
-        both!(self, o => o.set_destination_policy(name, p))
+    pub(crate) fn inbox_names(&self) -> Result<Vec<String>> {
+        both!(StoreHandle, self, s => s.inbox_names())
     }
 }
 
-/// The outbox of `target`'s store: an existing file (opened shared, as
-/// every command opens it), or the store in `schema` (default `idemstore`)
-/// on a PostgreSQL server, which must exist already: a command never
-/// creates a store.
+impl InboxHandle {
+    pub(crate) fn list(
+        &self,
+        after: Option<(DateTime<Utc>, &str)>,
+        limit: usize,
+    ) -> Result<Vec<(String, DateTime<Utc>)>> {
+        both!(InboxHandle, self, i => i.list(after, limit))
+    }
+
+    pub(crate) fn len(&self) -> Result<u64> {
+        both!(InboxHandle, self, i => i.len())
+    }
+
+    pub(crate) fn prune(&self, before: DateTime<Utc>) -> Result<u64> {
+        both!(InboxHandle, self, i => i.prune(before))
+    }
+}
+
+impl KeysHandle {
+    pub(crate) fn list(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
+        both!(KeysHandle, self, k => k.list(tenant, limit))
+    }
+
+    pub(crate) fn list_after(
+        &self,
+        after: Option<(&str, &str)>,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>> {
+        both!(KeysHandle, self, k => k.list_after(after, limit))
+    }
+
+    pub(crate) fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
+        both!(KeysHandle, self, k => k.response(tenant, key))
+    }
+
+    pub(crate) fn summary(&self) -> Result<KeySummary> {
+        both!(KeysHandle, self, k => k.summary())
+    }
+
+    pub(crate) fn purge_expired(&self, before: DateTime<Utc>) -> Result<u64> {
+        both!(KeysHandle, self, k => k.purge_expired(before))
+    }
+
+    pub(crate) fn check_indexes(&self) -> Result<Vec<String>> {
+        both!(KeysHandle, self, k => k.check_indexes())
+    }
+}
+
+impl OutboxHandle {
+    pub(crate) fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
+        both!(OutboxHandle, self, o => o.list(filter, limit))
+    }
+
+    pub(crate) fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
+        both!(OutboxHandle, self, o => o.get(id))
+    }
+
+    pub(crate) fn requeue(&self, id: OutboxId, due: DateTime<Utc>) -> Result<()> {
+        both!(OutboxHandle, self, o => o.requeue(id, due))
+    }
+
+    pub(crate) fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        both!(OutboxHandle, self, o => o.cancel(id, now))
+    }
+
+    pub(crate) fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        both!(OutboxHandle, self, o => o.mark_completed(id, now))
+    }
+
+    pub(crate) fn mark_failed(&self, id: OutboxId, reason: &str, now: DateTime<Utc>) -> Result<()> {
+        both!(OutboxHandle, self, o => o.mark_failed(id, reason, None, now))
+    }
+
+    pub(crate) fn release_expired_claims(&self, before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        both!(OutboxHandle, self, o => o.release_expired_claims(before))
+    }
+
+    pub(crate) fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
+        both!(OutboxHandle, self, o => o.purge_finished(before))
+    }
+
+    pub(crate) fn counts(&self) -> Result<OutboxCounts> {
+        both!(OutboxHandle, self, o => o.counts())
+    }
+
+    pub(crate) fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
+        both!(OutboxHandle, self, o => o.next_due())
+    }
+
+    pub(crate) fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        both!(OutboxHandle, self, o => o.oldest_claim())
+    }
+
+    pub(crate) fn check_indexes(&self) -> Result<Vec<String>> {
+        both!(OutboxHandle, self, o => o.check_indexes())
+    }
+
+    pub(crate) fn destinations(&self) -> Result<Vec<DestinationState>> {
+        both!(OutboxHandle, self, o => o.destinations())
+    }
+
+    pub(crate) fn pause_destination(&self, name: &str) -> Result<()> {
+        both!(OutboxHandle, self, o => o.pause_destination(name))
+    }
+
+    pub(crate) fn resume_destination(&self, name: &str) -> Result<()> {
+        both!(OutboxHandle, self, o => o.resume_destination(name))
+    }
+
+    pub(crate) fn set_destination_policy(&self, name: &str, p: DestinationPolicy) -> Result<()> {
+        both!(OutboxHandle, self, o => o.set_destination_policy(name, p))
+    }
+}
+
+/// The outbox of `target`'s store (see [`open_store`]).
 pub(crate) fn open_outbox(target: &Target, schema: Option<&str>) -> Result<OutboxHandle, Failure> {
+    Ok(open_store(target, schema)?.outbox())
+}
+
+/// `target`'s store: an existing file (opened shared, as every command
+/// opens it), or the store in `schema` (default `idemstore`) on a
+/// PostgreSQL server, which must exist already: a command never creates a
+/// store.
+pub(crate) fn open_store(target: &Target, schema: Option<&str>) -> Result<StoreHandle, Failure> {
     match target {
         Target::File(path) => {
             if schema.is_some() {
@@ -91,7 +213,7 @@ pub(crate) fn open_outbox(target: &Target, schema: Option<&str>) -> Result<Outbo
                     path.display()
                 )));
             }
-            Ok(OutboxHandle::File(crate::open(path)?.outbox()))
+            Ok(StoreHandle::File(crate::open(path)?))
         }
         Target::Postgres(url) => postgres::open(url, schema),
     }
@@ -102,12 +224,12 @@ mod postgres {
     use ::postgres::{Client, NoTls};
     use idemstore::postgres::{DEFAULT_SCHEMA, PgStore};
 
-    use super::OutboxHandle;
+    use super::StoreHandle;
     use crate::Failure;
     use crate::target::redact;
 
-    /// The outbox of the store in `schema` at `url`, if there is one.
-    pub(super) fn open(url: &str, schema: Option<&str>) -> Result<OutboxHandle, Failure> {
+    /// The store in `schema` at `url`, if there is one.
+    pub(super) fn open(url: &str, schema: Option<&str>) -> Result<StoreHandle, Failure> {
         let schema = schema.unwrap_or(DEFAULT_SCHEMA);
         let unreachable =
             |e: ::postgres::Error| Failure(format!("cannot reach {}: {e}", redact(url)));
@@ -132,17 +254,17 @@ mod postgres {
             .schema(schema)
             .pool_size(2)
             .connect(url)?;
-        Ok(OutboxHandle::Postgres(store.outbox()))
+        Ok(StoreHandle::Postgres(store))
     }
 }
 
 #[cfg(not(feature = "postgres"))]
 mod postgres {
-    use super::OutboxHandle;
+    use super::StoreHandle;
     use crate::Failure;
     use crate::target::redact;
 
-    pub(super) fn open(url: &str, _: Option<&str>) -> Result<OutboxHandle, Failure> {
+    pub(super) fn open(url: &str, _: Option<&str>) -> Result<StoreHandle, Failure> {
         Err(Failure(format!(
             "{} is a PostgreSQL connection string, and this build has no PostgreSQL \
              backend: install one with `cargo install idemstore --features cli,postgres`",

@@ -6,9 +6,9 @@
 //! (`inbox prune`, `outbox purge`, `keys purge`, `compact`), verify it
 //! (`check`) and back it up (`export --jsonl`). Output is for people by default and JSON
 //! with `--json`. Exit codes: 0 ok, 1 findings or a failed operation, 2 bad
-//! usage. The outbox and destination commands also work on a PostgreSQL
-//! store, given its connection string (and `--schema`) in place of the file
-//! (`target.rs`, `handle.rs`).
+//! usage. Every command but `compact` and `migrate` also works on a
+//! PostgreSQL store, given its connection string (and `--schema`) in place
+//! of the file (`target.rs`, `handle.rs`).
 //!
 //! Every command but `compact` opens the file shared between processes
 //! (`StoreBuilder::shared(true)`): it works on a file nobody has open, and
@@ -33,7 +33,7 @@ mod output;
 mod target;
 mod time;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
@@ -56,7 +56,7 @@ use crate::target::Target;
 ///
 /// STORE is a store file, or a PostgreSQL store's connection string: a
 /// postgres:// URL or libpq key=value pairs (with --schema if its schema is
-/// not idemstore). The outbox and destination commands take either.
+/// not idemstore). Every command but compact and migrate takes either.
 ///
 /// Exit codes: 0 ok, 1 findings (check) or a failed operation, 2 bad usage.
 #[derive(Debug, Parser)]
@@ -65,9 +65,8 @@ pub(crate) struct Cli {
     /// Print JSON for scripts instead of text for people.
     #[arg(long, global = true)]
     pub(crate) json: bool,
-    /// The schema of a PostgreSQL store: the store the outbox and
-    /// destination commands work on, or the one migrate copies into
-    /// (created if absent). Default: idemstore.
+    /// The schema of a PostgreSQL store: the store a command works on, or
+    /// the one migrate copies into (created if absent). Default: idemstore.
     #[arg(long, global = true, value_name = "SCHEMA")]
     pub(crate) schema: Option<String>,
     #[command(subcommand)]
@@ -79,8 +78,9 @@ pub(crate) enum Command {
     /// File size, format, space, and what each inbox, the outbox and the
     /// idempotency keys hold.
     Stats {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
     },
     /// Inbox ledgers.
     #[command(subcommand)]
@@ -107,13 +107,15 @@ pub(crate) enum Command {
     /// Needs the file to itself: stop every program that has it open first.
     Compact {
         /// The store file.
-        file: PathBuf,
+        #[arg(value_name = "FILE", value_parser = Target::parse)]
+        file: Target,
     },
     /// Check the engine's integrity and that every index agrees with its
     /// rows; exit 1 on any finding.
     Check {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
     },
     /// Write every record as JSON lines on stdout (payloads and bodies in
     /// base64), for backups and debugging.
@@ -122,8 +124,9 @@ pub(crate) enum Command {
     /// it writes meanwhile may or may not be in the export. For a backup
     /// that is one moment of the store, stop the program first.
     Export {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// One JSON object per line (the only format).
         #[arg(long, required = true)]
         jsonl: bool,
@@ -148,7 +151,8 @@ pub(crate) enum Command {
     /// meanwhile may or may not be copied).
     Migrate {
         /// The store file.
-        file: PathBuf,
+        #[arg(value_name = "FILE", value_parser = Target::parse)]
+        file: Target,
         /// The server: a libpq connection string or URL
         /// (host=/run/postgresql user=app dbname=app).
         #[arg(long = "to-postgres", value_name = "URL")]
@@ -163,8 +167,9 @@ pub(crate) enum Command {
 pub(crate) enum InboxCommand {
     /// The keys of an inbox, oldest first.
     List {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The inbox's name.
         name: String,
         /// At most this many keys (0: all).
@@ -173,8 +178,9 @@ pub(crate) enum InboxCommand {
     },
     /// Forget the keys of an inbox seen before TIME.
     Prune {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// The inbox's name.
         name: String,
         /// Remove keys seen strictly before this TIME.
@@ -269,8 +275,9 @@ pub(crate) enum OutboxCommand {
 pub(crate) enum KeysCommand {
     /// Stored responses and reservations, by tenant and key.
     List {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// Only this tenant's keys ("" is the default tenant).
         #[arg(long)]
         tenant: Option<String>,
@@ -281,8 +288,9 @@ pub(crate) enum KeysCommand {
     /// Delete records created before TIME (reservations once their lease
     /// has ended too).
     Purge {
-        /// The store file.
-        file: PathBuf,
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
         /// Delete records created strictly before this TIME.
         #[arg(long, value_parser = time::parse_time)]
         before: DateTime<Utc>,

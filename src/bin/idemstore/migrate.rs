@@ -42,6 +42,7 @@ mod with_postgres {
     use serde_json::json;
 
     use crate::commands::{Holdings, inbox_pages, key_pages, outbox_pages};
+    use crate::handle::StoreHandle;
 
     use crate::open_or;
     use crate::output::{bar, out, print_json};
@@ -207,7 +208,8 @@ mod with_postgres {
         }
         let pg = builder.connect(url).map_err(|e| unusable(url, e))?;
         let batch = usize::try_from(batch).unwrap_or(1000);
-        let holds = Holdings::read(&store)?;
+        let source = StoreHandle::File(store.clone());
+        let holds = Holdings::read(&source)?;
         // Ids and fences are never reused: the server's sequences go past
         // every one the file handed out, its purged records' too.
         pg.import_counters(
@@ -221,7 +223,7 @@ mod with_postgres {
             ..Tally::default()
         };
         for name in &holds.inbox_names {
-            for page in inbox_pages(&store.inbox(name)?, batch) {
+            for page in inbox_pages(&source.inbox(name)?, batch) {
                 let page = page?;
                 inboxes.copied += pg.import_inbox(name, &page)?;
                 pb.inc(page.len() as u64);
@@ -233,7 +235,7 @@ mod with_postgres {
             source: holds.outbox,
             ..Tally::default()
         };
-        for page in outbox_pages(&store.outbox(), batch) {
+        for page in outbox_pages(&source.outbox(), batch) {
             let page = page?;
             outbox.add(pg.import_outbox(&page)?, |id| format!("id {id}"));
             pb.inc(page.len() as u64);
@@ -246,7 +248,7 @@ mod with_postgres {
             source: holds.keys,
             ..Tally::default()
         };
-        for page in key_pages(&store.idempotency_keys(), batch) {
+        for page in key_pages(&source.keys(), batch) {
             let page = page?;
             keys.add(pg.import_idempotency(&page)?, |(t, k)| {
                 format!("{t:?}/{k:?}")

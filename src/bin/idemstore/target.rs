@@ -3,7 +3,9 @@
 //! connection string, with `--schema`). Shown with its password hidden.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use crate::Failure;
 
 /// A store file or a PostgreSQL connection string, as given on the command
 /// line.
@@ -33,6 +35,18 @@ impl Target {
         } else {
             Target::File(PathBuf::from(arg))
         })
+    }
+}
+
+impl Target {
+    /// The file, for `command`, which works on store files only.
+    pub(crate) fn file(&self, command: &str) -> Result<&Path, Failure> {
+        match self {
+            Target::File(path) => Ok(path),
+            Target::Postgres(_) => Err(Failure(format!(
+                "{command} works on a store file, and {self} is a PostgreSQL connection string"
+            ))),
+        }
     }
 }
 
