@@ -31,7 +31,8 @@ use crate::error::Result;
 use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
 use crate::inbox::Inbox;
 use crate::outbox::{
-    ClaimRequest, Fence, Outbox, OutboxEntry, OutboxId, SettledAndClaimed, Settlement,
+    ClaimRequest, DestinationState, Fence, Outbox, OutboxCounts, OutboxEntry, OutboxFilter,
+    OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
@@ -163,6 +164,9 @@ pub(crate) mod sealed {
 
     /// The seal of [`IdempotencyBackend`](super::IdempotencyBackend).
     pub trait Keys {}
+
+    /// The seal of [`OutboxAdmin`](super::OutboxAdmin).
+    pub trait Admin {}
 }
 
 /// Implements the three traits for an outbox, an inbox and an
@@ -306,3 +310,115 @@ macro_rules! forward_to_handles {
 pub(crate) use forward_to_handles;
 
 forward_to_handles!(outbox: Outbox, inbox: Inbox, keys: IdempotencyKeys);
+
+/// What an operator reads and changes in an outbox, whatever the store: the
+/// operator console's view (feature `console`). Implemented by [`Outbox`]
+/// and `postgres::PgOutbox`; sealed, as the traits above.
+///
+/// Each call is the handle's method of the same name ([`Outbox::list`],
+/// [`Outbox::requeue`], …), with the same guarantees and errors.
+pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
+    /// How many entries are in each status.
+    fn counts(&self) -> Result<OutboxCounts>;
+    /// Up to `limit` entries that `filter` matches, by id.
+    fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>>;
+    /// The entry `id` with its attempt history; [`Error::NotFound`](crate::Error::NotFound) if none.
+    fn get(&self, id: OutboxId) -> Result<OutboxRecord>;
+    /// When the next entry may be claimed.
+    fn next_due(&self) -> Result<Option<DateTime<Utc>>>;
+    /// The claim time of the longest-held `Dispatching` entry.
+    fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>>;
+    /// Every destination with an entry, a policy or a pause.
+    fn destinations(&self) -> Result<Vec<DestinationState>>;
+    /// A `Failed` or `OutcomeUnknown` entry back to `Pending`, due then.
+    fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()>;
+    /// A `Pending` or `OutcomeUnknown` entry to `Failed`, reason `cancelled`.
+    fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()>;
+    /// An entry marked `Completed`.
+    fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()>;
+    /// An entry marked failed with `reason`, retried then if given.
+    fn mark_failed(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        next_attempt_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()>;
+    /// Stops claiming `destination`'s entries.
+    fn pause_destination(&self, destination: &str) -> Result<()>;
+    /// Lets a paused `destination`'s entries be claimed again.
+    fn resume_destination(&self, destination: &str) -> Result<()>;
+}
+
+/// Implements [`OutboxAdmin`] for an outbox handle type, each call
+/// forwarded to the handle's own method of the same name.
+macro_rules! forward_admin {
+    ($outbox:ty) => {
+        impl $crate::backend::sealed::Admin for $outbox {}
+
+        impl $crate::backend::OutboxAdmin for $outbox {
+            fn counts(&self) -> $crate::Result<$crate::OutboxCounts> {
+                <$outbox>::counts(self)
+            }
+            fn list(
+                &self,
+                filter: &$crate::OutboxFilter,
+                limit: usize,
+            ) -> $crate::Result<Vec<$crate::OutboxRecord>> {
+                <$outbox>::list(self, filter, limit)
+            }
+            fn get(&self, id: $crate::OutboxId) -> $crate::Result<$crate::OutboxRecord> {
+                <$outbox>::get(self, id)
+            }
+            fn next_due(&self) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {
+                <$outbox>::next_due(self)
+            }
+            fn oldest_claim(&self) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {
+                <$outbox>::oldest_claim(self)
+            }
+            fn destinations(&self) -> $crate::Result<Vec<$crate::DestinationState>> {
+                <$outbox>::destinations(self)
+            }
+            fn requeue(
+                &self,
+                id: $crate::OutboxId,
+                next_attempt_at: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::requeue(self, id, next_attempt_at)
+            }
+            fn cancel(
+                &self,
+                id: $crate::OutboxId,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::cancel(self, id, now)
+            }
+            fn mark_completed(
+                &self,
+                id: $crate::OutboxId,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::mark_completed(self, id, now)
+            }
+            fn mark_failed(
+                &self,
+                id: $crate::OutboxId,
+                reason: &str,
+                next_attempt_at: Option<chrono::DateTime<chrono::Utc>>,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::mark_failed(self, id, reason, next_attempt_at, now)
+            }
+            fn pause_destination(&self, destination: &str) -> $crate::Result<()> {
+                <$outbox>::pause_destination(self, destination)
+            }
+            fn resume_destination(&self, destination: &str) -> $crate::Result<()> {
+                <$outbox>::resume_destination(self, destination)
+            }
+        }
+    };
+}
+#[cfg(feature = "postgres")]
+pub(crate) use forward_admin;
+
+forward_admin!(Outbox);

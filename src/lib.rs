@@ -187,6 +187,9 @@
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
 //!   keys on a PostgreSQL server, for programs that outgrow one machine.
 //! - `cli`: the `idemstore` operator binary (the repository's `docs/cli.md`).
+//! - `console`: `console::Console`, the operator
+//!   console's pages as an axum router over either backend (read-only so
+//!   far).
 //!
 //! # Glossary
 //!
@@ -311,6 +314,9 @@ struct ReadmeDoctests;
 
 mod backend;
 mod codec;
+#[cfg(feature = "console")]
+#[cfg_attr(docsrs, doc(cfg(feature = "console")))]
+pub mod console;
 pub mod dispatch;
 mod engine;
 mod error;
@@ -333,7 +339,7 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
-pub use backend::{IdempotencyBackend, InboxBackend, OutboxBackend};
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxAdmin, OutboxBackend};
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
 pub use dispatch::{

@@ -7,3 +7,4 @@
 use super::{PgIdempotencyKeys, PgInbox, PgOutbox};
 
 crate::backend::forward_to_handles!(outbox: PgOutbox, inbox: PgInbox, keys: PgIdempotencyKeys);
+crate::backend::forward_admin!(PgOutbox);
