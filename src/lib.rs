@@ -187,9 +187,9 @@
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
 //!   keys on a PostgreSQL server, for programs that outgrow one machine.
 //! - `cli`: the `idemstore` operator binary (the repository's `docs/cli.md`).
-//! - `console`: `console::Console`, the operator
-//!   console's pages as an axum router over either backend (read-only so
-//!   far).
+//! - `console`: `console::Console`, the operator console's pages and
+//!   actions as an axum router over either backend (read-only unless
+//!   writes are allowed).
 //!
 //! # Glossary
 //!

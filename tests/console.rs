@@ -168,6 +168,117 @@ mod postgres {
                 .map_err(|e| idemstore::Error::Io(std::io::Error::other(e.to_string())))?;
             Ok::<_, idemstore::Error>(outbox)
         })?;
-        pages_show_the_outbox(Console::new(outbox).router(), "").await
+        pages_show_the_outbox(Console::new(outbox.clone()).router(), "").await?;
+        actions_change_only_what_they_are_allowed_to(outbox).await
     }
+}
+
+/// `POST path` of `router` with the form `fields` and extra `headers`.
+async fn post(
+    router: &Router,
+    path: &str,
+    fields: &[(&str, &str)],
+    headers: &[(&str, &str)],
+) -> Result<(StatusCode, header::HeaderMap, String), Box<dyn std::error::Error>> {
+    let body: Vec<String> = fields
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.replace(' ', "+").replace('&', "%26")))
+        .collect();
+    let mut request =
+        Request::post(path).header(header::CONTENT_TYPE, "application/x-www-form-urlencoded");
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let response = router
+        .clone()
+        .oneshot(request.body(Body::from(body.join("&")))?)
+        .await?;
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20).await?;
+    Ok((status, headers, String::from_utf8(body.to_vec())?))
+}
+
+/// The console's token, from a page's hidden field.
+fn token_of(html: &str) -> Option<String> {
+    let at = html.find("name=\"token\" value=\"")?;
+    let rest = &html[at + "name=\"token\" value=\"".len()..];
+    rest.split('"').next().map(str::to_owned)
+}
+
+/// The actions, refused without writes, the token or from another site,
+/// and done with them: on one entry, and on every entry a filter matches.
+async fn actions_change_only_what_they_are_allowed_to(
+    outbox: impl OutboxAdmin + Clone,
+) -> TestResult {
+    use idemstore::OutboxStatus::{Failed, Pending};
+    let status = |id: u64| outbox.get(idemstore::OutboxId(id)).map(|r| r.entry.status);
+    // Read-only: no forms, and a POST changes nothing.
+    let read_only = Console::new(outbox.clone()).router();
+    let (_, _, page) = get(&read_only, "/outbox/1").await?;
+    assert!(!page.contains("<form"), "{page}");
+    let (code, _, _) = post(&read_only, "/outbox/1/retry", &[("token", "x")], &[]).await?;
+    assert_eq!(code, StatusCode::FORBIDDEN);
+    assert_eq!(status(1)?, Failed);
+    // With writes: the token is on the page, and needed.
+    let router = Console::new(outbox.clone()).allow_writes(true).router();
+    let (_, _, page) = get(&router, "/outbox/1").await?;
+    let token = token_of(&page).ok_or("a token on the page")?;
+    assert!(page.contains("action=\"/outbox/1/retry\""), "{page}");
+    for (fields, headers) in [
+        (vec![], vec![]),
+        (vec![("token", "wrong")], vec![]),
+        (
+            vec![("token", token.as_str())],
+            vec![("sec-fetch-site", "cross-site")],
+        ),
+    ] {
+        let (code, _, body) = post(&router, "/outbox/1/retry", &fields, &headers).await?;
+        assert_eq!(code, StatusCode::FORBIDDEN, "{body}");
+        assert_eq!(status(1)?, Failed, "nothing changed");
+    }
+    let (code, headers, _) = post(&router, "/outbox/1/retry", &[("token", &token)], &[]).await?;
+    assert_eq!(code, StatusCode::SEE_OTHER);
+    assert_eq!(headers[header::LOCATION], "/outbox/1");
+    assert_eq!(status(1)?, Pending);
+    // Retry every failed entry of `a`: the count shown, a confirmation asked.
+    let (_, _, list) = get(&router, "/outbox?status=failed&destination=a").await?;
+    assert!(list.contains("all 1 matching entries"), "{list}");
+    let fields = [
+        ("token", token.as_str()),
+        ("status", "failed"),
+        ("destination", "a"),
+    ];
+    let (code, _, _) = post(&router, "/outbox/retry-matching", &fields, &[]).await?;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "not confirmed");
+    assert_eq!(status(2)?, Failed);
+    let confirmed = [fields.as_slice(), &[("confirm", "yes")]].concat();
+    let (code, _, done) = post(&router, "/outbox/retry-matching", &confirmed, &[]).await?;
+    assert_eq!(code, StatusCode::OK, "{done}");
+    assert!(done.contains("1 entries retried"), "{done}");
+    assert_eq!(status(2)?, Pending);
+    // Cancel every pending entry of `b & c`; `a`'s stay pending.
+    let fields = [
+        ("token", token.as_str()),
+        ("status", "pending"),
+        ("destination", "b & c"),
+        ("confirm", "yes"),
+    ];
+    let (code, _, done) = post(&router, "/outbox/cancel-matching", &fields, &[]).await?;
+    assert_eq!(code, StatusCode::OK, "{done}");
+    assert_eq!(
+        (status(1)?, status(2)?, status(3)?),
+        (Pending, Pending, Failed)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn actions_on_a_store_file_change_only_what_they_are_allowed_to() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(dir.path().join("c.idem"))?;
+    let outbox = store.outbox();
+    let enqueue = |e| outbox.enqueue(e, t(0)).map(|_| ());
+    fill(&outbox, enqueue)?;
+    actions_change_only_what_they_are_allowed_to(outbox).await
 }

@@ -25,9 +25,25 @@
 //! - `/outbox/ID`: one entry, with its attempt history and its payload
 //!   (as text when it is UTF-8, else in hex).
 //!
+//! Actions, once [allowed](Console::allow_writes): on an entry's page,
+//! retry (a failed or in-doubt entry back to pending, due now), cancel (a
+//! pending or in-doubt one to failed, reason `cancelled`) and resolve an
+//! in-doubt entry as completed or failed; on a list of one status, retry
+//! or cancel **every entry the filter matches**, with the count shown and a
+//! confirmation, each entry in a commit of its own (read 500 at a time), so
+//! the writer is never held for long. An entry that changed meanwhile is
+//! left as it is and counted apart.
+//!
 //! What is guaranteed:
 //!
-//! - **It only reads.** No page changes the store.
+//! - **Read-only unless writes are allowed.** Then no page shows an action
+//!   and every action `POST` is refused (403) without changing anything.
+//! - **Every action is a plain HTML form** (`<form method="post">`, no
+//!   script needed) carrying the console's token as a hidden field; a
+//!   `POST` without it, with another, or from another site's page
+//!   (`Sec-Fetch-Site: cross-site`) is refused (403) and changes nothing.
+//!   The token is made from the operating system's randomness when the
+//!   console is made, and is the same for every page it serves.
 //! - **Everything is escaped.** Every value from the store (a payload, a
 //!   failure reason, a key) is inserted as text by
 //!   [maud](https://docs.rs/maud), whose templates are checked at compile
@@ -42,12 +58,13 @@
 //! (`tokio::task::spawn_blocking`): a read of the embedded store may wait
 //! for a commit to be durable, and the PostgreSQL client blocks.
 
+mod actions;
 mod pages;
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::get;
+use axum::routing::{get, post};
 
 use crate::backend::OutboxAdmin;
 
@@ -62,6 +79,10 @@ struct Inner {
     outbox: Arc<dyn OutboxAdmin>,
     /// The path the router is mounted under, in front of every link.
     base: String,
+    /// Whether the actions are offered and accepted.
+    writes: bool,
+    /// What an action's form must carry.
+    token: String,
 }
 
 impl Console {
@@ -72,7 +93,30 @@ impl Console {
             inner: Arc::new(Inner {
                 outbox: Arc::new(outbox),
                 base: String::new(),
+                writes: false,
+                token: token(),
             }),
+        }
+    }
+
+    /// Offers and accepts the actions (retry, cancel, resolve; on every
+    /// matching entry too). Default: read-only.
+    #[must_use]
+    pub fn allow_writes(self, allow: bool) -> Console {
+        self.with(|i| i.writes = allow)
+    }
+
+    /// This console with `change` made to a copy of its settings.
+    fn with(self, change: impl FnOnce(&mut Inner)) -> Console {
+        let mut inner = Inner {
+            outbox: self.inner.outbox.clone(),
+            base: self.inner.base.clone(),
+            writes: self.inner.writes,
+            token: self.inner.token.clone(),
+        };
+        change(&mut inner);
+        Console {
+            inner: Arc::new(inner),
         }
     }
 
@@ -81,12 +125,8 @@ impl Console {
     /// `/` is dropped.
     #[must_use]
     pub fn base_path(self, path: &str) -> Console {
-        Console {
-            inner: Arc::new(Inner {
-                outbox: self.inner.outbox.clone(),
-                base: path.trim_end_matches('/').to_owned(),
-            }),
-        }
+        let base = path.trim_end_matches('/').to_owned();
+        self.with(|i| i.base = base)
     }
 
     /// The pages, as a router to serve or to mount (`Router::nest`).
@@ -95,7 +135,39 @@ impl Console {
             .route("/", get(pages::overview))
             .route("/outbox", get(pages::list))
             .route("/outbox/{id}", get(pages::entry))
+            .route("/outbox/{id}/{action}", post(actions::on_entry))
+            .route("/outbox/retry-matching", post(actions::retry_matching))
+            .route("/outbox/cancel-matching", post(actions::cancel_matching))
             .route("/style.css", get(pages::style))
             .with_state(self.inner.clone())
     }
+}
+
+/// A token no one can guess: 256 bits of SHA-256 over keys the standard
+/// library draws from the operating system's randomness for each hasher
+/// (`RandomState`), the time and the process.
+fn token() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+
+    use sha2::{Digest as _, Sha256};
+
+    let mut digest = Sha256::new();
+    for i in 0_u64..4 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(i);
+        digest.update(h.finish().to_le_bytes());
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    digest.update(nanos.to_le_bytes());
+    digest.update(std::process::id().to_le_bytes());
+    digest
+        .finalize()
+        .iter()
+        .fold(String::with_capacity(64), |mut s, b| {
+            use std::fmt::Write as _;
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }

@@ -33,7 +33,7 @@ form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
 /// A page: `status`, `title` and `body` in the console's frame, with the
 /// security headers.
-fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup) -> Response {
+pub(super) fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup) -> Response {
     let base = &inner.base;
     // Mounted under `/ops`, the overview is `/ops` (a nested router's root).
     let home = if base.is_empty() { "/" } else { base.as_str() };
@@ -105,7 +105,7 @@ fn bad_request(inner: &Inner, why: &str) -> Response {
 }
 
 /// Runs `read` on the blocking pool and renders its answer with `render`.
-async fn read_then<T: Send + 'static>(
+pub(super) async fn read_then<T: Send + 'static>(
     inner: Arc<Inner>,
     read: impl FnOnce(&Inner) -> crate::Result<T> + Send + 'static,
     render: impl FnOnce(&Inner, T) -> Response,
@@ -215,10 +215,26 @@ pub(super) async fn list(
     if let Some(after) = q.after {
         filter = filter.after(OutboxId(after));
     }
+    let counted = destination.clone();
     read_then(
         inner,
-        move |i| i.outbox.list(&filter, PAGE),
-        move |i, rows: Vec<OutboxRecord>| {
+        move |i| {
+            let rows = i.outbox.list(&filter, PAGE)?;
+            // How many the filter matches, for an action on all of them.
+            let matching = match (status, &counted) {
+                (Some(s), Some(d)) => Some(
+                    i.outbox
+                        .destinations()?
+                        .iter()
+                        .find(|x| &x.destination == d)
+                        .map_or(0, |x| x.counts.get(s)),
+                ),
+                (Some(s), None) => Some(i.outbox.counts()?.get(s)),
+                (None, _) => None,
+            };
+            Ok((rows, matching))
+        },
+        move |i, (rows, matching): (Vec<OutboxRecord>, Option<u64>)| {
             let next = (rows.len() == PAGE)
                 .then(|| rows.last().map(|r| r.entry.id.0))
                 .flatten()
@@ -246,6 +262,9 @@ pub(super) async fn list(
                     }
                 }
                 @if rows.is_empty() { p { "No entries." } }
+                @if let (true, Some(s), Some(n)) = (i.writes, status, matching) {
+                    @if n > 0 { (matching_actions(i, s, destination.as_deref(), n)) }
+                }
                 @if let Some(next) = next { p { a href=(next) { "Next page" } } }
             };
             page(i, StatusCode::OK, "Outbox", &body)
@@ -287,6 +306,7 @@ pub(super) async fn entry(
                     tr { th { "ordering key" } td { (e.ordering_key.as_deref().unwrap_or("")) } }
                     tr { th { "priority" } td { (e.priority) } }
                 }
+                @if i.writes { (entry_actions(i, e.id.0, e.status)) }
                 h2 { "Attempt history" }
                 @if r.attempts.is_empty() { p { "None recorded." } } @else {
                     table {
@@ -311,9 +331,73 @@ pub(super) async fn entry(
     .await
 }
 
+/// The forms of the actions an entry in `status` allows.
+fn entry_actions(i: &Inner, id: u64, status: OutboxStatus) -> Markup {
+    let action = |what: &str| format!("{}/outbox/{id}/{what}", i.base);
+    let retry = matches!(status, OutboxStatus::Failed | OutboxStatus::OutcomeUnknown);
+    let cancel = matches!(status, OutboxStatus::Pending | OutboxStatus::OutcomeUnknown);
+    let resolve = status == OutboxStatus::OutcomeUnknown;
+    html! {
+        h2 { "Actions" }
+        @if retry {
+            form method="post" action=(action("retry")) {
+                (token_field(i))
+                button type="submit" { "Retry: back to pending, due now" }
+            }
+        }
+        @if cancel {
+            form method="post" action=(action("cancel")) {
+                (token_field(i))
+                button type="submit" { "Cancel: failed, never sent" }
+            }
+        }
+        @if resolve {
+            form method="post" action=(action("complete")) {
+                (token_field(i))
+                button type="submit" { "Resolve: it happened (completed)" }
+            }
+            form method="post" action=(action("fail")) {
+                (token_field(i))
+                input type="text" name="reason" placeholder="reason code";
+                button type="submit" { "Resolve: it did not happen (failed)" }
+            }
+        }
+        @if !retry && !cancel { p { "No action applies to an entry " (status.as_str()) "." } }
+    }
+}
+
+/// The forms of the actions on all `n` entries of `status` (and
+/// `destination`), each asking for a confirmation.
+fn matching_actions(i: &Inner, status: OutboxStatus, destination: Option<&str>, n: u64) -> Markup {
+    let retry = matches!(status, OutboxStatus::Failed | OutboxStatus::OutcomeUnknown);
+    let cancel = matches!(status, OutboxStatus::Pending | OutboxStatus::OutcomeUnknown);
+    let form = |what: &str, label: &str| {
+        html! {
+            form method="post" action={ (i.base) "/outbox/" (what) "-matching" } {
+                (token_field(i))
+                input type="hidden" name="status" value=(status.as_str());
+                @if let Some(d) = destination { input type="hidden" name="destination" value=(d); }
+                label { input type="checkbox" name="confirm" value="yes" required; " I mean all " (n) }
+                " "
+                button type="submit" { (label) " all " (n) " matching entries" }
+            }
+        }
+    };
+    html! {
+        h2 { "Every matching entry" }
+        @if retry { (form("retry", "Retry")) }
+        @if cancel { (form("cancel", "Cancel")) }
+    }
+}
+
+/// The hidden field that carries the console's token.
+fn token_field(i: &Inner) -> Markup {
+    html! { input type="hidden" name=(super::actions::TOKEN_FIELD) value=(i.token); }
+}
+
 /// The list page of the entries of `status` and `destination` (any when
 /// `None`), from after `after`.
-fn list_link(
+pub(super) fn list_link(
     base: &str,
     status: Option<OutboxStatus>,
     destination: Option<&str>,

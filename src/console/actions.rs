@@ -1,0 +1,228 @@
+//! The console's actions: retry, cancel and resolve one entry, and retry
+//! or cancel every entry a filter matches. Each is a `POST` of a plain
+//! HTML form carrying the console's token; refused (403, nothing changed)
+//! while writes are not allowed, without the token, or from another site.
+
+use std::sync::Arc;
+
+use axum::Form;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use chrono::Utc;
+use maud::{Markup, html};
+use serde::Deserialize;
+
+use super::Inner;
+use super::pages::{list_link, page, read_then};
+use crate::outbox::{OutboxFilter, OutboxId, OutboxStatus};
+
+/// Entries read per step of an action on every entry a filter matches:
+/// each entry is then changed in a commit of its own, so the writer is
+/// never held for long, however many match.
+const STEP: usize = 500;
+
+/// The form field that carries the console's token.
+pub(super) const TOKEN_FIELD: &str = "token";
+
+/// A one-entry action's form.
+#[derive(Debug, Deserialize)]
+pub(super) struct EntryForm {
+    token: Option<String>,
+    /// For `fail`: the reason code to record.
+    reason: Option<String>,
+}
+
+/// An action on every entry a filter matches.
+#[derive(Debug, Deserialize)]
+pub(super) struct MatchingForm {
+    token: Option<String>,
+    status: Option<String>,
+    destination: Option<String>,
+    /// The operator confirmed the count shown.
+    confirm: Option<String>,
+}
+
+/// The refusal of an action, if it is refused: writes not allowed, no or
+/// a wrong token, or a request another site's page made.
+fn refused(inner: &Inner, headers: &HeaderMap, token: Option<&str>) -> Option<Response> {
+    let why = if !inner.writes {
+        Some("this console is read-only")
+    } else if headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes() == b"cross-site")
+    {
+        Some("a request from another site's page")
+    } else if !token.is_some_and(|t| same(t.as_bytes(), inner.token.as_bytes())) {
+        Some("the form's token is missing or wrong: reload the page and try again")
+    } else {
+        None
+    };
+    why.map(|why| {
+        page(
+            inner,
+            StatusCode::FORBIDDEN,
+            "Refused",
+            &html! { p { (why) ". Nothing was changed." } },
+        )
+    })
+}
+
+/// Whether `a` and `b` are equal, in time that depends on their lengths
+/// only.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0_u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// What a one-entry action does.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum EntryAction {
+    Retry,
+    Cancel,
+    Complete,
+    Fail,
+}
+
+pub(super) async fn on_entry(
+    State(inner): State<Arc<Inner>>,
+    Path((id, action)): Path<(u64, String)>,
+    headers: HeaderMap,
+    Form(form): Form<EntryForm>,
+) -> Response {
+    if let Some(refusal) = refused(&inner, &headers, form.token.as_deref()) {
+        return refusal;
+    }
+    let action = match action.as_str() {
+        "retry" => EntryAction::Retry,
+        "cancel" => EntryAction::Cancel,
+        "complete" => EntryAction::Complete,
+        "fail" => EntryAction::Fail,
+        _ => return StatusCode::NOT_FOUND.into_response(),
+    };
+    let reason = form
+        .reason
+        .filter(|r| !r.trim().is_empty())
+        .unwrap_or_else(|| "resolved_by_operator".to_owned());
+    let back = format!("{}/outbox/{id}", inner.base);
+    read_then(
+        inner,
+        move |i| {
+            let (id, now) = (OutboxId(id), Utc::now());
+            match action {
+                EntryAction::Retry => i.outbox.requeue(id, now),
+                EntryAction::Cancel => i.outbox.cancel(id, now),
+                EntryAction::Complete => i.outbox.mark_completed(id, now),
+                EntryAction::Fail => i.outbox.mark_failed(id, &reason, None, now),
+            }
+        },
+        move |_, ()| Redirect::to(&back).into_response(),
+    )
+    .await
+}
+
+/// What an action on every matching entry does.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Matching {
+    Retry,
+    Cancel,
+}
+
+impl Matching {
+    fn name(self) -> &'static str {
+        match self {
+            Matching::Retry => "retried",
+            Matching::Cancel => "cancelled",
+        }
+    }
+}
+
+pub(super) async fn retry_matching(
+    state: State<Arc<Inner>>,
+    headers: HeaderMap,
+    form: Form<MatchingForm>,
+) -> Response {
+    on_matching(state, headers, form, Matching::Retry).await
+}
+
+pub(super) async fn cancel_matching(
+    state: State<Arc<Inner>>,
+    headers: HeaderMap,
+    form: Form<MatchingForm>,
+) -> Response {
+    on_matching(state, headers, form, Matching::Cancel).await
+}
+
+async fn on_matching(
+    State(inner): State<Arc<Inner>>,
+    headers: HeaderMap,
+    Form(form): Form<MatchingForm>,
+    what: Matching,
+) -> Response {
+    if let Some(refusal) = refused(&inner, &headers, form.token.as_deref()) {
+        return refusal;
+    }
+    let Some(status) = form
+        .status
+        .as_deref()
+        .and_then(|s| s.parse::<OutboxStatus>().ok())
+    else {
+        return page(
+            &inner,
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            &html! { p { "An action on every matching entry needs a status." } },
+        );
+    };
+    if form.confirm.as_deref() != Some("yes") {
+        return page(
+            &inner,
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            &html! { p { "The action was not confirmed. Nothing was changed." } },
+        );
+    }
+    let destination = form.destination.filter(|d| !d.is_empty());
+    let back = list_link(&inner.base, Some(status), destination.as_deref(), None);
+    read_then(
+        inner,
+        move |i| {
+            let mut filter = OutboxFilter::any().status(status);
+            if let Some(d) = &destination {
+                filter = filter.destination(d.clone());
+            }
+            let (mut done, mut refused) = (0_u64, 0_u64);
+            loop {
+                let page = i.outbox.list(&filter, STEP)?;
+                let Some(last) = page.last().map(|r| r.entry.id) else {
+                    break;
+                };
+                for r in &page {
+                    let now = Utc::now();
+                    let changed = match what {
+                        Matching::Retry => i.outbox.requeue(r.entry.id, now),
+                        Matching::Cancel => i.outbox.cancel(r.entry.id, now),
+                    };
+                    match changed {
+                        Ok(()) => done += 1,
+                        // Changed meanwhile (settled, retried): left as it is.
+                        Err(crate::Error::Conflict { .. } | crate::Error::NotFound) => refused += 1,
+                        Err(e) => return Err(e),
+                    }
+                }
+                filter = filter.after(last);
+            }
+            Ok((done, refused))
+        },
+        move |i, (done, refused)| {
+            let body: Markup = html! {
+                p { (done) " entries " (what.name()) "." }
+                @if refused > 0 {
+                    p { (refused) " had changed meanwhile and were left as they were." }
+                }
+                p { a href=(back) { "Back to the entries" } }
+            };
+            page(i, StatusCode::OK, "Done", &body)
+        },
+    )
+    .await
+}
