@@ -1466,3 +1466,94 @@ fn destination_set_refuses_bad_usage_and_settings_the_store_refuses() -> TestRes
     );
     Ok(())
 }
+
+/// `idemstore console`: serves the console on loopback, needs a token
+/// elsewhere, and then checks it on every request.
+#[cfg(feature = "console")]
+mod console {
+    use std::io::{Read as _, Write as _};
+    use std::net::TcpStream;
+
+    use super::*;
+
+    /// A running `idemstore console` and the address it serves.
+    struct Serving {
+        child: Child,
+        at: String,
+    }
+
+    impl Drop for Serving {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn serve(args: &[&str]) -> Result<Serving, Box<dyn std::error::Error>> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+            .arg("console")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().ok_or("stdout")?).read_line(&mut line)?;
+        let at = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .ok_or_else(|| format!("no address in {line:?}"))?
+            .to_owned();
+        Ok(Serving { child, at })
+    }
+
+    /// The status line and body of `GET path` at `at`, with `auth` if given.
+    fn get(at: &str, path: &str, auth: Option<&str>) -> Result<String, Box<dyn std::error::Error>> {
+        let mut s = TcpStream::connect(at)?;
+        let auth = auth.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {at}\r\n{auth}Connection: close\r\n\r\n"
+        )?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        Ok(answer)
+    }
+
+    #[test]
+    fn the_console_serves_a_store_file_on_loopback_and_asks_a_token_elsewhere() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("c.idem");
+        {
+            let store = Store::open(&file)?;
+            store.outbox().enqueue(
+                NewEntry::new("c", "mailer", "k1", b"hello".to_vec()),
+                ago(10),
+            )?;
+        }
+        let file = file.to_str().ok_or("a UTF-8 path")?;
+        let served = serve(&[file, "--listen", "127.0.0.1:0"])?;
+        let home = get(&served.at, "/", None)?;
+        assert!(home.starts_with("HTTP/1.1 200"), "{home}");
+        assert!(home.contains("mailer"), "{home}");
+        let entry = get(&served.at, "/outbox/1", None)?;
+        assert!(
+            entry.contains("hello") && !entry.contains("<form"),
+            "read-only: {entry}"
+        );
+        drop(served);
+        // Reachable from other machines: only with a token.
+        let out = run(&["console", file, "--listen", "0.0.0.0:0"])?;
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--token-file"));
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, "0123456789abcdef0123\n")?;
+        let token_file = token_file.to_str().ok_or("a UTF-8 path")?;
+        let served = serve(&[file, "--listen", "127.0.0.1:0", "--token-file", token_file])?;
+        assert!(get(&served.at, "/", None)?.starts_with("HTTP/1.1 401"));
+        assert!(get(&served.at, "/", Some("wrong"))?.starts_with("HTTP/1.1 401"));
+        let home = get(&served.at, "/", Some("0123456789abcdef0123"))?;
+        assert!(home.starts_with("HTTP/1.1 200"), "{home}");
+        Ok(())
+    }
+}

@@ -80,6 +80,18 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
         }
         Command::Destinations { store } => crate::destinations::list(store, schema, json),
         Command::Destination(c) => crate::destinations::run(c, schema, json),
+        Command::Console {
+            store,
+            listen,
+            allow_writes,
+            token_file,
+        } => crate::serve::run(&crate::serve::Serve {
+            store,
+            schema,
+            listen: *listen,
+            allow_writes: *allow_writes,
+            token_file: token_file.as_deref(),
+        }),
         Command::Compact { file } => compact(file.file("compact")?, json),
         Command::Check { store } => check(store, schema, json),
         Command::Export { store, .. } => export(&open_store(store, schema)?),

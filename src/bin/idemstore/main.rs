@@ -30,10 +30,11 @@ mod destinations;
 mod handle;
 mod migrate;
 mod output;
+mod serve;
 mod target;
 mod time;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
@@ -102,6 +103,28 @@ pub(crate) enum Command {
     /// dispatcher on the file follows it from its next claim).
     #[command(subcommand)]
     Destination(DestinationCommand),
+    /// Serve the operator console of a store on HTTP until interrupted
+    /// (Ctrl-C): its outbox by status and destination, each entry, and,
+    /// with --allow-writes, retry, cancel and resolve. Needs a build with
+    /// the `console` feature.
+    ///
+    /// It listens on loopback unless told otherwise, and refuses an address
+    /// other machines can reach without --token-file.
+    Console {
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
+        /// The address to listen on (port 0: any free port, printed).
+        #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR")]
+        listen: std::net::SocketAddr,
+        /// Offer and accept the actions (retry, cancel, resolve).
+        #[arg(long)]
+        allow_writes: bool,
+        /// Every request must carry this file's first line as
+        /// `Authorization: Bearer TOKEN` (at least 16 characters).
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<PathBuf>,
+    },
     /// Rewrite the file to return free space to the file system.
     ///
     /// Needs the file to itself: stop every program that has it open first.
