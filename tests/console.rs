@@ -226,7 +226,9 @@ async fn actions_change_only_what_they_are_allowed_to(
     let token = token_of(&page).ok_or("a token on the page")?;
     let console = Console::new(outbox.clone()).allow_writes(true);
     let own = token_of(&get(&console.router(), "/outbox/1").await?.2).ok_or("a token")?;
-    assert!(!format!("{console:?}").contains(&own), "no token in the debug form");
+    assert!(
+        !format!("{console:?}").contains(&own),
+        "no token in the debug form"
     );
     assert!(page.contains("action=\"/outbox/1/retry\""), "{page}");
     for (fields, headers) in [
