@@ -27,6 +27,7 @@
 
 mod commands;
 mod destinations;
+mod export;
 mod handle;
 mod migrate;
 mod output;

@@ -41,7 +41,7 @@ mod with_postgres {
     use idemstore::postgres::PgStore;
     use serde_json::json;
 
-    use crate::commands::{Holdings, inbox_pages, key_pages, outbox_pages};
+    use crate::export::{Holdings, inbox_pages, key_pages, outbox_pages};
     use crate::handle::StoreHandle;
 
     use crate::open_or;
