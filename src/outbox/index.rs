@@ -418,8 +418,9 @@ fn pairs(
     Ok(out)
 }
 
-/// Compares an expected set of index rows with the stored one.
-fn compare<T: Ord + std::fmt::Debug>(
+/// Compares an expected set of index rows with the stored one, one
+/// finding per row missing or extra.
+pub(super) fn compare<T: Ord + std::fmt::Debug>(
     findings: &mut Vec<String>,
     table: &str,
     expected: &BTreeSet<T>,

@@ -12,7 +12,7 @@ use super::{
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::outbox::OutboxStatus;
-use crate::outbox::index::decode_row;
+use crate::outbox::index::{compare, decode_row};
 use crate::outbox::rules::Row;
 use crate::schema::{
     OUTBOX, OUTBOX_FLOWS, OUTBOX_QUEUE, OUTBOX_SEQUENCES, OUTBOX_STATE, open_read,
@@ -225,18 +225,4 @@ fn check_small_rows(
         Err(e) => findings.push(format!("the latest time a claim served: {e}")),
     }
     Ok(())
-}
-
-fn compare<T: Ord + std::fmt::Debug>(
-    findings: &mut Vec<String>,
-    table: &str,
-    expected: &BTreeSet<T>,
-    found: &BTreeSet<T>,
-) {
-    for missing in expected.difference(found) {
-        findings.push(format!("{table}: missing row {missing:?}"));
-    }
-    for extra in found.difference(expected) {
-        findings.push(format!("{table}: row {extra:?} has no matching record"));
-    }
 }
