@@ -169,6 +169,7 @@ mod postgres {
             Ok::<_, idemstore::Error>(outbox)
         })?;
         pages_show_the_outbox(Console::new(outbox.clone()).router(), "").await?;
+        destinations_are_shown_and_paused_from_the_console(outbox.clone()).await?;
         actions_change_only_what_they_are_allowed_to(outbox).await
     }
 }
@@ -287,4 +288,69 @@ async fn actions_on_a_store_file_change_only_what_they_are_allowed_to() -> TestR
     let enqueue = |e| outbox.enqueue(e, t(0)).map(|_| ());
     fill(&outbox, enqueue)?;
     actions_change_only_what_they_are_allowed_to(outbox).await
+}
+
+/// The destinations page, and pause and resume from it.
+async fn destinations_are_shown_and_paused_from_the_console(
+    outbox: impl OutboxAdmin + Clone,
+) -> TestResult {
+    let read_only = Console::new(outbox.clone()).router();
+    let (code, _, page) = get(&read_only, "/destinations").await?;
+    assert_eq!(code, StatusCode::OK, "{page}");
+    assert!(
+        page.contains(">b &amp; c<") && !page.contains("<form"),
+        "{page}"
+    );
+    let (code, _, _) = post(
+        &read_only,
+        "/destinations/pause",
+        &[("token", "x"), ("destination", "a")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::FORBIDDEN);
+    let router = Console::new(outbox.clone()).allow_writes(true).router();
+    let (_, _, page) = get(&router, "/destinations").await?;
+    let token = token_of(&page).ok_or("a token")?;
+    let (code, headers, _) = post(
+        &router,
+        "/destinations/pause",
+        &[("token", &token), ("destination", "b & c")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::SEE_OTHER);
+    assert_eq!(headers[header::LOCATION], "/destinations");
+    let paused = |name: &str| -> idemstore::Result<bool> {
+        Ok(outbox
+            .destinations()?
+            .iter()
+            .any(|d| d.destination == name && d.paused))
+    };
+    assert!(paused("b & c")?);
+    assert!(!paused("a")?);
+    let (_, _, page) = get(&router, "/destinations").await?;
+    assert!(page.contains("action=\"/destinations/resume\""), "{page}");
+    let (code, _, _) = post(
+        &router,
+        "/destinations/resume",
+        &[("token", &token), ("destination", "b & c")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::SEE_OTHER);
+    assert!(!paused("b & c")?);
+    let (code, _, _) = post(&router, "/destinations/pause", &[("token", &token)], &[]).await?;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_destinations_of_a_store_file_are_shown_and_paused_from_the_console() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(dir.path().join("c.idem"))?;
+    let outbox = store.outbox();
+    let enqueue = |e| outbox.enqueue(e, t(0)).map(|_| ());
+    fill(&outbox, enqueue)?;
+    destinations_are_shown_and_paused_from_the_console(outbox).await
 }

@@ -45,7 +45,7 @@ pub(super) struct MatchingForm {
 
 /// The refusal of an action, if it is refused: writes not allowed, no or
 /// a wrong token, or a request another site's page made.
-fn refused(inner: &Inner, headers: &HeaderMap, token: Option<&str>) -> Option<Response> {
+pub(super) fn refused(inner: &Inner, headers: &HeaderMap, token: Option<&str>) -> Option<Response> {
     let why = if !inner.writes {
         Some("this console is read-only")
     } else if headers

@@ -23,7 +23,10 @@
 //! - `/outbox?status=S&destination=D&after=ID`: the entries by id, 50 a
 //!   page, of one status and destination if given;
 //! - `/outbox/ID`: one entry, with its attempt history and its payload
-//!   (as text when it is UTF-8, else in hex).
+//!   (as text when it is UTF-8, else in hex);
+//! - `/destinations`: each destination's policy, pause, circuit, hold,
+//!   entries in flight and entries by status (with writes allowed, a pause
+//!   or resume button each).
 //!
 //! Actions, once [allowed](Console::allow_writes): on an entry's page,
 //! retry (a failed or in-doubt entry back to pending, due now), cancel (a
@@ -59,6 +62,7 @@
 //! for a commit to be durable, and the PostgreSQL client blocks.
 
 mod actions;
+mod destinations;
 mod pages;
 
 use std::sync::Arc;
@@ -137,6 +141,9 @@ impl Console {
             .route("/outbox/{id}/{action}", post(actions::on_entry))
             .route("/outbox/retry-matching", post(actions::retry_matching))
             .route("/outbox/cancel-matching", post(actions::cancel_matching))
+            .route("/destinations", get(destinations::list))
+            .route("/destinations/pause", post(destinations::pause))
+            .route("/destinations/resume", post(destinations::resume))
             .route("/style.css", get(pages::style))
             .with_state(self.inner.clone())
     }

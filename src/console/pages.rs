@@ -49,6 +49,7 @@ pub(super) fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup
                 nav {
                     a href=(home) { "Overview" }
                     a href={ (base) "/outbox" } { "Outbox" }
+                    a href={ (base) "/destinations" } { "Destinations" }
                 }
                 main {
                     h1 { (title) }
@@ -391,7 +392,7 @@ fn matching_actions(i: &Inner, status: OutboxStatus, destination: Option<&str>, 
 }
 
 /// The hidden field that carries the console's token.
-fn token_field(i: &Inner) -> Markup {
+pub(super) fn token_field(i: &Inner) -> Markup {
     html! { input type="hidden" name=(super::actions::TOKEN_FIELD) value=(i.token); }
 }
 
@@ -446,7 +447,7 @@ fn shown_time(r: &OutboxRecord) -> DateTime<Utc> {
         .unwrap_or_else(|| r.entry.due_at())
 }
 
-fn time(t: DateTime<Utc>) -> String {
+pub(super) fn time(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
