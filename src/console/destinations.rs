@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::Inner;
 use super::actions::refused;
 use super::pages::{list_link, page, read_then, time, token_field};
-use crate::outbox::{CircuitState, DestinationPolicy, DestinationState, OutboxStatus};
+use crate::outbox::{CircuitState, DestinationState, OutboxStatus};
 
 pub(super) async fn list(State(inner): State<Arc<Inner>>) -> Response {
     read_then(
@@ -32,7 +32,7 @@ pub(super) async fn list(State(inner): State<Arc<Inner>>) -> Response {
                     @for d in &destinations {
                         tr {
                             th { a href=(list_link(&i.base, None, Some(&d.destination), None)) { (d.destination) } }
-                            td { (policy(&d.policy)) }
+                            td { (d.policy.to_string()) }
                             td { @if d.paused { "paused" } @else { "no" } }
                             td { (circuit(&d.circuit)) }
                             td { (d.held_until.map_or_else(String::new, time)) }
@@ -116,28 +116,6 @@ async fn change(
         move |_, ()| Redirect::to(&back).into_response(),
     )
     .await
-}
-
-/// A policy for people.
-fn policy(p: &DestinationPolicy) -> String {
-    let l = p.limits();
-    let mut parts = Vec::new();
-    if let Some(n) = l.max_in_flight {
-        parts.push(format!("at most {n} in flight"));
-    }
-    if let Some((per_second, burst)) = l.rate_limit {
-        parts.push(format!("{per_second}/s, bursts of {burst}"));
-    }
-    if let Some((k, cool_down)) = l.circuit_breaker {
-        parts.push(format!(
-            "circuit after {k} failures, cool-down {cool_down:?}"
-        ));
-    }
-    if parts.is_empty() {
-        "no limits".to_owned()
-    } else {
-        parts.join("; ")
-    }
 }
 
 /// A circuit for people.

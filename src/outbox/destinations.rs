@@ -56,6 +56,47 @@ pub struct PolicyLimits {
     pub circuit_breaker: Option<(u32, Duration)>,
 }
 
+/// For people: `at most 4 in flight; 10/s, bursts of 5; circuit opens
+/// after 3 failures in a row, cool-down 30s`, or `no limits`.
+impl std::fmt::Display for DestinationPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        if let Some(n) = self.max_in_flight {
+            parts.push(format!("at most {n} in flight"));
+        }
+        if let Some((per_second, burst)) = self.rate {
+            parts.push(format!("{per_second}/s, bursts of {burst}"));
+        }
+        if let Some((k, cool_down)) = self.circuit {
+            parts.push(format!(
+                "circuit opens after {k} failures in a row, cool-down {}",
+                span(cool_down)
+            ));
+        }
+        if parts.is_empty() {
+            f.write_str("no limits")
+        } else {
+            f.write_str(&parts.join("; "))
+        }
+    }
+}
+
+/// A cool-down for people: `500ms`, `30s`, `1m 30s`, `2h`.
+fn span(d: Duration) -> String {
+    if d.subsec_millis() != 0 || d.is_zero() {
+        return format!("{}ms", d.as_millis());
+    }
+    let secs = d.as_secs();
+    let (h, m, s) = (secs / 3_600, secs / 60 % 60, secs % 60);
+    let mut parts = Vec::new();
+    for (n, unit) in [(h, "h"), (m, "m"), (s, "s")] {
+        if n > 0 {
+            parts.push(format!("{n}{unit}"));
+        }
+    }
+    parts.join(" ")
+}
+
 impl DestinationPolicy {
     /// At most `n` of the destination's entries `Dispatching` at once,
     /// across every dispatcher and process on the store (a crashed

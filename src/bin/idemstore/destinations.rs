@@ -3,8 +3,6 @@
 //! is one commit, which every dispatcher on the store follows from its
 //! next claim. On a store file or on a PostgreSQL server alike.
 
-use std::time::Duration;
-
 use chrono::Utc;
 use idemstore::{CircuitState, DestinationPolicy, DestinationState, OutboxStatus};
 use serde_json::{Value, json};
@@ -25,7 +23,7 @@ pub(crate) fn list(store: &Target, schema: Option<&str>, json: bool) -> Result<O
     let now = Utc::now();
     for d in &destinations {
         out!("{}", d.destination);
-        out!("  policy     {}", policy_text(&d.policy));
+        out!("  policy     {}", d.policy);
         out!("  paused     {}", if d.paused { "yes" } else { "no" });
         let circuit = match d.circuit {
             CircuitState::Closed {
@@ -108,54 +106,10 @@ pub(crate) fn run(
             report(
                 json,
                 &json!({"destination": name, "policy": policy_json(&policy)}),
-                || {
-                    format!(
-                        "set the policy of destination {name}: {}",
-                        policy_text(&policy)
-                    )
-                },
+                || format!("set the policy of destination {name}: {policy}"),
             )
         }
     }
-}
-
-/// A policy for people: `at most 4 in flight; 10/s, bursts of 5; …`.
-fn policy_text(policy: &DestinationPolicy) -> String {
-    let limits = policy.limits();
-    let mut parts = Vec::new();
-    if let Some(n) = limits.max_in_flight {
-        parts.push(format!("at most {n} in flight"));
-    }
-    if let Some((per_second, burst)) = limits.rate_limit {
-        parts.push(format!("{per_second}/s, bursts of {burst}"));
-    }
-    if let Some((k, cool_down)) = limits.circuit_breaker {
-        parts.push(format!(
-            "circuit opens after {k} failures in a row, cool-down {}",
-            span(cool_down)
-        ));
-    }
-    if parts.is_empty() {
-        "no limits".to_owned()
-    } else {
-        parts.join("; ")
-    }
-}
-
-/// A cool-down for people: `500ms`, `30s`, `1m 30s`, `2h`.
-fn span(d: Duration) -> String {
-    if d.subsec_millis() != 0 || d.is_zero() {
-        return format!("{}ms", d.as_millis());
-    }
-    let secs = d.as_secs();
-    let (h, m, s) = (secs / 3_600, secs / 60 % 60, secs % 60);
-    let mut parts = Vec::new();
-    for (n, unit) in [(h, "h"), (m, "m"), (s, "s")] {
-        if n > 0 {
-            parts.push(format!("{n}{unit}"));
-        }
-    }
-    parts.join(" ")
 }
 
 /// A policy for scripts: each limit, `null` when not set.
