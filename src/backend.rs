@@ -31,8 +31,8 @@ use crate::error::Result;
 use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
 use crate::inbox::Inbox;
 use crate::outbox::{
-    ClaimRequest, DestinationState, Fence, Outbox, OutboxCounts, OutboxEntry, OutboxFilter,
-    OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
+    ClaimRequest, DestinationPolicy, DestinationState, Fence, Outbox, OutboxCounts, OutboxEntry,
+    OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
@@ -312,7 +312,7 @@ pub(crate) use forward_to_handles;
 forward_to_handles!(outbox: Outbox, inbox: Inbox, keys: IdempotencyKeys);
 
 /// What an operator reads and changes in an outbox, whatever the store: the
-/// operator console's view (feature `console`). Implemented by [`Outbox`]
+/// operator console's view (feature `console`) and the CLI's. Implemented by [`Outbox`]
 /// and `postgres::PgOutbox`; sealed, as the traits above.
 ///
 /// Each call is the handle's method of the same name ([`Outbox::list`],
@@ -348,6 +348,15 @@ pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     fn pause_destination(&self, destination: &str) -> Result<()>;
     /// Lets a paused `destination`'s entries be claimed again.
     fn resume_destination(&self, destination: &str) -> Result<()>;
+    /// Replaces `destination`'s policy.
+    fn set_destination_policy(&self, destination: &str, policy: DestinationPolicy) -> Result<()>;
+    /// Moves the entries claimed before `claimed_before` back to `Pending`.
+    fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>>;
+    /// Deletes the `Completed` and `Failed` entries finished before
+    /// `finished_before`.
+    fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64>;
+    /// One finding per violated invariant; none when consistent.
+    fn check_indexes(&self) -> Result<Vec<String>>;
 }
 
 /// Implements [`OutboxAdmin`] for an outbox handle type, each call
@@ -414,6 +423,28 @@ macro_rules! forward_admin {
             }
             fn resume_destination(&self, destination: &str) -> $crate::Result<()> {
                 <$outbox>::resume_destination(self, destination)
+            }
+            fn set_destination_policy(
+                &self,
+                destination: &str,
+                policy: $crate::DestinationPolicy,
+            ) -> $crate::Result<()> {
+                <$outbox>::set_destination_policy(self, destination, policy)
+            }
+            fn release_expired_claims(
+                &self,
+                claimed_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<Vec<$crate::OutboxId>> {
+                <$outbox>::release_expired_claims(self, claimed_before)
+            }
+            fn purge_finished(
+                &self,
+                finished_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<u64> {
+                <$outbox>::purge_finished(self, finished_before)
+            }
+            fn check_indexes(&self) -> $crate::Result<Vec<String>> {
+                <$outbox>::check_indexes(self)
             }
         }
     };

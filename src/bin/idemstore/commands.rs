@@ -573,7 +573,7 @@ fn resolve(
     }
     let now = Utc::now();
     match failed {
-        Some(reason) => outbox.mark_failed(id, reason, now)?,
+        Some(reason) => outbox.mark_failed(id, reason, None, now)?,
         None => outbox.mark_completed(id, now)?,
     }
     let to = if failed.is_some() {

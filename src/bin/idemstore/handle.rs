@@ -4,8 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use idemstore::{
-    DestinationPolicy, DestinationState, IdempotencyKeys, Inbox, KeyEntry, KeySummary, Outbox,
-    OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, ResponseRecord, Result, Store,
+    IdempotencyKeys, Inbox, KeyEntry, KeySummary, OutboxAdmin, ResponseRecord, Result, Store,
 };
 
 use crate::Failure;
@@ -32,12 +31,9 @@ pub(crate) enum KeysHandle {
     Postgres(idemstore::postgres::PgIdempotencyKeys),
 }
 
-/// An outbox, on a store file or on a PostgreSQL server.
-pub(crate) enum OutboxHandle {
-    File(Outbox),
-    #[cfg(feature = "postgres")]
-    Postgres(idemstore::postgres::PgOutbox),
-}
+/// An outbox, on a store file or on a PostgreSQL server: the calls an
+/// operator makes, the library's own (`OutboxAdmin`).
+pub(crate) type OutboxHandle = Box<dyn OutboxAdmin>;
 
 /// The same call on whichever backend's value `$h` (a handle of type
 /// `$t`) holds.
@@ -54,9 +50,9 @@ macro_rules! both {
 impl StoreHandle {
     pub(crate) fn outbox(&self) -> OutboxHandle {
         match self {
-            StoreHandle::File(s) => OutboxHandle::File(s.outbox()),
+            StoreHandle::File(s) => Box::new(s.outbox()),
             #[cfg(feature = "postgres")]
-            StoreHandle::Postgres(s) => OutboxHandle::Postgres(s.outbox()),
+            StoreHandle::Postgres(s) => Box::new(s.outbox()),
         }
     }
 
@@ -126,72 +122,6 @@ impl KeysHandle {
 
     pub(crate) fn check_indexes(&self) -> Result<Vec<String>> {
         both!(KeysHandle, self, k => k.check_indexes())
-    }
-}
-
-impl OutboxHandle {
-    pub(crate) fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
-        both!(OutboxHandle, self, o => o.list(filter, limit))
-    }
-
-    pub(crate) fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
-        both!(OutboxHandle, self, o => o.get(id))
-    }
-
-    pub(crate) fn requeue(&self, id: OutboxId, due: DateTime<Utc>) -> Result<()> {
-        both!(OutboxHandle, self, o => o.requeue(id, due))
-    }
-
-    pub(crate) fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
-        both!(OutboxHandle, self, o => o.cancel(id, now))
-    }
-
-    pub(crate) fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
-        both!(OutboxHandle, self, o => o.mark_completed(id, now))
-    }
-
-    pub(crate) fn mark_failed(&self, id: OutboxId, reason: &str, now: DateTime<Utc>) -> Result<()> {
-        both!(OutboxHandle, self, o => o.mark_failed(id, reason, None, now))
-    }
-
-    pub(crate) fn release_expired_claims(&self, before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
-        both!(OutboxHandle, self, o => o.release_expired_claims(before))
-    }
-
-    pub(crate) fn purge_finished(&self, before: DateTime<Utc>) -> Result<u64> {
-        both!(OutboxHandle, self, o => o.purge_finished(before))
-    }
-
-    pub(crate) fn counts(&self) -> Result<OutboxCounts> {
-        both!(OutboxHandle, self, o => o.counts())
-    }
-
-    pub(crate) fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        both!(OutboxHandle, self, o => o.next_due())
-    }
-
-    pub(crate) fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
-        both!(OutboxHandle, self, o => o.oldest_claim())
-    }
-
-    pub(crate) fn check_indexes(&self) -> Result<Vec<String>> {
-        both!(OutboxHandle, self, o => o.check_indexes())
-    }
-
-    pub(crate) fn destinations(&self) -> Result<Vec<DestinationState>> {
-        both!(OutboxHandle, self, o => o.destinations())
-    }
-
-    pub(crate) fn pause_destination(&self, name: &str) -> Result<()> {
-        both!(OutboxHandle, self, o => o.pause_destination(name))
-    }
-
-    pub(crate) fn resume_destination(&self, name: &str) -> Result<()> {
-        both!(OutboxHandle, self, o => o.resume_destination(name))
-    }
-
-    pub(crate) fn set_destination_policy(&self, name: &str, p: DestinationPolicy) -> Result<()> {
-        both!(OutboxHandle, self, o => o.set_destination_policy(name, p))
     }
 }
 
