@@ -31,8 +31,8 @@ use crate::error::Result;
 use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
 use crate::inbox::Inbox;
 use crate::outbox::{
-    ClaimRequest, DestinationPolicy, DestinationState, Fence, Outbox, OutboxCounts, OutboxEntry,
-    OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
+    ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingStep, Outbox, OutboxCounts,
+    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
@@ -357,6 +357,25 @@ pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64>;
     /// One finding per violated invariant; none when consistent.
     fn check_indexes(&self) -> Result<Vec<String>>;
+    /// The entry for `(destination, idempotency_key)`, if any.
+    fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>>;
+    /// Every entry of command `command_id`, by creation time.
+    fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>>;
+    /// One step of "retry every entry `filter` matches": up to `limit`
+    /// matching entries, in one commit.
+    fn requeue_matching(
+        &self,
+        filter: &OutboxFilter,
+        next_attempt_at: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<MatchingStep>;
+    /// One step of "cancel every entry `filter` matches".
+    fn cancel_matching(
+        &self,
+        filter: &OutboxFilter,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<MatchingStep>;
 }
 
 /// Implements [`OutboxAdmin`] for an outbox handle type, each call
@@ -445,6 +464,35 @@ macro_rules! forward_admin {
             }
             fn check_indexes(&self) -> $crate::Result<Vec<String>> {
                 <$outbox>::check_indexes(self)
+            }
+            fn find(
+                &self,
+                destination: &str,
+                idempotency_key: &str,
+            ) -> $crate::Result<Option<$crate::OutboxRecord>> {
+                <$outbox>::find(self, destination, idempotency_key)
+            }
+            fn list_for_command(
+                &self,
+                command_id: &str,
+            ) -> $crate::Result<Vec<$crate::OutboxRecord>> {
+                <$outbox>::list_for_command(self, command_id)
+            }
+            fn requeue_matching(
+                &self,
+                filter: &$crate::OutboxFilter,
+                next_attempt_at: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> $crate::Result<$crate::MatchingStep> {
+                <$outbox>::requeue_matching(self, filter, next_attempt_at, limit)
+            }
+            fn cancel_matching(
+                &self,
+                filter: &$crate::OutboxFilter,
+                now: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> $crate::Result<$crate::MatchingStep> {
+                <$outbox>::cancel_matching(self, filter, now, limit)
             }
         }
     };

@@ -360,7 +360,8 @@ pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
 pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,
-    Fence, MAX_ATTEMPT_HISTORY, MAX_COOL_DOWN_FACTOR, MAX_OUTBOX_FIELD_LEN, MAX_PRIORITY, NewEntry,
+    Fence, MAX_ATTEMPT_HISTORY, MAX_COOL_DOWN_FACTOR, MAX_OUTBOX_FIELD_LEN, MAX_PRIORITY,
+    MatchingStep, NewEntry,
     Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord,
     OutboxStatus, ParseOutboxStatusError, PolicyLimits, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN,
     REASON_RESCHEDULED, SettledAndClaimed, Settlement,

@@ -33,10 +33,13 @@ use crate::error::{Error, Result};
 
 /// The format this build writes and reads. A file with a larger number was
 /// written by a newer, incompatible version.
-pub(crate) const FORMAT_VERSION: u64 = 2;
+pub(crate) const FORMAT_VERSION: u64 = 3;
 /// The format of files written before destinations existed: they open,
 /// and gain the destination tables ([`FORMAT_VERSION`]) on first open.
 pub(crate) const FORMAT_VERSION_BEFORE_DESTINATIONS: u64 = 1;
+/// The format of files written before the outbox's records were listed by
+/// status: they open, and gain those rows on first open.
+pub(crate) const FORMAT_VERSION_BEFORE_LISTING: u64 = 2;
 
 /// Store-wide settings and counters: `format_version`, `outbox.next_id`,
 /// `idempotency.next_fence`.

@@ -13,7 +13,7 @@ use crate::idempotency::IdempotencyKeys;
 use crate::inbox::{Inbox, Journal};
 use crate::outbox::Outbox;
 use crate::schema::{
-    FORMAT_VERSION, FORMAT_VERSION_BEFORE_DESTINATIONS, META, META_FORMAT_VERSION, open_read,
+    FORMAT_VERSION, FORMAT_VERSION_BEFORE_DESTINATIONS, FORMAT_VERSION_BEFORE_LISTING, META, META_FORMAT_VERSION, open_read,
     open_write,
 };
 
@@ -607,18 +607,25 @@ impl Store {
                 open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
                 Ok(())
             }),
-            Recorded::Version(FORMAT_VERSION_BEFORE_DESTINATIONS) => engine.write(|tx| {
+            Recorded::Version(
+                found @ (FORMAT_VERSION_BEFORE_DESTINATIONS | FORMAT_VERSION_BEFORE_LISTING),
+            ) => engine.write(|tx| {
                 // Re-read under the write lock: another process sharing the
                 // file may have upgraded it since the read above.
                 let version = open_write(tx, META)?
                     .get(META_FORMAT_VERSION)?
                     .map(|v| v.value());
-                if version == Some(FORMAT_VERSION_BEFORE_DESTINATIONS) {
-                    crate::outbox::add_destination_tables(tx)?;
-                    open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
-                    return Ok(());
+                if version != Some(found) {
+                    return Recorded::in_meta(version).check();
                 }
-                Recorded::in_meta(version).check()
+                if found == FORMAT_VERSION_BEFORE_DESTINATIONS {
+                    // Lists the records by status too.
+                    crate::outbox::add_destination_tables(tx)?;
+                } else {
+                    crate::outbox::list_by_status(tx)?;
+                }
+                open_write(tx, META)?.insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
+                Ok(())
             }),
             found => found.check(),
         }

@@ -142,7 +142,7 @@ fn stats_counts_what_the_store_holds() -> TestResult {
     assert!(text.contains("fragmented"), "{text}");
 
     let v = json(&["stats", s(&file)])?;
-    assert_eq!(v["format_version"], 2);
+    assert_eq!(v["format_version"], 3);
     assert!(v["file_bytes"].as_u64().unwrap_or(0) > 0);
     assert!(v["space"]["stored_bytes"].as_u64().unwrap_or(0) > 0);
     let inboxes = v["inboxes"].as_array().ok_or("inboxes")?;

@@ -22,7 +22,7 @@ fn stats_report_the_file_and_its_space() -> TestResult {
     let path = dir.path().join("s.idem");
     let store = Store::open(&path)?;
     let empty = store.stats()?;
-    assert_eq!(empty.format_version, 2);
+    assert_eq!(empty.format_version, 3);
     assert!(empty.page_size > 0);
     let inbox = store.inbox("a")?;
     for i in 0..200 {

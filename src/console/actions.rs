@@ -17,10 +17,10 @@ use super::Inner;
 use super::pages::{list_link, page, read_then};
 use crate::outbox::{OutboxFilter, OutboxId, OutboxStatus};
 
-/// Entries read per step of an action on every entry a filter matches:
-/// each entry is then changed in a commit of its own, so the writer is
-/// never held for long, however many match.
-const STEP: usize = 500;
+/// Entries changed per step of an action on every entry a filter matches,
+/// each step one commit: the writer is never held for longer than one
+/// step takes (a few milliseconds), however many match.
+const STEP: usize = 256;
 
 /// The form field that carries the console's token.
 pub(super) const TOKEN_FIELD: &str = "token";
@@ -191,25 +191,17 @@ async fn on_matching(
                 filter = filter.destination(d.clone());
             }
             let (mut done, mut refused) = (0_u64, 0_u64);
+            let mut from = filter.clone();
             loop {
-                let page = i.outbox.list(&filter, STEP)?;
-                let Some(last) = page.last().map(|r| r.entry.id) else {
-                    break;
+                let now = Utc::now();
+                let step = match what {
+                    Matching::Retry => i.outbox.requeue_matching(&from, now, STEP)?,
+                    Matching::Cancel => i.outbox.cancel_matching(&from, now, STEP)?,
                 };
-                for r in &page {
-                    let now = Utc::now();
-                    let changed = match what {
-                        Matching::Retry => i.outbox.requeue(r.entry.id, now),
-                        Matching::Cancel => i.outbox.cancel(r.entry.id, now),
-                    };
-                    match changed {
-                        Ok(()) => done += 1,
-                        // Changed meanwhile (settled, retried): left as it is.
-                        Err(crate::Error::Conflict { .. } | crate::Error::NotFound) => refused += 1,
-                        Err(e) => return Err(e),
-                    }
-                }
-                filter = filter.after(last);
+                done += step.changed;
+                refused += step.skipped;
+                let Some(last) = step.last else { break };
+                from = filter.clone().after(last);
             }
             Ok((done, refused))
         },

@@ -33,9 +33,11 @@
 //! pending or in-doubt one to failed, reason `cancelled`) and resolve an
 //! in-doubt entry as completed or failed; on a list of one status, retry
 //! or cancel **every entry the filter matches**, with the count shown and a
-//! confirmation, each entry in a commit of its own (read 500 at a time), so
-//! the writer is never held for long. An entry that changed meanwhile is
-//! left as it is and counted apart.
+//! confirmation, in steps of 256 entries, each step one commit
+//! ([`Outbox::requeue_matching`](crate::Outbox::requeue_matching)), so the
+//! writer, and the dispatchers' claims behind it, are never held for
+//! longer than a step. An entry that changed meanwhile is left as it is
+//! and counted apart.
 //!
 //! What is guaranteed:
 //!

@@ -347,7 +347,7 @@ impl<'tx> Tables<'tx> {
             .remove((old.command_id.as_str(), old.times.created_at, id))?;
         self.remove_status_keys(id, keys)?;
         self.flows
-            .deleted(&old.destination, old.times.status(id)?)?;
+            .deleted(id, &old.destination, old.times.status(id)?)?;
         let attempts = self.attempts()?;
         for key in attempt_keys(attempts, id)? {
             attempts.remove(key)?;

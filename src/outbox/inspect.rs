@@ -7,8 +7,11 @@ use chrono::{DateTime, Utc};
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _};
 
 use super::index::{self, dangling, decode_row, load_attempts, load_row, open_read};
+use super::flow::FlowKey;
 use super::rules::Row;
-use super::{Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, check_field, flow};
+use super::{
+    Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field, flow,
+};
 use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::{
@@ -139,11 +142,15 @@ impl Outbox {
     }
 
     /// Up to `limit` entries matching `filter`, by id (enqueue order).
-    /// Walks the rows from the filter's start and skips those that do not
-    /// match, so a narrow filter over a large outbox reads much of it: for
-    /// inspection tools, not for a dispatcher (use
-    /// [`claim_due`](Outbox::claim_due)). Page with
-    /// [`OutboxFilter::after`] and the last id returned.
+    /// Page with [`OutboxFilter::after`] and the last id returned.
+    ///
+    /// A filter with a status reads that status's entries only, through an
+    /// index (the entries of each status by id; for `Dispatching`, the
+    /// claims), and tells destinations apart by its keys alone: a page of
+    /// the few failed entries of a large outbox reads those. Without a
+    /// status the listing walks every entry from the filter's start and
+    /// skips the other destinations' (for inspection tools, not for a
+    /// dispatcher: use [`claim_due`](Outbox::claim_due)).
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
         filter.check()?;
         self.engine.read(|tx| {
@@ -153,14 +160,38 @@ impl Outbox {
             let Some(start) = filter.first_id() else {
                 return Ok(Vec::new());
             };
-            let mut out = Vec::new();
-            for row in reader.rows.range(start..)? {
+            let ids = match filter.status_filter() {
+                Some(status) => {
+                    let small = open_read(tx, OUTBOX_FLOWS)?;
+                    let claimed = open_read(tx, OUTBOX_CLAIMED)?;
+                    indexed_ids(small.as_ref(), claimed.as_ref(), filter, status, start, limit)?
+                }
+                None => {
+                    let mut out = Vec::new();
+                    for row in reader.rows.range(start..)? {
+                        if out.len() >= limit {
+                            break;
+                        }
+                        let (k, v) = row?;
+                        let id = k.value();
+                        let row = decode_row(reader.states.as_ref(), id, v.value())?;
+                        if filter.matches(&row) {
+                            out.push(reader.complete(id, &row)?);
+                        }
+                    }
+                    return Ok(out);
+                }
+            };
+            let mut out = Vec::with_capacity(ids.len());
+            for (index, id) in ids {
                 if out.len() >= limit {
                     break;
                 }
-                let (k, v) = row?;
-                let id = k.value();
-                let row = decode_row(reader.states.as_ref(), id, v.value())?;
+                let row = load_row((&reader.rows, reader.states.as_ref()), id)?
+                    .ok_or_else(|| dangling(index, id))?;
+                if filter.status_filter() != Some(row.status) {
+                    return Err(index::index_mismatch(index, id));
+                }
                 if filter.matches(&row) {
                     out.push(reader.complete(id, &row)?);
                 }
@@ -214,4 +245,55 @@ impl Outbox {
     pub fn check_indexes(&self) -> Result<Vec<String>> {
         self.engine.read(index::check)
     }
+}
+
+/// The first `limit` ids from `start` on of the entries of `status` that
+/// `filter` matches (by destination), each with the index it came from:
+/// the records by status (`small`: the flows' table), or for
+/// `Dispatching` the claims index (as many rows as entries in flight, in
+/// claim order: all are read, and sorted by id).
+pub(super) fn indexed_ids(
+    small: Option<&impl ReadableTable<FlowKey<'static>, &'static [u8]>>,
+    claimed: Option<&impl ReadableTable<(i64, u64), ()>>,
+    filter: &OutboxFilter,
+    status: OutboxStatus,
+    start: u64,
+    limit: usize,
+) -> Result<Vec<(&'static str, u64)>> {
+    if status == OutboxStatus::Dispatching {
+        let Some(claimed) = claimed else {
+            return Ok(Vec::new());
+        };
+        let mut ids = std::collections::BTreeSet::new();
+        for row in claimed.iter()? {
+            let (_, id) = row?.0.value();
+            if id >= start {
+                ids.insert(id);
+                // With a destination, the caller tells them apart by the
+                // records: it may need more than `limit`.
+                if ids.len() > limit && filter.destination_filter().is_none() {
+                    ids.pop_last();
+                }
+            }
+        }
+        return Ok(ids
+            .into_iter()
+            .map(|id| (OUTBOX_CLAIMED.name(), id))
+            .collect());
+    }
+    let Some(small) = small else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for row in small.range(flow::listed_from(status, start))? {
+        if out.len() >= limit {
+            break;
+        }
+        let (k, _) = row?;
+        let (_, id, destination) = k.value();
+        if filter.destination_filter().is_none_or(|d| d == destination) {
+            out.push((OUTBOX_FLOWS.name(), id.cast_unsigned()));
+        }
+    }
+    Ok(out)
 }

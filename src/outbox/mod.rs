@@ -195,6 +195,7 @@
 //! existed, gain them when this version first opens them, in one
 //! transaction that reads every entry once.
 
+mod bulk;
 mod control;
 mod depth;
 pub(crate) mod destinations;
@@ -224,6 +225,7 @@ pub use destinations::{
     CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
     MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
 };
+pub use bulk::MatchingStep;
 pub(crate) use notifier::Notifier;
 use rules::{
     Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,
@@ -250,6 +252,13 @@ const RELEASE_BYTES: usize = 4 << 20;
 /// reads every record once.
 pub(crate) fn add_destination_tables(tx: &WriteTransaction) -> Result<()> {
     flow::build(tx)
+}
+
+/// Lists the records by status in a file written before they were (its
+/// format's upgrade, once, when it is first opened by this build): reads
+/// every record's keys once.
+pub(crate) fn list_by_status(tx: &WriteTransaction) -> Result<()> {
+    flow::build_listed(tx)
 }
 
 /// The store's outbox. Cheap to clone; every clone (and every

@@ -192,24 +192,36 @@ pub(super) fn change(
     fence: Option<u32>,
 ) -> Result<(OutboxStatus, bool)> {
     let mut t = Tables::open(tx)?;
+    let (status, _) = apply(&mut t, id, change, fence)?;
+    let sooner = t.finish()?;
+    Ok((status, sooner))
+}
+
+/// Applies `change` to record `id` in `t` (without finishing `t`) and
+/// returns the record's status afterwards, and whether it changed. An error of the status machine
+/// ([`Error::Conflict`]) or an unknown id ([`Error::NotFound`]) comes
+/// before anything is written.
+pub(super) fn apply(
+    t: &mut Tables<'_>,
+    id: u64,
+    change: &Change,
+    fence: Option<u32>,
+) -> Result<(OutboxStatus, bool)> {
     let old = t.load(id)?.ok_or(Error::NotFound)?;
-    match plan(id, &old, change, fence)? {
-        Some(new) => {
-            let attempt = change.attempt_row(&old, old.status);
-            if attempt.is_some() {
-                // Opened before anything is written (see `Tables::attempts`).
-                t.attempts()?;
-            }
-            t.replace(id, &old, &new)?;
-            if let Some(a) = attempt {
-                t.push_attempt(id, &a)?;
-            }
-            tell_destination(&mut t, id, &old, change)?;
-            let sooner = t.finish()?;
-            Ok((new.status, sooner))
-        }
-        None => Ok((old.status, false)),
+    let Some(new) = plan(id, &old, change, fence)? else {
+        return Ok((old.status, false));
+    };
+    let attempt = change.attempt_row(&old, old.status);
+    if attempt.is_some() {
+        // Opened before anything is written (see `Tables::attempts`).
+        t.attempts()?;
     }
+    t.replace(id, &old, &new)?;
+    if let Some(a) = attempt {
+        t.push_attempt(id, &a)?;
+    }
+    tell_destination(t, id, &old, change)?;
+    Ok((new.status, true))
 }
 
 /// What `change`, just applied to record `id` (`old` before), tells its

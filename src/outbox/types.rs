@@ -607,13 +607,11 @@ impl OutboxFilter {
     }
 
     /// The status listed, if the filter names one.
-    #[cfg(feature = "postgres")]
     pub(crate) fn status_filter(&self) -> Option<OutboxStatus> {
         self.status
     }
 
     /// The destination listed, if the filter names one.
-    #[cfg(feature = "postgres")]
     pub(crate) fn destination_filter(&self) -> Option<&str> {
         self.destination.as_deref()
     }

@@ -72,6 +72,7 @@ use crate::outbox::{
     AttemptRecord, Enqueued, NewEntry, Notifier, OutboxEntry, OutboxId, OutboxRecord, OutboxStatus,
 };
 
+mod bulk;
 mod claim;
 mod control;
 mod flows;

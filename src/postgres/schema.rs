@@ -47,7 +47,7 @@ use ::postgres::Client;
 use crate::error::{Error, Result};
 
 /// The schema version this build creates and reads.
-pub const SCHEMA_VERSION: u64 = 2;
+pub const SCHEMA_VERSION: u64 = 3;
 
 /// Longest schema name accepted: the notification channel `<schema>_outbox`
 /// must fit PostgreSQL's 63-byte identifiers.
@@ -55,7 +55,7 @@ const MAX_SCHEMA_LEN: usize = 48;
 
 /// The migrations, in order: migration `i + 1` is `MIGRATIONS[i]`, with
 /// `{s}` standing for the schema.
-const MIGRATIONS: &[&str] = &[V1, V2];
+const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 const V1: &str = r"
 CREATE TABLE {s}.inbox (
@@ -176,6 +176,14 @@ CREATE TABLE {s}.destinations (
     CHECK ((rate_per_second IS NULL) = (rate_burst IS NULL)),
     CHECK ((circuit_failures IS NULL) = (circuit_cool_down IS NULL))
 );
+";
+
+/// The entries an operator looks for, by id: the failed and the in-doubt
+/// (few, where most entries complete). Partial, so the hot path (claims,
+/// completions) never writes it; listings of those statuses read it.
+const V3: &str = r"
+CREATE INDEX outbox_held ON {s}.outbox (status, id)
+    WHERE status IN ('failed', 'outcome_unknown');
 ";
 
 /// The channel the outbox's trigger notifies: `<schema>_outbox`.

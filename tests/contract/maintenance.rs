@@ -6,6 +6,7 @@ macro_rules! maintenance_contract {
     () => {
         mod maintenance {
             use idemstore::{Enqueued, Error, OutboxId, OutboxStatus, Settlement};
+            use super::fixture::Ob;
 
             use super::*;
 
@@ -170,6 +171,114 @@ macro_rules! maintenance_contract {
                     "a pruned key can be claimed again"
                 );
                 assert!(!inbox.claim("new0", t(20))?);
+                Ok(())
+            }
+
+            /// Failed entries of two destinations (`a`: ids at odd places,
+            /// `b`: the others), one `a` entry pending and one in flight.
+            fn failed_of_two(outbox: &Ob, n: usize) -> Result<Vec<OutboxId>, Box<dyn std::error::Error>> {
+                let ids: Vec<OutboxId> = outbox
+                    .enqueue_many(
+                        (0..n).map(|i| {
+                            let d = if i % 2 == 1 { "a" } else { "b" };
+                            entry("c", d, &format!("k{i}"))
+                        }),
+                        t(0),
+                    )?
+                    .iter()
+                    .map(Enqueued::id)
+                    .collect();
+                let claimed = outbox.claim_due(t(1), n, "w")?;
+                assert_eq!(claimed.len(), n);
+                outbox.settle_many(claimed.iter().map(|c| (c.fence(), failed())), t(2))?;
+                outbox.enqueue(entry("c", "a", "pending"), t(3))?;
+                outbox.enqueue(entry("c", "a", "flying"), t(3))?;
+                assert_eq!(outbox.claim_due(t(4), 1, "w")?.len(), 1);
+                Ok(ids)
+            }
+
+            #[test]
+            fn a_listing_of_one_status_finds_exactly_its_entries_by_id() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                let ids = failed_of_two(&outbox, 9)?;
+                let list = |filter: &idemstore::OutboxFilter, n| -> Result<Vec<u64>, idemstore::Error> {
+                    Ok(outbox.list(filter, n)?.iter().map(|r| r.entry.id.0).collect())
+                };
+                let failed = idemstore::OutboxFilter::any().status(OutboxStatus::Failed);
+                let all: Vec<u64> = ids.iter().map(|i| i.0).collect();
+                assert_eq!(list(&failed, 100)?, all);
+                let of_a: Vec<u64> = all.iter().copied().skip(1).step_by(2).collect();
+                assert_eq!(list(&failed.clone().destination("a"), 100)?, of_a);
+                // Paged: two at a time, after the last.
+                let first = list(&failed.clone().destination("a"), 2)?;
+                assert_eq!(first, of_a[..2]);
+                let next = list(&failed.clone().destination("a").after(OutboxId(first[1])), 2)?;
+                assert_eq!(next, of_a[2..4]);
+                let flying = list(&idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching), 10)?;
+                assert_eq!(flying.len(), 1);
+                assert!(list(
+                    &idemstore::OutboxFilter::any()
+                        .status(OutboxStatus::Dispatching)
+                        .destination("b"),
+                    10
+                )?
+                .is_empty());
+                assert_eq!(
+                    list(&idemstore::OutboxFilter::any().status(OutboxStatus::Pending), 10)?.len(),
+                    1
+                );
+                Ok(())
+            }
+
+            #[test]
+            fn retry_matching_in_steps_moves_exactly_the_matching_entries() -> TestResult {
+                let f = fixture!();
+                let outbox = f.store.outbox();
+                let ids = failed_of_two(&outbox, 25)?;
+                let filter = idemstore::OutboxFilter::any()
+                    .status(OutboxStatus::Failed)
+                    .destination("a");
+                let (mut changed, mut steps, mut from) = (0, 0, filter.clone());
+                let (_, commits) = f.commits_during(|| -> Result<(), idemstore::Error> {
+                    loop {
+                        let step = outbox.requeue_matching(&from, t(10), 5)?;
+                        let Some(last) = step.last else { break };
+                        assert!(step.changed + step.skipped <= 5);
+                        changed += step.changed;
+                        steps += 1;
+                        from = filter.clone().after(last);
+                    }
+                    Ok(())
+                })?;
+                assert_eq!(changed, 12, "a's failed entries");
+                assert_eq!(steps, 3, "5 + 5 + 2");
+                assert!(commits >= 3, "a commit per step: {commits}");
+                for (i, id) in ids.iter().enumerate() {
+                    let e = outbox.get(*id)?.entry;
+                    let want = if i % 2 == 1 { OutboxStatus::Pending } else { OutboxStatus::Failed };
+                    assert_eq!(e.status, want, "{id} ({})", e.destination);
+                }
+                // Cancel every pending entry of a: the retried, and the one
+                // enqueued pending; the one in flight is not matched.
+                let pending_a = idemstore::OutboxFilter::any()
+                    .status(OutboxStatus::Pending)
+                    .destination("a");
+                let step = outbox.cancel_matching(&pending_a, t(11), 100)?;
+                assert_eq!((step.changed, step.skipped), (13, 0));
+                assert_eq!(outbox.cancel_matching(&pending_a, t(11), 100)?.last, None);
+                // A retry of cancelled entries and b's failed ones: a change
+                // that applies to each.
+                let failed = idemstore::OutboxFilter::any().status(OutboxStatus::Failed);
+                let step = outbox.requeue_matching(&failed, t(12), 1000)?;
+                assert_eq!((step.changed, step.skipped), (26, 0), "13 of a, 13 of b");
+                // Cancelling in flight is refused, and skipped.
+                let flying = idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching);
+                let step = outbox.cancel_matching(&flying, t(13), 10)?;
+                assert_eq!((step.changed, step.skipped), (0, 1));
+                let c = outbox.counts()?;
+                assert_eq!((c.pending, c.failed, c.dispatching), (26, 0, 1));
+                assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
                 Ok(())
             }
         }

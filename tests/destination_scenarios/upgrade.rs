@@ -105,7 +105,7 @@ fn a_file_of_the_format_before_destinations_gains_their_tables() -> Result<()> {
     let t = common::t;
     old_file(&path)?;
     let store = Store::open(&path)?;
-    assert_eq!(store.stats()?.format_version, 2, "upgraded");
+    assert_eq!(store.stats()?.format_version, 3, "upgraded");
     assert_indexes(&store)?;
     let outbox = store.outbox();
     let states: BTreeMap<String, _> = outbox
@@ -185,7 +185,7 @@ fn stores_opening_an_old_shared_file_at_once_upgrade_it_once() -> Result<()> {
         .map(|o| o.join().expect("no panic"))
         .collect::<Result<_>>()?;
     for store in &stores {
-        assert_eq!(store.stats()?.format_version, 2);
+        assert_eq!(store.stats()?.format_version, 3);
         assert_indexes(store)?;
         let a = store.outbox().destination("a")?;
         assert_eq!((a.counts.pending, a.in_flight), (3, 2));
@@ -202,4 +202,79 @@ fn stores_opening_an_old_shared_file_at_once_upgrade_it_once() -> Result<()> {
     );
     assert_eq!(stores[2].outbox().destination("a")?.in_flight, 5);
     assert_indexes(&stores[3])
+}
+
+/// A file of format 2 (destinations, but its entries not yet listed by
+/// status) opened by this build: it gains the listing, and a listing of
+/// one status finds exactly that status's entries.
+#[test]
+fn a_file_of_the_format_before_listing_by_status_gains_the_listing() -> Result<()> {
+    use idemstore::redb::{Database, ReadableTable as _, TableDefinition};
+    use idemstore::{OutboxFilter, OutboxStatus};
+    const FLOWS: TableDefinition<(u8, i64, &str), &[u8]> =
+        TableDefinition::new("idemstore.v1.outbox.flows");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v2.idem");
+    let t = common::t;
+    let expected = {
+        let store = Store::open(&path)?;
+        let outbox = store.outbox();
+        outbox.enqueue_many((0..6).map(|i| entry("a", &format!("a{i}"))), t(0))?;
+        outbox.enqueue_many((0..4).map(|i| entry("b", &format!("b{i}"))), t(1))?;
+        let claimed = outbox.claim_due(t(2), 4, "w")?;
+        outbox.settle(claimed[0].fence(), idemstore::Settlement::Completed, t(3))?;
+        outbox.mark_failed(claimed[1].id, "gone", None, t(3))?;
+        outbox.mark_outcome_unknown(claimed[2].id, None)?;
+        let mut by_status = BTreeMap::new();
+        for status in OutboxStatus::ALL {
+            let ids: Vec<u64> = outbox
+                .list(&OutboxFilter::any().status(status), 100)?
+                .iter()
+                .map(|r| r.entry.id.0)
+                .collect();
+            by_status.insert(status, ids);
+        }
+        assert_eq!(by_status[&OutboxStatus::Pending].len(), 6);
+        by_status
+    };
+    {
+        // As format 2 left it: no rows of the entries by status.
+        let db = Database::create(&path).map_err(idemstore::redb::Error::from)?;
+        let tx = db.begin_write().map_err(idemstore::redb::Error::from)?;
+        let mut flows = tx.open_table(FLOWS)?;
+        let listed: Vec<(u8, i64, String)> = flows
+            .range((16, i64::MIN, "")..(21, i64::MIN, ""))?
+            .map(|r| r.map(|(k, _)| (k.value().0, k.value().1, k.value().2.to_owned())))
+            .collect::<std::result::Result<_, _>>()?;
+        assert_eq!(listed.len(), 10 - 1, "every entry but the one in flight");
+        for (kind, id, d) in &listed {
+            flows.remove((*kind, *id, d.as_str()))?;
+        }
+        drop(flows);
+        tx.open_table(TableDefinition::<&str, u64>::new("idemstore.meta"))?
+            .insert("format_version", 2)?;
+        tx.commit().map_err(idemstore::redb::Error::from)?;
+    }
+    let store = Store::open(&path)?;
+    assert_eq!(store.stats()?.format_version, 3, "upgraded");
+    assert_indexes(&store)?;
+    for (status, ids) in expected {
+        let found: Vec<u64> = store
+            .outbox()
+            .list(&OutboxFilter::any().status(status), 100)?
+            .iter()
+            .map(|r| r.entry.id.0)
+            .collect();
+        assert_eq!(found, ids, "{status:?}");
+    }
+    let b_pending = store.outbox().list(
+        &OutboxFilter::any()
+            .status(OutboxStatus::Pending)
+            .destination("b"),
+        100,
+    )?;
+    // Fair claims took two of b's four.
+    assert_eq!(b_pending.len(), 2);
+    assert!(b_pending.iter().all(|r| r.entry.destination == "b"));
+    Ok(())
 }

@@ -6,9 +6,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use redb::{ReadTransaction, ReadableTable, TableHandle as _};
 
 use super::{
-    COUNTS, COUNTS_KEY, DestRec, RANKS, READY, RECORD, SERVED, SERVED_KEY, bump, decode_time, rank,
-    read_all,
+    COUNTS, COUNTS_KEY, DestRec, LISTED, RANKS, READY, RECORD, SERVED, SERVED_KEY, bump,
+    decode_time, listed_key, rank, read_all,
 };
+
+/// The first key field after the records by status.
+const LISTED_END: u8 = LISTED + 5;
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::outbox::OutboxStatus;
@@ -28,6 +31,7 @@ pub(in crate::outbox) fn check(tx: &ReadTransaction, findings: &mut Vec<String>)
     let mut seqs: BTreeSet<(String, String, u64, u64)> = BTreeSet::new();
     let mut pending: Vec<(u64, Row)> = Vec::new();
     let mut counts: BTreeMap<String, [u64; 5]> = BTreeMap::new();
+    let mut listed = Listed::new();
     for row in rows.iter()? {
         let (k, v) = row?;
         let id = k.value();
@@ -39,6 +43,9 @@ pub(in crate::outbox) fn check(tx: &ReadTransaction, findings: &mut Vec<String>)
             row.status.code(),
             1,
         );
+        if let Some((kind, at, d)) = listed_key(row.status, id, &row.destination) {
+            listed.insert((kind, at, d.to_owned()));
+        }
         match (&row.ordering_key, row.seq, row.status.is_finished()) {
             (Some(key), Some(seq), false) => {
                 seqs.insert((row.destination.clone(), key.clone(), seq, id));
@@ -91,8 +98,11 @@ pub(in crate::outbox) fn check(tx: &ReadTransaction, findings: &mut Vec<String>)
         }
     }
     compare(findings, OUTBOX_QUEUE.name(), &queue, &found);
-    check_destinations(tx, &counts, &queue, findings)
+    check_destinations(tx, &counts, &queue, &listed, findings)
 }
+
+/// The rows of the records by status, as [`listed_key`] makes them.
+type Listed = BTreeSet<(u8, i64, String)>;
 
 /// The flow records and the ready line against what the records call for:
 /// `counts` by destination and the `queue` rows.
@@ -100,6 +110,7 @@ fn check_destinations(
     tx: &ReadTransaction,
     counts: &BTreeMap<String, [u64; 5]>,
     queue: &BTreeSet<(String, u8, i64, u64)>,
+    listed: &Listed,
     findings: &mut Vec<String>,
 ) -> Result<()> {
     let recs: BTreeMap<String, DestRec> = read_all(tx)?.into_iter().collect();
@@ -172,20 +183,22 @@ fn check_destinations(
         }
     }
     let latest = recs.values().map(|r| r.served_at).max().unwrap_or(0);
-    check_small_rows(tx, &ready, latest, findings)
+    check_small_rows(tx, &ready, latest, listed, findings)
 }
 
 /// The rows of [`OUTBOX_FLOWS`] that are not flow records against what
 /// the flow records call for: the `ready` line, and a latest time a claim
-/// served no earlier than any destination's (`latest`). Notes rows of no
-/// known kind.
+/// served no earlier than any destination's (`latest`), and the records
+/// by status (`listed`). Notes rows of no known kind.
 fn check_small_rows(
     tx: &ReadTransaction,
     ready: &BTreeSet<(i64, String, i64)>,
     latest: i64,
+    listed: &Listed,
     findings: &mut Vec<String>,
 ) -> Result<()> {
     let mut found = BTreeSet::new();
+    let mut found_listed = Listed::new();
     let mut served = None;
     if let Some(t) = open_read(tx, OUTBOX_FLOWS)? {
         for row in t.iter()? {
@@ -206,6 +219,10 @@ fn check_small_rows(
                     served = Some(decode_time("served", v.value()));
                     false
                 }
+                LISTED..LISTED_END => {
+                    found_listed.insert((what, at, d.to_owned()));
+                    !v.value().is_empty()
+                }
                 _ => true,
             };
             if odd {
@@ -217,6 +234,7 @@ fn check_small_rows(
         }
     }
     compare(findings, "the ready line", ready, &found);
+    compare(findings, "the records by status", listed, &found_listed);
     match served.transpose() {
         Ok(served) if latest > served.unwrap_or(0) => findings.push(format!(
             "the latest time a claim served, {served:?}, is before a destination's {latest}"

@@ -9,9 +9,10 @@
 //! | [`OUTBOX_FLOWS`]     | `(READY, ready_at, destination) → claimable_from` | the destination has a queued record and [`Flow::open_from`] is some time |
 //! | [`OUTBOX_FLOWS`]     | `(COUNTS, 0, "") → counts by status`    | the outbox has a record |
 //! | [`OUTBOX_FLOWS`]     | `(SERVED, 0, "") → served_at`           | a claim took an entry: the latest time one did (at least every destination's own) |
+//! | [`OUTBOX_FLOWS`]     | `(LISTED + status, id, destination) → []` | the record is in that status and it is not `Dispatching` |
 //!
-//! The small rows (flow records, the ready line, the outbox's counts) share
-//! one table, told apart by their first key field: every write of a
+//! The small rows (flow records, the ready line, the outbox's counts, the
+//! records by status) share one table, told apart by their first key field: every write of a
 //! record changes some of each, and each table a transaction writes costs
 //! its commit a page or two more.
 //!
@@ -30,6 +31,13 @@
 //! latest time a claim served (`SERVED`) and takes the destinations
 //! claimable at its time there too: a destination just served by the
 //! other claim is behind in the line, not out of it.
+//!
+//! The records by status are what a listing of one status pages through
+//! (by id, skipping other destinations by key alone), so an operator's
+//! "the failed entries of B" reads those, however many others there are.
+//! `Dispatching` records have none: the claims index (`(claimed_at, id)`,
+//! as many rows as entries in flight) lists them, and a claim and its
+//! settlement, the hot path, write two such rows fewer.
 
 use std::collections::BTreeMap;
 
@@ -42,6 +50,7 @@ pub(super) use check::check;
 
 use super::destinations::{Flow, MAX_PRIORITY, PolicyParts};
 use super::index::{RecordTables, decode_row, load_row};
+use super::record::RowKeys;
 use super::rules::Row;
 use super::{OutboxCounts, OutboxStatus};
 use crate::codec::{decode, encode};
@@ -64,13 +73,30 @@ const READY: u8 = 2;
 /// The first key field of the latest time a claim served, in
 /// [`OUTBOX_FLOWS`].
 const SERVED: u8 = 3;
+/// The first key field of the records of status code 0 by id, in
+/// [`OUTBOX_FLOWS`]; `LISTED + code` for the others.
+pub(super) const LISTED: u8 = 16;
 /// The key of the latest time a claim served.
 const SERVED_KEY: (u8, i64, &str) = (SERVED, 0, "");
 /// The key of the outbox's counts.
 const COUNTS_KEY: (u8, i64, &str) = (COUNTS, 0, "");
 
 /// A row of [`OUTBOX_FLOWS`]'s key.
-type FlowKey<'a> = (u8, i64, &'a str);
+pub(super) type FlowKey<'a> = (u8, i64, &'a str);
+
+/// The key of record `id`'s row among the records of its `status`, if it
+/// has one (`Dispatching` records have none). Ids stay below 2^63 (they
+/// count enqueues from 1).
+pub(super) fn listed_key(status: OutboxStatus, id: u64, destination: &str) -> Option<FlowKey<'_>> {
+    (status != OutboxStatus::Dispatching)
+        .then(|| (LISTED + status.code(), id.cast_signed(), destination))
+}
+
+/// The rows of the records of `status` from id `from` on, to page through.
+pub(super) fn listed_from(status: OutboxStatus, from: u64) -> std::ops::Range<FlowKey<'static>> {
+    let kind = LISTED + status.code();
+    (kind, from.cast_signed(), "")..(kind + 1, i64::MIN, "")
+}
 
 /// The rows of one kind of [`OUTBOX_FLOWS`].
 fn kind(kind: u8) -> std::ops::Range<FlowKey<'static>> {
@@ -387,6 +413,23 @@ impl<'tx> Flows<'tx> {
         }
         self.rec(&row.destination)?.count(row.status, 1);
         self.count_total(row.status, 1);
+        self.list(row.status, id, &row.destination)
+    }
+
+    /// Record `id` of `destination` is in `status` now: its row among the
+    /// records of that status.
+    fn list(&mut self, status: OutboxStatus, id: u64, destination: &str) -> Result<()> {
+        if let Some(key) = listed_key(status, id, destination) {
+            self.small.insert(key, [].as_slice())?;
+        }
+        Ok(())
+    }
+
+    /// Record `id` of `destination` is no longer in `status`.
+    fn unlist(&mut self, status: OutboxStatus, id: u64, destination: &str) -> Result<()> {
+        if let Some(key) = listed_key(status, id, destination) {
+            self.small.remove(key)?;
+        }
         Ok(())
     }
 
@@ -440,6 +483,8 @@ impl<'tx> Flows<'tx> {
             rec.count(new.status, 1);
             self.count_total(old.status, -1);
             self.count_total(new.status, 1);
+            self.unlist(old.status, id, &old.destination)?;
+            self.list(new.status, id, &new.destination)?;
         }
         Ok(())
     }
@@ -473,11 +518,11 @@ impl<'tx> Flows<'tx> {
         Ok(())
     }
 
-    /// A finished record of `destination` in status `status` was deleted.
-    pub(super) fn deleted(&mut self, destination: &str, status: OutboxStatus) -> Result<()> {
+    /// Record `id` of `destination` in status `status` was deleted.
+    pub(super) fn deleted(&mut self, id: u64, destination: &str, status: OutboxStatus) -> Result<()> {
         self.rec(destination)?.count(status, -1);
         self.count_total(status, -1);
-        Ok(())
+        self.unlist(status, id, destination)
     }
 
     /// The first `n` claimable entries of `destination` due at `now`:
@@ -681,5 +726,24 @@ pub(super) fn build(tx: &WriteTransaction) -> Result<()> {
         .map_err(crate::schema::store_table_error)?;
     tx.delete_table(OUTBOX_COUNT)
         .map_err(crate::schema::store_table_error)?;
+    Ok(())
+}
+
+/// Lists the records by status in a file written before the records were
+/// listed by status (format 2): reads every record's keys once, payloads
+/// not copied.
+pub(super) fn build_listed(tx: &WriteTransaction) -> Result<()> {
+    let rows = open_write(tx, OUTBOX)?;
+    let states = open_write(tx, OUTBOX_STATE)?;
+    let mut small = open_write(tx, OUTBOX_FLOWS)?;
+    for row in rows.iter()? {
+        let (k, v) = row?;
+        let id = k.value();
+        let state = states.get(id)?;
+        let keys = RowKeys::decode(id, v.value(), state.as_ref().map(redb::AccessGuard::value))?;
+        if let Some(key) = listed_key(keys.times.status(id)?, id, &keys.destination) {
+            small.insert(key, [].as_slice())?;
+        }
+    }
     Ok(())
 }

@@ -114,16 +114,15 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let status = filter.status_filter().map(status_name);
         let destination = filter.destination_filter().map(str::as_bytes);
         let sql = format!(
-            "{} WHERE o.id >= $1 AND ($2::text IS NULL OR o.status = $2) \
-             AND ($3::bytea IS NULL OR o.destination = $3) ORDER BY o.id LIMIT $4",
-            self.select_records()
+            "{} WHERE o.id >= $1 AND {} AND ($2::bytea IS NULL OR o.destination = $2) \
+             ORDER BY o.id LIMIT $3",
+            self.select_records(),
+            status_condition("o.", filter)
         );
         let rows = self.server.run(Mode::Read, |conn| {
-            conn.db()
-                .query(&sql, &[&start, &status, &destination, &limit])
+            conn.db().query(&sql, &[&start, &destination, &limit])
         })?;
         rows.iter().map(read_record).collect()
     }
@@ -204,5 +203,17 @@ mod tests {
                 "{e:?}"
             );
         }
+    }
+}
+
+/// The condition on the status of the entries `filter` lists (columns
+/// prefixed by `alias`): the status as a literal, so the planner can use
+/// the partial indexes whose predicate it matches (`outbox_held` for the
+/// failed and in-doubt entries), or `true`. The literal is one of the
+/// store's own status names, never the caller's text.
+pub(super) fn status_condition(alias: &str, filter: &OutboxFilter) -> String {
+    match filter.status_filter() {
+        Some(status) => format!("{alias}status = '{}'", status_name(status)),
+        None => "true".to_owned(),
     }
 }

@@ -104,7 +104,7 @@ impl PgOutbox {
     }
 
     /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
-    fn lock(&self, db: &mut Db<'_, impl GenericClient>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
+    pub(super) fn lock(&self, db: &mut Db<'_, impl GenericClient>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
         let s = self.s();
         let rows = db.query(
             &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
@@ -119,7 +119,7 @@ impl PgOutbox {
     /// entry comes back), the attempt record it adds, and the next entry of
     /// its sequence made claimable when it leaves. Notes in `touched` what
     /// it tells its destination. Returns the row as it stands afterwards.
-    fn apply(
+    pub(super) fn apply(
         &self,
         tx: &mut Db<'_, impl GenericClient>,
         id: u64,

@@ -1,0 +1,107 @@
+//! An operator's change to every entry a filter matches, on
+//! [`PgOutbox`]: the embedded store's steps (`outbox/bulk.rs`), each step
+//! one transaction that reads the matching ids, locks those rows and
+//! applies the change to each through the status machine.
+
+use chrono::{DateTime, Utc};
+
+use super::flows::Touched;
+use super::PgOutbox;
+use super::inspect::status_condition;
+use crate::codec::micros;
+use crate::error::{Error, Result};
+use crate::outbox::rules::{Change, plan};
+use crate::outbox::{MatchingStep, OutboxFilter, OutboxId};
+use crate::postgres::conn::Mode;
+use crate::postgres::refuse_reentrant;
+
+impl PgOutbox {
+    /// One step of "retry every entry `filter` matches", as the embedded
+    /// store's [`Outbox::requeue_matching`](crate::Outbox::requeue_matching):
+    /// one transaction over up to `limit` matching entries, by id.
+    pub fn requeue_matching(
+        &self,
+        filter: &OutboxFilter,
+        next_attempt_at: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<MatchingStep> {
+        let change = Change::Requeued {
+            next_attempt_at: micros(next_attempt_at),
+        };
+        self.change_matching(filter, &change, limit)
+    }
+
+    /// One step of "cancel every entry `filter` matches", as the embedded
+    /// store's [`Outbox::cancel_matching`](crate::Outbox::cancel_matching).
+    pub fn cancel_matching(
+        &self,
+        filter: &OutboxFilter,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<MatchingStep> {
+        self.change_matching(filter, &Change::Cancelled { now: micros(now) }, limit)
+    }
+
+    fn change_matching(
+        &self,
+        filter: &OutboxFilter,
+        change: &Change,
+        limit: usize,
+    ) -> Result<MatchingStep> {
+        refuse_reentrant()?;
+        filter.check()?;
+        let mut step = MatchingStep::default();
+        let (Some(start), Ok(limit)) = (filter.first_id(), i64::try_from(limit)) else {
+            return Ok(step);
+        };
+        let Ok(start) = i64::try_from(start) else {
+            return Ok(step);
+        };
+        let destination = filter.destination_filter().map(str::as_bytes);
+        let s = self.s().to_owned();
+        let sql = format!(
+            "SELECT id FROM {s}.outbox WHERE id >= $1 AND {} \
+             AND ($2::bytea IS NULL OR destination = $2) ORDER BY id LIMIT $3",
+            status_condition("", filter)
+        );
+        let sooner = self.server.run(Mode::Tx, |conn| {
+            step = MatchingStep::default();
+            conn.in_transaction(|db| {
+                let ids: Vec<i64> = db
+                    .query(&sql, &[&start, &destination, &limit])?
+                    .iter()
+                    .map(|r| r.try_get(0))
+                    .collect::<std::result::Result<_, _>>()?;
+                let rows = self.lock(db, &ids)?;
+                let mut touched = Touched::default();
+                for id in ids.iter().filter_map(|&id| u64::try_from(id).ok()) {
+                    step.last = Some(OutboxId(id));
+                    // Gone since the read (purged): nothing to change.
+                    let Some(old) = rows.get(&id) else {
+                        step.skipped += 1;
+                        continue;
+                    };
+                    // Changed since the read: the filter no longer matches.
+                    if filter.status_filter().is_some_and(|st| st != old.status) {
+                        step.skipped += 1;
+                        continue;
+                    }
+                    match plan(id, old, change, None) {
+                        Ok(Some(_)) => {
+                            self.apply(db, id, old, change, None, &mut touched)?;
+                            step.changed += 1;
+                        }
+                        Ok(None) | Err(Error::Conflict { .. }) => step.skipped += 1,
+                        Err(e) => return Err(e),
+                    }
+                }
+                self.settle_flows(db, &touched)
+            })
+        })?;
+        self.depth.after_write(self);
+        if step.changed > 0 && (change.makes_work_due() || sooner) {
+            self.notify();
+        }
+        Ok(step)
+    }
+}
