@@ -5,10 +5,10 @@
 //! for longer than one step.
 
 use chrono::{DateTime, Utc};
-use redb::{ReadableTable as _, WriteTransaction};
+use redb::WriteTransaction;
 
-use super::index::{Tables, dangling, decode_row, load_row};
-use super::inspect::indexed_ids;
+use super::index::Tables;
+use super::inspect::Listing;
 use super::rules::Change;
 use super::{Outbox, OutboxFilter, OutboxId, ops};
 use crate::codec::micros;
@@ -95,10 +95,7 @@ fn change_step(
     limit: usize,
 ) -> Result<(MatchingStep, bool)> {
     let mut step = MatchingStep::default();
-    let Some(start) = filter.first_id() else {
-        return Ok((step, false));
-    };
-    let ids = matching_ids(tx, filter, start, limit)?;
+    let ids = matching_ids(tx, filter, limit)?;
     let mut t = Tables::open(tx)?;
     for id in ids {
         step.last = Some(OutboxId(id));
@@ -112,42 +109,23 @@ fn change_step(
     Ok((step, sooner))
 }
 
-/// The ids of up to `limit` entries from `start` on that `filter`
-/// matches, by id. (Opens, in `tx`, tables [`Tables::open`] opens again:
-/// they are closed on return.)
-fn matching_ids(
-    tx: &WriteTransaction,
-    filter: &OutboxFilter,
-    start: u64,
-    limit: usize,
-) -> Result<Vec<u64>> {
+/// The ids of up to `limit` entries that `filter` matches, in its order.
+/// (Opens, in `tx`, tables [`Tables::open`] opens again: they are closed
+/// on return.)
+fn matching_ids(tx: &WriteTransaction, filter: &OutboxFilter, limit: usize) -> Result<Vec<u64>> {
     let rows = open_write(tx, OUTBOX)?;
     let states = open_write(tx, OUTBOX_STATE)?;
-    let mut out = Vec::new();
-    let Some(status) = filter.status_filter() else {
-        for row in rows.range(start..)? {
-            if out.len() >= limit {
-                break;
-            }
-            let (k, v) = row?;
-            let id = k.value();
-            if filter.matches(&decode_row(Some(&states), id, v.value())?) {
-                out.push(id);
-            }
-        }
-        return Ok(out);
-    };
     let small = open_write(tx, OUTBOX_FLOWS)?;
     let claimed = open_write(tx, OUTBOX_CLAIMED)?;
-    let ids = indexed_ids(Some(&small), Some(&claimed), filter, status, start, limit)?;
-    for (index, id) in ids {
-        if out.len() >= limit {
-            break;
-        }
-        let row = load_row((&rows, Some(&states)), id)?.ok_or_else(|| dangling(index, id))?;
-        if filter.matches(&row) {
-            out.push(id);
-        }
-    }
-    Ok(out)
+    let listing = Listing {
+        rows: &rows,
+        states: Some(&states),
+        small: Some(&small),
+        claimed: Some(&claimed),
+    };
+    Ok(listing
+        .matching(filter, limit)?
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect())
 }

@@ -157,46 +157,19 @@ impl Outbox {
             let Some(reader) = Reader::open(tx)? else {
                 return Ok(Vec::new());
             };
-            let Some(start) = filter.first_id() else {
-                return Ok(Vec::new());
+            let small = open_read(tx, OUTBOX_FLOWS)?;
+            let claimed = open_read(tx, OUTBOX_CLAIMED)?;
+            let tables = Listing {
+                rows: &reader.rows,
+                states: reader.states.as_ref(),
+                small: small.as_ref(),
+                claimed: claimed.as_ref(),
             };
-            let ids = match filter.status_filter() {
-                Some(status) => {
-                    let small = open_read(tx, OUTBOX_FLOWS)?;
-                    let claimed = open_read(tx, OUTBOX_CLAIMED)?;
-                    indexed_ids(small.as_ref(), claimed.as_ref(), filter, status, start, limit)?
-                }
-                None => {
-                    let mut out = Vec::new();
-                    for row in reader.rows.range(start..)? {
-                        if out.len() >= limit {
-                            break;
-                        }
-                        let (k, v) = row?;
-                        let id = k.value();
-                        let row = decode_row(reader.states.as_ref(), id, v.value())?;
-                        if filter.matches(&row) {
-                            out.push(reader.complete(id, &row)?);
-                        }
-                    }
-                    return Ok(out);
-                }
-            };
-            let mut out = Vec::with_capacity(ids.len());
-            for (index, id) in ids {
-                if out.len() >= limit {
-                    break;
-                }
-                let row = load_row((&reader.rows, reader.states.as_ref()), id)?
-                    .ok_or_else(|| dangling(index, id))?;
-                if filter.status_filter() != Some(row.status) {
-                    return Err(index::index_mismatch(index, id));
-                }
-                if filter.matches(&row) {
-                    out.push(reader.complete(id, &row)?);
-                }
-            }
-            Ok(out)
+            tables
+                .matching(filter, limit)?
+                .into_iter()
+                .map(|(id, row)| reader.complete(id, &row))
+                .collect()
         })
     }
 
@@ -247,53 +220,126 @@ impl Outbox {
     }
 }
 
-/// The first `limit` ids from `start` on of the entries of `status` that
-/// `filter` matches (by destination), each with the index it came from:
-/// the records by status (`small`: the flows' table), or for
-/// `Dispatching` the claims index (as many rows as entries in flight, in
-/// claim order: all are read, and sorted by id).
-pub(super) fn indexed_ids(
-    small: Option<&impl ReadableTable<FlowKey<'static>, &'static [u8]>>,
-    claimed: Option<&impl ReadableTable<(i64, u64), ()>>,
-    filter: &OutboxFilter,
-    status: OutboxStatus,
-    start: u64,
-    limit: usize,
-) -> Result<Vec<(&'static str, u64)>> {
-    if status == OutboxStatus::Dispatching {
-        let Some(claimed) = claimed else {
+/// The tables a listing reads (in a read or a write transaction); `None`
+/// for a table never written.
+pub(super) struct Listing<'t, R, S, F, C> {
+    pub(super) rows: &'t R,
+    pub(super) states: Option<&'t S>,
+    /// The flows' small rows, with the records by status.
+    pub(super) small: Option<&'t F>,
+    /// The claims index.
+    pub(super) claimed: Option<&'t C>,
+}
+
+impl<R, S, F, C> Listing<'_, R, S, F, C>
+where
+    R: ReadableTable<u64, &'static [u8]>,
+    S: ReadableTable<u64, &'static [u8]>,
+    F: ReadableTable<FlowKey<'static>, &'static [u8]>,
+    C: ReadableTable<(i64, u64), ()>,
+{
+    /// The first `limit` records `filter` matches, in its order, with
+    /// their ids (see [`Outbox::list`]).
+    pub(super) fn matching(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<(u64, Row)>> {
+        let Some((lo, hi)) = filter.id_bounds() else {
             return Ok(Vec::new());
         };
-        let mut ids = std::collections::BTreeSet::new();
-        for row in claimed.iter()? {
-            let (_, id) = row?.0.value();
-            if id >= start {
-                ids.insert(id);
-                // With a destination, the caller tells them apart by the
-                // records: it may need more than `limit`.
-                if ids.len() > limit && filter.destination_filter().is_none() {
-                    ids.pop_last();
+        let mut out = Vec::new();
+        let Some(status) = filter.status_filter() else {
+            let walk = self.rows.range(lo..=hi)?;
+            let walk: Box<dyn Iterator<Item = _>> = if filter.is_newest_first() {
+                Box::new(walk.rev())
+            } else {
+                Box::new(walk)
+            };
+            for row in walk {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, v) = row?;
+                let id = k.value();
+                let row = decode_row(self.states, id, v.value())?;
+                if filter.matches(&row) {
+                    out.push((id, row));
                 }
             }
+            return Ok(out);
+        };
+        for (index, id) in self.indexed_ids(filter, status, (lo, hi), limit)? {
+            if out.len() >= limit {
+                break;
+            }
+            let row = load_row((self.rows, self.states), id)?.ok_or_else(|| dangling(index, id))?;
+            if row.status != status {
+                return Err(index::index_mismatch(index, id));
+            }
+            if filter.matches(&row) {
+                out.push((id, row));
+            }
         }
-        return Ok(ids
-            .into_iter()
-            .map(|id| (OUTBOX_CLAIMED.name(), id))
-            .collect());
+        Ok(out)
     }
-    let Some(small) = small else {
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::new();
-    for row in small.range(flow::listed_from(status, start))? {
-        if out.len() >= limit {
-            break;
+
+    /// The first `limit` ids within `lo..=hi`, in `filter`'s order, of the
+    /// entries of `status` that it matches (by destination), each with the
+    /// index it came from: the records by status, or for `Dispatching`
+    /// the claims index (as many rows as entries in flight, in claim
+    /// order: all are read, and sorted by id).
+    fn indexed_ids(
+        &self,
+        filter: &OutboxFilter,
+        status: OutboxStatus,
+        (lo, hi): (u64, u64),
+        limit: usize,
+    ) -> Result<Vec<(&'static str, u64)>> {
+        let newest_first = filter.is_newest_first();
+        if status == OutboxStatus::Dispatching {
+            let Some(claimed) = self.claimed else {
+                return Ok(Vec::new());
+            };
+            let mut ids = std::collections::BTreeSet::new();
+            for row in claimed.iter()? {
+                let (_, id) = row?.0.value();
+                if (lo..=hi).contains(&id) {
+                    ids.insert(id);
+                    // With a destination, the records tell them apart: more
+                    // than `limit` may be needed.
+                    if ids.len() > limit && filter.destination_filter().is_none() {
+                        if newest_first {
+                            ids.pop_first();
+                        } else {
+                            ids.pop_last();
+                        }
+                    }
+                }
+            }
+            let ids: Vec<u64> = if newest_first {
+                ids.into_iter().rev().collect()
+            } else {
+                ids.into_iter().collect()
+            };
+            return Ok(ids.into_iter().map(|id| (OUTBOX_CLAIMED.name(), id)).collect());
         }
-        let (k, _) = row?;
-        let (_, id, destination) = k.value();
-        if filter.destination_filter().is_none_or(|d| d == destination) {
-            out.push((OUTBOX_FLOWS.name(), id.cast_unsigned()));
+        let Some(small) = self.small else {
+            return Ok(Vec::new());
+        };
+        let walk = small.range(flow::listed_between(status, lo, hi))?;
+        let walk: Box<dyn Iterator<Item = _>> = if newest_first {
+            Box::new(walk.rev())
+        } else {
+            Box::new(walk)
+        };
+        let mut out = Vec::new();
+        for row in walk {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, _) = row?;
+            let (_, id, destination) = k.value();
+            if filter.destination_filter().is_none_or(|d| d == destination) {
+                out.push((OUTBOX_FLOWS.name(), id.cast_unsigned()));
+            }
         }
+        Ok(out)
     }
-    Ok(out)
 }

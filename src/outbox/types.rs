@@ -565,6 +565,7 @@ pub struct OutboxFilter {
     status: Option<OutboxStatus>,
     destination: Option<String>,
     after: Option<OutboxId>,
+    newest_first: bool,
 }
 
 impl OutboxFilter {
@@ -585,10 +586,20 @@ impl OutboxFilter {
         self
     }
 
-    /// Only entries with an id strictly above `id`: the next page after a
-    /// listing whose last entry was `id`. Default: from the first id.
+    /// Only entries that come after `id` in the listing's order, ids
+    /// strictly above it (strictly below it, [newest
+    /// first](OutboxFilter::newest_first)): the next page after a listing
+    /// whose last entry was `id`. Default: from the first id (the last).
     pub fn after(mut self, id: OutboxId) -> Self {
         self.after = Some(id);
+        self
+    }
+
+    /// Lists the newest entries first: ids from the highest down (an id
+    /// is handed out at enqueue, so this is latest enqueued first).
+    /// Default: oldest first.
+    pub fn newest_first(mut self) -> Self {
+        self.newest_first = true;
         self
     }
 
@@ -600,10 +611,19 @@ impl OutboxFilter {
         }
     }
 
-    /// The first id the listing may return; `None` when no id can follow
-    /// [`OutboxFilter::after`].
-    pub(crate) fn first_id(&self) -> Option<u64> {
-        self.after.map_or(Some(0), |id| id.0.checked_add(1))
+    /// The ids the listing may return, `lo..=hi`; `None` when no id can
+    /// follow [`OutboxFilter::after`].
+    pub(crate) fn id_bounds(&self) -> Option<(u64, u64)> {
+        match (self.after, self.newest_first) {
+            (None, _) => Some((0, u64::MAX)),
+            (Some(id), false) => Some((id.0.checked_add(1)?, u64::MAX)),
+            (Some(id), true) => Some((0, id.0.checked_sub(1)?)),
+        }
+    }
+
+    /// Whether the listing goes from the highest id down.
+    pub(crate) fn is_newest_first(&self) -> bool {
+        self.newest_first
     }
 
     /// The status listed, if the filter names one.

@@ -215,6 +215,16 @@ macro_rules! maintenance_contract {
                 assert_eq!(first, of_a[..2]);
                 let next = list(&failed.clone().destination("a").after(OutboxId(first[1])), 2)?;
                 assert_eq!(next, of_a[2..4]);
+                // Newest first, and paged down.
+                let newest = failed.clone().destination("a").newest_first();
+                let mut down: Vec<u64> = of_a.iter().rev().copied().collect();
+                assert_eq!(list(&newest, 100)?, down);
+                assert_eq!(list(&newest.clone().after(OutboxId(down[1])), 2)?, down[2..4]);
+                down = all.iter().rev().copied().collect();
+                assert_eq!(list(&failed.clone().newest_first(), 100)?, down);
+                let every = list(&idemstore::OutboxFilter::any().newest_first(), 3)?;
+                assert_eq!(every.len(), 3);
+                assert!(every.windows(2).all(|w| w[0] > w[1]), "{every:?}");
                 let flying = list(&idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching), 10)?;
                 assert_eq!(flying.len(), 1);
                 assert!(list(

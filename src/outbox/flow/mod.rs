@@ -92,10 +92,19 @@ pub(super) fn listed_key(status: OutboxStatus, id: u64, destination: &str) -> Op
         .then(|| (LISTED + status.code(), id.cast_signed(), destination))
 }
 
-/// The rows of the records of `status` from id `from` on, to page through.
-pub(super) fn listed_from(status: OutboxStatus, from: u64) -> std::ops::Range<FlowKey<'static>> {
+/// The rows of the records of `status` with ids in `lo..=hi`, to page
+/// through (ids stay below 2^63).
+pub(super) fn listed_between(
+    status: OutboxStatus,
+    lo: u64,
+    hi: u64,
+) -> std::ops::Range<FlowKey<'static>> {
     let kind = LISTED + status.code();
-    (kind, from.cast_signed(), "")..(kind + 1, i64::MIN, "")
+    let end = match hi.checked_add(1).and_then(|h| i64::try_from(h).ok()) {
+        Some(h) => (kind, h, ""),
+        None => (kind + 1, i64::MIN, ""),
+    };
+    (kind, i64::try_from(lo).unwrap_or(i64::MAX), "")..end
 }
 
 /// The rows of one kind of [`OUTBOX_FLOWS`].

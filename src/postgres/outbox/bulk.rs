@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 
 use super::flows::Touched;
 use super::PgOutbox;
-use super::inspect::status_condition;
+use super::inspect::{db_bounds, order, status_condition};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::outbox::rules::{Change, plan};
@@ -51,24 +51,22 @@ impl PgOutbox {
         refuse_reentrant()?;
         filter.check()?;
         let mut step = MatchingStep::default();
-        let (Some(start), Ok(limit)) = (filter.first_id(), i64::try_from(limit)) else {
-            return Ok(step);
-        };
-        let Ok(start) = i64::try_from(start) else {
+        let (Some((lo, hi)), Ok(limit)) = (db_bounds(filter), i64::try_from(limit)) else {
             return Ok(step);
         };
         let destination = filter.destination_filter().map(str::as_bytes);
         let s = self.s().to_owned();
         let sql = format!(
-            "SELECT id FROM {s}.outbox WHERE id >= $1 AND {} \
-             AND ($2::bytea IS NULL OR destination = $2) ORDER BY id LIMIT $3",
-            status_condition("", filter)
+            "SELECT id FROM {s}.outbox WHERE id BETWEEN $1 AND $4 AND {} \
+             AND ($2::bytea IS NULL OR destination = $2) ORDER BY id {} LIMIT $3",
+            status_condition("", filter),
+            order(filter)
         );
         let sooner = self.server.run(Mode::Tx, |conn| {
             step = MatchingStep::default();
             conn.in_transaction(|db| {
                 let ids: Vec<i64> = db
-                    .query(&sql, &[&start, &destination, &limit])?
+                    .query(&sql, &[&lo, &destination, &limit, &hi])?
                     .iter()
                     .map(|r| r.try_get(0))
                     .collect::<std::result::Result<_, _>>()?;

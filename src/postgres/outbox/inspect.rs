@@ -104,10 +104,7 @@ impl PgOutbox {
     /// [`OutboxFilter::after`] and the last id returned.
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
         filter.check()?;
-        let Some(start) = filter.first_id() else {
-            return Ok(Vec::new());
-        };
-        let Ok(start) = i64::try_from(start) else {
+        let Some((lo, hi)) = db_bounds(filter) else {
             return Ok(Vec::new());
         };
         if limit == 0 {
@@ -116,13 +113,14 @@ impl PgOutbox {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let destination = filter.destination_filter().map(str::as_bytes);
         let sql = format!(
-            "{} WHERE o.id >= $1 AND {} AND ($2::bytea IS NULL OR o.destination = $2) \
-             ORDER BY o.id LIMIT $3",
+            "{} WHERE o.id BETWEEN $1 AND $4 AND {} AND ($2::bytea IS NULL OR o.destination = $2) \
+             ORDER BY o.id {} LIMIT $3",
             self.select_records(),
-            status_condition("o.", filter)
+            status_condition("o.", filter),
+            order(filter)
         );
         let rows = self.server.run(Mode::Read, |conn| {
-            conn.db().query(&sql, &[&start, &destination, &limit])
+            conn.db().query(&sql, &[&lo, &destination, &limit, &hi])
         })?;
         rows.iter().map(read_record).collect()
     }
@@ -216,4 +214,17 @@ pub(super) fn status_condition(alias: &str, filter: &OutboxFilter) -> String {
         Some(status) => format!("{alias}status = '{}'", status_name(status)),
         None => "true".to_owned(),
     }
+}
+
+/// The ids `filter` lists, `lo..=hi`, as the server's `bigint`s; `None`
+/// when there are none.
+pub(super) fn db_bounds(filter: &OutboxFilter) -> Option<(i64, i64)> {
+    let (lo, hi) = filter.id_bounds()?;
+    let lo = i64::try_from(lo).ok()?;
+    Some((lo, i64::try_from(hi).unwrap_or(i64::MAX)))
+}
+
+/// The order of `filter`'s listing by id.
+pub(super) fn order(filter: &OutboxFilter) -> &'static str {
+    if filter.is_newest_first() { "DESC" } else { "ASC" }
 }
