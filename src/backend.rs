@@ -334,6 +334,10 @@ pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()>;
     /// A `Pending` or `OutcomeUnknown` entry to `Failed`, reason `cancelled`.
     fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()>;
+    /// A `Pending`, `Dispatching` or `OutcomeUnknown` entry to `Pending`,
+    /// due then; a claim is dropped (its worker's settlement is then
+    /// refused as stale).
+    fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()>;
     /// An entry marked `Completed`.
     fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()>;
     /// An entry marked failed with `reason`, retried then if given.
@@ -464,6 +468,13 @@ macro_rules! forward_admin {
             }
             fn check_indexes(&self) -> $crate::Result<Vec<String>> {
                 <$outbox>::check_indexes(self)
+            }
+            fn reschedule(
+                &self,
+                id: $crate::OutboxId,
+                next_attempt_at: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::Result<()> {
+                <$outbox>::reschedule(self, id, next_attempt_at)
             }
             fn find(
                 &self,

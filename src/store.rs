@@ -13,8 +13,8 @@ use crate::idempotency::IdempotencyKeys;
 use crate::inbox::{Inbox, Journal};
 use crate::outbox::Outbox;
 use crate::schema::{
-    FORMAT_VERSION, FORMAT_VERSION_BEFORE_DESTINATIONS, FORMAT_VERSION_BEFORE_LISTING, META, META_FORMAT_VERSION, open_read,
-    open_write,
+    FORMAT_VERSION, FORMAT_VERSION_BEFORE_DESTINATIONS, FORMAT_VERSION_BEFORE_LISTING, META,
+    META_FORMAT_VERSION, open_read, open_write,
 };
 
 /// Default page cache: 64 MiB.

@@ -93,7 +93,13 @@ fn entry(destination: u64, i: usize) -> NewEntry {
 /// Enqueues `n` entries from index `from`, each destination in turn, and
 /// settles them: those `fails` picks failed for good, the rest but every
 /// `pending_every`-th completed.
-fn fill(outbox: &Outbox, from: usize, n: usize, fails: impl Fn(usize) -> bool, pending_every: usize) -> Res<()> {
+fn fill(
+    outbox: &Outbox,
+    from: usize,
+    n: usize,
+    fails: impl Fn(usize) -> bool,
+    pending_every: usize,
+) -> Res<()> {
     for start in (from..from + n).step_by(SETUP_CHUNK) {
         let end = (start + SETUP_CHUNK).min(from + n);
         let chunk: Vec<NewEntry> = (start..end)
@@ -170,18 +176,29 @@ async fn pages(entries: usize) -> Res<()> {
         std::fs::metadata(&path)?.len() >> 20
     );
     let router = Console::new(outbox.clone()).router();
-    let failed_d0 = OutboxFilter::any().status(OutboxStatus::Failed).destination("d0");
+    let failed_d0 = OutboxFilter::any()
+        .status(OutboxStatus::Failed)
+        .destination("d0");
     let middle = outbox.list(&failed_d0, 1000)?;
     let middle = middle.get(middle.len() / 2).map_or(0, |r| r.entry.id.0);
-    let some_entry = outbox.list(&failed_d0, 1)?.first().map_or(1, |r| r.entry.id.0);
+    let some_entry = outbox
+        .list(&failed_d0, 1)?
+        .first()
+        .map_or(1, |r| r.entry.id.0);
     let paths = [
         ("overview", "/".to_owned()),
-        ("failed of d0, first page", "/outbox?status=failed&destination=d0".to_owned()),
+        (
+            "failed of d0, first page",
+            "/outbox?status=failed&destination=d0".to_owned(),
+        ),
         (
             "failed of d0, further on",
             format!("/outbox?status=failed&destination=d0&after={middle}"),
         ),
-        ("completed, first page", "/outbox?status=completed".to_owned()),
+        (
+            "completed, first page",
+            "/outbox?status=completed".to_owned(),
+        ),
         ("pending, first page", "/outbox?status=pending".to_owned()),
         ("an entry", format!("/outbox/{some_entry}")),
         ("destinations", "/destinations".to_owned()),
@@ -196,7 +213,11 @@ async fn pages(entries: usize) -> Res<()> {
             assert_eq!(status, StatusCode::OK, "{path}");
         }
         let (p50, p99) = p50_p99(samples);
-        println!("    {name:<28} p50 {:>7.2} ms   p99 {:>7.2} ms", ms(p50), ms(p99));
+        println!(
+            "    {name:<28} p50 {:>7.2} ms   p99 {:>7.2} ms",
+            ms(p50),
+            ms(p99)
+        );
     }
     // The baseline: the same first page without the listing by status, a
     // walk of every entry from the first.
@@ -212,8 +233,13 @@ async fn pages(entries: usize) -> Res<()> {
             // Pages of 50 d0 entries, keeping the failed, until 50 are found.
             while out.len() < 50 {
                 let page = o.list(&from, 500)?;
-                let Some(last) = page.last().map(|r| r.entry.id) else { break };
-                out.extend(page.into_iter().filter(|r| r.entry.status == OutboxStatus::Failed));
+                let Some(last) = page.last().map(|r| r.entry.id) else {
+                    break;
+                };
+                out.extend(
+                    page.into_iter()
+                        .filter(|r| r.entry.status == OutboxStatus::Failed),
+                );
                 from = w.clone().after(last);
             }
             Ok::<_, idemstore::Error>(out.len())

@@ -14,7 +14,7 @@ use maud::{Markup, html};
 use serde::Deserialize;
 
 use super::Inner;
-use super::pages::{list_link, page, read_then};
+use super::pages::{bad_request, list_link, page, read_then};
 use crate::outbox::{OutboxFilter, OutboxId, OutboxStatus};
 
 /// Entries changed per step of an action on every entry a filter matches,
@@ -81,6 +81,43 @@ pub(super) enum EntryAction {
     Cancel,
     Complete,
     Fail,
+    Release,
+}
+
+impl EntryAction {
+    /// The action a form's `name` asks for.
+    fn named(name: &str) -> Option<EntryAction> {
+        Some(match name {
+            "retry" => EntryAction::Retry,
+            "cancel" => EntryAction::Cancel,
+            "complete" => EntryAction::Complete,
+            "fail" => EntryAction::Fail,
+            "release" => EntryAction::Release,
+            _ => return None,
+        })
+    }
+
+    /// Applies the action to entry `id` at `now`.
+    fn apply(self, i: &Inner, id: OutboxId, reason: &str) -> crate::Result<()> {
+        let now = Utc::now();
+        match self {
+            EntryAction::Retry => i.outbox.requeue(id, now),
+            EntryAction::Cancel => i.outbox.cancel(id, now),
+            EntryAction::Complete => i.outbox.mark_completed(id, now),
+            EntryAction::Fail => i.outbox.mark_failed(id, reason, None, now),
+            EntryAction::Release => i.outbox.reschedule(id, now),
+        }
+    }
+
+    fn done(self) -> &'static str {
+        match self {
+            EntryAction::Retry => "retried",
+            EntryAction::Cancel => "cancelled",
+            EntryAction::Complete => "marked completed",
+            EntryAction::Fail => "marked failed",
+            EntryAction::Release => "released",
+        }
+    }
 }
 
 pub(super) async fn on_entry(
@@ -92,12 +129,8 @@ pub(super) async fn on_entry(
     if let Some(refusal) = refused(&inner, &headers, form.token.as_deref()) {
         return refusal;
     }
-    let action = match action.as_str() {
-        "retry" => EntryAction::Retry,
-        "cancel" => EntryAction::Cancel,
-        "complete" => EntryAction::Complete,
-        "fail" => EntryAction::Fail,
-        _ => return StatusCode::NOT_FOUND.into_response(),
+    let Some(action) = EntryAction::named(&action) else {
+        return StatusCode::NOT_FOUND.into_response();
     };
     let reason = form
         .reason
@@ -106,16 +139,81 @@ pub(super) async fn on_entry(
     let back = format!("{}/outbox/{id}", inner.base);
     read_then(
         inner,
-        move |i| {
-            let (id, now) = (OutboxId(id), Utc::now());
-            match action {
-                EntryAction::Retry => i.outbox.requeue(id, now),
-                EntryAction::Cancel => i.outbox.cancel(id, now),
-                EntryAction::Complete => i.outbox.mark_completed(id, now),
-                EntryAction::Fail => i.outbox.mark_failed(id, &reason, None, now),
-            }
-        },
+        move |i| action.apply(i, OutboxId(id), &reason),
         move |_, ()| Redirect::to(&back).into_response(),
+    )
+    .await
+}
+
+/// Entries one selection may name.
+const MAX_SELECTED: usize = 500;
+
+/// An action on the entries checked on a list page: the form's fields in
+/// order (`token`, `action`, `back`, and an `id` per entry).
+pub(super) async fn on_selected(
+    State(inner): State<Arc<Inner>>,
+    headers: HeaderMap,
+    Form(fields): Form<Vec<(String, String)>>,
+) -> Response {
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    if let Some(refusal) = refused(&inner, &headers, field(TOKEN_FIELD)) {
+        return refusal;
+    }
+    let action = match field("action").and_then(EntryAction::named) {
+        Some(a @ (EntryAction::Retry | EntryAction::Cancel | EntryAction::Release)) => a,
+        _ => return bad_request(&inner, "the action is retry, cancel or release"),
+    };
+    let ids: Result<Vec<u64>, _> = fields
+        .iter()
+        .filter(|(k, _)| k == "id")
+        .map(|(_, v)| v.parse::<u64>())
+        .collect();
+    let ids = match ids {
+        Ok(ids) if ids.is_empty() => return bad_request(&inner, "no entry was checked"),
+        Ok(ids) if ids.len() > MAX_SELECTED => {
+            return bad_request(&inner, "at most 500 entries at once");
+        }
+        Ok(ids) => ids,
+        Err(_) => return bad_request(&inner, "an entry's id is a number"),
+    };
+    // Back to a list page of this console only.
+    let back = field("back")
+        .filter(|b| b.starts_with(&format!("{}/outbox", inner.base)) && !b.contains("//"))
+        .map_or_else(|| format!("{}/outbox", inner.base), str::to_owned);
+    read_then(
+        inner,
+        move |i| {
+            let (mut done, mut left) = (0_u64, Vec::new());
+            for id in ids {
+                match action.apply(i, OutboxId(id), "") {
+                    Ok(()) => done += 1,
+                    Err(crate::Error::Conflict { .. } | crate::Error::NotFound) => left.push(id),
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok((done, left))
+        },
+        move |i, (done, left): (u64, Vec<u64>)| {
+            let body = html! {
+                p { (done) " entries " (action.done()) "." }
+                @if !left.is_empty() {
+                    p {
+                        (left.len()) " were in a status the action does not apply to, and were left as they were: "
+                        @for (k, id) in left.iter().enumerate() {
+                            @if k > 0 { ", " }
+                            a href={ (i.base) "/outbox/" (id) } { (id) }
+                        }
+                    }
+                }
+                p { a href=(back) { "Back to the entries" } }
+            };
+            page(i, StatusCode::OK, "Done", &body)
+        },
     )
     .await
 }

@@ -65,14 +65,19 @@
 
 mod actions;
 mod destinations;
+mod list;
+mod overview;
 mod pages;
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
+use parking_lot::Mutex;
 
 use crate::backend::OutboxAdmin;
+use crate::{CommitStats, DispatchStats, OutboxEntry};
 
 /// The operator console of one outbox: its pages, as a router.
 #[derive(Clone, Debug)]
@@ -80,6 +85,7 @@ pub struct Console {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     outbox: Arc<dyn OutboxAdmin>,
     /// The path the router is mounted under, in front of every link.
@@ -88,6 +94,25 @@ struct Inner {
     writes: bool,
     /// What an action's form must carry.
     token: String,
+    /// The counts seen over time, for the backlog chart (shared by every
+    /// copy of the console).
+    history: Arc<Mutex<overview::History>>,
+    /// The application's code the pages call.
+    hooks: Hooks,
+}
+
+/// A payload as an entry's page shows it: the bytes to show, or `None`
+/// to show none.
+type Redact = dyn Fn(&OutboxEntry) -> Option<Vec<u8>> + Send + Sync;
+
+/// The application's code the pages call: each call's panic is caught,
+/// and the page shows what it would show without the hook (a payload
+/// hook's panic hides the payload).
+#[derive(Clone, Default)]
+struct Hooks {
+    commits: Option<Arc<dyn Fn() -> CommitStats + Send + Sync>>,
+    dispatch: Option<Arc<dyn Fn() -> DispatchStats + Send + Sync>>,
+    payload: Option<Arc<Redact>>,
 }
 
 impl Console {
@@ -100,6 +125,8 @@ impl Console {
                 base: String::new(),
                 writes: false,
                 token: token(),
+                history: Arc::default(),
+                hooks: Hooks::default(),
             }),
         }
     }
@@ -111,14 +138,51 @@ impl Console {
         self.with(|i| i.writes = allow)
     }
 
+    /// Shows the application's commit counters on the overview, as `stats`
+    /// returns them when the page is drawn (say
+    /// `move || store.commit_stats()`, [`Store::commit_stats`](crate::Store::commit_stats)).
+    /// Default: not shown.
+    #[must_use]
+    pub fn commit_stats(self, stats: impl Fn() -> CommitStats + Send + Sync + 'static) -> Console {
+        self.with(|i| i.hooks.commits = Some(Arc::new(stats)))
+    }
+
+    /// Shows the application's dispatcher figures on the overview
+    /// (delivered, retried, failed, in doubt, send panics, store errors,
+    /// enqueue-to-send latency, the last error), as `stats` returns them
+    /// when the page is drawn (say `move || handle.stats()` over the
+    /// application's [`DispatcherHandle`](crate::DispatcherHandle)).
+    /// Default: not shown.
+    #[must_use]
+    pub fn dispatch_stats(
+        self,
+        stats: impl Fn() -> DispatchStats + Send + Sync + 'static,
+    ) -> Console {
+        self.with(|i| i.hooks.dispatch = Some(Arc::new(stats)))
+    }
+
+    /// What an entry's page shows of its payload: `redact` returns the
+    /// bytes to show in its place (a copy with personal data masked, say),
+    /// or `None` to show none. Default: the payload as it is. A `redact`
+    /// that panics shows none.
+    #[must_use]
+    pub fn redact_payloads(
+        self,
+        redact: impl Fn(&OutboxEntry) -> Option<Vec<u8>> + Send + Sync + 'static,
+    ) -> Console {
+        self.with(|i| i.hooks.payload = Some(Arc::new(redact)))
+    }
+
+    /// Shows no payload at all (as [`redact_payloads`](Console::redact_payloads)
+    /// with a hook that always returns `None`).
+    #[must_use]
+    pub fn hide_payloads(self) -> Console {
+        self.redact_payloads(|_| None)
+    }
+
     /// This console with `change` made to a copy of its settings.
     fn with(self, change: impl FnOnce(&mut Inner)) -> Console {
-        let mut inner = Inner {
-            outbox: self.inner.outbox.clone(),
-            base: self.inner.base.clone(),
-            writes: self.inner.writes,
-            token: self.inner.token.clone(),
-        };
+        let mut inner = (*self.inner).clone();
         change(&mut inner);
         Console {
             inner: Arc::new(inner),
@@ -137,18 +201,27 @@ impl Console {
     /// The pages, as a router to serve or to mount (`Router::nest`).
     pub fn router(&self) -> Router {
         Router::new()
-            .route("/", get(pages::overview))
-            .route("/outbox", get(pages::list))
+            .route("/", get(overview::overview))
+            .route("/live", get(overview::live_part))
+            .route("/outbox", get(list::list))
             .route("/outbox/{id}", get(pages::entry))
             .route("/outbox/{id}/{action}", post(actions::on_entry))
+            .route("/outbox/selected", post(actions::on_selected))
             .route("/outbox/retry-matching", post(actions::retry_matching))
             .route("/outbox/cancel-matching", post(actions::cancel_matching))
             .route("/destinations", get(destinations::list))
             .route("/destinations/pause", post(destinations::pause))
             .route("/destinations/resume", post(destinations::resume))
             .route("/style.css", get(pages::style))
+            .route("/console.js", get(pages::script))
             .with_state(self.inner.clone())
     }
+}
+
+/// What `hook` (the application's code) returns, or `None` if it
+/// panicked.
+fn guarded<T>(hook: impl FnOnce() -> T) -> Option<T> {
+    catch_unwind(AssertUnwindSafe(hook)).ok()
 }
 
 impl std::fmt::Debug for Inner {
@@ -158,6 +231,9 @@ impl std::fmt::Debug for Inner {
             .field("outbox", &self.outbox)
             .field("base", &self.base)
             .field("writes", &self.writes)
+            .field("commit_stats", &self.hooks.commits.is_some())
+            .field("dispatch_stats", &self.hooks.dispatch.is_some())
+            .field("redacts_payloads", &self.hooks.payload.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -13,10 +13,7 @@ use serde::Deserialize;
 
 use super::Inner;
 use crate::error::Error;
-use crate::outbox::{OutboxFilter, OutboxId, OutboxRecord, OutboxStatus};
-
-/// Entries per page of the list.
-const PAGE: usize = 50;
+use crate::outbox::{OutboxId, OutboxRecord, OutboxStatus};
 
 /// The console's only stylesheet (the policy allows no other style).
 const CSS: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222}\
@@ -24,12 +21,15 @@ nav{background:#223;padding:.6em 1em}nav a{color:#fff;margin-right:1.5em;text-de
 main{padding:1em}table{border-collapse:collapse;margin:.5em 0}\
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}\
 th{background:#f3f3f6}td.n{text-align:right}pre{background:#f6f6f6;padding:.6em;\
-white-space:pre-wrap;word-break:break-all}.failed,.outcome_unknown{color:#a00}";
+white-space:pre-wrap;word-break:break-all}.failed,.outcome_unknown{color:#a00}\
+.muted{color:#666}figure.chart{margin:.5em 0}.s-pending{color:#2563eb}.s-dispatching{color:#d97706}\
+.s-failed{color:#b91c1c}.s-outcome_unknown{color:#7c3aed}form.inline{display:inline}";
 
-/// The security headers of every response: no script at all, styles from
-/// the console's stylesheet only, no frames, forms to the console only.
-const CSP: &str = "default-src 'none'; style-src 'self'; img-src 'self' data:; \
-form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+/// The security headers of every response: scripts and styles from the
+/// console's own files only (no inline script or style), fetches to the
+/// console only, no frames, forms to the console only.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
 /// A page: `status`, `title` and `body` in the console's frame, with the
 /// security headers.
@@ -87,7 +87,7 @@ fn secured(mut response: Response, content_type: &'static str) -> Response {
 
 /// The page of a failed read: 404 for an entry that is not there, 500
 /// naming the store's error otherwise.
-fn failure(inner: &Inner, e: &Error) -> Response {
+pub(super) fn failure(inner: &Inner, e: &Error) -> Response {
     let (status, title) = match e {
         Error::NotFound => (StatusCode::NOT_FOUND, "Not found"),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "The store failed"),
@@ -96,7 +96,7 @@ fn failure(inner: &Inner, e: &Error) -> Response {
 }
 
 /// The page of a bad request.
-fn bad_request(inner: &Inner, why: &str) -> Response {
+pub(super) fn bad_request(inner: &Inner, why: &str) -> Response {
     page(
         inner,
         StatusCode::BAD_REQUEST,
@@ -123,163 +123,51 @@ pub(super) async fn style() -> Response {
     secured(CSS.into_response(), "text/css; charset=utf-8")
 }
 
-/// What the overview shows.
-struct Overview {
-    counts: crate::OutboxCounts,
-    destinations: Vec<crate::DestinationState>,
-    next_due: Option<DateTime<Utc>>,
-    oldest_claim: Option<DateTime<Utc>>,
-}
-
-pub(super) async fn overview(State(inner): State<Arc<Inner>>) -> Response {
-    read_then(
-        inner,
-        |i| {
-            Ok(Overview {
-                counts: i.outbox.counts()?,
-                destinations: i.outbox.destinations()?,
-                next_due: i.outbox.next_due()?,
-                oldest_claim: i.outbox.oldest_claim()?,
-            })
-        },
-        |i, o| {
-            let list = |status: Option<OutboxStatus>, destination: Option<&str>| {
-                list_link(&i.base, status, destination, None)
-            };
-            let body = html! {
-                h2 { "Entries by status" }
-                table {
-                    tr {
-                        th { "destination" }
-                        @for s in OutboxStatus::ALL { th { (s.as_str()) } }
-                        th { "in flight" } th { "paused" }
-                    }
-                    tr {
-                        th { a href=(list(None, None)) { "all (" (o.counts.total()) ")" } }
-                        @for s in OutboxStatus::ALL {
-                            td.n { a href=(list(Some(s), None)) { (o.counts.get(s)) } }
-                        }
-                        td.n { (o.counts.dispatching) } td { }
-                    }
-                    @for d in &o.destinations {
-                        tr {
-                            th { a href=(list(None, Some(&d.destination))) { (d.destination) } }
-                            @for s in OutboxStatus::ALL {
-                                td.n {
-                                    a href=(list(Some(s), Some(&d.destination))) { (d.counts.get(s)) }
-                                }
-                            }
-                            td.n { (d.in_flight) }
-                            td { @if d.paused { "paused" } }
-                        }
-                    }
-                }
-                p { "Next entry due: " (time_opt(o.next_due)) }
-                p { "Oldest claim: " (time_opt(o.oldest_claim)) }
-            };
-            page(i, StatusCode::OK, "Overview", &body)
-        },
+pub(super) async fn script() -> Response {
+    secured(
+        super::overview::SCRIPT.into_response(),
+        "text/javascript; charset=utf-8",
     )
-    .await
 }
 
-/// The list page's query.
+/// A part of a page, for the page's script to put in place: the same
+/// escaping and headers as a page.
+pub(super) fn fragment(markup: &Markup) -> Response {
+    secured(
+        (StatusCode::OK, markup.clone().into_string()).into_response(),
+        "text/html; charset=utf-8",
+    )
+}
+
+/// The entry page's query: how to show the payload.
 #[derive(Debug, Deserialize)]
-pub(super) struct ListQuery {
-    status: Option<String>,
-    destination: Option<String>,
-    after: Option<u64>,
+pub(super) struct EntryQuery {
+    #[serde(rename = "as")]
+    shown_as: Option<String>,
 }
 
-pub(super) async fn list(
-    State(inner): State<Arc<Inner>>,
-    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
-) -> Response {
-    let Ok(Query(q)) = query else {
-        return bad_request(&inner, "the query is not one this page takes");
-    };
-    let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
-        Some(s) => match s.parse::<OutboxStatus>() {
-            Ok(s) => Some(s),
-            Err(e) => return bad_request(&inner, &e.to_string()),
-        },
-        None => None,
-    };
-    let destination = q.destination.filter(|d| !d.is_empty());
-    let mut filter = OutboxFilter::any();
-    if let Some(s) = status {
-        filter = filter.status(s);
-    }
-    if let Some(d) = &destination {
-        filter = filter.destination(d.clone());
-    }
-    if let Some(after) = q.after {
-        filter = filter.after(OutboxId(after));
-    }
-    let counted = destination.clone();
-    read_then(
-        inner,
-        move |i| {
-            let rows = i.outbox.list(&filter, PAGE)?;
-            // How many the filter matches, for an action on all of them.
-            let matching = match (status, &counted) {
-                (Some(s), Some(d)) => Some(
-                    i.outbox
-                        .destinations()?
-                        .iter()
-                        .find(|x| &x.destination == d)
-                        .map_or(0, |x| x.counts.get(s)),
-                ),
-                (Some(s), None) => Some(i.outbox.counts()?.get(s)),
-                (None, _) => None,
-            };
-            Ok((rows, matching))
-        },
-        move |i, (rows, matching): (Vec<OutboxRecord>, Option<u64>)| {
-            let next = (rows.len() == PAGE)
-                .then(|| rows.last().map(|r| r.entry.id.0))
-                .flatten()
-                .map(|last| list_link(&i.base, status, destination.as_deref(), Some(last)));
-            let body = html! {
-                p {
-                    "Status: " (status.map_or("any", OutboxStatus::as_str))
-                    "; destination: " (destination.as_deref().unwrap_or("any"))
-                }
-                table {
-                    tr {
-                        th { "id" } th { "status" } th { "destination" } th { "key" }
-                        th { "attempts" } th { "due, claimed or finished" } th { "last failure" }
-                    }
-                    @for r in &rows {
-                        tr {
-                            td.n { a href={ (i.base) "/outbox/" (r.entry.id.0) } { (r.entry.id.0) } }
-                            td class=(r.entry.status.as_str()) { (r.entry.status.as_str()) }
-                            td { (r.entry.destination) }
-                            td { (r.entry.idempotency_key) }
-                            td.n { (r.entry.attempt_count) }
-                            td { (time(shown_time(r))) }
-                            td { (r.last_failure.as_deref().unwrap_or("")) }
-                        }
-                    }
-                }
-                @if rows.is_empty() { p { "No entries." } }
-                @if let (true, Some(s), Some(n)) = (i.writes, status, matching) {
-                    @if n > 0 { (matching_actions(i, s, destination.as_deref(), n)) }
-                }
-                @if let Some(next) = next { p { a href=(next) { "Next page" } } }
-            };
-            page(i, StatusCode::OK, "Outbox", &body)
-        },
-    )
-    .await
+/// How an entry's page shows its payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shown {
+    Text,
+    Json,
+    Hex,
 }
 
 pub(super) async fn entry(
     State(inner): State<Arc<Inner>>,
     id: Result<Path<u64>, axum::extract::rejection::PathRejection>,
+    query: Result<Query<EntryQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
     let Ok(Path(id)) = id else {
         return bad_request(&inner, "an entry's id is a number");
+    };
+    let shown = match query.map(|Query(q)| q.shown_as) {
+        Ok(None) => None,
+        Ok(Some(s)) if s == "text" => Some(Shown::Text),
+        Ok(Some(s)) if s == "json" => Some(Shown::Json),
+        Ok(Some(s)) if s == "hex" => Some(Shown::Hex),
+        _ => return bad_request(&inner, "the payload is shown as text, json or hex"),
     };
     read_then(
         inner,
@@ -320,16 +208,58 @@ pub(super) async fn entry(
                         }
                     }
                 }
-                h2 { "Payload (" (e.payload.len()) " bytes)" }
-                @match std::str::from_utf8(&e.payload) {
-                    Ok(text) => pre { (text) },
-                    Err(_) => pre { (hex(&e.payload)) },
-                }
+                (payload(i, &r, shown))
             };
             page(i, StatusCode::OK, &format!("Entry {}", e.id.0), &body)
         },
     )
     .await
+}
+
+/// The payload section of `r`'s page, shown as asked (by default as text
+/// when it is UTF-8, indented when it is JSON, else in hex), or as the
+/// console's payload hook has it.
+fn payload(i: &Inner, r: &OutboxRecord, shown: Option<Shown>) -> Markup {
+    let e = &r.entry;
+    let bytes: Option<std::borrow::Cow<'_, [u8]>> = match &i.hooks.payload {
+        None => Some(std::borrow::Cow::Borrowed(&e.payload)),
+        Some(hook) => super::guarded(|| hook(e))
+            .flatten()
+            .map(std::borrow::Cow::Owned),
+    };
+    let Some(bytes) = bytes else {
+        return html! { h2 { "Payload" } p.muted { "Not shown (" (e.payload.len()) " bytes)." } };
+    };
+    let text = std::str::from_utf8(&bytes).ok();
+    let json = text.and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok());
+    let shown = shown.unwrap_or(match (&json, text) {
+        (Some(_), _) => Shown::Json,
+        (None, Some(_)) => Shown::Text,
+        (None, None) => Shown::Hex,
+    });
+    let body = match (shown, text, &json) {
+        (Shown::Json, _, Some(v)) => serde_json::to_string_pretty(v).unwrap_or_default(),
+        (Shown::Text | Shown::Json, Some(t), _) => t.to_owned(),
+        _ => hex(&bytes),
+    };
+    let link = |what: &str, label: &str, on: bool| {
+        html! {
+            @if on { b { (label) } } @else {
+                a href={ (i.base) "/outbox/" (e.id.0) "?as=" (what) } { (label) }
+            }
+        }
+    };
+    html! {
+        h2 { "Payload (" (bytes.len()) " bytes)" }
+        p {
+            "As: " (link("text", "text", shown == Shown::Text)) " · "
+            (link("json", "JSON", shown == Shown::Json)) " · "
+            (link("hex", "hex", shown == Shown::Hex))
+            @if shown == Shown::Json && json.is_none() { span.muted { " (not JSON: as text)" } }
+            @if shown != Shown::Hex && text.is_none() { span.muted { " (not UTF-8: in hex)" } }
+        }
+        pre { (body) }
+    }
 }
 
 /// The forms of the actions an entry in `status` allows.
@@ -338,8 +268,16 @@ fn entry_actions(i: &Inner, id: u64, status: OutboxStatus) -> Markup {
     let retry = matches!(status, OutboxStatus::Failed | OutboxStatus::OutcomeUnknown);
     let cancel = matches!(status, OutboxStatus::Pending | OutboxStatus::OutcomeUnknown);
     let resolve = status == OutboxStatus::OutcomeUnknown;
+    let release = status == OutboxStatus::Dispatching;
     html! {
         h2 { "Actions" }
+        @if release {
+            form method="post" action=(action("release")) {
+                (token_field(i))
+                button type="submit" { "Release the claim: back to pending, due now" }
+                span.muted { " (its worker's settlement will be refused as stale)" }
+            }
+        }
         @if retry {
             form method="post" action=(action("retry")) {
                 (token_field(i))
@@ -363,31 +301,7 @@ fn entry_actions(i: &Inner, id: u64, status: OutboxStatus) -> Markup {
                 button type="submit" { "Resolve: it did not happen (failed)" }
             }
         }
-        @if !retry && !cancel { p { "No action applies to an entry " (status.as_str()) "." } }
-    }
-}
-
-/// The forms of the actions on all `n` entries of `status` (and
-/// `destination`), each asking for a confirmation.
-fn matching_actions(i: &Inner, status: OutboxStatus, destination: Option<&str>, n: u64) -> Markup {
-    let retry = matches!(status, OutboxStatus::Failed | OutboxStatus::OutcomeUnknown);
-    let cancel = matches!(status, OutboxStatus::Pending | OutboxStatus::OutcomeUnknown);
-    let form = |what: &str, label: &str| {
-        html! {
-            form method="post" action={ (i.base) "/outbox/" (what) "-matching" } {
-                (token_field(i))
-                input type="hidden" name="status" value=(status.as_str());
-                @if let Some(d) = destination { input type="hidden" name="destination" value=(d); }
-                label { input type="checkbox" name="confirm" value="yes" required; " I mean all " (n) }
-                " "
-                button type="submit" { (label) " all " (n) " matching entries" }
-            }
-        }
-    };
-    html! {
-        h2 { "Every matching entry" }
-        @if retry { (form("retry", "Retry")) }
-        @if cancel { (form("cancel", "Cancel")) }
+        @if !retry && !cancel && !release { p { "No action applies to an entry " (status.as_str()) "." } }
     }
 }
 
@@ -422,7 +336,7 @@ pub(super) fn list_link(
 }
 
 /// `s` percent-encoded for a query value.
-fn encode(s: &str) -> String {
+pub(super) fn encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
@@ -434,29 +348,16 @@ fn encode(s: &str) -> String {
     out
 }
 
-/// The time that matters in an entry's status: finished, claimed (or in
-/// doubt since), or due.
-fn shown_time(r: &OutboxRecord) -> DateTime<Utc> {
-    r.entry
-        .completed_at
-        .or(r
-            .claim
-            .as_ref()
-            .or(r.attempt_in_doubt.as_ref())
-            .map(|c| c.claimed_at))
-        .unwrap_or_else(|| r.entry.due_at())
-}
-
 pub(super) fn time(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
-fn time_opt(t: Option<DateTime<Utc>>) -> String {
+pub(super) fn time_opt(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(|| "—".to_owned(), time)
 }
 
 /// `bytes` in hex, 32 a line.
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 3);
     for (i, b) in bytes.iter().enumerate() {
         if i > 0 {

@@ -6,8 +6,8 @@
 use chrono::{DateTime, Utc};
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition, TableHandle as _};
 
-use super::index::{self, dangling, decode_row, load_attempts, load_row, open_read};
 use super::flow::FlowKey;
+use super::index::{self, dangling, decode_row, load_attempts, load_row, open_read};
 use super::rules::Row;
 use super::{
     Outbox, OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field, flow,
@@ -318,7 +318,10 @@ where
             } else {
                 ids.into_iter().collect()
             };
-            return Ok(ids.into_iter().map(|id| (OUTBOX_CLAIMED.name(), id)).collect());
+            return Ok(ids
+                .into_iter()
+                .map(|id| (OUTBOX_CLAIMED.name(), id))
+                .collect());
         }
         let Some(small) = self.small else {
             return Ok(Vec::new());

@@ -221,11 +221,11 @@ use crate::engine::Engine;
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
+pub use bulk::MatchingStep;
 pub use destinations::{
     CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
     MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
 };
-pub use bulk::MatchingStep;
 pub(crate) use notifier::Notifier;
 use rules::{
     Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,

@@ -5,8 +5,8 @@
 macro_rules! maintenance_contract {
     () => {
         mod maintenance {
-            use idemstore::{Enqueued, Error, OutboxId, OutboxStatus, Settlement};
             use super::fixture::Ob;
+            use idemstore::{Enqueued, Error, OutboxId, OutboxStatus, Settlement};
 
             use super::*;
 
@@ -176,7 +176,10 @@ macro_rules! maintenance_contract {
 
             /// Failed entries of two destinations (`a`: ids at odd places,
             /// `b`: the others), one `a` entry pending and one in flight.
-            fn failed_of_two(outbox: &Ob, n: usize) -> Result<Vec<OutboxId>, Box<dyn std::error::Error>> {
+            fn failed_of_two(
+                outbox: &Ob,
+                n: usize,
+            ) -> Result<Vec<OutboxId>, Box<dyn std::error::Error>> {
                 let ids: Vec<OutboxId> = outbox
                     .enqueue_many(
                         (0..n).map(|i| {
@@ -202,9 +205,14 @@ macro_rules! maintenance_contract {
                 let f = fixture!();
                 let outbox = f.store.outbox();
                 let ids = failed_of_two(&outbox, 9)?;
-                let list = |filter: &idemstore::OutboxFilter, n| -> Result<Vec<u64>, idemstore::Error> {
-                    Ok(outbox.list(filter, n)?.iter().map(|r| r.entry.id.0).collect())
-                };
+                let list =
+                    |filter: &idemstore::OutboxFilter, n| -> Result<Vec<u64>, idemstore::Error> {
+                        Ok(outbox
+                            .list(filter, n)?
+                            .iter()
+                            .map(|r| r.entry.id.0)
+                            .collect())
+                    };
                 let failed = idemstore::OutboxFilter::any().status(OutboxStatus::Failed);
                 let all: Vec<u64> = ids.iter().map(|i| i.0).collect();
                 assert_eq!(list(&failed, 100)?, all);
@@ -213,29 +221,44 @@ macro_rules! maintenance_contract {
                 // Paged: two at a time, after the last.
                 let first = list(&failed.clone().destination("a"), 2)?;
                 assert_eq!(first, of_a[..2]);
-                let next = list(&failed.clone().destination("a").after(OutboxId(first[1])), 2)?;
+                let next = list(
+                    &failed.clone().destination("a").after(OutboxId(first[1])),
+                    2,
+                )?;
                 assert_eq!(next, of_a[2..4]);
                 // Newest first, and paged down.
                 let newest = failed.clone().destination("a").newest_first();
                 let mut down: Vec<u64> = of_a.iter().rev().copied().collect();
                 assert_eq!(list(&newest, 100)?, down);
-                assert_eq!(list(&newest.clone().after(OutboxId(down[1])), 2)?, down[2..4]);
+                assert_eq!(
+                    list(&newest.clone().after(OutboxId(down[1])), 2)?,
+                    down[2..4]
+                );
                 down = all.iter().rev().copied().collect();
                 assert_eq!(list(&failed.clone().newest_first(), 100)?, down);
                 let every = list(&idemstore::OutboxFilter::any().newest_first(), 3)?;
                 assert_eq!(every.len(), 3);
                 assert!(every.windows(2).all(|w| w[0] > w[1]), "{every:?}");
-                let flying = list(&idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching), 10)?;
+                let flying = list(
+                    &idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching),
+                    10,
+                )?;
                 assert_eq!(flying.len(), 1);
-                assert!(list(
-                    &idemstore::OutboxFilter::any()
-                        .status(OutboxStatus::Dispatching)
-                        .destination("b"),
-                    10
-                )?
-                .is_empty());
+                assert!(
+                    list(
+                        &idemstore::OutboxFilter::any()
+                            .status(OutboxStatus::Dispatching)
+                            .destination("b"),
+                        10
+                    )?
+                    .is_empty()
+                );
                 assert_eq!(
-                    list(&idemstore::OutboxFilter::any().status(OutboxStatus::Pending), 10)?.len(),
+                    list(
+                        &idemstore::OutboxFilter::any().status(OutboxStatus::Pending),
+                        10
+                    )?
+                    .len(),
                     1
                 );
                 Ok(())
@@ -266,7 +289,11 @@ macro_rules! maintenance_contract {
                 assert!(commits >= 3, "a commit per step: {commits}");
                 for (i, id) in ids.iter().enumerate() {
                     let e = outbox.get(*id)?.entry;
-                    let want = if i % 2 == 1 { OutboxStatus::Pending } else { OutboxStatus::Failed };
+                    let want = if i % 2 == 1 {
+                        OutboxStatus::Pending
+                    } else {
+                        OutboxStatus::Failed
+                    };
                     assert_eq!(e.status, want, "{id} ({})", e.destination);
                 }
                 // Cancel every pending entry of a: the retried, and the one

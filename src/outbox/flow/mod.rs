@@ -528,7 +528,12 @@ impl<'tx> Flows<'tx> {
     }
 
     /// Record `id` of `destination` in status `status` was deleted.
-    pub(super) fn deleted(&mut self, id: u64, destination: &str, status: OutboxStatus) -> Result<()> {
+    pub(super) fn deleted(
+        &mut self,
+        id: u64,
+        destination: &str,
+        status: OutboxStatus,
+    ) -> Result<()> {
         self.rec(destination)?.count(status, -1);
         self.count_total(status, -1);
         self.unlist(status, id, destination)

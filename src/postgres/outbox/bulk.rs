@@ -5,8 +5,8 @@
 
 use chrono::{DateTime, Utc};
 
-use super::flows::Touched;
 use super::PgOutbox;
+use super::flows::Touched;
 use super::inspect::{db_bounds, order, status_condition};
 use crate::codec::micros;
 use crate::error::{Error, Result};

@@ -226,5 +226,9 @@ pub(super) fn db_bounds(filter: &OutboxFilter) -> Option<(i64, i64)> {
 
 /// The order of `filter`'s listing by id.
 pub(super) fn order(filter: &OutboxFilter) -> &'static str {
-    if filter.is_newest_first() { "DESC" } else { "ASC" }
+    if filter.is_newest_first() {
+        "DESC"
+    } else {
+        "ASC"
+    }
 }

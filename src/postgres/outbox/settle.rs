@@ -104,7 +104,11 @@ impl PgOutbox {
     }
 
     /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
-    pub(super) fn lock(&self, db: &mut Db<'_, impl GenericClient>, ids: &[i64]) -> Result<HashMap<u64, Row>> {
+    pub(super) fn lock(
+        &self,
+        db: &mut Db<'_, impl GenericClient>,
+        ids: &[i64],
+    ) -> Result<HashMap<u64, Row>> {
         let s = self.s();
         let rows = db.query(
             &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
