@@ -105,7 +105,7 @@ fn listed(html: &str) -> Vec<u64> {
         .collect()
 }
 
-async fn overview_and_list(outbox: impl OutboxAdmin + Clone) -> TestResult {
+async fn overview(outbox: impl OutboxAdmin + Clone) -> TestResult {
     let commits = || CommitStats {
         commits: 41,
         durable_commits: 40,
@@ -140,7 +140,11 @@ async fn overview_and_list(outbox: impl OutboxAdmin + Clone) -> TestResult {
     let (status, script) = get(&router, "/console.js").await?;
     assert_eq!(status, StatusCode::OK);
     assert!(script.contains("fetch("), "{script}");
+    Ok(())
+}
 
+async fn list_filters(outbox: impl OutboxAdmin + Clone) -> TestResult {
+    let router = Console::new(outbox).router();
     // Filters: by command, by key (any destination), newest first.
     let (_, by_command) = get(&router, "/outbox?command=order-9").await?;
     assert_eq!(listed(&by_command), [5]);
@@ -167,7 +171,11 @@ async fn overview_and_list(outbox: impl OutboxAdmin + Clone) -> TestResult {
     ] {
         assert_eq!(get(&router, bad).await?.0, StatusCode::BAD_REQUEST, "{bad}");
     }
+    Ok(())
+}
 
+async fn payloads(outbox: impl OutboxAdmin + Clone) -> TestResult {
+    let router = Console::new(outbox.clone()).router();
     // The payload: JSON indented by default, as text or hex when asked.
     let (_, json) = get(&router, "/outbox/5").await?;
     assert!(json.contains("&quot;order&quot;: 9"), "{json}");
@@ -282,7 +290,9 @@ async fn the_overview_and_list_of_a_store_file() -> TestResult {
     let store = Store::in_memory()?;
     let outbox = store.outbox();
     fill(&outbox, |e| outbox.enqueue(e, t(0)).map(|_| ()))?;
-    overview_and_list(outbox.clone()).await?;
+    overview(outbox.clone()).await?;
+    list_filters(outbox.clone()).await?;
+    payloads(outbox.clone()).await?;
     selected_entries(outbox).await
 }
 
@@ -312,7 +322,9 @@ mod pg {
                 .map_err(|e| idemstore::Error::Io(std::io::Error::other(e.to_string())))?;
             Ok::<_, idemstore::Error>(outbox)
         })?;
-        overview_and_list(outbox.clone()).await?;
+        overview(outbox.clone()).await?;
+        list_filters(outbox.clone()).await?;
+        payloads(outbox.clone()).await?;
         selected_entries(outbox).await
     }
 }

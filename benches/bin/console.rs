@@ -167,7 +167,13 @@ async fn pages(entries: usize) -> Res<()> {
     // and d1 only (i % 10 < 2), so a walk from the first entry reads
     // nine tenths of the outbox before it finds one.
     let recent = entries / 10 * 9;
-    fill(&outbox, 0, entries, |i| i >= recent && i % 50 < 2 && i % 10 < 2, 100)?;
+    fill(
+        &outbox,
+        0,
+        entries,
+        |i| i >= recent && i % 50 < 2 && i % 10 < 2,
+        100,
+    )?;
     let c = outbox.counts()?;
     println!(
         "pages: {} entries (pending {}, completed {}, failed {}) over {DESTINATIONS} destinations, set up in {:.0?}, file {} MB",

@@ -164,9 +164,10 @@ pub(super) async fn on_selected(
     if let Some(refusal) = refused(&inner, &headers, field(TOKEN_FIELD)) {
         return refusal;
     }
-    let action = match field("action").and_then(EntryAction::named) {
-        Some(a @ (EntryAction::Retry | EntryAction::Cancel | EntryAction::Release)) => a,
-        _ => return bad_request(&inner, "the action is retry, cancel or release"),
+    let Some(action @ (EntryAction::Retry | EntryAction::Cancel | EntryAction::Release)) =
+        field("action").and_then(EntryAction::named)
+    else {
+        return bad_request(&inner, "the action is retry, cancel or release");
     };
     let ids: Result<Vec<u64>, _> = fields
         .iter()

@@ -158,16 +158,22 @@ struct Found {
 fn read(i: &Inner, l: &Listing) -> crate::Result<Found> {
     let looked_up = match (&l.command, &l.key) {
         (Some(command), _) => Some(i.outbox.list_for_command(command)?),
-        (None, Some(key)) => Some(match &l.destination {
-            Some(d) => i.outbox.find(d, key)?.into_iter().collect(),
-            None => {
-                let mut found = Vec::new();
-                for d in i.outbox.destinations()? {
-                    found.extend(i.outbox.find(&d.destination, key)?);
-                }
-                found
+        (None, Some(key)) => {
+            let destinations = match &l.destination {
+                Some(d) => vec![d.clone()],
+                None => i
+                    .outbox
+                    .destinations()?
+                    .into_iter()
+                    .map(|d| d.destination)
+                    .collect(),
+            };
+            let mut found = Vec::new();
+            for d in destinations {
+                found.extend(i.outbox.find(&d, key)?);
             }
-        }),
+            Some(found)
+        }
         (None, None) => None,
     };
     if let Some(mut rows) = looked_up {
@@ -226,7 +232,7 @@ pub(super) async fn list(
             }
             let next = found
                 .paged
-                .then(|| found.rows.iter().map(|r| r.entry.id.0).last())
+                .then(|| found.rows.last().map(|r| r.entry.id.0))
                 .flatten()
                 .filter(|_| l.sort == Sort::Id)
                 .map(|last| l.link(&i.base, Some(last), Sort::Id));

@@ -268,12 +268,13 @@ fn chart(samples: &[(DateTime<Utc>, OutboxCounts)]) -> Markup {
         return html! { p { "No samples yet." } };
     };
     let span = (last.0 - first.0).num_milliseconds().max(1) as f64;
-    let top = samples
+    let peak = samples
         .iter()
         .flat_map(|(_, c)| SERIES.iter().map(|(s, _)| c.get(*s)))
         .max()
         .unwrap_or(0)
-        .max(1) as f64;
+        .max(1);
+    let top = peak as f64;
     let point = |at: DateTime<Utc>, n: u64| {
         let x = if samples.len() == 1 {
             W
@@ -314,7 +315,7 @@ fn chart(samples: &[(DateTime<Utc>, OutboxCounts)]) -> Markup {
                 @for (status, _) in SERIES {
                     span class={ "s-" (status.as_str()) } { "■ " (status.as_str()) " " }
                 }
-                " — peak " (top as u64) ", from " (time(first.0)) " to " (time(last.0))
+                " — peak " (peak) ", from " (time(first.0)) " to " (time(last.0))
                 " (" (samples.len()) " samples, one every few seconds while the console is watched)"
             }
         }
@@ -353,8 +354,8 @@ mod tests {
         h.note(t0, c);
         h.note(t0 + Duration::seconds(1), c);
         assert_eq!(h.samples.len(), 1, "a second sample too soon is dropped");
-        for k in 1..=(SAMPLES as i64 + 10) {
-            h.note(t0 + SAMPLE_EVERY * i32::try_from(k).unwrap(), c);
+        for k in 1..=(i32::try_from(SAMPLES).unwrap() + 10) {
+            h.note(t0 + SAMPLE_EVERY * k, c);
         }
         assert_eq!(h.samples.len(), SAMPLES);
         assert_eq!(h.samples.front().unwrap().0, t0 + SAMPLE_EVERY * 11);

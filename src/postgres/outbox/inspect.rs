@@ -182,28 +182,6 @@ impl PgOutbox {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{parse_status, status_name};
-    use crate::error::Error;
-    use crate::outbox::OutboxStatus;
-
-    #[test]
-    fn the_status_column_reads_back_and_an_unknown_name_is_corrupted() {
-        for status in OutboxStatus::ALL {
-            assert_eq!(parse_status(1, status_name(status)).ok(), Some(status));
-        }
-        for bad in ["Pending", "outcome-unknown", ""] {
-            let e = parse_status(7, bad).unwrap_err();
-            assert!(
-                matches!(&e, Error::Corrupted { table: "outbox", key, reason }
-                    if key == "7" && reason.contains("unknown status")),
-                "{e:?}"
-            );
-        }
-    }
-}
-
 /// The condition on the status of the entries `filter` lists (columns
 /// prefixed by `alias`): the status as a literal, so the planner can use
 /// the partial indexes whose predicate it matches (`outbox_held` for the
@@ -230,5 +208,27 @@ pub(super) fn order(filter: &OutboxFilter) -> &'static str {
         "DESC"
     } else {
         "ASC"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_status, status_name};
+    use crate::error::Error;
+    use crate::outbox::OutboxStatus;
+
+    #[test]
+    fn the_status_column_reads_back_and_an_unknown_name_is_corrupted() {
+        for status in OutboxStatus::ALL {
+            assert_eq!(parse_status(1, status_name(status)).ok(), Some(status));
+        }
+        for bad in ["Pending", "outcome-unknown", ""] {
+            let e = parse_status(7, bad).unwrap_err();
+            assert!(
+                matches!(&e, Error::Corrupted { table: "outbox", key, reason }
+                    if key == "7" && reason.contains("unknown status")),
+                "{e:?}"
+            );
+        }
     }
 }
