@@ -339,7 +339,7 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
-pub use backend::{IdempotencyBackend, InboxBackend, OutboxAdmin, OutboxBackend};
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxAdmin, OutboxBackend, StoreAdmin};
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
 pub use dispatch::{
@@ -361,10 +361,9 @@ pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,
     Fence, MAX_ATTEMPT_HISTORY, MAX_COOL_DOWN_FACTOR, MAX_OUTBOX_FIELD_LEN, MAX_PRIORITY,
-    MatchingStep, NewEntry,
-    Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord,
-    OutboxStatus, ParseOutboxStatusError, PolicyLimits, REASON_CANCELLED, REASON_OUTCOME_UNKNOWN,
-    REASON_RESCHEDULED, SettledAndClaimed, Settlement,
+    MatchingStep, NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId,
+    OutboxRecord, OutboxStatus, ParseOutboxStatusError, PolicyLimits, REASON_CANCELLED,
+    REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,

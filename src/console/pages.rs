@@ -50,6 +50,10 @@ pub(super) fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup
                     a href=(home) { "Overview" }
                     a href={ (base) "/outbox" } { "Outbox" }
                     a href={ (base) "/destinations" } { "Destinations" }
+                    @if inner.store.is_some() {
+                        a href={ (base) "/inboxes" } { "Inboxes" }
+                        a href={ (base) "/keys" } { "Idempotency keys" }
+                    }
                 }
                 main {
                     h1 { (title) }
@@ -85,18 +89,21 @@ fn secured(mut response: Response, content_type: &'static str) -> Response {
     response
 }
 
-/// The page of a failed read: 404 for an entry that is not there, 500
-/// naming the store's error otherwise.
+/// The page of a failed read: 404 for an entry that is not there, 400 for
+/// input the store refused, 500 naming the store's error otherwise.
 fn failure(inner: &Inner, e: &Error) -> Response {
     let (status, title) = match e {
         Error::NotFound => (StatusCode::NOT_FOUND, "Not found"),
+        Error::InvalidInput { .. } | Error::TooLarge { .. } => {
+            (StatusCode::BAD_REQUEST, "Bad request")
+        }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "The store failed"),
     };
     page(inner, status, title, &html! { p { (e.to_string()) } })
 }
 
 /// The page of a bad request.
-fn bad_request(inner: &Inner, why: &str) -> Response {
+pub(super) fn bad_request(inner: &Inner, why: &str) -> Response {
     page(
         inner,
         StatusCode::BAD_REQUEST,
@@ -422,7 +429,7 @@ pub(super) fn list_link(
 }
 
 /// `s` percent-encoded for a query value.
-fn encode(s: &str) -> String {
+pub(super) fn encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
@@ -451,12 +458,12 @@ pub(super) fn time(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
-fn time_opt(t: Option<DateTime<Utc>>) -> String {
+pub(super) fn time_opt(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(|| "—".to_owned(), time)
 }
 
 /// `bytes` in hex, 32 a line.
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 3);
     for (i, b) in bytes.iter().enumerate() {
         if i > 0 {
