@@ -28,12 +28,15 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
 
 use crate::error::Result;
-use crate::idempotency::{Begin, IdempotencyKeys, Reservation, ResponseRecord};
+use crate::idempotency::{
+    Begin, IdempotencyKeys, KeyEntry, KeySummary, Reservation, ResponseRecord,
+};
 use crate::inbox::Inbox;
 use crate::outbox::{
     ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingStep, Outbox, OutboxCounts,
     OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
+use crate::store::Store;
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
 /// and settle, its reaper releases expired claims, its idle workers wait
@@ -167,6 +170,9 @@ pub(crate) mod sealed {
 
     /// The seal of [`OutboxAdmin`](super::OutboxAdmin).
     pub trait Admin {}
+
+    /// The seal of [`StoreAdmin`](super::StoreAdmin).
+    pub trait StoreAdmin {}
 }
 
 /// Implements the three traits for an outbox, an inbox and an
@@ -512,3 +518,99 @@ macro_rules! forward_admin {
 pub(crate) use forward_admin;
 
 forward_admin!(Outbox);
+
+/// What an operator reads and changes of a store's inboxes and
+/// idempotency keys, whatever the store: the operator console's view
+/// (feature `console`). Implemented by [`Store`] and `postgres::PgStore`;
+/// sealed, as the traits above.
+///
+/// Each call is the method of the same name of the store's own handle,
+/// with the same guarantees and errors (bad input is
+/// [`Error::InvalidInput`](crate::Error::InvalidInput) or
+/// [`Error::TooLarge`](crate::Error::TooLarge), and writes nothing): the
+/// inbox calls are those of the handle
+/// [`Store::inbox`]`(name)` returns ([`Inbox::len`], [`Inbox::seen_at`]),
+/// the key calls those of [`Store::idempotency_keys`]'s handle
+/// ([`IdempotencyKeys::entry`], [`IdempotencyKeys::response`],
+/// [`IdempotencyKeys::summary`], [`IdempotencyKeys::release_key`], and
+/// `list_after` for [`list_keys`](Self::list_keys)); on PostgreSQL,
+/// `PgStore`'s, `PgInbox`'s and `PgIdempotencyKeys`'s.
+pub trait StoreAdmin: Debug + Send + Sync + 'static + sealed::StoreAdmin {
+    /// The names of the inboxes that hold at least one key, in name order
+    /// ([`Store::inbox_names`]).
+    fn inbox_names(&self) -> Result<Vec<String>>;
+    /// How many keys the inbox `name` holds ([`Inbox::len`]).
+    fn inbox_len(&self, name: &str) -> Result<u64>;
+    /// When `key` was claimed in the inbox `name`, if it was and was not
+    /// pruned since ([`Inbox::seen_at`]).
+    fn inbox_seen_at(&self, name: &str, key: &str) -> Result<Option<DateTime<Utc>>>;
+    /// The idempotency record at `(tenant, key)`, completed or reserved,
+    /// whatever its age ([`IdempotencyKeys::entry`]).
+    fn key(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>>;
+    /// Up to `limit` idempotency records in `(tenant, key)` order, strictly
+    /// after `after` (the `(tenant, key)` of a previous page's last row),
+    /// from the first if `None` (the key handle's `list_after`).
+    fn list_keys(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>>;
+    /// The completed response stored at `(tenant, key)`, whatever its age;
+    /// `None` for no record or a reservation ([`IdempotencyKeys::response`]).
+    fn key_response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>>;
+    /// How many records are completed and how many reserved, and the
+    /// oldest one's creation time ([`IdempotencyKeys::summary`]).
+    fn key_summary(&self) -> Result<KeySummary>;
+    /// Gives up the reservation of `(tenant, key)` if it still holds fence
+    /// token `fence`; whether it did. Never deletes a stored response nor
+    /// frees another holder's reservation
+    /// ([`IdempotencyKeys::release_key`]).
+    fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool>;
+}
+
+/// Implements [`StoreAdmin`] for a store type, each call forwarded to the
+/// method of the same name of the store's inbox or idempotency-key handle.
+macro_rules! forward_store_admin {
+    ($store:ty) => {
+        impl $crate::backend::sealed::StoreAdmin for $store {}
+
+        impl $crate::backend::StoreAdmin for $store {
+            fn inbox_names(&self) -> $crate::Result<Vec<String>> {
+                <$store>::inbox_names(self)
+            }
+            fn inbox_len(&self, name: &str) -> $crate::Result<u64> {
+                <$store>::inbox(self, name)?.len()
+            }
+            fn inbox_seen_at(
+                &self,
+                name: &str,
+                key: &str,
+            ) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {
+                <$store>::inbox(self, name)?.seen_at(key)
+            }
+            fn key(&self, tenant: &str, key: &str) -> $crate::Result<Option<$crate::KeyEntry>> {
+                <$store>::idempotency_keys(self).entry(tenant, key)
+            }
+            fn list_keys(
+                &self,
+                after: Option<(&str, &str)>,
+                limit: usize,
+            ) -> $crate::Result<Vec<$crate::KeyEntry>> {
+                <$store>::idempotency_keys(self).list_after(after, limit)
+            }
+            fn key_response(
+                &self,
+                tenant: &str,
+                key: &str,
+            ) -> $crate::Result<Option<$crate::ResponseRecord>> {
+                <$store>::idempotency_keys(self).response(tenant, key)
+            }
+            fn key_summary(&self) -> $crate::Result<$crate::KeySummary> {
+                <$store>::idempotency_keys(self).summary()
+            }
+            fn release_key(&self, tenant: &str, key: &str, fence: u64) -> $crate::Result<bool> {
+                <$store>::idempotency_keys(self).release_key(tenant, key, fence)
+            }
+        }
+    };
+}
+#[cfg(feature = "postgres")]
+pub(crate) use forward_store_admin;
+
+forward_store_admin!(Store);

@@ -339,7 +339,7 @@ pub use chrono;
 pub use crossbeam_channel;
 pub use redb;
 
-pub use backend::{IdempotencyBackend, InboxBackend, OutboxAdmin, OutboxBackend};
+pub use backend::{IdempotencyBackend, InboxBackend, OutboxAdmin, OutboxBackend, StoreAdmin};
 #[cfg(feature = "tokio")]
 pub use dispatch::AsyncDispatcherHandle;
 pub use dispatch::{

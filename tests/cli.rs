@@ -1467,8 +1467,9 @@ fn destination_set_refuses_bad_usage_and_settings_the_store_refuses() -> TestRes
     Ok(())
 }
 
-/// `idemstore console`: serves the console on loopback, needs a token
-/// elsewhere, and then checks it on every request.
+/// `idemstore console`: serves the console on loopback (with the store's
+/// inboxes and idempotency keys), needs a token elsewhere, and then checks
+/// it on every request.
 #[cfg(feature = "console")]
 mod console {
     use std::io::{Read as _, Write as _};
@@ -1530,6 +1531,13 @@ mod console {
                 NewEntry::new("c", "mailer", "k1", b"hello".to_vec()),
                 ago(10),
             )?;
+            store.inbox("webhooks")?.claim("e1", ago(5))?;
+            let keys = store.idempotency_keys();
+            let fp = idemstore::fingerprint("POST", "/pay", b"");
+            let Begin::Proceed(r) = keys.begin("acme", "pay-1", &fp, ago(5))? else {
+                return Err("a new key proceeds".into());
+            };
+            keys.complete(&r, r.response(201, b"paid".to_vec(), ago(4)), ago(4))?;
         }
         let file = file.to_str().ok_or("a UTF-8 path")?;
         let served = serve(&[file, "--listen", "127.0.0.1:0"])?;
@@ -1540,6 +1548,14 @@ mod console {
         assert!(
             entry.contains("hello") && !entry.contains("<form"),
             "read-only: {entry}"
+        );
+        assert!(home.contains("Idempotency keys"), "{home}");
+        let inboxes = get(&served.at, "/inboxes", None)?;
+        assert!(inboxes.contains("<td>webhooks</td>"), "{inboxes}");
+        let key = get(&served.at, "/keys/lookup?tenant=acme&key=pay-1", None)?;
+        assert!(
+            key.starts_with("HTTP/1.1 200") && key.contains("paid"),
+            "{key}"
         );
         drop(served);
         // Reachable from other machines: only with a token.

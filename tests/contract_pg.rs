@@ -951,7 +951,7 @@ mod destinations_pg {
             .id();
         // Back to the first version's tables, as an older build left them.
         f.client().batch_execute(&format!(
-            "DROP INDEX {s}.outbox_in_flight; \
+            "DROP INDEX {s}.outbox_in_flight; DROP INDEX {s}.outbox_held; \
              ALTER TABLE {s}.outbox DROP COLUMN ordering_key, DROP COLUMN priority, \
                  DROP COLUMN seq, DROP COLUMN waiting; \
              DROP TABLE {s}.destinations; \

@@ -1,14 +1,17 @@
 //! The operator console (feature `console`): server-rendered pages of a
-//! store's outbox, over either backend, as an [`axum::Router`] an
-//! application mounts under its own path and behind its own
-//! authentication.
+//! store's outbox and, when [given the store](Console::store), of its
+//! inboxes and idempotency keys, over either backend, as an
+//! [`axum::Router`] an application mounts under its own path and behind
+//! its own authentication.
 //!
 //! ```no_run
 //! # fn main() -> idemstore::Result<()> {
 //! use idemstore::console::Console;
 //!
 //! let store = idemstore::Store::open("app.idem")?;
-//! let console = Console::new(store.outbox()).base_path("/ops");
+//! let console = Console::new(store.outbox())
+//!     .store(store.clone())
+//!     .base_path("/ops");
 //! let app: axum::Router = axum::Router::new().nest("/ops", console.router());
 //! # let _ = app;
 //! # Ok(())
@@ -28,7 +31,26 @@
 //!   entries in flight and entries by status (with writes allowed, a pause
 //!   or resume button each).
 //!
-//! Actions, once [allowed](Console::allow_writes): on an entry's page,
+//! Given the store ([`Console::store`]), also (else these answer 404, with
+//! a page saying the console was not given the store):
+//!
+//! - `/inboxes`: each inbox that holds a key, with how many it holds, and
+//!   a lookup form;
+//! - `/inboxes/lookup?inbox=I&key=K`: whether the inbox saw the event key,
+//!   and when (a pruned key reads as not seen, and the page says so);
+//! - `/keys?after_tenant=T&after_key=K`: the idempotency records by kind
+//!   (completed, reserved, the oldest one's time), a lookup form, and the
+//!   records in `(tenant, key)` order, 50 a page;
+//! - `/keys/lookup?tenant=T&key=K`: one record: its state, fingerprint,
+//!   fence and times, and for a completed one the stored response (status,
+//!   headers, and body as text when it is UTF-8, else in hex).
+//!
+//! Actions, once [allowed](Console::allow_writes): on a reservation's page,
+//! release it (for a handler that is stuck or gone:
+//! [`IdempotencyKeys::release_key`](crate::IdempotencyKeys::release_key),
+//! fenced by the token the page showed, so a page shown before the key
+//! changed hands frees nothing, and a stored response is never deleted);
+//! on an entry's page,
 //! retry (a failed or in-doubt entry back to pending, due now), cancel (a
 //! pending or in-doubt one to failed, reason `cancelled`) and resolve an
 //! in-doubt entry as completed or failed; on a list of one status, retry
@@ -50,14 +72,17 @@
 //!   The token is made from the operating system's randomness when the
 //!   console is made, and is the same for every page it serves.
 //! - **Everything is escaped.** Every value from the store (a payload, a
-//!   failure reason, a key) is inserted as text by
+//!   failure reason, a key, a tenant, a stored response's headers and
+//!   body) is inserted as text by
 //!   [maud](https://docs.rs/maud), whose templates are checked at compile
 //!   time: a reason of `<script>` renders as that text.
 //! - **A strict Content-Security-Policy**: no script at all, styles from
 //!   the console's own stylesheet only, no frames, forms post to the
 //!   console only; `nosniff`, no referrer, no caching.
-//! - **Bad input is a 400**, an unknown entry a 404, a store error a 500
-//!   page naming the error; never a panic.
+//! - **Bad input is a 400** (an inbox name, event key, tenant or
+//!   idempotency key the store would refuse too), an unknown entry or
+//!   idempotency record a 404, a store error a 500 page naming the error;
+//!   never a panic.
 //!
 //! A page's store calls run on tokio's blocking pool
 //! (`tokio::task::spawn_blocking`): a read of the embedded store may wait
@@ -65,6 +90,8 @@
 
 mod actions;
 mod destinations;
+mod inbox;
+mod keys;
 mod list;
 mod overview;
 mod pages;
@@ -76,7 +103,7 @@ use axum::Router;
 use axum::routing::{get, post};
 use parking_lot::Mutex;
 
-use crate::backend::OutboxAdmin;
+use crate::backend::{OutboxAdmin, StoreAdmin};
 use crate::{CommitStats, DispatchStats, OutboxEntry};
 
 /// The operator console of one outbox: its pages, as a router.
@@ -88,6 +115,8 @@ pub struct Console {
 #[derive(Clone)]
 struct Inner {
     outbox: Arc<dyn OutboxAdmin>,
+    /// The inboxes and idempotency keys, if the console was given them.
+    store: Option<Arc<dyn StoreAdmin>>,
     /// The path the router is mounted under, in front of every link.
     base: String,
     /// Whether the actions are offered and accepted.
@@ -122,6 +151,7 @@ impl Console {
         Console {
             inner: Arc::new(Inner {
                 outbox: Arc::new(outbox),
+                store: None,
                 base: String::new(),
                 writes: false,
                 token: token(),
@@ -132,7 +162,8 @@ impl Console {
     }
 
     /// Offers and accepts the actions (retry, cancel, resolve; on every
-    /// matching entry too). Default: read-only.
+    /// matching entry too; release a reservation, given the store).
+    /// Default: read-only.
     #[must_use]
     pub fn allow_writes(self, allow: bool) -> Console {
         self.with(|i| i.writes = allow)
@@ -180,6 +211,16 @@ impl Console {
         self.redact_payloads(|_| None)
     }
 
+    /// Adds the pages of `store`'s inboxes and idempotency keys (an
+    /// embedded [`Store`](crate::Store) or a `postgres::PgStore`, normally
+    /// the one whose outbox the console shows) and their links in the
+    /// navigation. Without it, those pages answer 404.
+    #[must_use]
+    pub fn store(self, store: impl StoreAdmin) -> Console {
+        let store: Arc<dyn StoreAdmin> = Arc::new(store);
+        self.with(|i| i.store = Some(store))
+    }
+
     /// This console with `change` made to a copy of its settings.
     fn with(self, change: impl FnOnce(&mut Inner)) -> Console {
         let mut inner = (*self.inner).clone();
@@ -212,6 +253,11 @@ impl Console {
             .route("/destinations", get(destinations::list))
             .route("/destinations/pause", post(destinations::pause))
             .route("/destinations/resume", post(destinations::resume))
+            .route("/inboxes", get(inbox::list))
+            .route("/inboxes/lookup", get(inbox::lookup))
+            .route("/keys", get(keys::list))
+            .route("/keys/lookup", get(keys::lookup))
+            .route("/keys/release", post(keys::release))
             .route("/style.css", get(pages::style))
             .route("/console.js", get(pages::script))
             .with_state(self.inner.clone())
@@ -229,6 +275,7 @@ impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Console")
             .field("outbox", &self.outbox)
+            .field("store", &self.store)
             .field("base", &self.base)
             .field("writes", &self.writes)
             .field("commit_stats", &self.hooks.commits.is_some())

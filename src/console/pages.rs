@@ -50,6 +50,10 @@ pub(super) fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup
                     a href=(home) { "Overview" }
                     a href={ (base) "/outbox" } { "Outbox" }
                     a href={ (base) "/destinations" } { "Destinations" }
+                    @if inner.store.is_some() {
+                        a href={ (base) "/inboxes" } { "Inboxes" }
+                        a href={ (base) "/keys" } { "Idempotency keys" }
+                    }
                 }
                 main {
                     h1 { (title) }
@@ -85,11 +89,14 @@ fn secured(mut response: Response, content_type: &'static str) -> Response {
     response
 }
 
-/// The page of a failed read: 404 for an entry that is not there, 500
-/// naming the store's error otherwise.
+/// The page of a failed read: 404 for an entry that is not there, 400 for
+/// input the store refused, 500 naming the store's error otherwise.
 pub(super) fn failure(inner: &Inner, e: &Error) -> Response {
     let (status, title) = match e {
         Error::NotFound => (StatusCode::NOT_FOUND, "Not found"),
+        Error::InvalidInput { .. } | Error::TooLarge { .. } => {
+            (StatusCode::BAD_REQUEST, "Bad request")
+        }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "The store failed"),
     };
     page(inner, status, title, &html! { p { (e.to_string()) } })

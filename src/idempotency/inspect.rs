@@ -43,7 +43,7 @@ impl IdempotencyKeys {
     /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
     /// `after` (the `(tenant, key)` of a previous page's last row): every
     /// row, a page per read transaction. For `idemstore export` and
-    /// `migrate`; not a stable API.
+    /// `migrate` and the console's list of keys; not a stable API.
     #[doc(hidden)]
     pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
         self.engine.read(|tx| {
@@ -65,6 +65,17 @@ impl IdempotencyKeys {
             }
             Ok(out)
         })
+    }
+
+    /// The row at `(tenant, key)`, completed or reserved, whatever its age:
+    /// what [`list`](Self::list) shows of it, or `None` if there is none. A
+    /// plain read that never deletes (an expired record is listed as it is
+    /// stored). For inspection tools.
+    pub fn entry(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>> {
+        check_tenant_key(tenant, key)?;
+        self.read_row(tenant, key)?
+            .map(|row| key_entry(tenant, key, row))
+            .transpose()
     }
 
     /// The completed response stored at `(tenant, key)`, whatever its age:

@@ -427,6 +427,36 @@ impl IdempotencyKeys {
         Ok(())
     }
 
+    /// The operator's release, for a reservation whose handler is stuck or
+    /// gone (its process died, or it hangs past any use): gives up the
+    /// reservation of `(tenant, key)` if the key still holds a reservation
+    /// with fence token `fence` (as [`KeyEntry::fence`] lists it), and
+    /// returns whether it did. Then the key is free and the next request
+    /// with it gets [`Begin::Proceed`] at once, without waiting for the
+    /// lease to end.
+    ///
+    /// Anything else at the key is left as it is and the answer is `false`:
+    /// a stored response is never deleted, and a reservation with another
+    /// fence (a newer holder's, after a takeover or a release and a new
+    /// `begin`) is never freed, so an operator acting on what a stale page
+    /// showed changes nothing. If the released holder is in fact still
+    /// running, its [`complete`](Self::complete) returns `false` and stores
+    /// nothing: a retry of its request runs the handler again. A release
+    /// is counted in [`IdempotencyStats::released`], as
+    /// [`release`](Self::release)'s are. `tenant` and `key` are checked
+    /// as for [`begin`](Self::begin).
+    pub fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
+        check_tenant_key(tenant, key)?;
+        let (t, k) = (tenant.to_owned(), key.to_owned());
+        let released = self
+            .engine
+            .execute(move |tx| ops::release(tx, &t, &k, fence))?;
+        if released {
+            bump(&self.counters.released, 1);
+        }
+        Ok(released)
+    }
+
     pub(super) fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
         self.engine.read(|tx| {
             let Some(table) = open_read(tx, IDEM)? else {

@@ -16,7 +16,7 @@
 //! | `begin` (replay, mismatch, in flight) | `SELECT … FROM S.idempotency WHERE tenant = $1 AND idem_key = $2` |
 //! | `begin` (reserve), `put` | `BEGIN`, the `SELECT … FOR UPDATE`, then `INSERT … VALUES (…, nextval('S.idempotency_fence'), …) ON CONFLICT DO NOTHING RETURNING fence` (no row) or `UPDATE … SET …, fence = nextval(…) … RETURNING fence` (an expired or ended one), `COMMIT` |
 //! | `complete`, `complete_in` | `UPDATE S.idempotency SET <the response>, lease_until = NULL WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
-//! | `release` | `DELETE FROM S.idempotency WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
+//! | `release`, `release_key` | `DELETE FROM S.idempotency WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
 //! | `get` (expired row) | `BEGIN`, `SELECT … FOR UPDATE`, `DELETE …` if still expired, `COMMIT` |
 //! | `purge_expired` | `DELETE … WHERE (tenant, idem_key) IN (SELECT … WHERE created_at < $1 AND (lease_until IS NULL OR lease_until <= $1) ORDER BY created_at LIMIT 1024 FOR UPDATE SKIP LOCKED)`, repeated while a chunk is full (the `created_at` index) |
 
@@ -571,6 +571,51 @@ impl PgIdempotencyKeys {
         Ok(())
     }
 
+    /// The operator's release, for a reservation whose handler is stuck or
+    /// gone: gives up the reservation of `(tenant, key)` if the key still
+    /// holds a reservation with fence token `fence` (as
+    /// [`KeyEntry::fence`] lists it), and returns whether it did — the
+    /// same rule as
+    /// [`IdempotencyKeys::release_key`](crate::IdempotencyKeys::release_key).
+    /// A stored response is never deleted and a reservation with another
+    /// fence never freed; a holder released while still running has its
+    /// [`complete`](Self::complete) return `false`. One statement, run
+    /// again only when the server said it did not happen, so the answer is
+    /// what the server did (a lost answer is an error, never a wrong
+    /// `false`). Counted in [`IdempotencyStats::released`].
+    pub fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
+        check_tenant_key(tenant, key)?;
+        refuse_reentrant()?;
+        let Ok(fence) = i64::try_from(fence) else {
+            // No reservation holds a fence out of the sequence's range.
+            return Ok(false);
+        };
+        let s = self.s();
+        let sql = format!(
+            "DELETE FROM {s}.idempotency \
+             WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
+        );
+        let n = self.server.run(Mode::Statement, |conn| {
+            conn.db()
+                .execute(&sql, &[&tenant.as_bytes(), &key.as_bytes(), &fence])
+        })?;
+        if n == 1 {
+            bump(&self.counters.released, 1);
+        }
+        Ok(n == 1)
+    }
+
+    /// The row at `(tenant, key)`, completed or reserved, whatever its age:
+    /// what [`list`](Self::list) shows of it, or `None` if there is none. A
+    /// plain read that never deletes. For inspection tools.
+    pub fn entry(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>> {
+        check_tenant_key(tenant, key)?;
+        let found = self.server.run(Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false)
+        })?;
+        found.map(|row| key_entry(tenant, key, row)).transpose()
+    }
+
     /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
     /// of one tenant only if `tenant` is given. For inspection tools.
     pub fn list(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
@@ -595,7 +640,7 @@ impl PgIdempotencyKeys {
     /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
     /// `after` (the `(tenant, key)` of a previous page's last row): every
     /// row, a page per statement, as the embedded store's `list_after`. For
-    /// `idemstore export`; not a stable API.
+    /// `idemstore export` and the console's list of keys; not a stable API.
     #[doc(hidden)]
     pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
         if limit == 0 {

@@ -1,6 +1,7 @@
 //! The idempotency keys' contract: proceed, replay, mismatch, in flight,
-//! takeover and fencing, release, lazy expiry, first write wins, purge,
-//! tenant isolation, concurrency, bad input.
+//! takeover and fencing, release (the holder's and the operator's), lazy
+//! expiry, first write wins, purge, tenant isolation, concurrency, bad
+//! input.
 
 macro_rules! keys_contract {
     () => {
@@ -112,6 +113,47 @@ macro_rules! keys_contract {
                 let again = proceed(keys.begin("t", "k", &fp, t(1))?);
                 assert!(again.fence() > r.fence());
                 assert_eq!(keys.stats().released, 1);
+                Ok(())
+            }
+
+            #[test]
+            fn an_operator_release_frees_only_the_reservation_it_names() -> TestResult {
+                let f = fixture!();
+                let keys = f.store.idempotency_keys().with_lease(Duration::from_secs(10));
+                let fp = fingerprint("POST", "/stuck", b"");
+                let first = proceed(keys.begin("t", "k", &fp, t(0))?);
+                let listed = keys.entry("t", "k")?.expect("a reservation");
+                assert_eq!((listed.fence, listed.fingerprint.as_str()), (first.fence(), fp.as_str()));
+                assert_eq!(listed.state, KeyState::Reserved { reserved_at: t(0), lease_until: t(10) });
+                assert_eq!(idemstore::StoreAdmin::key(&f.store, "t", "k")?, Some(listed));
+                // Another fence frees nothing; the holder's frees the key at
+                // once, live lease or not.
+                assert!(!keys.release_key("t", "k", first.fence() + 1)?);
+                assert!(matches!(keys.begin("t", "k", &fp, t(1))?, Begin::InFlight { .. }));
+                assert!(keys.release_key("t", "k", first.fence())?);
+                assert_eq!(keys.entry("t", "k")?, None);
+                assert!(!keys.release_key("t", "k", first.fence())?, "released already");
+                // A page shown before the key changed hands frees nothing.
+                let second = proceed(keys.begin("t", "k", &fp, t(2))?);
+                assert!(!keys.release_key("t", "k", first.fence())?);
+                assert!(!keys.complete(&first, first.response(200, b"late".to_vec(), t(2)), t(2))?, "fenced out");
+                assert!(matches!(keys.begin("t", "k", &fp, t(3))?, Begin::InFlight { .. }));
+                // A stored response is never deleted.
+                assert!(keys.complete(&second, second.response(200, b"done".to_vec(), t(4)), t(4))?);
+                assert!(!keys.release_key("t", "k", second.fence())?);
+                assert!(!idemstore::StoreAdmin::release_key(&f.store, "t", "k", second.fence())?);
+                assert_eq!(keys.response("t", "k")?.map(|r| r.response_body), Some(b"done".to_vec()));
+                let done = keys.entry("t", "k")?.expect("the response");
+                assert_eq!(done.state, KeyState::Completed { status: 200, body_len: 4, created_at: t(4) });
+                assert!(!keys.release_key("t", "absent", 1)?);
+                assert!(!keys.release_key("t", "k", u64::MAX)?);
+                assert_eq!(keys.stats().released, 1, "counted as a release");
+                assert!(matches!(keys.release_key("t", "", 1), Err(Error::InvalidInput { field: "idempotency key", .. })));
+                assert!(matches!(
+                    keys.release_key(&"t".repeat(256), "k", 1),
+                    Err(Error::TooLarge { field: "tenant", .. })
+                ));
+                assert!(matches!(keys.entry("t", &"k".repeat(256)), Err(Error::TooLarge { .. })));
                 Ok(())
             }
 

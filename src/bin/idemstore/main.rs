@@ -105,9 +105,10 @@ pub(crate) enum Command {
     #[command(subcommand)]
     Destination(DestinationCommand),
     /// Serve the operator console of a store on HTTP until interrupted
-    /// (Ctrl-C): its outbox by status and destination, each entry, and,
-    /// with --allow-writes, retry, cancel and resolve. Needs a build with
-    /// the `console` feature.
+    /// (Ctrl-C): its outbox by status and destination, each entry, its
+    /// inboxes and idempotency keys, and, with --allow-writes, retry,
+    /// cancel and resolve entries and release stuck reservations. Needs a
+    /// build with the `console` feature.
     ///
     /// It listens on loopback unless told otherwise, and refuses an address
     /// other machines can reach without --token-file.
@@ -118,7 +119,8 @@ pub(crate) enum Command {
         /// The address to listen on (port 0: any free port, printed).
         #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR")]
         listen: std::net::SocketAddr,
-        /// Offer and accept the actions (retry, cancel, resolve).
+        /// Offer and accept the actions (retry, cancel, resolve, release a
+        /// reservation).
         #[arg(long)]
         allow_writes: bool,
         /// Every request must carry this file's first line as

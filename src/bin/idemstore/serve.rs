@@ -1,6 +1,7 @@
 //! `idemstore console STORE [--listen ADDR] [--allow-writes] [--token-file
 //! F]`: serves the operator console (`idemstore::console`) of a store file
-//! or a PostgreSQL store until interrupted.
+//! or a PostgreSQL store until interrupted: its outbox, inboxes and
+//! idempotency keys.
 //!
 //! It listens on loopback (`127.0.0.1:8080`) unless told otherwise, and
 //! refuses an address other machines can reach without a token: with
@@ -83,9 +84,9 @@ pub(crate) fn run(serve: &Serve<'_>) -> Result<Outcome, Failure> {
     let token = token(serve)?;
     let store = open_store(serve.store, serve.schema)?;
     let console = match &store {
-        StoreHandle::File(s) => Console::new(s.outbox()),
+        StoreHandle::File(s) => Console::new(s.outbox()).store(s.clone()),
         #[cfg(feature = "postgres")]
-        StoreHandle::Postgres(s) => Console::new(s.outbox()),
+        StoreHandle::Postgres(s) => Console::new(s.outbox()).store(s.clone()),
     }
     .allow_writes(serve.allow_writes);
     let mut router = console.router();
