@@ -165,6 +165,8 @@ fn live(i: &Inner, o: &Overview) -> Markup {
         }
         p { "Next entry due: " (time_opt(o.next_due)) }
         p { "Oldest claim: " (time_opt(o.oldest_claim)) }
+        h2 { "Backlog by destination" }
+        (bars(&o.destinations))
         h2 { "Backlog over time" }
         (chart(&o.samples))
         h2 { "Recent failures by reason" }
@@ -260,13 +262,22 @@ const SERIES: [(OutboxStatus, &str); 4] = [
 ];
 
 /// The backlog over time as an inline SVG chart: one line per unfinished
-/// or failed status, over the samples the console took.
+/// or failed status, over the samples the console took, with the peak
+/// and the span as labels.
 fn chart(samples: &[(DateTime<Utc>, OutboxCounts)]) -> Markup {
-    const W: f64 = 640.0;
-    const H: f64 = 160.0;
+    const W: f64 = 600.0;
+    const H: f64 = 120.0;
     let (Some(first), Some(last)) = (samples.first(), samples.last()) else {
         return html! { p { "No samples yet." } };
     };
+    if samples.len() < 2 {
+        return html! {
+            p.muted {
+                "The chart fills in while the console is watched: a sample every "
+                (SAMPLE_EVERY.num_seconds()) " s, the last hour's."
+            }
+        };
+    }
     let span = (last.0 - first.0).num_milliseconds().max(1) as f64;
     let peak = samples
         .iter()
@@ -275,28 +286,13 @@ fn chart(samples: &[(DateTime<Utc>, OutboxCounts)]) -> Markup {
         .unwrap_or(0)
         .max(1);
     let top = peak as f64;
-    let point = |at: DateTime<Utc>, n: u64| {
-        let x = if samples.len() == 1 {
-            W
-        } else {
-            (at - first.0).num_milliseconds() as f64 / span * W
-        };
-        (x, H - n as f64 / top * H)
-    };
     let mut lines = String::new();
     for (status, colour) in SERIES {
         let mut d = String::new();
         for (k, (at, c)) in samples.iter().enumerate() {
-            let (x, y) = point(*at, c.get(status));
+            let x = 40.0 + (*at - first.0).num_milliseconds() as f64 / span * W;
+            let y = 10.0 + H - c.get(status) as f64 / top * H;
             let _ = write!(d, "{}{x:.1},{y:.1}", if k == 0 { "M" } else { " L" });
-        }
-        if samples.len() == 1 {
-            let _ = write!(
-                d,
-                " L{:.1},{:.1}",
-                0.0,
-                point(first.0, first.1.get(status)).1
-            );
         }
         // Only numbers and fixed colours: nothing from the store as text.
         let _ = write!(
@@ -306,20 +302,92 @@ fn chart(samples: &[(DateTime<Utc>, OutboxCounts)]) -> Markup {
     }
     html! {
         figure.chart {
-            svg xmlns="http://www.w3.org/2000/svg" width="640" height="180" viewBox="0 -10 640 180"
+            svg xmlns="http://www.w3.org/2000/svg" width="660" height="160" viewBox="0 0 660 160"
                 role="img" aria-label="entries by status over time" {
-                line x1="0" y1="160" x2="640" y2="160" stroke="#999" {}
+                rect x="40" y="10" width="600" height="120" fill="none" stroke="#ccc" {}
+                text x="34" y="16" text-anchor="end" font-size="11" { (peak) }
+                text x="34" y="134" text-anchor="end" font-size="11" { "0" }
+                text x="40" y="150" font-size="11" { (first.0.format("%H:%M:%S")) }
+                text x="640" y="150" text-anchor="end" font-size="11" { (last.0.format("%H:%M:%S")) }
                 (PreEscaped(lines))
             }
-            figcaption {
-                @for (status, _) in SERIES {
-                    span class={ "s-" (status.as_str()) } { "■ " (status.as_str()) " " }
-                }
-                " — peak " (peak) ", from " (time(first.0)) " to " (time(last.0))
-                " (" (samples.len()) " samples, one every few seconds while the console is watched)"
-            }
+            figcaption { (legend()) " (" (samples.len()) " samples, UTC)" }
         }
     }
+}
+
+/// The chart's colours, named.
+fn legend() -> Markup {
+    html! {
+        @for (status, _) in SERIES {
+            span class={ "s-" (status.as_str()) } { "■ " (status.as_str()) } " "
+        }
+    }
+}
+
+/// The backlog of each destination as a bar: its pending, dispatching,
+/// failed and in-doubt entries end to end, on one scale.
+fn bars(destinations: &[DestinationState]) -> Markup {
+    const W: f64 = 480.0;
+    let rows: Vec<(&str, [u64; 4])> = destinations
+        .iter()
+        .map(|d| {
+            (
+                d.destination.as_str(),
+                SERIES.map(|(status, _)| d.counts.get(status)),
+            )
+        })
+        .filter(|(_, n)| n.iter().any(|&n| n > 0))
+        .take(20)
+        .collect();
+    let widest = rows
+        .iter()
+        .map(|(_, n)| n.iter().sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    if widest == 0 {
+        return html! { p { "No backlog: every entry is completed." } };
+    }
+    let height = 22 * rows.len() + 4;
+    let mut shapes = String::new();
+    for (k, (_, counts)) in rows.iter().enumerate() {
+        let y = 22 * k + 4;
+        let mut x = 160.0;
+        for ((_, colour), n) in SERIES.iter().zip(counts) {
+            let w = *n as f64 / widest as f64 * W;
+            if w > 0.0 {
+                let _ = write!(
+                    shapes,
+                    r#"<rect x="{x:.1}" y="{y}" width="{w:.1}" height="16" fill="{colour}"/>"#
+                );
+            }
+            x += w;
+        }
+    }
+    html! {
+        figure.chart {
+            svg xmlns="http://www.w3.org/2000/svg" width="700" height=(height)
+                viewBox={ "0 0 700 " (height) } role="img" aria-label="backlog by destination" {
+                @for (k, (d, counts)) in rows.iter().enumerate() {
+                    // The destination's name, escaped as every text is.
+                    text x="154" y=(22 * k + 16) text-anchor="end" font-size="12" { (short(d)) }
+                    text x="648" y=(22 * k + 16) font-size="12" { (counts.iter().sum::<u64>()) }
+                }
+                (PreEscaped(shapes))
+            }
+            figcaption { (legend()) }
+        }
+    }
+}
+
+/// `name` cut to what fits beside a bar.
+fn short(name: &str) -> String {
+    if name.chars().count() <= 22 {
+        return name.to_owned();
+    }
+    let mut cut: String = name.chars().take(21).collect();
+    cut.push('…');
+    cut
 }
 
 /// `d` for people: "3 h 20 min", "45 s".
@@ -359,6 +427,39 @@ mod tests {
         }
         assert_eq!(h.samples.len(), SAMPLES);
         assert_eq!(h.samples.front().unwrap().0, t0 + SAMPLE_EVERY * 11);
+    }
+
+    #[test]
+    fn the_chart_draws_a_line_per_status_once_it_has_two_samples() {
+        let t0 = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let counts = |pending, failed| OutboxCounts {
+            pending,
+            failed,
+            ..OutboxCounts::default()
+        };
+        let one = [(t0, counts(5, 1))];
+        assert!(!chart(&one).into_string().contains("<svg"));
+        let two = [(t0, counts(5, 1)), (t0 + SAMPLE_EVERY, counts(12, 3))];
+        let svg = chart(&two).into_string();
+        assert_eq!(svg.matches("<path").count(), SERIES.len());
+        assert!(svg.contains(">12</text>"), "the peak labelled: {svg}");
+        // Pending peaks at the top of the frame (y = 10) in the second sample.
+        assert!(svg.contains("L640.0,10.0"), "{svg}");
+    }
+
+    #[test]
+    fn bars_show_each_destination_with_a_backlog_escaped() {
+        let d = |name: &str, pending| DestinationState {
+            counts: OutboxCounts {
+                pending,
+                ..OutboxCounts::default()
+            },
+            ..DestinationState::empty(name)
+        };
+        let svg = bars(&[d("<b>", 3), d("idle", 0)]).into_string();
+        assert!(svg.contains("&lt;b&gt;") && !svg.contains("<b>"), "{svg}");
+        assert!(!svg.contains("idle"), "no bar without a backlog");
+        assert!(bars(&[d("idle", 0)]).into_string().contains("No backlog"));
     }
 
     #[test]
