@@ -21,12 +21,25 @@
 //! The pages, each reached by links from the overview:
 //!
 //! - `/`: the entries by status, and by status for each destination (each
-//!   count a link to the entries it counts), when the next entry is due and
-//!   the oldest claim;
-//! - `/outbox?status=S&destination=D&after=ID`: the entries by id, 50 a
-//!   page, of one status and destination if given;
+//!   count a link to the entries it counts), the oldest pending entry and
+//!   its age, when the next entry is due and the oldest claim, each
+//!   destination's backlog as a bar, the backlog over time (a line per
+//!   status, from the counts the console sampled, at most every 5 s while
+//!   it is watched, the last hour's), the latest 200 failed entries by
+//!   reason, and the application's commit and dispatch figures when it
+//!   passed them ([`Console::commit_stats`], [`Console::dispatch_stats`]).
+//!   The part that changes is fetched again every 5 s (`/live`) by the
+//!   console's one script, so the page stays current without reloading;
+//!   without script, a reload shows the same;
+//! - `/outbox?status=S&destination=D&command=C&key=K&order=newest&sort=due&after=ID`:
+//!   the entries a filter matches, 50 a page, oldest or newest first (a
+//!   listing of one status reads that status's entries only, through an
+//!   index; by command or key, the entries are looked up), the page sorted
+//!   by id, due time or attempts;
 //! - `/outbox/ID`: one entry, with its attempt history and its payload
-//!   (as text when it is UTF-8, else in hex);
+//!   (indented when it is JSON, as text when it is UTF-8, else in hex, or
+//!   as asked: `?as=text|json|hex`), or what the application's hook shows
+//!   of it ([`Console::redact_payloads`], [`Console::hide_payloads`]);
 //! - `/destinations`: each destination's policy, pause, circuit, hold,
 //!   entries in flight and entries by status (with writes allowed, a pause
 //!   or resume button each).
@@ -52,8 +65,12 @@
 //! changed hands frees nothing, and a stored response is never deleted);
 //! on an entry's page,
 //! retry (a failed or in-doubt entry back to pending, due now), cancel (a
-//! pending or in-doubt one to failed, reason `cancelled`) and resolve an
-//! in-doubt entry as completed or failed; on a list of one status, retry
+//! pending or in-doubt one to failed, reason `cancelled`), resolve an
+//! in-doubt entry as completed or failed, and release a claim (a
+//! dispatching entry back to pending, due now: its worker's settlement is
+//! then refused as stale); on the entries checked on a list page, retry,
+//! cancel or release each (those in a status the action does not apply
+//! to are left as they are, and named); on a list of one status, retry
 //! or cancel **every entry the filter matches**, with the count shown and a
 //! confirmation, in steps of 256 entries, each step one commit
 //! ([`Outbox::requeue_matching`](crate::Outbox::requeue_matching)), so the
@@ -66,7 +83,7 @@
 //! - **Read-only unless writes are allowed.** Then no page shows an action
 //!   and every action `POST` is refused (403) without changing anything.
 //! - **Every action is a plain HTML form** (`<form method="post">`, no
-//!   script needed) carrying the console's token as a hidden field; a
+//!   script needed; the one script only refreshes the overview) carrying the console's token as a hidden field; a
 //!   `POST` without it, with another, or from another site's page
 //!   (`Sec-Fetch-Site: cross-site`) is refused (403) and changes nothing.
 //!   The token is made from the operating system's randomness when the
@@ -76,9 +93,14 @@
 //!   body) is inserted as text by
 //!   [maud](https://docs.rs/maud), whose templates are checked at compile
 //!   time: a reason of `<script>` renders as that text.
-//! - **A strict Content-Security-Policy**: no script at all, styles from
-//!   the console's own stylesheet only, no frames, forms post to the
+//! - **A strict Content-Security-Policy**: scripts and styles from the
+//!   console's own two files only (no inline script, style or event
+//!   handler), fetches to the console only, no frames, forms post to the
 //!   console only; `nosniff`, no referrer, no caching.
+//! - **The application's code cannot break a page.** A hook that panics
+//!   (a figures closure, a payload hook) is caught: the page is drawn
+//!   without the figures, and without the payload (a payload hook fails
+//!   closed).
 //! - **Bad input is a 400** (an inbox name, event key, tenant or
 //!   idempotency key the store would refuse too), an unknown entry or
 //!   idempotency record a 404, a store error a 500 page naming the error;
