@@ -33,8 +33,8 @@ use crate::idempotency::{
 };
 use crate::inbox::Inbox;
 use crate::outbox::{
-    ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingStep, Outbox, OutboxCounts,
-    OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
+    ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingChange, MatchingStep, Outbox,
+    OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
 use crate::store::Store;
 
@@ -371,19 +371,12 @@ pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>>;
     /// Every entry of command `command_id`, by creation time.
     fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>>;
-    /// One step of "retry every entry `filter` matches": up to `limit`
-    /// matching entries, in one commit.
-    fn requeue_matching(
+    /// One step of an operator's `change` to every entry `filter`
+    /// matches: up to `limit` entries, in one commit.
+    fn change_matching(
         &self,
         filter: &OutboxFilter,
-        next_attempt_at: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<MatchingStep>;
-    /// One step of "cancel every entry `filter` matches".
-    fn cancel_matching(
-        &self,
-        filter: &OutboxFilter,
-        now: DateTime<Utc>,
+        change: &MatchingChange,
         limit: usize,
     ) -> Result<MatchingStep>;
 }
@@ -495,21 +488,13 @@ macro_rules! forward_admin {
             ) -> $crate::Result<Vec<$crate::OutboxRecord>> {
                 <$outbox>::list_for_command(self, command_id)
             }
-            fn requeue_matching(
+            fn change_matching(
                 &self,
                 filter: &$crate::OutboxFilter,
-                next_attempt_at: chrono::DateTime<chrono::Utc>,
+                change: &$crate::MatchingChange,
                 limit: usize,
             ) -> $crate::Result<$crate::MatchingStep> {
-                <$outbox>::requeue_matching(self, filter, next_attempt_at, limit)
-            }
-            fn cancel_matching(
-                &self,
-                filter: &$crate::OutboxFilter,
-                now: chrono::DateTime<chrono::Utc>,
-                limit: usize,
-            ) -> $crate::Result<$crate::MatchingStep> {
-                <$outbox>::cancel_matching(self, filter, now, limit)
+                <$outbox>::change_matching(self, filter, change, limit)
             }
         }
     };

@@ -361,9 +361,9 @@ pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,
     Fence, MAX_ATTEMPT_HISTORY, MAX_COOL_DOWN_FACTOR, MAX_OUTBOX_FIELD_LEN, MAX_PRIORITY,
-    MatchingStep, NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId,
-    OutboxRecord, OutboxStatus, ParseOutboxStatusError, PolicyLimits, REASON_CANCELLED,
-    REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
+    MatchingChange, MatchingStep, NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry,
+    OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, ParseOutboxStatusError, PolicyLimits,
+    REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,

@@ -94,7 +94,7 @@ fn a_newer_format_version_is_incompatible() -> Result<()> {
     match &err {
         Error::IncompatibleFormat { found, supported } => {
             assert!(found.contains("99"), "{found}");
-            assert_eq!(*supported, 2);
+            assert_eq!(*supported, 3);
         }
         other => panic!("expected IncompatibleFormat, got {other:?}"),
     }

@@ -285,6 +285,44 @@ async fn selected_entries(outbox: impl OutboxAdmin + Clone) -> TestResult {
     Ok(())
 }
 
+/// Every in-doubt entry resolved from the list's form, every claim
+/// released: the store shows them so, and an unknown action is a 404.
+async fn matching_resolutions(outbox: impl OutboxAdmin + OutboxBackend + Clone) -> TestResult {
+    let router = Console::new(outbox.clone()).allow_writes(true).router();
+    // The retries above made entries due at the wall clock's now.
+    let later = Utc::now() + Duration::hours(1);
+    let doubt = OutboxBackend::claim_due(&outbox, later, 2, "w")?;
+    assert_eq!(doubt.len(), 2);
+    for d in &doubt {
+        let unknown = Settlement::OutcomeUnknown { remote_ref: None };
+        OutboxBackend::settle(&outbox, d.fence(), unknown, later)?;
+    }
+    let (_, list) = get(&router, "/outbox?status=outcome_unknown").await?;
+    assert!(list.contains("/outbox/complete-matching"), "{list}");
+    assert!(list.contains("/outbox/fail-matching"), "{list}");
+    let token = token_of(&list).ok_or("a token")?;
+    let form = |what: &str| format!("token={token}&status={what}&confirm=yes&reason=gone");
+    let (status, done) = post(&router, "/outbox/fail-matching", form("outcome_unknown")).await?;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    assert!(done.contains("2 entries marked failed"), "{done}");
+    for d in &doubt {
+        let r = outbox.get(d.id)?;
+        assert_eq!(
+            (r.entry.status, r.last_failure.as_deref()),
+            (OutboxStatus::Failed, Some("gone"))
+        );
+    }
+    let flying = OutboxBackend::claim_due(&outbox, later, 1, "w")?;
+    assert_eq!(flying.len(), 1);
+    let (_, done) = post(&router, "/outbox/release-matching", form("dispatching")).await?;
+    assert!(done.contains("1 entries released"), "{done}");
+    assert_eq!(outbox.oldest_claim()?, None);
+    let (status, _) = post(&router, "/outbox/purge-matching", form("failed")).await?;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_overview_and_list_of_a_store_file() -> TestResult {
     let store = Store::in_memory()?;
@@ -293,7 +331,8 @@ async fn the_overview_and_list_of_a_store_file() -> TestResult {
     overview(outbox.clone()).await?;
     list_filters(outbox.clone()).await?;
     payloads(outbox.clone()).await?;
-    selected_entries(outbox).await
+    selected_entries(outbox.clone()).await?;
+    matching_resolutions(outbox).await
 }
 
 #[cfg(feature = "postgres")]
@@ -325,6 +364,7 @@ mod pg {
         overview(outbox.clone()).await?;
         list_filters(outbox.clone()).await?;
         payloads(outbox.clone()).await?;
-        selected_entries(outbox).await
+        selected_entries(outbox.clone()).await?;
+        matching_resolutions(outbox).await
     }
 }

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::Inner;
 use super::pages::{bad_request, list_link, page, read_then};
-use crate::outbox::{OutboxFilter, OutboxId, OutboxStatus};
+use crate::outbox::{MatchingChange, OutboxFilter, OutboxId, OutboxStatus};
 
 /// Entries changed per step of an action on every entry a filter matches,
 /// each step one commit: the writer is never held for longer than one
@@ -37,6 +37,8 @@ pub(super) struct EntryForm {
 #[derive(Debug, Deserialize)]
 pub(super) struct MatchingForm {
     token: Option<String>,
+    /// For `fail`: the reason code to record.
+    reason: Option<String>,
     status: Option<String>,
     destination: Option<String>,
     /// The operator confirmed the count shown.
@@ -164,11 +166,16 @@ pub(super) async fn on_selected(
     if let Some(refusal) = refused(&inner, &headers, field(TOKEN_FIELD)) {
         return refusal;
     }
-    let Some(action @ (EntryAction::Retry | EntryAction::Cancel | EntryAction::Release)) =
-        field("action").and_then(EntryAction::named)
-    else {
-        return bad_request(&inner, "the action is retry, cancel or release");
+    let Some(action) = field("action").and_then(EntryAction::named) else {
+        return bad_request(
+            &inner,
+            "the action is retry, cancel, release, complete or fail",
+        );
     };
+    let reason = field("reason")
+        .filter(|r| !r.trim().is_empty())
+        .unwrap_or("resolved_by_operator")
+        .to_owned();
     let ids: Result<Vec<u64>, _> = fields
         .iter()
         .filter(|(k, _)| k == "id")
@@ -191,7 +198,7 @@ pub(super) async fn on_selected(
         move |i| {
             let (mut done, mut left) = (0_u64, Vec::new());
             for id in ids {
-                match action.apply(i, OutboxId(id), "") {
+                match action.apply(i, OutboxId(id), &reason) {
                     Ok(()) => done += 1,
                     Err(crate::Error::Conflict { .. } | crate::Error::NotFound) => left.push(id),
                     Err(e) => return Err(e),
@@ -219,44 +226,18 @@ pub(super) async fn on_selected(
     .await
 }
 
-/// What an action on every matching entry does.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Matching {
-    Retry,
-    Cancel,
-}
-
-impl Matching {
-    fn name(self) -> &'static str {
-        match self {
-            Matching::Retry => "retried",
-            Matching::Cancel => "cancelled",
-        }
-    }
-}
-
-pub(super) async fn retry_matching(
-    state: State<Arc<Inner>>,
-    headers: HeaderMap,
-    form: Form<MatchingForm>,
-) -> Response {
-    on_matching(state, headers, form, Matching::Retry).await
-}
-
-pub(super) async fn cancel_matching(
-    state: State<Arc<Inner>>,
-    headers: HeaderMap,
-    form: Form<MatchingForm>,
-) -> Response {
-    on_matching(state, headers, form, Matching::Cancel).await
-}
-
-async fn on_matching(
+/// An action on every entry a filter matches: `POST /outbox/ACTION-matching`
+/// with `retry`, `cancel`, `release`, `complete` or `fail` (a `reason` field
+/// for the last), each in steps of [`STEP`] entries, one commit each.
+pub(super) async fn on_matching(
     State(inner): State<Arc<Inner>>,
+    Path(path): Path<String>,
     headers: HeaderMap,
     Form(form): Form<MatchingForm>,
-    what: Matching,
 ) -> Response {
+    let Some(action) = path.strip_suffix("-matching").and_then(EntryAction::named) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
     if let Some(refusal) = refused(&inner, &headers, form.token.as_deref()) {
         return refusal;
     }
@@ -265,21 +246,15 @@ async fn on_matching(
         .as_deref()
         .and_then(|s| s.parse::<OutboxStatus>().ok())
     else {
-        return page(
-            &inner,
-            StatusCode::BAD_REQUEST,
-            "Bad request",
-            &html! { p { "An action on every matching entry needs a status." } },
-        );
+        return bad_request(&inner, "An action on every matching entry needs a status.");
     };
     if form.confirm.as_deref() != Some("yes") {
-        return page(
-            &inner,
-            StatusCode::BAD_REQUEST,
-            "Bad request",
-            &html! { p { "The action was not confirmed. Nothing was changed." } },
-        );
+        return bad_request(&inner, "The action was not confirmed. Nothing was changed.");
     }
+    let reason = form
+        .reason
+        .filter(|r| !r.trim().is_empty())
+        .unwrap_or_else(|| "resolved_by_operator".to_owned());
     let destination = form.destination.filter(|d| !d.is_empty());
     let back = list_link(&inner.base, Some(status), destination.as_deref(), None);
     read_then(
@@ -293,10 +268,21 @@ async fn on_matching(
             let mut from = filter.clone();
             loop {
                 let now = Utc::now();
-                let step = match what {
-                    Matching::Retry => i.outbox.requeue_matching(&from, now, STEP)?,
-                    Matching::Cancel => i.outbox.cancel_matching(&from, now, STEP)?,
+                let change = match action {
+                    EntryAction::Retry => MatchingChange::Retry {
+                        next_attempt_at: now,
+                    },
+                    EntryAction::Cancel => MatchingChange::Cancel { now },
+                    EntryAction::Release => MatchingChange::Release {
+                        next_attempt_at: now,
+                    },
+                    EntryAction::Complete => MatchingChange::Complete { now },
+                    EntryAction::Fail => MatchingChange::Fail {
+                        reason: reason.clone(),
+                        now,
+                    },
                 };
+                let step = i.outbox.change_matching(&from, &change, STEP)?;
                 done += step.changed;
                 refused += step.skipped;
                 let Some(last) = step.last else { break };
@@ -306,7 +292,7 @@ async fn on_matching(
         },
         move |i, (done, refused)| {
             let body: Markup = html! {
-                p { (done) " entries " (what.name()) "." }
+                p { (done) " entries " (action.done()) "." }
                 @if refused > 0 {
                     p { (refused) " had changed meanwhile and were left as they were." }
                 }

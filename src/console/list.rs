@@ -323,7 +323,9 @@ fn table(i: &Inner, l: &Listing, rows: &[OutboxRecord]) -> Markup {
                 "With the entries checked: "
                 button type="submit" name="action" value="retry" { "Retry" } " "
                 button type="submit" name="action" value="cancel" { "Cancel" } " "
-                button type="submit" name="action" value="release" { "Release claims" }
+                button type="submit" name="action" value="release" { "Release claims" } " "
+                button type="submit" name="action" value="complete" { "Resolve as completed" } " "
+                button type="submit" name="action" value="fail" { "Resolve as failed" }
             }
         }
     }
@@ -341,14 +343,18 @@ fn settled_time(r: &OutboxRecord) -> Option<DateTime<Utc>> {
 /// The forms of the actions on all `n` entries of `status` (and
 /// `destination`), each asking for a confirmation.
 fn matching_actions(i: &Inner, status: OutboxStatus, destination: Option<&str>, n: u64) -> Markup {
-    let retry = matches!(status, OutboxStatus::Failed | OutboxStatus::OutcomeUnknown);
-    let cancel = matches!(status, OutboxStatus::Pending | OutboxStatus::OutcomeUnknown);
-    let form = |what: &str, label: &str| {
+    use OutboxStatus::{Dispatching, Failed, OutcomeUnknown, Pending};
+    let retry = matches!(status, Failed | OutcomeUnknown);
+    let cancel = matches!(status, Pending | OutcomeUnknown);
+    let release = status == Dispatching;
+    let resolve = status == OutcomeUnknown;
+    let form = |what: &str, label: &str, reason: bool| {
         html! {
             form method="post" action={ (i.base) "/outbox/" (what) "-matching" } {
                 (token_field(i))
                 input type="hidden" name="status" value=(status.as_str());
                 @if let Some(d) = destination { input type="hidden" name="destination" value=(d); }
+                @if reason { input type="text" name="reason" placeholder="reason code"; " " }
                 label { input type="checkbox" name="confirm" value="yes" required; " I mean all " (n) }
                 " "
                 button type="submit" { (label) " all " (n) " matching entries" }
@@ -357,7 +363,12 @@ fn matching_actions(i: &Inner, status: OutboxStatus, destination: Option<&str>, 
     };
     html! {
         h2 { "Every matching entry" }
-        @if retry { (form("retry", "Retry")) }
-        @if cancel { (form("cancel", "Cancel")) }
+        @if retry { (form("retry", "Retry", false)) }
+        @if cancel { (form("cancel", "Cancel", false)) }
+        @if release { (form("release", "Release the claims of", false)) }
+        @if resolve {
+            (form("complete", "Resolve as completed", false))
+            (form("fail", "Resolve as failed", true))
+        }
     }
 }

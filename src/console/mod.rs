@@ -73,7 +73,7 @@
 //! to are left as they are, and named); on a list of one status, retry
 //! or cancel **every entry the filter matches**, with the count shown and a
 //! confirmation, in steps of 256 entries, each step one commit
-//! ([`Outbox::requeue_matching`](crate::Outbox::requeue_matching)), so the
+//! ([`Outbox::change_matching`](crate::Outbox::change_matching)), so the
 //! writer, and the dispatchers' claims behind it, are never held for
 //! longer than a step. An entry that changed meanwhile is left as it is
 //! and counted apart.
@@ -267,11 +267,10 @@ impl Console {
             .route("/", get(overview::overview))
             .route("/live", get(overview::live_part))
             .route("/outbox", get(list::list))
-            .route("/outbox/{id}", get(pages::entry))
+            // `POST /outbox/retry-matching` and the like.
+            .route("/outbox/{id}", get(pages::entry).post(actions::on_matching))
             .route("/outbox/{id}/{action}", post(actions::on_entry))
             .route("/outbox/selected", post(actions::on_selected))
-            .route("/outbox/retry-matching", post(actions::retry_matching))
-            .route("/outbox/cancel-matching", post(actions::cancel_matching))
             .route("/destinations", get(destinations::list))
             .route("/destinations/pause", post(destinations::pause))
             .route("/destinations/resume", post(destinations::resume))

@@ -1,4 +1,5 @@
-//! An operator's change to every entry a filter matches (retry, cancel),
+//! An operator's change to every entry a filter matches (retry, cancel,
+//! release, resolve),
 //! in bounded steps: each step visits at most a given number of matching
 //! entries and changes them in one commit, so that a change to 100,000
 //! entries never holds the writer (and the dispatchers' claims behind it)
@@ -9,14 +10,14 @@ use redb::WriteTransaction;
 
 use super::index::Tables;
 use super::inspect::Listing;
-use super::rules::Change;
+use super::rules::{Change, mark_failed_change};
 use super::{Outbox, OutboxFilter, OutboxId, ops};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::schema::{OUTBOX, OUTBOX_CLAIMED, OUTBOX_FLOWS, OUTBOX_STATE, open_write};
 
 /// What one step of an operator's change to the entries a filter matches
-/// did ([`Outbox::requeue_matching`], [`Outbox::cancel_matching`]).
+/// did ([`Outbox::change_matching`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MatchingStep {
     /// The entries changed.
@@ -30,50 +31,105 @@ pub struct MatchingStep {
     pub last: Option<OutboxId>,
 }
 
-impl Outbox {
-    /// One step of "retry every entry `filter` matches": visits up to
-    /// `limit` matching entries from the filter's start, by id, and moves
-    /// each `Failed` or `OutcomeUnknown` one back to `Pending`, due at
-    /// `next_attempt_at`, as [`requeue`](Outbox::requeue) does; entries in
-    /// another status are [skipped](MatchingStep::skipped). The step is
-    /// one commit: all of it or, on an `Err`, none of it. Call again with
-    /// [`OutboxFilter::after`] the step's [`last`](MatchingStep::last)
-    /// until it is `None`; steps that ran before an `Err` or a crash stay
-    /// done. A filter with a status reads that status's entries only
-    /// (see [`list`](Outbox::list)).
-    pub fn requeue_matching(
-        &self,
-        filter: &OutboxFilter,
+/// An operator's change to every entry a filter matches
+/// ([`Outbox::change_matching`]): each is the operator call of the same
+/// meaning, applied to each entry visited.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MatchingChange {
+    /// A `Failed` or `OutcomeUnknown` entry back to `Pending`, due at
+    /// `next_attempt_at` ([`Outbox::requeue`]).
+    Retry {
+        /// When the entry is due again.
         next_attempt_at: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<MatchingStep> {
-        let change = Change::Requeued {
-            next_attempt_at: micros(next_attempt_at),
-        };
-        self.change_matching(filter, change, limit)
-    }
-
-    /// One step of "cancel every entry `filter` matches", as
-    /// [`requeue_matching`](Outbox::requeue_matching) is of a retry: each
-    /// `Pending` or `OutcomeUnknown` entry visited becomes `Failed` with
-    /// reason [`REASON_CANCELLED`](crate::REASON_CANCELLED), as
-    /// [`cancel`](Outbox::cancel) does; others are skipped.
-    pub fn cancel_matching(
-        &self,
-        filter: &OutboxFilter,
+    },
+    /// A `Pending` or `OutcomeUnknown` entry to `Failed`, reason
+    /// [`REASON_CANCELLED`](crate::REASON_CANCELLED) ([`Outbox::cancel`]).
+    Cancel {
+        /// When it was cancelled.
         now: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<MatchingStep> {
-        self.change_matching(filter, Change::Cancelled { now: micros(now) }, limit)
-    }
+    },
+    /// A claim released: a `Dispatching` (or `Pending`, `OutcomeUnknown`)
+    /// entry back to `Pending`, due at `next_attempt_at`; its worker's
+    /// settlement is then refused as stale ([`Outbox::reschedule`]).
+    Release {
+        /// When the entry is due again.
+        next_attempt_at: DateTime<Utc>,
+    },
+    /// The entry marked `Completed`: an in-doubt send that happened
+    /// ([`Outbox::mark_completed`]).
+    Complete {
+        /// When it was resolved.
+        now: DateTime<Utc>,
+    },
+    /// The entry marked `Failed` with `reason`, not retried: an in-doubt
+    /// send that did not happen ([`Outbox::mark_failed`]).
+    Fail {
+        /// The reason code recorded (1–1024 bytes).
+        reason: String,
+        /// When it was resolved.
+        now: DateTime<Utc>,
+    },
+}
 
-    fn change_matching(
+impl MatchingChange {
+    /// The status machine's change; a bad reason is
+    /// [`Error::InvalidInput`].
+    pub(crate) fn change(&self) -> Result<Change> {
+        Ok(match self {
+            MatchingChange::Retry { next_attempt_at } => Change::Requeued {
+                next_attempt_at: micros(*next_attempt_at),
+            },
+            MatchingChange::Cancel { now } => Change::Cancelled { now: micros(*now) },
+            MatchingChange::Release { next_attempt_at } => Change::Rescheduled {
+                next_attempt_at: micros(*next_attempt_at),
+                now: None,
+            },
+            MatchingChange::Complete { now } => Change::Completed { now: micros(*now) },
+            MatchingChange::Fail { reason, now } => mark_failed_change(reason, None, *now)?,
+        })
+    }
+}
+
+impl Outbox {
+    /// One step of an operator's `change` to every entry `filter`
+    /// matches: visits up to `limit` matching entries from the filter's
+    /// start, in its order, and applies the change to each (entries in a
+    /// status it does not apply to are [skipped](MatchingStep::skipped)).
+    /// The step is one commit: all of it or, on an `Err`, none of it. Call
+    /// again with [`OutboxFilter::after`] the step's
+    /// [`last`](MatchingStep::last) until it is `None`; steps that ran
+    /// before an `Err` or a crash stay done. A filter with a status reads
+    /// that status's entries only (see [`list`](Outbox::list)), so each
+    /// step costs what it changes.
+    ///
+    /// ```
+    /// # fn main() -> idemstore::Result<()> {
+    /// use chrono::Utc;
+    /// use idemstore::{MatchingChange, OutboxFilter, OutboxStatus, Store};
+    ///
+    /// let store = Store::in_memory()?;
+    /// let outbox = store.outbox();
+    /// // Retry every failed entry of "payments", 256 per commit.
+    /// let filter = OutboxFilter::any()
+    ///     .status(OutboxStatus::Failed)
+    ///     .destination("payments");
+    /// let retry = MatchingChange::Retry { next_attempt_at: Utc::now() };
+    /// let mut from = filter.clone();
+    /// while let Some(last) = outbox.change_matching(&from, &retry, 256)?.last {
+    ///     from = filter.clone().after(last);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn change_matching(
         &self,
         filter: &OutboxFilter,
-        change: Change,
+        change: &MatchingChange,
         limit: usize,
     ) -> Result<MatchingStep> {
         filter.check()?;
+        let change = change.change()?;
         let filter = filter.clone();
         let wake = change.makes_work_due();
         let (step, sooner) = self

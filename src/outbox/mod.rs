@@ -221,7 +221,7 @@ use crate::engine::Engine;
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-pub use bulk::MatchingStep;
+pub use bulk::{MatchingChange, MatchingStep};
 pub use destinations::{
     CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
     MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,

@@ -6,7 +6,7 @@ macro_rules! maintenance_contract {
     () => {
         mod maintenance {
             use super::fixture::Ob;
-            use idemstore::{Enqueued, Error, OutboxId, OutboxStatus, Settlement};
+            use idemstore::{Enqueued, Error, MatchingChange, OutboxId, OutboxStatus, Settlement};
 
             use super::*;
 
@@ -266,6 +266,10 @@ macro_rules! maintenance_contract {
 
             #[test]
             fn retry_matching_in_steps_moves_exactly_the_matching_entries() -> TestResult {
+                let retry = |s| MatchingChange::Retry {
+                    next_attempt_at: t(s),
+                };
+                let cancel = |s| MatchingChange::Cancel { now: t(s) };
                 let f = fixture!();
                 let outbox = f.store.outbox();
                 let ids = failed_of_two(&outbox, 25)?;
@@ -275,7 +279,7 @@ macro_rules! maintenance_contract {
                 let (mut changed, mut steps, mut from) = (0, 0, filter.clone());
                 let (_, commits) = f.commits_during(|| -> Result<(), idemstore::Error> {
                     loop {
-                        let step = outbox.requeue_matching(&from, t(10), 5)?;
+                        let step = outbox.change_matching(&from, &retry(10), 5)?;
                         let Some(last) = step.last else { break };
                         assert!(step.changed + step.skipped <= 5);
                         changed += step.changed;
@@ -301,20 +305,67 @@ macro_rules! maintenance_contract {
                 let pending_a = idemstore::OutboxFilter::any()
                     .status(OutboxStatus::Pending)
                     .destination("a");
-                let step = outbox.cancel_matching(&pending_a, t(11), 100)?;
+                let step = outbox.change_matching(&pending_a, &cancel(11), 100)?;
                 assert_eq!((step.changed, step.skipped), (13, 0));
-                assert_eq!(outbox.cancel_matching(&pending_a, t(11), 100)?.last, None);
+                assert_eq!(
+                    outbox.change_matching(&pending_a, &cancel(11), 100)?.last,
+                    None
+                );
                 // A retry of cancelled entries and b's failed ones: a change
                 // that applies to each.
                 let failed = idemstore::OutboxFilter::any().status(OutboxStatus::Failed);
-                let step = outbox.requeue_matching(&failed, t(12), 1000)?;
+                let step = outbox.change_matching(&failed, &retry(12), 1000)?;
                 assert_eq!((step.changed, step.skipped), (26, 0), "13 of a, 13 of b");
                 // Cancelling in flight is refused, and skipped.
                 let flying = idemstore::OutboxFilter::any().status(OutboxStatus::Dispatching);
-                let step = outbox.cancel_matching(&flying, t(13), 10)?;
+                let step = outbox.change_matching(&flying, &cancel(13), 10)?;
                 assert_eq!((step.changed, step.skipped), (0, 1));
+                // Released instead: back to pending, its claim gone.
+                let release = MatchingChange::Release {
+                    next_attempt_at: t(13),
+                };
+                let step = outbox.change_matching(&flying, &release, 10)?;
+                assert_eq!((step.changed, step.skipped), (1, 0));
+                assert_eq!(outbox.oldest_claim()?, None);
                 let c = outbox.counts()?;
-                assert_eq!((c.pending, c.failed, c.dispatching), (26, 0, 1));
+                assert_eq!((c.pending, c.failed, c.dispatching), (27, 0, 0));
+                // Resolving in-doubt entries: two claimed, sent in doubt,
+                // one resolved as completed, then every other as failed.
+                let mut doubt: Vec<_> = outbox.claim_due(t(20), 2, "w")?;
+                doubt.sort_by_key(|d| d.id);
+                for d in &doubt {
+                    outbox.settle(
+                        d.fence(),
+                        Settlement::OutcomeUnknown { remote_ref: None },
+                        t(21),
+                    )?;
+                }
+                let in_doubt = idemstore::OutboxFilter::any().status(OutboxStatus::OutcomeUnknown);
+                let complete = MatchingChange::Complete { now: t(22) };
+                let step = outbox.change_matching(&in_doubt, &complete, 1)?;
+                assert_eq!((step.changed, step.last), (1, Some(doubt[0].id)));
+                let fail = MatchingChange::Fail {
+                    reason: "never_sent".into(),
+                    now: t(22),
+                };
+                let step = outbox.change_matching(&in_doubt, &fail, 10)?;
+                assert_eq!(step.changed, 1);
+                let failed_one = outbox.get(doubt[1].id)?;
+                assert_eq!(failed_one.entry.status, OutboxStatus::Failed);
+                assert_eq!(failed_one.last_failure.as_deref(), Some("never_sent"));
+                assert_eq!(
+                    outbox.get(doubt[0].id)?.entry.status,
+                    OutboxStatus::Completed
+                );
+                // A bad reason is refused before anything is read.
+                let bad = MatchingChange::Fail {
+                    reason: String::new(),
+                    now: t(22),
+                };
+                assert!(matches!(
+                    outbox.change_matching(&in_doubt, &bad, 10),
+                    Err(Error::InvalidInput { .. })
+                ));
                 assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
                 Ok(())
             }

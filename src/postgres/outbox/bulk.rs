@@ -3,46 +3,31 @@
 //! one transaction that reads the matching ids, locks those rows and
 //! applies the change to each through the status machine.
 
-use chrono::{DateTime, Utc};
-
 use super::PgOutbox;
 use super::flows::Touched;
 use super::inspect::{db_bounds, order, status_condition};
-use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::outbox::rules::{Change, plan};
-use crate::outbox::{MatchingStep, OutboxFilter, OutboxId};
+use crate::outbox::{MatchingChange, MatchingStep, OutboxFilter, OutboxId};
 use crate::postgres::conn::Mode;
 use crate::postgres::refuse_reentrant;
 
 impl PgOutbox {
-    /// One step of "retry every entry `filter` matches", as the embedded
-    /// store's [`Outbox::requeue_matching`](crate::Outbox::requeue_matching):
-    /// one transaction over up to `limit` matching entries, by id.
-    pub fn requeue_matching(
+    /// One step of an operator's `change` to every entry `filter`
+    /// matches, as the embedded store's
+    /// [`Outbox::change_matching`](crate::Outbox::change_matching): one
+    /// transaction over up to `limit` matching entries, in the filter's
+    /// order.
+    pub fn change_matching(
         &self,
         filter: &OutboxFilter,
-        next_attempt_at: DateTime<Utc>,
+        change: &MatchingChange,
         limit: usize,
     ) -> Result<MatchingStep> {
-        let change = Change::Requeued {
-            next_attempt_at: micros(next_attempt_at),
-        };
-        self.change_matching(filter, &change, limit)
+        self.change_step(filter, &change.change()?, limit)
     }
 
-    /// One step of "cancel every entry `filter` matches", as the embedded
-    /// store's [`Outbox::cancel_matching`](crate::Outbox::cancel_matching).
-    pub fn cancel_matching(
-        &self,
-        filter: &OutboxFilter,
-        now: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<MatchingStep> {
-        self.change_matching(filter, &Change::Cancelled { now: micros(now) }, limit)
-    }
-
-    fn change_matching(
+    fn change_step(
         &self,
         filter: &OutboxFilter,
         change: &Change,
