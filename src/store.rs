@@ -479,6 +479,19 @@ impl Store {
         self.engine.read(f)
     }
 
+    /// [`Store::read`] for an async task (feature `tokio`): `f` runs on
+    /// the task (a read transaction never waits for a writer), then the
+    /// task waits, without holding a thread, until everything `f` could
+    /// see is durable.
+    #[cfg(feature = "tokio")]
+    pub async fn read_async<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        E: From<Error>,
+        F: FnOnce(&redb::ReadTransaction) -> Result<T, E>,
+    {
+        self.engine.read_async(f).await
+    }
+
     /// The inbox called `name`: its own namespace of event keys. Names are
     /// 1–64 bytes of ASCII letters, digits, `_`, `-` and `.`.
     pub fn inbox(&self, name: &str) -> Result<Inbox> {

@@ -102,6 +102,12 @@ pub(super) trait Queued: Send {
     fn is_seat(&self) -> bool {
         false
     }
+    /// Whether the operation's caller is answered by [`Queued::finish`]
+    /// alone, never through a [`WakeTree`] (a task's operation: its
+    /// channel wakes the task).
+    fn wakes_itself(&self) -> bool {
+        false
+    }
 }
 
 /// What a batch must do before its callers are answered, beyond running
@@ -252,7 +258,7 @@ impl Inner {
     /// operations leaves the transaction's fate unknown: the engine is
     /// marked broken, so later calls get [`Error::Panicked`] at once instead
     /// of waiting, and so do the batch's callers.
-    fn lead(&self) -> Vec<Hook> {
+    pub(super) fn lead(&self) -> Vec<Hook> {
         let mut batch = Batch::new(self.drain_queue());
         if !batch.queued.is_empty()
             && let Err(panic) = catch_unwind(AssertUnwindSafe(|| run_batch(self, &mut batch)))

@@ -52,7 +52,7 @@ use crate::observe;
 #[derive(Debug, Default)]
 pub(super) struct SyncState {
     /// The largest commit sequence number known to be on disk.
-    durable: u64,
+    pub(super) durable: u64,
     /// A durable commit failed, or its fate is unknown: nothing after
     /// `durable` can be promised. What every later call is told.
     broken: Option<Error>,

@@ -59,6 +59,19 @@ pub(super) struct Inner {
     /// In a store shared between processes, run at the start of each
     /// batch's write transaction. See `processes`.
     pub(super) refreshes: RwLock<Vec<Refresh>>,
+    /// The thread that leads batches for tasks' operations, once one was
+    /// queued. See `tasks`.
+    #[cfg(feature = "tokio")]
+    pub(super) task_leader: Mutex<Option<std::sync::Arc<super::tasks::TaskLeader>>>,
+}
+
+#[cfg(feature = "tokio")]
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(leader) = self.task_leader.get_mut().take() {
+            leader.stop();
+        }
+    }
 }
 
 impl Inner {
@@ -77,6 +90,8 @@ impl Inner {
             pending: AtomicBool::new(false),
             writers_waiting: AtomicUsize::new(0),
             refreshes: RwLock::new(Vec::new()),
+            #[cfg(feature = "tokio")]
+            task_leader: Mutex::new(None),
         }
     }
 }

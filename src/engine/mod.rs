@@ -145,6 +145,8 @@ mod inner;
 mod open_tx;
 mod processes;
 mod scope;
+#[cfg(feature = "tokio")]
+mod tasks;
 #[cfg(test)]
 mod tests;
 mod wake;
@@ -248,6 +250,59 @@ impl Engine {
             return Err(Error::Reentrant);
         }
         self.inner.submit(op, Needs::Default)
+    }
+
+    /// [`Engine::execute`] from an async task: the operation joins the next
+    /// batch like a thread's, and the task waits for it without holding a
+    /// thread (see `tasks`). Nothing is queued before the future is first
+    /// polled; dropped after that, the operation still runs and commits
+    /// with its batch.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn execute_async<T, F>(&self, op: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
+    {
+        if in_write() {
+            return Err(Error::Reentrant);
+        }
+        self.inner.submit_async(op, Needs::Default).await
+    }
+
+    /// [`Engine::wait_durable`] from an async task, without holding a
+    /// thread.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn wait_durable_async(&self, seq: u64) -> Result<()> {
+        if self.inner.config.durability == Durability::Immediate
+            && !self.inner.config.shared
+            && !in_write()
+        {
+            self.inner.wait_durable_async(seq).await?;
+        }
+        Ok(())
+    }
+
+    /// [`Engine::read`] from an async task: the read runs on the task (a
+    /// read transaction never waits for a writer), then the task waits,
+    /// without holding a thread, until what it saw is durable (D2).
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn read_async<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        E: From<Error>,
+        F: FnOnce(&ReadTransaction) -> Result<T, E>,
+    {
+        if !in_write() {
+            self.inner.commit_pending_async().await?;
+        }
+        let (out, seen) = {
+            let db = self.inner.db.read_recursive();
+            let tx = db.begin_read().map_err(Error::from)?;
+            let seen = self.inner.current_seq();
+            let _scope = ReadScope::enter();
+            (f(&tx), seen)
+        };
+        self.wait_durable_async(seen).await?;
+        out
     }
 
     /// Whether a batch is being run right now or a transaction is kept open

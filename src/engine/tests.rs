@@ -529,3 +529,113 @@ fn under_none_own_transactions_and_batches_interleave_without_deadlock() {
         })
         .unwrap();
 }
+
+/// Tasks' operations queued behind a batch a thread holds, among threads'
+/// ones, one of them panicking half-way: the lead passes from the thread to
+/// the task leader and back, every caller is answered once, the panic
+/// reaches its task alone and wrote nothing.
+#[cfg(feature = "tokio")]
+#[test]
+fn tasks_and_threads_share_a_batch_and_a_tasks_panic_stays_its_own() {
+    let engine = engine(Durability::Immediate, 1024);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (holder, release) = hold_a_batch(&engine);
+    let keys = ["a", "b", "c", "d"];
+    let tasks: Vec<_> = keys
+        .iter()
+        .map(|&key| {
+            let engine = engine.clone();
+            runtime.spawn(async move {
+                engine
+                    .execute_async(move |tx| {
+                        tx.open_table(T)?.insert(key, 1)?;
+                        Ok(())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let panicking = {
+        let engine = engine.clone();
+        runtime.spawn(async move {
+            engine
+                .execute_async(|tx| -> Result<()> {
+                    tx.open_table(T)?.insert("x", 666)?;
+                    panic!("operation failed half-way");
+                })
+                .await
+        })
+    };
+    wait_queued(&engine, 5);
+    let thread = {
+        let engine = engine.clone();
+        std::thread::spawn(move || put(&engine, "t", 2))
+    };
+    wait_queued(&engine, 6);
+    release.send(()).unwrap();
+    // The holder's operation runs again when the panicking one is rolled
+    // back: it must not wait a second time.
+    drop(release);
+    holder.join().unwrap().unwrap();
+    for task in tasks {
+        runtime.block_on(task).unwrap().unwrap();
+    }
+    assert!(runtime.block_on(panicking).unwrap_err().is_panic());
+    thread.join().unwrap().unwrap();
+    for key in keys {
+        assert_eq!(get(&engine, key).unwrap(), Some(1), "{key}");
+    }
+    assert_eq!(get(&engine, "t").unwrap(), Some(2));
+    assert_eq!(
+        get(&engine, "x").unwrap(),
+        None,
+        "the panicking write rolled back"
+    );
+    // Later calls from tasks and threads still work.
+    runtime
+        .block_on(engine.execute_async(|tx| {
+            tx.open_table(T)?.insert("later", 3)?;
+            Ok(())
+        }))
+        .unwrap();
+    assert_eq!(get(&engine, "later").unwrap(), Some(3));
+}
+
+/// A task's read waits, without a thread, until what it saw is durable,
+/// and a task alone (nobody leading) still gets its batch led.
+#[cfg(feature = "tokio")]
+#[test]
+fn a_lone_task_is_led_and_its_read_sees_what_it_wrote() {
+    let engine = engine(Durability::Immediate, 1024);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        for i in 0..50_u64 {
+            engine
+                .execute_async(move |tx| {
+                    tx.open_table(T)?.insert("n", i)?;
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            let seen = engine
+                .read_async(|tx| -> Result<Option<u64>> {
+                    Ok(tx.open_table(T)?.get("n")?.map(|v| v.value()))
+                })
+                .await
+                .unwrap();
+            assert_eq!(seen, Some(i));
+        }
+    });
+    let (commits, durable) = engine.commit_counts();
+    assert!(
+        durable >= 50 && commits >= 50,
+        "{commits} commits, {durable} durable"
+    );
+}

@@ -117,12 +117,20 @@ impl WakeTree {
 
 /// Answers the callers of a finished batch through a [`WakeTree`]: every
 /// answer first, then the leader's two children.
+/// Tasks' operations (which wake themselves) are answered at once, apart
+/// from the tree.
 pub(super) fn wake(answers: Answers) {
+    let (tasks, threads): (Answers, Answers) = answers
+        .into_iter()
+        .partition(|(item, _)| item.wakes_itself());
     let tree = Arc::new(WakeTree {
-        callers: answers.iter().map(|(item, _)| item.caller()).collect(),
+        callers: threads.iter().map(|(item, _)| item.caller()).collect(),
     });
-    for (index, (mut item, outcome)) in answers.into_iter().enumerate() {
+    for (index, (mut item, outcome)) in threads.into_iter().enumerate() {
         item.finish_quietly(outcome, tree.clone(), index);
     }
     tree.wake_children(None);
+    for (mut item, outcome) in tasks {
+        item.finish(outcome);
+    }
 }

@@ -83,6 +83,8 @@ mod inspect;
 mod ops;
 mod record;
 pub(crate) mod rules;
+#[cfg(feature = "tokio")]
+mod tasks;
 mod types;
 
 use std::sync::Arc;
@@ -329,6 +331,19 @@ impl IdempotencyKeys {
         let began = self.engine.execute(move |tx| {
             ops::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)
         })?;
+        self.began(tenant, key, fingerprint, (now, lease_until), began)
+    }
+
+    /// `begin`'s answer once its operation ran: `began`, for the request
+    /// `(tenant, key, fingerprint)` at `now` with a lease to `lease_until`.
+    fn began(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        (now, lease_until): (DateTime<Utc>, DateTime<Utc>),
+        began: Began,
+    ) -> Result<Begin> {
         match began {
             Began::Answered(answer) => self.answer(tenant, key, answer),
             Began::Reserved {

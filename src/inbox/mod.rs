@@ -247,14 +247,49 @@ impl Inbox {
         let applied = if !self.engine.is_busy() && self.seen_durable(event_key)? {
             false
         } else {
-            let (journal, name) = (self.journal.clone(), self.name.clone());
-            let key = event_key.to_owned();
-            let at = micros(seen_at);
-            self.engine
-                .execute(move |tx| ops::claim(tx, &journal, &name, &key, at))?
+            self.engine.execute(self.claim_op(event_key, seen_at))?
         };
         observe::claim(&self.name, applied);
         Ok(applied)
+    }
+
+    /// [`Inbox::claim`] for an async task: the claim joins the next group
+    /// commit like a thread's, and the task is woken once it is durable,
+    /// without holding a thread while it waits (feature `tokio`). Dropped
+    /// before its first poll, it does nothing; dropped after, the claim may
+    /// still commit (a later delivery of the key then reads `false`).
+    #[cfg(feature = "tokio")]
+    pub async fn claim_async(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        check_event_key(event_key)?;
+        let applied = if self.engine.is_busy() {
+            self.engine
+                .execute_async(self.claim_op(event_key, seen_at))
+                .await?
+        } else {
+            let (at, seq) = self.lookup(event_key)?;
+            if at.is_some() {
+                self.engine.wait_durable_async(seq).await?;
+                false
+            } else {
+                self.engine
+                    .execute_async(self.claim_op(event_key, seen_at))
+                    .await?
+            }
+        };
+        observe::claim(&self.name, applied);
+        Ok(applied)
+    }
+
+    /// The store operation that claims `event_key` (checked).
+    fn claim_op(
+        &self,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+    ) -> impl Fn(&WriteTransaction) -> Result<bool> + Send + 'static {
+        let (journal, name) = (self.journal.clone(), self.name.clone());
+        let key = event_key.to_owned();
+        let at = micros(seen_at);
+        move |tx| ops::claim(tx, &journal, &name, &key, at)
     }
 
     /// Records many event keys in one commit, for a caller that holds many
@@ -271,15 +306,46 @@ impl Inbox {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        let claimed = self.engine.execute(self.claim_many_op(keys, seen_at))?;
+        observe::claims(&self.name, &claimed);
+        Ok(claimed)
+    }
+
+    /// [`Inbox::claim_many`] for an async task, as
+    /// [`claim_async`](Inbox::claim_async) is of a claim.
+    #[cfg(feature = "tokio")]
+    pub async fn claim_many_async<I, K>(
+        &self,
+        event_keys: I,
+        seen_at: DateTime<Utc>,
+    ) -> Result<Vec<bool>>
+    where
+        I: IntoIterator<Item = K>,
+        K: AsRef<str>,
+    {
+        let keys = check_event_keys(event_keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let op = self.claim_many_op(keys, seen_at);
+        let claimed = self.engine.execute_async(op).await?;
+        observe::claims(&self.name, &claimed);
+        Ok(claimed)
+    }
+
+    /// The store operation that claims `keys` (checked) in one commit.
+    fn claim_many_op(
+        &self,
+        keys: Vec<String>,
+        seen_at: DateTime<Utc>,
+    ) -> impl Fn(&WriteTransaction) -> Result<Vec<bool>> + Send + 'static {
         let (journal, name) = (self.journal.clone(), self.name.clone());
         let at = micros(seen_at);
-        let claimed: Vec<bool> = self.engine.execute(move |tx| {
+        move |tx| {
             keys.iter()
                 .map(|k| ops::claim(tx, &journal, &name, k, at))
                 .collect()
-        })?;
-        observe::claims(&self.name, &claimed);
-        Ok(claimed)
+        }
     }
 
     /// Claims `event_key` and, on its first delivery, runs `effect` in the

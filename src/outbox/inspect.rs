@@ -70,6 +70,21 @@ impl Outbox {
         })
     }
 
+    /// [`Outbox::get`] for an async task (feature `tokio`): the read runs
+    /// on the task, and the task waits for durability without holding a
+    /// thread.
+    #[cfg(feature = "tokio")]
+    pub async fn get_async(&self, id: OutboxId) -> Result<OutboxRecord> {
+        self.engine
+            .read_async(|tx| {
+                let Some(reader) = Reader::open(tx)? else {
+                    return Err(Error::NotFound);
+                };
+                reader.record(id.0)?.ok_or(Error::NotFound)
+            })
+            .await
+    }
+
     /// The entry enqueued as `(destination, idempotency_key)`, if any.
     pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
         check_field("destination", destination)?;

@@ -206,6 +206,8 @@ mod notifier;
 mod ops;
 mod record;
 pub(crate) mod rules;
+#[cfg(feature = "tokio")]
+mod tasks;
 mod types;
 mod watch;
 

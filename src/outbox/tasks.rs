@@ -1,0 +1,140 @@
+//! The outbox's calls for async tasks (feature `tokio`): each is the
+//! blocking call of the same name without `_async`, with the same checks,
+//! answers and errors; its operation joins the next group commit like a
+//! thread's, and the task waits for its durable answer without holding a
+//! thread.
+//!
+//! Dropping one of these futures before its first poll does nothing;
+//! dropping it after may leave its operation to commit without anyone
+//! told: an enqueue may have enqueued (a retry of it is then a
+//! `Duplicate`), a claim may have claimed (the entries come back once
+//! their claims expire and the reaper releases them), a settlement may
+//! have settled (settling the same attempt the same way again is
+//! accepted). Nothing is ever half done: each call is one operation of
+//! one commit.
+
+use chrono::{DateTime, Utc};
+
+use super::rules::{plan_settle_and_claim, plan_settlements};
+use super::{
+    ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, SettledAndClaimed, Settlement,
+    ops,
+};
+use crate::codec::micros;
+use crate::error::Result;
+
+impl Outbox {
+    /// [`Outbox::enqueue`], awaited.
+    pub async fn enqueue_async(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
+        let mut out = self.enqueue_many_async(vec![entry], now).await?;
+        Ok(out.remove(0))
+    }
+
+    /// [`Outbox::enqueue_many`], awaited.
+    pub async fn enqueue_many_async(
+        &self,
+        entries: impl IntoIterator<Item = NewEntry>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Enqueued>> {
+        let entries: Vec<NewEntry> = entries.into_iter().collect();
+        for e in &entries {
+            self.check_entry(e)?;
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = micros(now);
+        let out = self
+            .engine
+            .execute_async(move |tx| ops::enqueue(tx, &entries, now))
+            .await?;
+        if out.iter().any(Enqueued::is_new) {
+            self.notify();
+        }
+        Ok(out)
+    }
+
+    /// [`Outbox::claim_due`], awaited.
+    pub async fn claim_due_async(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        self.claim_async(now, &ClaimRequest::new(limit, worker_id))
+            .await
+    }
+
+    /// [`Outbox::claim`], awaited.
+    pub async fn claim_async(
+        &self,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
+        request.check()?;
+        if request.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let request = request.clone();
+        let now = micros(now);
+        self.engine
+            .execute_async(move |tx| ops::claim(tx, now, &request))
+            .await
+    }
+
+    /// [`Outbox::settle`], awaited.
+    pub async fn settle_async(
+        &self,
+        fence: Fence,
+        settlement: Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let change = settlement.into_change(now)?;
+        let wake = change.makes_work_due();
+        let (_, sooner) = self
+            .engine
+            .execute_async(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))
+            .await?;
+        if wake || sooner {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    /// [`Outbox::settle_many`], awaited.
+    pub async fn settle_many_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
+        let (changes, wake) = plan_settlements(settlements, now)?;
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (out, sooner) = self
+            .engine
+            .execute_async(move |tx| ops::change_many(tx, &changes))
+            .await?;
+        self.notify_if_settled(wake || sooner, &out);
+        Ok(out)
+    }
+
+    /// [`Outbox::settle_and_claim_with`], awaited.
+    pub async fn settle_and_claim_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<SettledAndClaimed> {
+        request.check()?;
+        let (changes, wake) = plan_settle_and_claim(settlements, now, &request.worker_id)?;
+        let request = request.clone();
+        let now = micros(now);
+        let (settled, claimed, sooner) = self
+            .engine
+            .execute_async(move |tx| ops::settle_and_claim(tx, &changes, now, &request))
+            .await?;
+        self.notify_if_settled(wake || sooner, &settled);
+        Ok((settled, claimed))
+    }
+}

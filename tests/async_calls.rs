@@ -1,0 +1,268 @@
+//! The store's `_async` calls (feature `tokio`): 2,000 tasks on a
+//! `current_thread` runtime claim with group commit while the runtime
+//! keeps ticking; futures dropped at random points leave nothing half
+//! done; threads and tasks share batches; and the outbox and the
+//! idempotency keys answer through their async forms as they do through
+//! the blocking ones.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idemstore::chrono::{DateTime, TimeZone, Utc};
+use idemstore::{
+    Begin, ClaimRequest, Enqueued, NewEntry, OutboxStatus, Settlement, Store, fingerprint,
+};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn t(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+}
+
+fn file_store() -> Result<(tempfile::TempDir, Store), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(dir.path().join("tasks.idem"))?;
+    Ok((dir, store))
+}
+
+/// The threads of this process.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, Iterator::count)
+}
+
+#[test]
+fn two_thousand_tasks_claim_on_one_runtime_thread_while_it_keeps_ticking() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let inbox = store.inbox("webhooks")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let before = store.commit_stats();
+    let ticks = Arc::new(AtomicU64::new(0));
+    let threads_before = threads();
+    let (claimed, peak_threads, ticks_during) = runtime.block_on(async {
+        let ticker = {
+            let ticks = ticks.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        // 2,000 tasks over 500 keys: four deliveries of each.
+        let tasks: Vec<_> = (0..2000)
+            .map(|i| {
+                let inbox = inbox.clone();
+                tokio::spawn(
+                    async move { inbox.claim_async(&format!("evt-{}", i % 500), t(i)).await },
+                )
+            })
+            .collect();
+        let mut peak = 0;
+        let mut claimed = 0;
+        let start_ticks = ticks.load(Ordering::Relaxed);
+        for task in tasks {
+            peak = peak.max(threads());
+            if task.await?? {
+                claimed += 1;
+            }
+        }
+        let during = ticks.load(Ordering::Relaxed) - start_ticks;
+        ticker.abort();
+        Ok::<_, Box<dyn std::error::Error>>((claimed, peak, during))
+    })?;
+    assert_eq!(claimed, 500, "one first delivery per key");
+    assert_eq!(inbox.len()?, 500);
+    let after = store.commit_stats();
+    let fsyncs = after.durable_commits - before.durable_commits;
+    assert!(
+        fsyncs < 1000,
+        "2,000 claims shared their fsyncs: {fsyncs} durable commits"
+    );
+    // The runtime thread, the store's task leader: nothing per task.
+    assert!(
+        peak_threads <= threads_before + 2,
+        "threads: {threads_before} before, {peak_threads} at the peak"
+    );
+    assert!(
+        ticks_during > 0,
+        "the runtime kept ticking while tasks waited"
+    );
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+#[test]
+fn a_future_dropped_anywhere_leaves_its_claim_whole_or_not_at_all() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let inbox = store.inbox("in")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut tasks = Vec::new();
+        for i in 0..400_u64 {
+            let inbox = inbox.clone();
+            // Each future is dropped after 0–300 µs, or awaited.
+            let cut = Duration::from_micros((i * 7919) % 300);
+            tasks.push(tokio::spawn(async move {
+                let key = format!("k{i}");
+                if i % 3 == 0 {
+                    inbox.claim_async(&key, t(0)).await.map(Some)
+                } else {
+                    Ok(tokio::time::timeout(cut, inbox.claim_async(&key, t(0)))
+                        .await
+                        .ok()
+                        .transpose()?)
+                }
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    // Every key is claimed at most once, and a claim after the storm tells
+    // the truth: `true` exactly for the keys no dropped future committed.
+    let seen: Vec<bool> = (0..400)
+        .map(|i| inbox.seen(&format!("k{i}")))
+        .collect::<Result<_, _>>()?;
+    for (i, was) in seen.iter().enumerate() {
+        let first = inbox.claim(&format!("k{i}"), t(1))?;
+        assert_eq!(first, !was, "k{i}");
+        if i % 3 == 0 {
+            assert!(was, "awaited claims are there");
+        }
+    }
+    assert_eq!(inbox.len()?, 400);
+    assert_eq!(store.check_inbox_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+#[test]
+fn threads_and_tasks_share_batches_and_keys() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let inbox = store.inbox("mixed")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let threads: Vec<_> = (0..8)
+        .map(|w| {
+            let inbox = inbox.clone();
+            std::thread::spawn(move || -> idemstore::Result<u64> {
+                let mut won = 0;
+                for i in 0..100 {
+                    if inbox.claim(&format!("k{}", (i * 8 + w) % 300), t(0))? {
+                        won += 1;
+                    }
+                }
+                Ok(won)
+            })
+        })
+        .collect();
+    let by_tasks: u64 = runtime.block_on(async {
+        let tasks: Vec<_> = (0..800)
+            .map(|i| {
+                let inbox = inbox.clone();
+                tokio::spawn(async move { inbox.claim_async(&format!("k{}", i % 300), t(0)).await })
+            })
+            .collect();
+        let mut won = 0;
+        for task in tasks {
+            won += u64::from(task.await.expect("no panic")?);
+        }
+        Ok::<_, idemstore::Error>(won)
+    })?;
+    let by_threads: u64 = threads
+        .into_iter()
+        .map(|h| h.join().expect("no panic"))
+        .sum::<idemstore::Result<u64>>()?;
+    assert_eq!(
+        by_tasks + by_threads,
+        300,
+        "each key won once, by a thread or a task"
+    );
+    assert_eq!(inbox.len()?, 300);
+    Ok(())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_outbox_and_the_keys_answer_through_their_async_forms() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let outbox = store.outbox();
+    let e = outbox
+        .enqueue_async(NewEntry::new("c", "d", "k1", b"one".to_vec()), t(0))
+        .await?;
+    assert!(matches!(e, Enqueued::New(_)));
+    let again = outbox
+        .enqueue_async(NewEntry::new("c", "d", "k1", b"one".to_vec()), t(0))
+        .await?;
+    assert_eq!(again, Enqueued::Duplicate(e.id()));
+    outbox
+        .enqueue_many_async(
+            (2..5).map(|i| NewEntry::new("c", "d", format!("k{i}"), vec![])),
+            t(0),
+        )
+        .await?;
+    let claimed = outbox.claim_due_async(t(1), 2, "w").await?;
+    assert_eq!(claimed.len(), 2);
+    outbox
+        .settle_async(claimed[0].fence(), Settlement::Completed, t(2))
+        .await?;
+    let settled = outbox
+        .settle_many_async([(claimed[1].fence(), Settlement::Completed)], t(2))
+        .await?;
+    assert!(settled[0].is_ok());
+    let (_, next) = outbox
+        .settle_and_claim_async(Vec::new(), t(3), &ClaimRequest::new(10, "w"))
+        .await?;
+    assert_eq!(next.len(), 2);
+    assert_eq!(
+        outbox.get_async(claimed[0].id).await?.entry.status,
+        OutboxStatus::Completed
+    );
+    assert!(matches!(
+        outbox.get_async(idemstore::OutboxId(99)).await,
+        Err(idemstore::Error::NotFound)
+    ));
+    // A stale fence is refused as in the blocking call.
+    assert!(
+        outbox
+            .settle_async(claimed[0].fence(), Settlement::Completed, t(4))
+            .await
+            .is_ok(),
+        "the same completion again is accepted"
+    );
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+
+    let keys = store.idempotency_keys();
+    let fp = fingerprint("POST", "/pay", b"{}");
+    let Begin::Proceed(r) = keys.begin_async("t", "key-1", &fp, t(0)).await? else {
+        panic!("a free key proceeds");
+    };
+    assert!(matches!(
+        keys.begin_async("t", "key-1", &fp, t(1)).await?,
+        Begin::InFlight { .. }
+    ));
+    let response = r.response(201, b"paid".to_vec(), t(2));
+    assert!(keys.complete_async(&r, response, t(2)).await?);
+    assert!(matches!(
+        keys.begin_async("t", "key-1", &fp, t(3)).await?,
+        Begin::Replay(_)
+    ));
+    let Begin::Proceed(r2) = keys.begin_async("t", "key-2", &fp, t(0)).await? else {
+        panic!("a free key proceeds");
+    };
+    keys.release_async(&r2).await?;
+    assert!(matches!(
+        keys.begin_async("t", "key-2", &fp, t(1)).await?,
+        Begin::Proceed(_)
+    ));
+    let read: u64 = store.read_async(|_| Ok::<_, idemstore::Error>(7)).await?;
+    assert_eq!(read, 7);
+    Ok(())
+}
