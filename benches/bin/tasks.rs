@@ -1,0 +1,170 @@
+//! Durable claims from async tasks beside the same claims from OS
+//! threads and through `spawn_blocking`, each figure beside its baseline
+//! from the same run.
+//!
+//! ```text
+//! cargo run --release -p idemstore-benches --bin tasks
+//! cargo run --release -p idemstore-benches --bin tasks -- --claims 200000
+//! ```
+//!
+//! Three ways to make `--claims` durable inbox claims (default 100,000,
+//! distinct keys), each on a fresh store file:
+//!
+//! - 2,000 tasks on a 2-worker tokio runtime, through `claim_async`;
+//! - 64 OS threads through the blocking `claim`;
+//! - 2,000 tasks on the same runtime through `spawn_blocking` (the way
+//!   before the async calls).
+//!
+//! Claims per second, durable commits, and the peak threads and resident
+//! memory of the process while each runs (sampled every millisecond).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use idemstore::Store;
+
+const TASKS: usize = 2_000;
+const THREADS: usize = 64;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let claims = args
+        .iter()
+        .position(|a| a == "--claims")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(100_000_usize);
+    println!("{claims} durable inbox claims, distinct keys, each way on a fresh store file:");
+    let tasks = run("2,000 tasks, claim_async", claims, |store, n| {
+        let runtime = runtime()?;
+        runtime.block_on(async {
+            let inbox = store.inbox("bench")?;
+            let handles: Vec<_> = (0..TASKS)
+                .map(|t| {
+                    let inbox = inbox.clone();
+                    tokio::spawn(async move {
+                        for i in (t..n).step_by(TASKS) {
+                            inbox.claim_async(&format!("k{i}"), Utc::now()).await?;
+                        }
+                        Ok::<_, idemstore::Error>(())
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.await??;
+            }
+            Ok(())
+        })
+    })?;
+    let threads = run("64 threads, claim", claims, |store, n| {
+        let inbox = store.inbox("bench")?;
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let inbox = inbox.clone();
+                std::thread::spawn(move || {
+                    for i in (t..n).step_by(THREADS) {
+                        inbox.claim(&format!("k{i}"), Utc::now())?;
+                    }
+                    Ok::<_, idemstore::Error>(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "a claiming thread panicked")??;
+        }
+        Ok(())
+    })?;
+    let blocking = run("2,000 tasks, spawn_blocking(claim)", claims, |store, n| {
+        let runtime = runtime()?;
+        runtime.block_on(async {
+            let inbox = store.inbox("bench")?;
+            let handles: Vec<_> = (0..TASKS)
+                .map(|t| {
+                    let inbox = inbox.clone();
+                    tokio::spawn(async move {
+                        for i in (t..n).step_by(TASKS) {
+                            let inbox = inbox.clone();
+                            tokio::task::spawn_blocking(move || {
+                                inbox.claim(&format!("k{i}"), Utc::now())
+                            })
+                            .await
+                            .map_err(|_| {
+                                idemstore::Error::Io(std::io::Error::other("panicked"))
+                            })??;
+                        }
+                        Ok::<_, idemstore::Error>(())
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.await??;
+            }
+            Ok(())
+        })
+    })?;
+    println!(
+        "  tasks ÷ 64 threads: {:.2}×   tasks ÷ spawn_blocking: {:.2}×",
+        tasks / threads,
+        tasks / blocking
+    );
+    Ok(())
+}
+
+fn runtime() -> Res<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Runs `work` over `n` claims on a fresh store, prints its figures and
+/// returns its claims per second.
+fn run(name: &str, n: usize, work: impl FnOnce(&Store, usize) -> Res<()>) -> Res<f64> {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(dir.path().join("tasks.idem"))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (peak_threads, peak_rss) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let sampler = {
+        let (stop, threads, rss) = (stop.clone(), peak_threads.clone(), peak_rss.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let (t, r) = sample();
+                threads.fetch_max(t, Ordering::Relaxed);
+                rss.fetch_max(r, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let before = store.commit_stats();
+    let began = Instant::now();
+    work(&store, n)?;
+    let took = began.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().map_err(|_| "the sampler panicked")?;
+    let fsyncs = store.commit_stats().durable_commits - before.durable_commits;
+    assert_eq!(store.inbox("bench")?.len()?, n as u64);
+    let rate = n as f64 / took.as_secs_f64();
+    println!(
+        "  {name:<36} {rate:>9.0} claims/s  {fsyncs:>6} fsyncs ({:.1} claims each)  peak {} threads, {} MiB resident",
+        n as f64 / fsyncs.max(1) as f64,
+        peak_threads.load(Ordering::Relaxed),
+        peak_rss.load(Ordering::Relaxed) >> 10,
+    );
+    Ok(rate)
+}
+
+/// The process's threads and resident memory in KiB, now.
+fn sample() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("Threads:"), field("VmRSS:"))
+}
