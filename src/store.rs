@@ -469,6 +469,22 @@ impl Store {
         self.engine.write(f)
     }
 
+    /// [`Store::write`] for an async task (feature `tokio`): `f` runs on
+    /// tokio's blocking pool while it runs, in its own transaction
+    /// committed without fsync, and the task then waits for the durable
+    /// commit that covers it without holding a thread. `f` runs exactly
+    /// once. Dropped before its first poll, nothing runs; dropped after,
+    /// `f` may still run and commit, with nobody told.
+    #[cfg(feature = "tokio")]
+    pub async fn write_async<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: FnOnce(&redb::WriteTransaction) -> Result<T, E> + Send + 'static,
+    {
+        self.engine.write_async(f).await
+    }
+
     /// Runs `f` in a read transaction. Under [`Durability::Immediate`] it
     /// returns only once everything `f` could see is durable. Do not keep
     /// read transactions open for long: they pin pages and grow the file.

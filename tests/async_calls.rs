@@ -266,3 +266,74 @@ async fn the_outbox_and_the_keys_answer_through_their_async_forms() -> TestResul
     assert_eq!(read, 7);
     Ok(())
 }
+
+const EFFECTS: idemstore::redb::TableDefinition<&str, u64> =
+    idemstore::redb::TableDefinition::new("app.effects");
+
+/// Claims with effects from tasks on a `current_thread` runtime, some
+/// futures dropped at random points: every key claimed has its effect and
+/// every effect its claim; four deliveries of a key apply it once.
+#[test]
+fn claims_with_effects_from_tasks_commit_whole_whenever_dropped() -> TestResult {
+    use idemstore::redb::ReadableTable as _;
+    let (_dir, store) = file_store()?;
+    let inbox = store.inbox("effects")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let tasks: Vec<_> = (0..800_u64)
+            .map(|i| {
+                let inbox = inbox.clone();
+                let key = format!("k{}", i % 200);
+                let cut = Duration::from_micros((i * 7919) % 400);
+                tokio::spawn(async move {
+                    let event = key.clone();
+                    let claim = inbox.claim_with_async(&event, t(0), move |tx| {
+                        let mut effects = tx.open_table(EFFECTS)?;
+                        let n = effects.get(key.as_str())?.map_or(0, |v| v.value());
+                        effects.insert(key.as_str(), n + 1)?;
+                        Ok::<_, idemstore::Error>(())
+                    });
+                    if i % 2 == 0 {
+                        claim.await.map(|_| ())
+                    } else {
+                        let _ = tokio::time::timeout(cut, claim).await;
+                        Ok(())
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await??;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    // Let closures of dropped futures still on the blocking pool finish.
+    store.sync()?;
+    std::thread::sleep(Duration::from_millis(50));
+    store.sync()?;
+    let effects: Vec<(String, u64)> = store.read(|tx| {
+        let t = tx.open_table(EFFECTS)?;
+        t.iter()?
+            .map(|r| r.map(|(k, v)| (k.value().to_owned(), v.value())))
+            .collect::<Result<_, _>>()
+            .map_err(idemstore::Error::from)
+    })?;
+    for (key, n) in &effects {
+        assert_eq!(*n, 1, "{key}: its effect applied once");
+        assert!(inbox.seen(key)?, "{key}: an effect has its claim");
+    }
+    for i in 0..200 {
+        let key = format!("k{i}");
+        let has_effect = effects.iter().any(|(k, _)| *k == key);
+        assert_eq!(
+            inbox.seen(&key)?,
+            has_effect,
+            "{key}: a claim has its effect"
+        );
+        // Awaited deliveries (even i) make sure every key was claimed.
+        assert!(has_effect, "{key}");
+    }
+    Ok(())
+}

@@ -327,6 +327,25 @@ impl Engine {
         if self.inner.config.shared {
             return self.inner.write_leading(scope, f);
         }
+        let (value, seq, hooks) = self.write_committed(scope, f)?;
+        self.wait_durable(seq)?;
+        // The answer is decided: the hooks and the report run now, with no
+        // lock held, and cannot change it.
+        self.inner.after_answers(hooks);
+        Ok(value)
+    }
+
+    /// Runs caller closure `f` in a write transaction of its own, committed
+    /// without fsync; returns its value, its commit's sequence number (to
+    /// wait for before answering) and what runs once it is answered.
+    fn write_committed<T, E>(
+        &self,
+        scope: WriteScope,
+        f: impl FnOnce(&WriteTransaction) -> Result<T, E>,
+    ) -> Result<(T, u64, Vec<scope::Hook>), E>
+    where
+        E: From<Error>,
+    {
         let db = self.inner.db.read_recursive();
         let mut tx = self.inner.begin_own_write()?;
         tx.set_durability(redb::Durability::None)
@@ -350,16 +369,55 @@ impl Engine {
                 let committed = self.inner.commit_own_write(tx);
                 drop(db);
                 let (seq, took) = committed?;
-                self.wait_durable(seq)?;
-                // The answer is decided: the hooks and the report run now,
-                // with no lock held, and cannot change it.
                 if crate::observe::ENABLED {
                     hooks.push(Box::new(move || crate::observe::own_write_committed(took)));
                 }
-                self.inner.after_answers(hooks);
-                Ok(value)
+                Ok((value, seq, hooks))
             }
         }
+    }
+
+    /// [`Engine::write`] from an async task: `f` runs on tokio's blocking
+    /// pool, in its own transaction committed without fsync, and the task
+    /// then waits for a durable commit that covers it without holding a
+    /// thread (in a store shared between processes, where the closure
+    /// leads a durable batch of its own, the whole call runs on the
+    /// blocking pool). Dropped after its first poll, `f` may still run and
+    /// commit.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn write_async<T, E, F>(self: &Arc<Self>, f: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: FnOnce(&WriteTransaction) -> Result<T, E> + Send + 'static,
+    {
+        let engine = self.clone();
+        let ran = tokio::task::spawn_blocking(move || {
+            if engine.inner.config.shared {
+                return engine.write(f).map(|v| (v, None, Vec::new()));
+            }
+            let scope = WriteScope::enter()?;
+            let (value, seq, hooks) = engine.write_committed(scope, f)?;
+            Ok((value, Some(seq), hooks))
+        })
+        .await;
+        let (value, seq, hooks) = match ran {
+            Ok(out) => out?,
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => resume_unwind(panic),
+                Err(_) => {
+                    return Err(E::from(Error::Panicked {
+                        during: "a caller closure",
+                        message: "the runtime shut down before it ran".to_owned(),
+                    }));
+                }
+            },
+        };
+        if let Some(seq) = seq {
+            self.wait_durable_async(seq).await?;
+        }
+        self.inner.after_answers(hooks);
+        Ok(value)
     }
 
     /// Runs `f` in a read transaction. Under [`Durability::Immediate`] the

@@ -392,6 +392,51 @@ impl Inbox {
         Ok(claim)
     }
 
+    /// [`Inbox::claim_with`] for an async task (feature `tokio`): `effect`
+    /// runs on tokio's blocking pool while it runs, with the claim in one
+    /// transaction, and the task waits for the durable commit without
+    /// holding a thread. The claim and its effect commit together or not
+    /// at all, whenever the future is dropped: dropped after its first
+    /// poll, both may still commit (a later delivery then reads
+    /// `Duplicate`), never one without the other.
+    #[cfg(feature = "tokio")]
+    pub async fn claim_with_async<T, E, F>(
+        &self,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+        effect: F,
+    ) -> Result<Claim<T>, E>
+    where
+        T: Send + 'static,
+        F: FnOnce(&WriteTransaction) -> Result<T, E> + Send + 'static,
+        E: From<Error> + Send + 'static,
+    {
+        check_event_key(event_key)?;
+        let (at, seq) = self.lookup(event_key)?;
+        if at.is_some() {
+            self.engine.wait_durable_async(seq).await?;
+            observe::claim(&self.name, false);
+            return Ok(Claim::Duplicate);
+        }
+        let (journal, name, key) = (
+            self.journal.clone(),
+            self.name.clone(),
+            event_key.to_owned(),
+        );
+        let at = micros(seen_at);
+        let claim = self
+            .engine
+            .write_async(move |tx| {
+                if !ops::claim(tx, &journal, &name, &key, at)? {
+                    return Ok(Claim::Duplicate);
+                }
+                effect(tx).map(Claim::Applied)
+            })
+            .await?;
+        observe::claim(&self.name, claim.is_applied());
+        Ok(claim)
+    }
+
     /// Claims `event_key` inside the caller's own write transaction (from
     /// [`Store::write`](crate::Store::write)); `true` the first time. The
     /// claim commits or rolls back with the caller's transaction.
