@@ -90,16 +90,42 @@
 //! [`Store::compact`] needs the other processes stopped. The figures are in
 //! `docs/design.md`.
 //!
-//! # Calls block; from async code, use the blocking pool
+//! # From async code: the `_async` calls (feature `tokio`)
 //!
-//! Every store call is blocking: a call that writes returns only once a
-//! durable commit covers it (an fsync, a fraction of a millisecond on a quiet
-//! disk, several milliseconds on a busy one), and a read may wait for the
-//! fsync of a commit it saw. Made directly inside an `async fn`, a call holds
-//! its runtime worker for that long, and on a `current_thread` runtime it
-//! stops every other task.
+//! Every store call blocks: a call that writes returns only once a
+//! durable commit covers it (an fsync, a fraction of a millisecond on a
+//! quiet disk, several milliseconds on a busy one), and a read may wait for
+//! the fsync of a commit it saw. Made directly inside an `async fn`, a call
+//! holds its runtime worker for that long, and on a `current_thread`
+//! runtime it stops every other task.
 //!
-//! So in async code, run store calls on tokio's blocking pool with
+//! With feature `tokio`, the calls a handler makes on the embedded store
+//! have an awaitable form of the same name with `_async`, the same
+//! arguments, answers and errors ([`Inbox::claim_async`],
+//! `claim_many_async`, `claim_with_async`; [`Outbox::enqueue_async`],
+//! `enqueue_many_async`, `claim_due_async`, `claim_async`,
+//! `settle_async`, `settle_many_async`, `settle_and_claim_async`,
+//! `get_async`; [`IdempotencyKeys::begin_async`], `complete_async`,
+//! `release_async`; [`Store::write_async`], [`Store::read_async`]). Their
+//! documentation is the blocking call's; what they add:
+//!
+//! - **No thread waits.** A task's operation joins the same group commit
+//!   as threads' operations, and the task is woken when its batch is
+//!   durable. When a task's operation would lead a batch, the store's task
+//!   leader (one thread per store) leads it instead, so 2,000 tasks
+//!   waiting on a store hold no thread between them. A closure
+//!   (`write_async`, `claim_with_async`) runs on tokio's blocking pool
+//!   only while it runs, not while its commit waits for the fsync.
+//! - **Cancellation.** Nothing happens before a future's first poll.
+//!   Dropped after it, the call's one operation may still commit with its
+//!   batch, with nobody told, and is never half done: a claim and its
+//!   effect commit together or not at all. Each call's documentation says
+//!   what a dropped one may have committed.
+//! - The futures are `Send`; a panic of the store's own code (or of a
+//!   closure) resumes in the awaiting task.
+//!
+//! The other calls, and every call of the PostgreSQL backend, are
+//! blocking: run them on tokio's blocking pool with
 //! [`tokio::task::spawn_blocking`](https://docs.rs/tokio/1/tokio/task/fn.spawn_blocking.html)
 //! and `.await` the result. Every handle — [`Store`], [`Inbox`],
 //! [`Outbox`], [`IdempotencyKeys`] — is a cheap `Clone + Send + Sync +
