@@ -150,6 +150,11 @@ pub trait IdempotencyBackend: Debug + Send + Sync + 'static + sealed::Keys {
     fn ttl(&self) -> std::time::Duration;
 }
 
+/// A boxed future the crate's async runtimes await.
+#[cfg(feature = "tokio")]
+pub(crate) type BoxFuture<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
 /// The seals: public traits in a module no one outside the crate can name,
 /// so only this crate implements the traits above. They also carry what the
 /// crate's own runtimes need and the public API does not show.
@@ -160,6 +165,21 @@ pub(crate) mod sealed {
         /// signalled after the same commits.
         #[cfg(feature = "tokio")]
         fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()>;
+        /// [`settle_and_claim_with`](super::OutboxBackend::settle_and_claim_with)
+        /// as a future that holds no thread while it waits, where the
+        /// backend has one (`None`: run the blocking call on the pool).
+        #[cfg(feature = "tokio")]
+        fn settle_and_claim_async(
+            &self,
+            settlements: Vec<(crate::Fence, crate::Settlement)>,
+            now: chrono::DateTime<chrono::Utc>,
+            request: crate::ClaimRequest,
+        ) -> Option<super::BoxFuture<'_, crate::Result<crate::SettledAndClaimed>>>;
+        /// [`next_due`](super::OutboxBackend::next_due) likewise.
+        #[cfg(feature = "tokio")]
+        fn next_due_async(
+            &self,
+        ) -> Option<super::BoxFuture<'_, crate::Result<Option<chrono::DateTime<chrono::Utc>>>>>;
     }
 
     /// The seal of [`InboxBackend`](super::InboxBackend).
@@ -185,6 +205,27 @@ macro_rules! forward_to_handles {
             #[cfg(feature = "tokio")]
             fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
                 <$outbox>::subscribe_async(self)
+            }
+            #[cfg(feature = "tokio")]
+            fn settle_and_claim_async(
+                &self,
+                settlements: Vec<($crate::Fence, $crate::Settlement)>,
+                now: chrono::DateTime<chrono::Utc>,
+                request: $crate::ClaimRequest,
+            ) -> Option<$crate::backend::BoxFuture<'_, $crate::Result<$crate::SettledAndClaimed>>>
+            {
+                <$outbox>::settle_and_claim_boxed(self, settlements, now, request)
+            }
+            #[cfg(feature = "tokio")]
+            fn next_due_async(
+                &self,
+            ) -> Option<
+                $crate::backend::BoxFuture<
+                    '_,
+                    $crate::Result<Option<chrono::DateTime<chrono::Utc>>>,
+                >,
+            > {
+                <$outbox>::next_due_boxed(self)
             }
         }
 

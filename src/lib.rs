@@ -166,8 +166,8 @@
 //! its effect and enqueues an outbox entry in one commit this way. The
 //! [`Dispatcher`] needs none of this: it runs on threads of its own
 //! ([`DispatcherBuilder::start`]) or, with feature `tokio`, as tasks on your
-//! runtime that make their store calls on the blocking pool themselves
-//! (`DispatcherBuilder::start_async`); the HTTP middleware also makes its
+//! runtime (`DispatcherBuilder::start_async`), whose workers use the
+//! `_async` calls on the embedded store; the HTTP middleware makes its
 //! store calls on the blocking pool.
 //!
 //! # Re-exported crates

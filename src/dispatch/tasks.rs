@@ -33,7 +33,11 @@
 //! destination's backlog never fills every slot while another has entries
 //! due, and a lone destination still gets them all.
 //!
-//! Every store call runs on tokio's blocking pool (they fsync). Waiting —
+//! On the embedded store a worker's step (its settlements and its next
+//! claim, one commit) and its look at the next due time are the store's
+//! `_async` calls: they wait for the commit without holding a thread. The
+//! other store calls, and every call on PostgreSQL, run on tokio's
+//! blocking pool (they fsync). Waiting —
 //! for a wake-up of the outbox, a jump of a [`ManualClock`](super::ManualClock),
 //! the next due time, a back-off, the stop signal — is async: no thread is
 //! parked for it. The reaper and the janitor are a task each. The steps
@@ -81,8 +85,10 @@ impl DispatcherBuilder {
     /// Retries, back-off, `max_attempts`, fencing, the reaper, the janitor
     /// and the stats are those of [`start`](DispatcherBuilder::start); a
     /// `send` that panics (or whose future panics) is caught and counted
-    /// as a retryable failure, as there. Store calls run on the runtime's
-    /// blocking pool; waiting for work never holds a thread.
+    /// as a retryable failure, as there. A worker's steps on the embedded
+    /// store hold no thread while they wait for their commit; other store
+    /// calls run on the runtime's blocking pool; waiting for work never
+    /// holds a thread.
     ///
     /// Works on `current_thread` and multi-thread runtimes. It must be
     /// called from within a runtime (a task, `Runtime::block_on`,
@@ -321,6 +327,19 @@ async fn pause(
             true
         }
     }
+}
+
+/// When the next entry is due, without a thread where the backend allows
+/// (see [`worker::next_due`]).
+async fn next_due(ctx: &Arc<Ctx>) -> Result<Option<DateTime<Utc>>, worker::BackOff> {
+    if let Some(look) = ctx.outbox.next_due_async() {
+        return look.await.map_err(|e| {
+            ctx.store_error("next_due", &e);
+            worker::BackOff
+        });
+    }
+    let ctx = ctx.clone();
+    blocking(move || worker::next_due(&ctx)).await
 }
 
 /// Runs `step` on the blocking pool. A panic in it goes on in the caller,
@@ -592,11 +611,40 @@ impl Claimer {
         let limit = room;
         let avoided = self.busy.crowded(self.slots);
         let request = ClaimRequest::new(limit, &*worker_id).avoid(avoided.clone());
-        self.commit = Some(tokio::task::spawn_blocking(move || {
-            let claimed = worker::claim_cycle(&ctx, &mut settlements, &request);
+        // On the embedded store the step holds no thread while it waits
+        // for its commit; elsewhere it runs on the blocking pool.
+        self.commit = Some(tokio::spawn(async move {
+            let now = ctx.clock.now();
+            let step = ctx
+                .outbox
+                .settle_and_claim_async(settlements.clone(), now, request.clone());
+            let (claimed, settlements) = if let Some(step) = step {
+                match step.await {
+                    outcome @ Ok(_) => (
+                        worker::claimed(&ctx, &mut settlements, outcome),
+                        settlements,
+                    ),
+                    failed => {
+                        let ctx = ctx.clone();
+                        blocking(move || {
+                            (worker::claimed(&ctx, &mut settlements, failed), settlements)
+                        })
+                        .await
+                    }
+                }
+            } else {
+                let ctx = ctx.clone();
+                blocking(move || {
+                    (
+                        worker::claim_cycle(&ctx, &mut settlements, &request),
+                        settlements,
+                    )
+                })
+                .await
+            };
             // Fewer than asked for: nothing else is due now; when will it be?
             let next_due = match &claimed {
-                Ok(entries) if entries.len() < limit => Some(worker::next_due(&ctx)),
+                Ok(entries) if entries.len() < limit => Some(next_due(&ctx).await),
                 _ => None,
             };
             Commit {

@@ -91,6 +91,17 @@ pub(super) fn claim_cycle(
     let outcome = ctx
         .outbox
         .settle_and_claim_with(settlements.clone(), ctx.clock.now(), request);
+    claimed(ctx, settlements, outcome)
+}
+
+/// What a worker's step came to: the settlements it made are done (and
+/// the fenced ones counted), or on a failure settled one by one (blocking:
+/// a storage error's rare path) and kept if that fails too.
+pub(super) fn claimed(
+    ctx: &Ctx,
+    settlements: &mut Vec<(Fence, Settlement)>,
+    outcome: crate::Result<crate::SettledAndClaimed>,
+) -> Result<Vec<OutboxEntry>, BackOff> {
     match outcome {
         Ok((settled, claimed)) => {
             settlements.clear();

@@ -150,10 +150,7 @@ impl Outbox {
     /// nothing here. A dispatcher sleeps until then, or until a
     /// [`subscribe`](Outbox::subscribe) signal.
     pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        self.engine.read(|tx| match flow::first_ready(tx)? {
-            Some(at) => from_micros(OUTBOX_FLOWS.name(), &"the ready line", at).map(Some),
-            None => Ok(None),
-        })
+        self.engine.read(next_due_in)
     }
 
     /// Up to `limit` entries matching `filter`, by id (enqueue order).
@@ -359,5 +356,13 @@ where
             }
         }
         Ok(out)
+    }
+}
+
+/// When the next entry may be claimed, as `tx` sees the ready line.
+pub(super) fn next_due_in(tx: &ReadTransaction) -> Result<Option<DateTime<Utc>>> {
+    match flow::first_ready(tx)? {
+        Some(at) => from_micros(OUTBOX_FLOWS.name(), &"the ready line", at).map(Some),
+        None => Ok(None),
     }
 }

@@ -15,6 +15,8 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::backend::BoxFuture;
+
 use super::rules::{plan_settle_and_claim, plan_settlements};
 use super::{
     ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, SettledAndClaimed, Settlement,
@@ -136,5 +138,36 @@ impl Outbox {
             .await?;
         self.notify_if_settled(wake || sooner, &settled);
         Ok((settled, claimed))
+    }
+
+    /// [`Outbox::next_due`], awaited.
+    pub async fn next_due_async(&self) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read_async(super::inspect::next_due_in).await
+    }
+
+    /// The dispatcher's step, boxed for the backend trait.
+    #[expect(
+        clippy::unnecessary_wraps,
+        reason = "the backend trait's shape: PostgreSQL has none yet"
+    )]
+    pub(crate) fn settle_and_claim_boxed(
+        &self,
+        settlements: Vec<(Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: ClaimRequest,
+    ) -> Option<BoxFuture<'_, Result<SettledAndClaimed>>> {
+        Some(Box::pin(async move {
+            self.settle_and_claim_async(settlements, now, &request)
+                .await
+        }))
+    }
+
+    /// The dispatcher's idle look, boxed for the backend trait.
+    #[expect(
+        clippy::unnecessary_wraps,
+        reason = "the backend trait's shape: PostgreSQL has none yet"
+    )]
+    pub(crate) fn next_due_boxed(&self) -> Option<BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
+        Some(Box::pin(self.next_due_async()))
     }
 }

@@ -449,6 +449,28 @@ impl PgOutbox {
     /// [`subscribe`](Self::subscribe) for async waiters (the async
     /// dispatcher): signalled after the same commits, by the same
     /// listening connection.
+    /// No future that holds no thread yet: the dispatcher runs the blocking
+    /// call on tokio's blocking pool.
+    #[cfg(feature = "tokio")]
+    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
+    pub(super) fn settle_and_claim_boxed(
+        &self,
+        _: Vec<(crate::Fence, crate::Settlement)>,
+        _: DateTime<Utc>,
+        _: ClaimRequest,
+    ) -> Option<crate::backend::BoxFuture<'_, Result<crate::SettledAndClaimed>>> {
+        None
+    }
+
+    /// As [`PgOutbox::settle_and_claim_boxed`].
+    #[cfg(feature = "tokio")]
+    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
+    pub(super) fn next_due_boxed(
+        &self,
+    ) -> Option<crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
+        None
+    }
+
     #[cfg(feature = "tokio")]
     pub(super) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
         let rx = self.wake.notifier.subscribe_async();
