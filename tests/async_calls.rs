@@ -337,3 +337,66 @@ fn claims_with_effects_from_tasks_commit_whole_whenever_dropped() -> TestResult 
     }
     Ok(())
 }
+
+/// `begin_async` then `complete_async` from tasks, some futures dropped at
+/// random points: afterwards no key is left reserved by a dropped call —
+/// each is free (proceeds) or answered (replays), never in flight.
+#[test]
+fn a_dropped_begin_never_leaves_its_key_held() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let keys = store.idempotency_keys();
+    let fp = fingerprint("POST", "/pay", b"{}");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let tasks: Vec<_> = (0..600_u64)
+            .map(|i| {
+                let (keys, fp) = (keys.clone(), fp.clone());
+                let cut = Duration::from_micros((i * 7919) % 500);
+                tokio::spawn(async move {
+                    let key = format!("key-{i}");
+                    let call = async {
+                        if let Begin::Proceed(r) = keys.begin_async("t", &key, &fp, t(0)).await? {
+                            keys.complete_async(&r, r.response(200, b"ok".to_vec(), t(0)), t(0))
+                                .await?;
+                        }
+                        Ok::<_, idemstore::Error>(())
+                    };
+                    if i % 4 == 0 {
+                        call.await
+                    } else {
+                        let _ = tokio::time::timeout(cut, call).await;
+                        Ok(())
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await??;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    store.sync()?;
+    let mut dropped_mid_way = 0;
+    for i in 0..600 {
+        let key = format!("key-{i}");
+        // Well within the lease: a key still reserved would be in flight.
+        match keys.begin("t", &key, &fp, t(1))? {
+            Begin::Replay(_) => {}
+            Begin::Proceed(r) => {
+                assert!(i % 4 != 0, "{key}: an awaited call completed it");
+                dropped_mid_way += 1;
+                keys.release(&r)?;
+            }
+            other => panic!("{key}: left held by a dropped call: {other:?}"),
+        }
+    }
+    assert!(
+        dropped_mid_way > 0,
+        "some calls were dropped before completing"
+    );
+    assert_eq!(keys.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}

@@ -269,6 +269,17 @@ impl Engine {
         self.inner.submit_async(op, Needs::Default).await
     }
 
+    /// Queues `op` to run in a coming batch, after every operation queued
+    /// before it, and returns at once: nobody is answered (a failure is
+    /// dropped). For the clean-up of an async call dropped mid-way.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn execute_detached<F>(&self, op: F) -> Result<()>
+    where
+        F: Fn(&WriteTransaction) -> Result<()> + Send + 'static,
+    {
+        self.inner.submit_detached(op)
+    }
+
     /// [`Engine::wait_durable`] from an async task, without holding a
     /// thread.
     #[cfg(feature = "tokio")]

@@ -226,6 +226,33 @@ impl Inner {
         }
     }
 
+    /// Queues `op` to run in a coming batch, answering nobody: for the
+    /// clean-up of a task's call dropped while its operation was queued
+    /// (queued after that operation, it runs after it). A batch it would
+    /// lead is led by the task leader; no thread waits.
+    pub(super) fn submit_detached<F>(self: &Arc<Self>, op: F) -> Result<()>
+    where
+        F: Fn(&WriteTransaction) -> Result<()> + Send + 'static,
+    {
+        let leader = self.task_leader()?;
+        let item = TaskOperation {
+            op,
+            result: None,
+            reply: None,
+            needs: Needs::Default,
+            leader: leader.clone(),
+        };
+        let lead_now = {
+            let mut q = self.queue.lock();
+            q.queued.push(Box::new(item));
+            !std::mem::replace(&mut q.leading, true)
+        };
+        if lead_now {
+            leader.request();
+        }
+        Ok(())
+    }
+
     /// The task leader, started on first use.
     fn task_leader(self: &Arc<Self>) -> Result<Arc<TaskLeader>> {
         let mut slot = self.task_leader.lock();

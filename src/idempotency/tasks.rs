@@ -6,11 +6,16 @@
 //!
 //! Dropping one of these futures before its first poll does nothing;
 //! dropping it after may leave its one operation to commit without anyone
-//! told: a `begin` may have reserved the key (it stays reserved until its
-//! lease ends: a retry then takes it over), a `complete` may have stored
-//! the response (a retry replays it), a `release` may have released.
+//! told: a `complete` may have stored the response (a retry replays it), a
+//! `release` may have released. A `begin` dropped before its answer never
+//! leaves the key held: if its operation reserved the key, a release
+//! fenced by that reservation's token follows it in the queue, so a retry
+//! proceeds at once instead of waiting out the lease.
+
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
+use parking_lot::Mutex;
 
 use super::record::read_row;
 use super::rules::{self, Look, check_begin};
@@ -43,13 +48,28 @@ impl IdempotencyKeys {
             answer => return self.answer(tenant, key, answer),
         }
         let (t, k, f) = (tenant.to_owned(), key.to_owned(), fingerprint.to_owned());
+        // The fence the operation reserved with, for the clean-up should
+        // the future be dropped before its answer.
+        let reserved = Arc::new(Mutex::new(None));
+        let mut guard = ReleaseOnDrop {
+            keys: Some(self),
+            tenant,
+            key,
+            reserved: reserved.clone(),
+        };
         let began = self
             .engine
             .execute_async(move |tx| {
-                ops::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)
+                let began = ops::begin(tx, &t, &k, &f, now_us, expired_before, lease_until_us)?;
+                *reserved.lock() = match &began {
+                    ops::Began::Reserved { fence, .. } => Some(*fence),
+                    ops::Began::Answered(_) => None,
+                };
+                Ok(began)
             })
-            .await?;
-        self.began(tenant, key, fingerprint, (now, lease_until), began)
+            .await;
+        guard.keys = None;
+        self.began(tenant, key, fingerprint, (now, lease_until), began?)
     }
 
     /// [`IdempotencyKeys::complete`], awaited.
@@ -80,5 +100,35 @@ impl IdempotencyKeys {
             bump(&self.counters.released, 1);
         }
         Ok(())
+    }
+}
+
+/// The clean-up of a `begin_async` dropped before its answer: releases the
+/// reservation its operation made, if it made one (fenced by its token, so
+/// nothing else is touched). Disarmed (`keys: None`) once answered.
+struct ReleaseOnDrop<'a> {
+    keys: Option<&'a IdempotencyKeys>,
+    tenant: &'a str,
+    key: &'a str,
+    reserved: Arc<Mutex<Option<u64>>>,
+}
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        let Some(keys) = self.keys else { return };
+        let (t, k, reserved) = (
+            self.tenant.to_owned(),
+            self.key.to_owned(),
+            self.reserved.clone(),
+        );
+        // Queued behind the begin's operation: it runs after it, and sees
+        // the fence it reserved with (none if it reserved nothing or has
+        // not committed: then a fenced release changes nothing).
+        let _ = keys.engine.execute_detached(move |tx| {
+            if let Some(fence) = *reserved.lock() {
+                ops::release(tx, &t, &k, fence)?;
+            }
+            Ok(())
+        });
     }
 }
