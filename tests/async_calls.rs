@@ -400,3 +400,35 @@ fn a_dropped_begin_never_leaves_its_key_held() -> TestResult {
     assert_eq!(keys.check_indexes()?, Vec::<String>::new());
     Ok(())
 }
+
+/// The operator's calls, awaited: the same status moves and refusals as
+/// the blocking ones.
+#[tokio::test(flavor = "current_thread")]
+async fn the_operators_calls_move_entries_as_the_blocking_ones_do() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let outbox = store.outbox();
+    outbox
+        .enqueue_many_async(
+            (0..4).map(|i| NewEntry::new("c", "d", format!("k{i}"), vec![])),
+            t(0),
+        )
+        .await?;
+    let claimed = outbox.claim_due_async(t(1), 4, "w").await?;
+    let [a, b, c, d] = [0, 1, 2, 3].map(|i| claimed[i].id);
+    outbox.mark_failed_async(a, "gone", None, t(2)).await?;
+    outbox.requeue_async(a, t(3)).await?;
+    outbox.mark_completed_async(b, t(2)).await?;
+    outbox.reschedule_async(c, t(5)).await?;
+    outbox.cancel_async(c, t(6)).await?;
+    assert!(matches!(
+        outbox.cancel_async(d, t(6)).await,
+        Err(idemstore::Error::Conflict { .. })
+    ));
+    let status = |id| outbox.get(id).map(|r| r.entry.status);
+    assert_eq!(status(a)?, OutboxStatus::Pending);
+    assert_eq!(status(b)?, OutboxStatus::Completed);
+    assert_eq!(status(c)?, OutboxStatus::Failed);
+    assert_eq!(status(d)?, OutboxStatus::Dispatching);
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}

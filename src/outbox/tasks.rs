@@ -17,10 +17,10 @@ use chrono::{DateTime, Utc};
 
 use crate::backend::BoxFuture;
 
-use super::rules::{plan_settle_and_claim, plan_settlements};
+use super::rules::{Change, mark_failed_change, plan_settle_and_claim, plan_settlements};
 use super::{
-    ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, SettledAndClaimed, Settlement,
-    ops,
+    ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, OutboxId, SettledAndClaimed,
+    Settlement, ops,
 };
 use crate::codec::micros;
 use crate::error::Result;
@@ -169,5 +169,64 @@ impl Outbox {
     )]
     pub(crate) fn next_due_boxed(&self) -> Option<BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
         Some(Box::pin(self.next_due_async()))
+    }
+
+    /// [`Outbox::requeue`], awaited.
+    pub async fn requeue_async(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        let change = Change::Requeued {
+            next_attempt_at: micros(next_attempt_at),
+        };
+        self.change_async(id, change).await
+    }
+
+    /// [`Outbox::reschedule`], awaited.
+    pub async fn reschedule_async(
+        &self,
+        id: OutboxId,
+        next_attempt_at: DateTime<Utc>,
+    ) -> Result<()> {
+        let change = Change::Rescheduled {
+            next_attempt_at: micros(next_attempt_at),
+            now: None,
+        };
+        self.change_async(id, change).await
+    }
+
+    /// [`Outbox::cancel`], awaited.
+    pub async fn cancel_async(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change_async(id, Change::Cancelled { now: micros(now) })
+            .await
+    }
+
+    /// [`Outbox::mark_completed`], awaited.
+    pub async fn mark_completed_async(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        self.change_async(id, Change::Completed { now: micros(now) })
+            .await
+    }
+
+    /// [`Outbox::mark_failed`], awaited.
+    pub async fn mark_failed_async(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        retry_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        self.change_async(id, mark_failed_change(reason, retry_at, now)?)
+            .await
+    }
+
+    /// An operator's unfenced `change` to `id` in a commit of its own,
+    /// awaited (see `Outbox::change`).
+    async fn change_async(&self, id: OutboxId, change: Change) -> Result<()> {
+        let wake = change.makes_work_due();
+        let (_, sooner) = self
+            .engine
+            .execute_async(move |tx| ops::change(tx, id.0, &change, None))
+            .await?;
+        if wake || sooner {
+            self.notify();
+        }
+        Ok(())
     }
 }
