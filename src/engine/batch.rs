@@ -123,18 +123,38 @@ pub(super) enum Needs {
     Durable,
 }
 
-/// A caller's operation with its mailbox.
-struct Operation<T, F> {
+/// An operation and what it came to, as the batch runs it: the part of a
+/// queued operation that does not depend on how its caller waits (a
+/// thread's [`Slot`], a task's channel).
+pub(super) struct Run<T, F> {
     op: F,
     result: Option<Reply<T>>,
-    reply: Arc<Slot<T>>,
-    needs: Needs,
 }
 
-impl<T, F> Operation<T, F> {
+impl<T, F> Run<T, F>
+where
+    F: Fn(&WriteTransaction) -> Result<T>,
+{
+    pub(super) fn new(op: F) -> Run<T, F> {
+        Run { op, result: None }
+    }
+
+    /// See [`Queued::run`].
+    pub(super) fn run(&mut self, tx: &WriteTransaction) -> bool {
+        let r = catch_unwind(AssertUnwindSafe(|| (self.op)(tx)));
+        let ok = matches!(r, Ok(Ok(_)));
+        self.result = Some(r);
+        ok
+    }
+
+    /// See [`Queued::replay`].
+    pub(super) fn replay(&self, tx: &WriteTransaction) -> bool {
+        matches!(catch_unwind(AssertUnwindSafe(|| (self.op)(tx))), Ok(Ok(_)))
+    }
+
     /// The caller's answer: the operation's own failure if it failed, else
     /// the batch's failure if the batch failed, else its result.
-    fn answer(&mut self, committed: Result<(), Error>) -> Reply<T> {
+    pub(super) fn answer(&mut self, committed: Result<(), Error>) -> Reply<T> {
         match (committed, self.result.take()) {
             (_, Some(Err(panic))) => Err(panic),
             (Ok(()), Some(Ok(r))) => Ok(r),
@@ -148,29 +168,33 @@ impl<T, F> Operation<T, F> {
     }
 }
 
+/// A thread's operation with its mailbox.
+struct Operation<T, F> {
+    run: Run<T, F>,
+    reply: Arc<Slot<T>>,
+    needs: Needs,
+}
+
 impl<T, F> Queued for Operation<T, F>
 where
     T: Send + 'static,
     F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
 {
     fn run(&mut self, tx: &WriteTransaction) -> bool {
-        let r = catch_unwind(AssertUnwindSafe(|| (self.op)(tx)));
-        let ok = matches!(r, Ok(Ok(_)));
-        self.result = Some(r);
-        ok
+        self.run.run(tx)
     }
 
     fn replay(&self, tx: &WriteTransaction) -> bool {
-        matches!(catch_unwind(AssertUnwindSafe(|| (self.op)(tx))), Ok(Ok(_)))
+        self.run.replay(tx)
     }
 
     fn finish(&mut self, committed: Result<(), Error>) {
-        let answer = self.answer(committed);
+        let answer = self.run.answer(committed);
         self.reply.put(Wake::Done(answer, None));
     }
 
     fn finish_quietly(&mut self, committed: Result<(), Error>, tree: Arc<WakeTree>, index: usize) {
-        let answer = self.answer(committed);
+        let answer = self.run.answer(committed);
         self.reply
             .put_quietly(Wake::Done(answer, Some((tree, index))));
     }
@@ -204,8 +228,7 @@ impl Inner {
     {
         let slot = Slot::new();
         let item = Operation {
-            op,
-            result: None,
+            run: Run::new(op),
             reply: slot.clone(),
             needs,
         };

@@ -284,10 +284,7 @@ impl Engine {
     /// thread.
     #[cfg(feature = "tokio")]
     pub(crate) async fn wait_durable_async(&self, seq: u64) -> Result<()> {
-        if self.inner.config.durability == Durability::Immediate
-            && !self.inner.config.shared
-            && !in_write()
-        {
+        if self.waits_for_durability() {
             self.inner.wait_durable_async(seq).await?;
         }
         Ok(())
@@ -496,13 +493,18 @@ impl Engine {
     /// In a store shared between processes it does not wait either: every
     /// commit there is durable before anyone can see it.
     pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
-        if self.inner.config.durability == Durability::Immediate
-            && !self.inner.config.shared
-            && !in_write()
-        {
+        if self.waits_for_durability() {
             self.inner.wait_durable(seq)?;
         }
         Ok(())
+    }
+
+    /// Whether a caller here waits for a commit's durability before it
+    /// answers (see [`Engine::wait_durable`]).
+    fn waits_for_durability(&self) -> bool {
+        self.inner.config.durability == Durability::Immediate
+            && !self.inner.config.shared
+            && !in_write()
     }
 
     /// Makes every commit so far durable, whatever the store's durability.

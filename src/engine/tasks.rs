@@ -31,39 +31,33 @@
 //! The task leader's flag mutex is a leaf, taken under `queue` when the
 //! lead is handed to a task's operation.
 
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::panic::resume_unwind;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex};
 use redb::WriteTransaction;
 use tokio::sync::oneshot;
 
-use super::batch::{Needs, Queued};
+use super::batch::{Needs, Queued, Run};
 use super::inner::Inner;
 use super::wake::{Notify, Reply, WakeTree};
 use crate::error::{Error, Result};
 
-/// A task's operation with its channel.
+/// A task's operation with its channel (`None`: nobody waits).
 struct TaskOperation<T, F> {
-    op: F,
-    result: Option<Reply<T>>,
+    run: Run<T, F>,
     reply: Option<oneshot::Sender<Reply<T>>>,
     needs: Needs,
     leader: Arc<TaskLeader>,
 }
 
-impl<T, F> TaskOperation<T, F> {
-    /// Sends the task its answer (see `batch::Operation::answer`).
+impl<T, F> TaskOperation<T, F>
+where
+    F: Fn(&WriteTransaction) -> Result<T>,
+{
+    /// Sends the task its answer.
     fn send(&mut self, committed: Result<(), Error>) {
-        let answer = match (committed, self.result.take()) {
-            (_, Some(Err(panic))) => Err(panic),
-            (Ok(()), Some(Ok(r))) => Ok(r),
-            (Err(e), _) => Ok(Err(e)),
-            (Ok(()), None) => Ok(Err(Error::Panicked {
-                during: "a batch",
-                message: "an operation was answered before it ran".to_owned(),
-            })),
-        };
+        let answer = self.run.answer(committed);
         if let Some(reply) = self.reply.take() {
             // A dropped future: nobody to tell.
             let _ = reply.send(answer);
@@ -77,14 +71,11 @@ where
     F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
 {
     fn run(&mut self, tx: &WriteTransaction) -> bool {
-        let r = catch_unwind(AssertUnwindSafe(|| (self.op)(tx)));
-        let ok = matches!(r, Ok(Ok(_)));
-        self.result = Some(r);
-        ok
+        self.run.run(tx)
     }
 
     fn replay(&self, tx: &WriteTransaction) -> bool {
-        matches!(catch_unwind(AssertUnwindSafe(|| (self.op)(tx))), Ok(Ok(_)))
+        self.run.replay(tx)
     }
 
     fn finish(&mut self, committed: Result<(), Error>) {
@@ -197,23 +188,8 @@ impl Inner {
         T: Send + 'static,
         F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
     {
-        let leader = self.task_leader()?;
         let (reply, answer) = oneshot::channel();
-        let item = TaskOperation {
-            op,
-            result: None,
-            reply: Some(reply),
-            needs,
-            leader: leader.clone(),
-        };
-        let lead_now = {
-            let mut q = self.queue.lock();
-            q.queued.push(Box::new(item));
-            !std::mem::replace(&mut q.leading, true)
-        };
-        if lead_now {
-            leader.request();
-        }
+        self.queue_task(op, Some(reply), needs)?;
         match answer.await {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => resume_unwind(panic),
@@ -234,12 +210,26 @@ impl Inner {
     where
         F: Fn(&WriteTransaction) -> Result<()> + Send + 'static,
     {
+        self.queue_task(op, None, Needs::Default)
+    }
+
+    /// Queues a task's operation `op` answering `reply`; if nobody leads,
+    /// asks the task leader to.
+    fn queue_task<T, F>(
+        self: &Arc<Self>,
+        op: F,
+        reply: Option<oneshot::Sender<Reply<T>>>,
+        needs: Needs,
+    ) -> Result<()>
+    where
+        T: Send + 'static,
+        F: Fn(&WriteTransaction) -> Result<T> + Send + 'static,
+    {
         let leader = self.task_leader()?;
         let item = TaskOperation {
-            op,
-            result: None,
-            reply: None,
-            needs: Needs::Default,
+            run: Run::new(op),
+            reply,
+            needs,
             leader: leader.clone(),
         };
         let lead_now = {
