@@ -369,21 +369,10 @@ impl Outbox {
         entries: impl IntoIterator<Item = NewEntry>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Enqueued>> {
-        let entries: Vec<NewEntry> = entries.into_iter().collect();
-        for e in &entries {
-            self.check_entry(e)?;
+        match self.enqueue_op(entries, now)? {
+            Some(op) => Ok(self.enqueued(self.engine.execute(op)?)),
+            None => Ok(Vec::new()),
         }
-        if entries.is_empty() {
-            return Ok(Vec::new());
-        }
-        let now = micros(now);
-        let out = self
-            .engine
-            .execute(move |tx| ops::enqueue(tx, &entries, now))?;
-        if out.iter().any(Enqueued::is_new) {
-            self.notify();
-        }
-        Ok(out)
     }
 
     /// Claims up to `limit` due `Pending` entries for `worker_id`, across
@@ -417,13 +406,10 @@ impl Outbox {
     /// call that returns `Err` (a damaged record among those due) claimed
     /// nothing.
     pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
-        request.check()?;
-        if request.limit == 0 {
-            return Ok(Vec::new());
+        match claim_op(now, request)? {
+            Some(op) => self.engine.execute(op),
+            None => Ok(Vec::new()),
         }
-        let request = request.clone();
-        let now = micros(now);
-        self.engine.execute(move |tx| ops::claim(tx, now, &request))
     }
 
     /// Settles the attempt `fence` (from [`OutboxEntry::fence`]) as
@@ -436,14 +422,9 @@ impl Outbox {
     /// (completed twice, failed without retry twice) is accepted and changes
     /// nothing. [`Error::NotFound`] if the entry is gone.
     pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
-        let change = settlement.into_change(now)?;
-        let wake = change.makes_work_due();
-        let (_, sooner) = self
-            .engine
-            .execute(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))?;
-        if wake || sooner {
-            self.notify();
-        }
+        let (op, wake) = change_op(fence.id, settlement.into_change(now)?, Some(fence.attempt));
+        let (_, sooner) = self.engine.execute(op)?;
+        self.notify_if(wake || sooner);
         Ok(())
     }
 
@@ -481,13 +462,10 @@ impl Outbox {
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Result<()>>> {
-        let (changes, wake) = plan_settlements(settlements, now)?;
-        if changes.is_empty() {
+        let Some((op, wake)) = settle_many_op(settlements, now)? else {
             return Ok(Vec::new());
-        }
-        let (out, sooner) = self
-            .engine
-            .execute(move |tx| ops::change_many(tx, &changes))?;
+        };
+        let (out, sooner) = self.engine.execute(op)?;
         self.notify_if_settled(wake || sooner, &out);
         Ok(out)
     }
@@ -521,15 +499,8 @@ impl Outbox {
         now: DateTime<Utc>,
         request: &ClaimRequest,
     ) -> Result<SettledAndClaimed> {
-        request.check()?;
-        let (changes, wake) = plan_settle_and_claim(settlements, now, &request.worker_id)?;
-        let request = request.clone();
-        let now = micros(now);
-        // One operation: if the claim fails after the settlements wrote,
-        // the engine rolls the settlements back with it.
-        let (settled, claimed, sooner) = self
-            .engine
-            .execute(move |tx| ops::settle_and_claim(tx, &changes, now, &request))?;
+        let (op, wake) = settle_and_claim_op(settlements, now, request)?;
+        let (settled, claimed, sooner) = self.engine.execute(op)?;
         self.notify_if_settled(wake || sooner, &settled);
         Ok((settled, claimed))
     }
@@ -711,17 +682,112 @@ impl Outbox {
 
     /// Applies an operator's unfenced `change` to `id` in its own commit.
     fn change(&self, id: OutboxId, change: Change) -> Result<()> {
-        let wake = change.makes_work_due();
-        let (_, sooner) = self
-            .engine
-            .execute(move |tx| ops::change(tx, id.0, &change, None))?;
-        if wake || sooner {
+        let (op, wake) = change_op(id, change, None);
+        let (_, sooner) = self.engine.execute(op)?;
+        self.notify_if(wake || sooner);
+        Ok(())
+    }
+
+    /// Wakes the dispatchers if `wake`.
+    fn notify_if(&self, wake: bool) {
+        if wake {
             self.notify();
         }
-        Ok(())
+    }
+
+    /// `enqueue_many`'s checks, and its operation (`None`: nothing to
+    /// enqueue).
+    fn enqueue_op(
+        &self,
+        entries: impl IntoIterator<Item = NewEntry>,
+        now: DateTime<Utc>,
+    ) -> Result<Option<impl Fn(&WriteTransaction) -> Result<Vec<Enqueued>> + Send + 'static>> {
+        let entries: Vec<NewEntry> = entries.into_iter().collect();
+        for e in &entries {
+            self.check_entry(e)?;
+        }
+        let now = micros(now);
+        Ok((!entries.is_empty())
+            .then_some(move |tx: &WriteTransaction| ops::enqueue(tx, &entries, now)))
+    }
+
+    /// What an enqueue answers, once it committed: the dispatchers woken if
+    /// an entry is new.
+    fn enqueued(&self, out: Vec<Enqueued>) -> Vec<Enqueued> {
+        self.notify_if(out.iter().any(Enqueued::is_new));
+        out
     }
 
     fn check_entry(&self, e: &NewEntry) -> Result<()> {
         check_entry(e, self.max_body)
     }
+}
+
+/// `claim`'s checks, and its operation (`None`: nothing to claim).
+fn claim_op(
+    now: DateTime<Utc>,
+    request: &ClaimRequest,
+) -> Result<Option<impl Fn(&WriteTransaction) -> Result<Vec<OutboxEntry>> + Send + 'static>> {
+    request.check()?;
+    let request = request.clone();
+    let now = micros(now);
+    Ok((request.limit > 0).then_some(move |tx: &WriteTransaction| ops::claim(tx, now, &request)))
+}
+
+/// The operation applying `change` to `id` (fenced by `attempt` when
+/// given), and whether it may make work due.
+fn change_op(
+    id: OutboxId,
+    change: Change,
+    attempt: Option<u32>,
+) -> (
+    impl Fn(&WriteTransaction) -> Result<(OutboxStatus, bool)> + Send + 'static,
+    bool,
+) {
+    let wake = change.makes_work_due();
+    (
+        move |tx: &WriteTransaction| ops::change(tx, id.0, &change, attempt),
+        wake,
+    )
+}
+
+/// `settle_many`'s plan, as an operation and whether it may make work due
+/// (`None`: nothing to settle).
+#[expect(clippy::type_complexity, reason = "an operation and a flag")]
+fn settle_many_op(
+    settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+    now: DateTime<Utc>,
+) -> Result<
+    Option<(
+        impl Fn(&WriteTransaction) -> Result<(Vec<Result<()>>, bool)> + Send + 'static,
+        bool,
+    )>,
+> {
+    let (changes, wake) = plan_settlements(settlements, now)?;
+    Ok((!changes.is_empty()).then_some((
+        move |tx: &WriteTransaction| ops::change_many(tx, &changes),
+        wake,
+    )))
+}
+
+/// `settle_and_claim_with`'s checks and plan, as one operation (if the
+/// claim fails after the settlements wrote, the engine rolls the
+/// settlements back with it) and whether it may make work due.
+#[expect(clippy::type_complexity, reason = "an operation and a flag")]
+fn settle_and_claim_op(
+    settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+    now: DateTime<Utc>,
+    request: &ClaimRequest,
+) -> Result<(
+    impl Fn(&WriteTransaction) -> Result<(Vec<Result<()>>, Vec<OutboxEntry>, bool)> + Send + 'static,
+    bool,
+)> {
+    request.check()?;
+    let (changes, wake) = plan_settle_and_claim(settlements, now, &request.worker_id)?;
+    let request = request.clone();
+    let now = micros(now);
+    Ok((
+        move |tx: &WriteTransaction| ops::settle_and_claim(tx, &changes, now, &request),
+        wake,
+    ))
 }

@@ -17,10 +17,10 @@ use chrono::{DateTime, Utc};
 
 use crate::backend::BoxFuture;
 
-use super::rules::{Change, mark_failed_change, plan_settle_and_claim, plan_settlements};
+use super::rules::{Change, mark_failed_change};
 use super::{
     ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, OutboxId, SettledAndClaimed,
-    Settlement, ops,
+    Settlement, change_op, claim_op, settle_and_claim_op, settle_many_op,
 };
 use crate::codec::micros;
 use crate::error::Result;
@@ -38,22 +38,10 @@ impl Outbox {
         entries: impl IntoIterator<Item = NewEntry>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Enqueued>> {
-        let entries: Vec<NewEntry> = entries.into_iter().collect();
-        for e in &entries {
-            self.check_entry(e)?;
+        match self.enqueue_op(entries, now)? {
+            Some(op) => Ok(self.enqueued(self.engine.execute_async(op).await?)),
+            None => Ok(Vec::new()),
         }
-        if entries.is_empty() {
-            return Ok(Vec::new());
-        }
-        let now = micros(now);
-        let out = self
-            .engine
-            .execute_async(move |tx| ops::enqueue(tx, &entries, now))
-            .await?;
-        if out.iter().any(Enqueued::is_new) {
-            self.notify();
-        }
-        Ok(out)
     }
 
     /// [`Outbox::claim_due`], awaited.
@@ -73,15 +61,10 @@ impl Outbox {
         now: DateTime<Utc>,
         request: &ClaimRequest,
     ) -> Result<Vec<OutboxEntry>> {
-        request.check()?;
-        if request.limit == 0 {
-            return Ok(Vec::new());
+        match claim_op(now, request)? {
+            Some(op) => self.engine.execute_async(op).await,
+            None => Ok(Vec::new()),
         }
-        let request = request.clone();
-        let now = micros(now);
-        self.engine
-            .execute_async(move |tx| ops::claim(tx, now, &request))
-            .await
     }
 
     /// [`Outbox::settle`], awaited.
@@ -91,15 +74,9 @@ impl Outbox {
         settlement: Settlement,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        let change = settlement.into_change(now)?;
-        let wake = change.makes_work_due();
-        let (_, sooner) = self
-            .engine
-            .execute_async(move |tx| ops::change(tx, fence.id.0, &change, Some(fence.attempt)))
-            .await?;
-        if wake || sooner {
-            self.notify();
-        }
+        let (op, wake) = change_op(fence.id, settlement.into_change(now)?, Some(fence.attempt));
+        let (_, sooner) = self.engine.execute_async(op).await?;
+        self.notify_if(wake || sooner);
         Ok(())
     }
 
@@ -109,14 +86,10 @@ impl Outbox {
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Result<()>>> {
-        let (changes, wake) = plan_settlements(settlements, now)?;
-        if changes.is_empty() {
+        let Some((op, wake)) = settle_many_op(settlements, now)? else {
             return Ok(Vec::new());
-        }
-        let (out, sooner) = self
-            .engine
-            .execute_async(move |tx| ops::change_many(tx, &changes))
-            .await?;
+        };
+        let (out, sooner) = self.engine.execute_async(op).await?;
         self.notify_if_settled(wake || sooner, &out);
         Ok(out)
     }
@@ -128,14 +101,8 @@ impl Outbox {
         now: DateTime<Utc>,
         request: &ClaimRequest,
     ) -> Result<SettledAndClaimed> {
-        request.check()?;
-        let (changes, wake) = plan_settle_and_claim(settlements, now, &request.worker_id)?;
-        let request = request.clone();
-        let now = micros(now);
-        let (settled, claimed, sooner) = self
-            .engine
-            .execute_async(move |tx| ops::settle_and_claim(tx, &changes, now, &request))
-            .await?;
+        let (op, wake) = settle_and_claim_op(settlements, now, request)?;
+        let (settled, claimed, sooner) = self.engine.execute_async(op).await?;
         self.notify_if_settled(wake || sooner, &settled);
         Ok((settled, claimed))
     }
@@ -219,14 +186,9 @@ impl Outbox {
     /// An operator's unfenced `change` to `id` in a commit of its own,
     /// awaited (see `Outbox::change`).
     async fn change_async(&self, id: OutboxId, change: Change) -> Result<()> {
-        let wake = change.makes_work_due();
-        let (_, sooner) = self
-            .engine
-            .execute_async(move |tx| ops::change(tx, id.0, &change, None))
-            .await?;
-        if wake || sooner {
-            self.notify();
-        }
+        let (op, wake) = change_op(id, change, None);
+        let (_, sooner) = self.engine.execute_async(op).await?;
+        self.notify_if(wake || sooner);
         Ok(())
     }
 }
