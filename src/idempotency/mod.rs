@@ -473,12 +473,7 @@ impl IdempotencyKeys {
     }
 
     pub(super) fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
-        self.engine.read(|tx| {
-            let Some(table) = open_read(tx, IDEM)? else {
-                return Ok(None);
-            };
-            read_row(&table, tenant, key)
-        })
+        self.engine.read(|tx| row_in(tx, tenant, key))
     }
 
     /// The row `complete` stores for `r`, after checking `response` fits it.
@@ -489,5 +484,13 @@ impl IdempotencyKeys {
         now: DateTime<Utc>,
     ) -> Result<Row> {
         reservation_row(r, response, now, self.max_body)
+    }
+}
+
+/// The row of `(tenant, key)` as `tx` sees it.
+pub(super) fn row_in(tx: &redb::ReadTransaction, tenant: &str, key: &str) -> Result<Option<Row>> {
+    match open_read(tx, IDEM)? {
+        Some(table) => read_row(&table, tenant, key),
+        None => Ok(None),
     }
 }

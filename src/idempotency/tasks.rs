@@ -17,12 +17,12 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use parking_lot::Mutex;
 
-use super::record::read_row;
 use super::rules::{self, Look, check_begin};
-use super::{Begin, IdempotencyKeys, Reservation, ResponseRecord, bump, count_completion, ops};
+use super::{
+    Begin, IdempotencyKeys, Reservation, ResponseRecord, bump, count_completion, ops, row_in,
+};
 use crate::codec::micros;
 use crate::error::Result;
-use crate::schema::{IDEM, open_read};
 
 impl IdempotencyKeys {
     /// [`IdempotencyKeys::begin`], awaited.
@@ -36,13 +36,7 @@ impl IdempotencyKeys {
         check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
-        let row = self
-            .engine
-            .read_async(|tx| match open_read(tx, IDEM)? {
-                Some(table) => read_row(&table, tenant, key),
-                None => Ok(None),
-            })
-            .await?;
+        let row = self.engine.read_async(|tx| row_in(tx, tenant, key)).await?;
         match rules::decide(row, fingerprint, now_us, expired_before) {
             Look::Reserve { .. } => {}
             answer => return self.answer(tenant, key, answer),
