@@ -13,9 +13,10 @@
 //! accepted). Nothing is ever half done: each call is one operation of
 //! one commit.
 
-use chrono::{DateTime, Utc};
+use std::future::Future;
+use std::pin::Pin;
 
-use crate::backend::BoxFuture;
+use chrono::{DateTime, Utc};
 
 use super::rules::{Change, mark_failed_change};
 use super::{
@@ -112,7 +113,8 @@ impl Outbox {
         self.engine.read_async(super::inspect::next_due_in).await
     }
 
-    /// The dispatcher's step, boxed for the backend trait.
+    /// The dispatcher's step, boxed for the backend trait (the outbox does
+    /// not name the trait's types: the backend module sits above it).
     #[expect(
         clippy::unnecessary_wraps,
         reason = "the backend trait's shape: PostgreSQL has none yet"
@@ -122,7 +124,7 @@ impl Outbox {
         settlements: Vec<(Fence, Settlement)>,
         now: DateTime<Utc>,
         request: ClaimRequest,
-    ) -> Option<BoxFuture<'_, Result<SettledAndClaimed>>> {
+    ) -> Option<Pin<Box<dyn Future<Output = Result<SettledAndClaimed>> + Send + '_>>> {
         Some(Box::pin(async move {
             self.settle_and_claim_async(settlements, now, &request)
                 .await
@@ -134,7 +136,9 @@ impl Outbox {
         clippy::unnecessary_wraps,
         reason = "the backend trait's shape: PostgreSQL has none yet"
     )]
-    pub(crate) fn next_due_boxed(&self) -> Option<BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
+    pub(crate) fn next_due_boxed(
+        &self,
+    ) -> Option<Pin<Box<dyn Future<Output = Result<Option<DateTime<Utc>>>> + Send + '_>>> {
         Some(Box::pin(self.next_due_async()))
     }
 
