@@ -26,6 +26,9 @@ use super::{
 use crate::codec::micros;
 use crate::error::Result;
 
+/// A boxed future, as the dispatcher awaits it.
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
 impl Outbox {
     /// [`Outbox::enqueue`], awaited.
     pub async fn enqueue_async(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
@@ -124,7 +127,7 @@ impl Outbox {
         settlements: Vec<(Fence, Settlement)>,
         now: DateTime<Utc>,
         request: ClaimRequest,
-    ) -> Option<Pin<Box<dyn Future<Output = Result<SettledAndClaimed>> + Send + '_>>> {
+    ) -> Option<Boxed<'_, Result<SettledAndClaimed>>> {
         Some(Box::pin(async move {
             self.settle_and_claim_async(settlements, now, &request)
                 .await
@@ -136,9 +139,7 @@ impl Outbox {
         clippy::unnecessary_wraps,
         reason = "the backend trait's shape: PostgreSQL has none yet"
     )]
-    pub(crate) fn next_due_boxed(
-        &self,
-    ) -> Option<Pin<Box<dyn Future<Output = Result<Option<DateTime<Utc>>>> + Send + '_>>> {
+    pub(crate) fn next_due_boxed(&self) -> Option<Boxed<'_, Result<Option<DateTime<Utc>>>>> {
         Some(Box::pin(self.next_due_async()))
     }
 
