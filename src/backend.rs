@@ -185,8 +185,34 @@ pub(crate) mod sealed {
     /// The seal of [`InboxBackend`](super::InboxBackend).
     pub trait Inbox {}
 
-    /// The seal of [`IdempotencyBackend`](super::IdempotencyBackend).
-    pub trait Keys {}
+    /// The seal of [`IdempotencyBackend`](super::IdempotencyBackend), with
+    /// its calls as futures that hold no thread while they wait, for the
+    /// HTTP layer.
+    pub trait Keys {
+        /// [`begin`](super::IdempotencyBackend::begin), awaited.
+        #[cfg(feature = "tokio")]
+        fn begin_async<'a>(
+            &'a self,
+            tenant: &'a str,
+            key: &'a str,
+            fingerprint: &'a str,
+            now: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'a, crate::Result<crate::Begin>>;
+        /// [`complete`](super::IdempotencyBackend::complete), awaited.
+        #[cfg(feature = "tokio")]
+        fn complete_async<'a>(
+            &'a self,
+            r: &'a crate::Reservation,
+            response: crate::ResponseRecord,
+            now: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'a, crate::Result<bool>>;
+        /// [`release`](super::IdempotencyBackend::release), awaited.
+        #[cfg(feature = "tokio")]
+        fn release_async<'a>(
+            &'a self,
+            r: &'a crate::Reservation,
+        ) -> super::BoxFuture<'a, crate::Result<()>>;
+    }
 
     /// The seal of [`OutboxAdmin`](super::OutboxAdmin).
     pub trait Admin {}
@@ -314,7 +340,34 @@ macro_rules! forward_to_handles {
             }
         }
 
-        impl $crate::backend::sealed::Keys for $keys {}
+        impl $crate::backend::sealed::Keys for $keys {
+            #[cfg(feature = "tokio")]
+            fn begin_async<'a>(
+                &'a self,
+                tenant: &'a str,
+                key: &'a str,
+                fingerprint: &'a str,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'a, $crate::Result<$crate::Begin>> {
+                Box::pin(<$keys>::begin_async(self, tenant, key, fingerprint, now))
+            }
+            #[cfg(feature = "tokio")]
+            fn complete_async<'a>(
+                &'a self,
+                r: &'a $crate::Reservation,
+                response: $crate::ResponseRecord,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'a, $crate::Result<bool>> {
+                Box::pin(<$keys>::complete_async(self, r, response, now))
+            }
+            #[cfg(feature = "tokio")]
+            fn release_async<'a>(
+                &'a self,
+                r: &'a $crate::Reservation,
+            ) -> $crate::backend::BoxFuture<'a, $crate::Result<()>> {
+                Box::pin(<$keys>::release_async(self, r))
+            }
+        }
 
         impl $crate::backend::IdempotencyBackend for $keys {
             fn begin(

@@ -532,10 +532,10 @@ fn postgres_kind(code: Option<&str>, source: &(dyn std::error::Error + 'static))
     // No answer: no pooled connection before the pool's timeout, a closed
     // connection, or an I/O error anywhere in the chain (the socket failed
     // underneath).
-    if source.is::<r2d2::Error>() {
+    if source.is::<crate::postgres::NoConnection>() {
         return ErrorKind::Unavailable;
     }
-    if let Some(pg) = source.downcast_ref::<::postgres::Error>()
+    if let Some(pg) = source.downcast_ref::<tokio_postgres::Error>()
         && pg.is_closed()
     {
         return ErrorKind::Unavailable;
@@ -722,7 +722,6 @@ mod tests {
     #[cfg(feature = "postgres")]
     mod postgres {
         use std::sync::Arc;
-        use std::time::Duration;
 
         use super::super::{Error, ErrorKind};
 
@@ -743,30 +742,20 @@ mod tests {
         /// A client error with no I/O error under it: a bad connection
         /// string.
         fn client() -> Source {
-            Arc::new("port=notaport".parse::<::postgres::Config>().unwrap_err())
+            Arc::new(
+                "port=notaport"
+                    .parse::<tokio_postgres::Config>()
+                    .unwrap_err(),
+            )
         }
 
         /// The pool's error when no connection came free before its
         /// timeout.
         fn pool_timeout() -> Source {
-            struct Down;
-            impl r2d2::ManageConnection for Down {
-                type Connection = ();
-                type Error = std::io::Error;
-                fn connect(&self) -> std::io::Result<()> {
-                    Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
-                }
-                fn is_valid(&self, (): &mut ()) -> std::io::Result<()> {
-                    Ok(())
-                }
-                fn has_broken(&self, (): &mut ()) -> bool {
-                    false
-                }
-            }
-            let pool = r2d2::Pool::builder()
-                .connection_timeout(Duration::from_millis(1))
-                .build_unchecked(Down);
-            Arc::new(pool.get().err().unwrap())
+            let Error::Postgres { source, .. } = crate::postgres::no_connection("timed out") else {
+                unreachable!()
+            };
+            source
         }
 
         /// An error with an I/O error under it.

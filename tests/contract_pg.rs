@@ -21,8 +21,9 @@ mod capture;
 
 mod fixture {
     use idemstore::Result;
-    use idemstore::postgres::postgres::{Client, NoTls, Transaction};
+    use idemstore::postgres::Transaction;
     use idemstore::postgres::{PgOutbox, PgStore};
+    use postgres::{Client, NoTls};
 
     pub(crate) use crate::common::pg::{unique_schema, url};
 
@@ -227,10 +228,7 @@ mod server {
         });
         let result = (|| -> TestResult {
             let stores = stores?;
-            let mut client = idemstore::postgres::postgres::Client::connect(
-                &url,
-                idemstore::postgres::postgres::NoTls,
-            )?;
+            let mut client = postgres::Client::connect(&url, postgres::NoTls)?;
             let version: i64 = client
                 .query_one(&format!("SELECT version FROM {schema}.schema_version"), &[])?
                 .get(0);
@@ -243,10 +241,7 @@ mod server {
             assert_eq!(stores[0].schema(), schema);
             Ok(())
         })();
-        if let Ok(mut client) = idemstore::postgres::postgres::Client::connect(
-            &url,
-            idemstore::postgres::postgres::NoTls,
-        ) {
+        if let Ok(mut client) = postgres::Client::connect(&url, postgres::NoTls) {
             client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))?;
         }
         result

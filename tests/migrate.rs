@@ -11,11 +11,11 @@ use std::process::{Command, Output};
 
 use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
 use idemstore::postgres::PgStore;
-use idemstore::postgres::postgres::{Client, NoTls};
 use idemstore::{
     Begin, DestinationPolicy, Enqueued, NewEntry, OutboxFilter, OutboxId, OutboxStatus,
     ResponseRecord, Settlement, Store,
 };
+use postgres::{Client, NoTls};
 use serde_json::Value;
 
 mod common;

@@ -17,8 +17,8 @@ use std::thread;
 
 use idemstore::chrono::{DateTime, Duration, TimeZone, Utc};
 use idemstore::postgres::PgStore;
-use idemstore::postgres::postgres::{Client, NoTls};
 use idemstore::{Begin, Claim, NewEntry, ResponseRecord, Settlement};
+use postgres::{Client, NoTls};
 
 mod common;
 
@@ -261,8 +261,8 @@ mod proxy {
     use std::sync::{Arc, Mutex};
     use std::thread;
 
-    use idemstore::postgres::postgres::Config;
-    use idemstore::postgres::postgres::config::Host;
+    use postgres::Config;
+    use postgres::config::Host;
 
     /// What the armed proxy cuts after.
     #[derive(Debug, Clone)]

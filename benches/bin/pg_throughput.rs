@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use idemstore::postgres::PgStore;
-use idemstore::postgres::postgres::types::Type;
-use idemstore::postgres::postgres::{Client, NoTls};
+use postgres::types::Type;
+use postgres::{Client, NoTls};
 use r2d2_postgres::PostgresConnectionManager;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

@@ -40,9 +40,9 @@
 //!    bytes (a longer one → **413**, nothing reserved, handler not run), and
 //!    the request [`fingerprint`](crate::fingerprint)ed from its method,
 //!    path-and-query and body;
-//! 5. [`IdempotencyKeys::begin`] decides, on a blocking thread
-//!    (`tokio::task::spawn_blocking`; a store error → **503**, handler not
-//!    run; no tokio runtime → **500**, see [below](#a-tokio-runtime)):
+//! 5. [`IdempotencyKeys::begin`] decides, in a task of its own through its
+//!    async form (a store error → **503**, handler not run; no tokio
+//!    runtime → **500**, see [below](#a-tokio-runtime)):
 //!    - a stored response for the same request → it is sent again: its
 //!      status, `Content-Type`, [allow-listed
 //!      headers](IdempotencyLayer::replay_headers) and body, plus
@@ -170,7 +170,7 @@
 //! - The inner service returns `Err` → the key is released and the error
 //!   is returned. The handler panics or the request's future is dropped
 //!   (the client went away) while it runs → the key is released from a
-//!   drop guard, on a blocking thread (see [Cancellation](#cancellation)).
+//!   drop guard, in a task of its own (see [Cancellation](#cancellation)).
 //! - There is no lease renewal: the store's lease
 //!   ([`IdempotencyKeys::with_lease`], default 60 s) bounds one handler run.
 //!   A handler still running past it may be taken over by a retry; its own
@@ -180,24 +180,26 @@
 //! # Cancellation
 //!
 //! A request's future may be dropped at any await: the client went away,
-//! a timeout or a `select!` fired. The layer's store calls run on tokio's
-//! blocking pool and run to their end whatever becomes of the future, so
-//! what a dropped request leaves behind is decided there:
+//! a timeout or a `select!` fired. The layer's store calls run as tasks of
+//! their own (each awaiting the store's async form, which holds no thread
+//! while it waits for a commit or a round trip) and run to their end
+//! whatever becomes of the future, so what a dropped request leaves behind
+//! is decided there:
 //!
 //! - **While `begin` is queued or running:** the request is marked gone. A
 //!   `begin` not started yet is skipped (nothing reserved); one that
-//!   reserves the key releases it at once on its blocking thread; one that
+//!   reserves the key releases it at once in its task; one that
 //!   answered before the future was dropped has its reservation released by
 //!   the future's drop guard. A retry with the key proceeds at once instead
 //!   of answering 409 until the lease ends.
 //! - **While the handler runs, or its response body is read:** the drop
-//!   guard releases the key on a blocking thread, so a retry runs the
+//!   guard releases the key in a task of its own, so a retry runs the
 //!   handler again. If the handler had stored its response with
 //!   [`IdempotencyKeys::complete_in`], that release changes nothing (it
 //!   never removes a stored response) and the retry gets the response
 //!   replayed.
 //! - **While the layer stores the response or releases the key:** the call
-//!   is already on its blocking thread and finishes.
+//!   is already a task of its own and finishes.
 //!
 //! A release that fails (the store is down) leaves the key to its lease;
 //! it is reported (see [Observability](#observability)). Dropping the
@@ -209,9 +211,9 @@
 //! # A tokio runtime
 //!
 //! The layer needs a tokio runtime (the current-thread one is enough)
-//! around the request's future: its store calls block (a commit's fsync,
-//! a round trip to PostgreSQL) and run on the runtime's blocking pool,
-//! where they hold no executor thread. Polled outside one (another
+//! around the request's future: its store calls run as tasks on it,
+//! awaiting their commit (an fsync of the embedded store, a round trip to
+//! PostgreSQL) without holding a thread. Polled outside one (another
 //! executor, `futures::executor::block_on`), a covered request with a key
 //! is answered **500** ([No tokio runtime](#no-tokio-runtime)) without
 //! running the handler or touching the store, and the error is reported;
@@ -347,7 +349,7 @@ pub struct IdempotencyLayer {
 
 /// What an [`IdempotencyLayer`] and its services share.
 pub(crate) struct Config {
-    /// Either backend's keys (a `dyn`: each call runs on the blocking pool
+    /// Either backend's keys (a `dyn`: each call is a boxed future
     /// anyway).
     pub(crate) keys: Arc<dyn IdempotencyBackend>,
     pub(crate) tenant_from: Arc<TenantFn>,

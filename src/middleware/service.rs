@@ -133,7 +133,7 @@ where
         Admit::Keyed(k) => k,
     };
     if tokio::runtime::Handle::try_current().is_err() {
-        // No blocking pool to run the store on, and blocking this
+        // No runtime to run the store's tasks on, and blocking this
         // executor's thread could stall every request it runs.
         observe::layer_without_runtime(&key);
         return Ok(no_runtime(&key));
@@ -149,7 +149,7 @@ where
             tenant,
             key.clone(),
         );
-        blocking(move || begin_for(&*keys, &pending, &tenant, &key, &fp, now)).await
+        spawned(async move { begin_for(&*keys, &pending, &tenant, &key, &fp, now).await }).await
     };
     let reservation = match begin {
         Ok(Some(Ok(Begin::Proceed(_)))) => match beginning.take() {
@@ -352,10 +352,10 @@ async fn store_response(
     // refused one is released so a retry runs rather than waits (a release
     // frees only a reservation with this fence, never a stored response).
     // Dropped while this waits, the task still runs to its end.
-    let stored = blocking(move || {
-        if let Err(e) = keys.complete(&reservation, record, done_at) {
+    let stored = spawned(async move {
+        if let Err(e) = keys.complete_async(&reservation, record, done_at).await {
             observe::layer_store_failed("idempotency_complete", reservation.key(), &e);
-            if let Err(e) = keys.release(&reservation) {
+            if let Err(e) = keys.release_async(&reservation).await {
                 observe::layer_store_failed("idempotency_release", reservation.key(), &e);
             }
         }
@@ -407,18 +407,21 @@ impl fmt::Display for Blocked {
     }
 }
 
-/// Runs a store call on tokio's blocking pool. Dropped while it waits, the
-/// call still runs to its end.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Blocked> {
+/// Runs store calls, through their async forms (which hold no thread while
+/// they wait), as a task of their own on the current runtime. Dropped
+/// while it waits, the task still runs to its end.
+async fn spawned<T: Send + 'static>(
+    f: impl Future<Output = T> + Send + 'static,
+) -> Result<T, Blocked> {
     let rt = tokio::runtime::Handle::try_current().map_err(|_| Blocked::NoRuntime)?;
-    rt.spawn_blocking(f).await.map_err(|_| Blocked::Panicked)
+    rt.spawn(f).await.map_err(|_| Blocked::Panicked)
 }
 
-/// `begin` on the blocking pool for a request whose future may be dropped
-/// while it waits (see [`Beginning`]): skipped if the request is gone
-/// already (`None`); a reservation it makes is handed to `pending` before
-/// the answer, or released here if the request went away meanwhile.
-fn begin_for(
+/// `begin`, in a task of its own, for a request whose future may be
+/// dropped while it waits (see [`Beginning`]): skipped if the request is
+/// gone already (`None`); a reservation it makes is handed to `pending`
+/// before the answer, or released here if the request went away meanwhile.
+async fn begin_for(
     keys: &dyn IdempotencyBackend,
     pending: &Mutex<Pending>,
     tenant: &str,
@@ -429,16 +432,17 @@ fn begin_for(
     if pending.lock().abandoned {
         return None;
     }
-    let began = keys.begin(tenant, key, fp, now);
+    let began = keys.begin_async(tenant, key, fp, now).await;
     if let Ok(Begin::Proceed(r)) = &began {
-        let mut p = pending.lock();
-        if p.abandoned {
-            drop(p);
-            if let Err(e) = keys.release(r) {
-                observe::layer_store_failed("idempotency_release", key, &e);
+        let abandoned = {
+            let mut p = pending.lock();
+            if !p.abandoned {
+                p.reservation = Some(r.clone());
             }
-        } else {
-            p.reservation = Some(r.clone());
+            p.abandoned
+        };
+        if abandoned && let Err(e) = keys.release_async(r).await {
+            observe::layer_store_failed("idempotency_release", key, &e);
         }
     }
     Some(began)
@@ -491,25 +495,28 @@ impl Drop for Beginning {
     }
 }
 
-/// Releases `r` from a drop guard: on the blocking pool, or on this thread
+/// Releases `r` from a drop guard: as a task of its own, or on this thread
 /// outside a runtime. Nobody waits for it; a failure is reported and the
 /// key left to its lease.
 fn release_detached(keys: Arc<dyn IdempotencyBackend>, r: Reservation) {
-    let release = move || {
-        if let Err(e) = keys.release(&r) {
-            observe::layer_store_failed("idempotency_release", r.key(), &e);
-        }
-    };
     match tokio::runtime::Handle::try_current() {
-        Ok(rt) => drop(rt.spawn_blocking(release)),
+        Ok(rt) => drop(rt.spawn(async move {
+            if let Err(e) = keys.release_async(&r).await {
+                observe::layer_store_failed("idempotency_release", r.key(), &e);
+            }
+        })),
         // Outside a runtime this thread may block.
-        Err(_) => release(),
+        Err(_) => {
+            if let Err(e) = keys.release(&r) {
+                observe::layer_store_failed("idempotency_release", r.key(), &e);
+            }
+        }
     }
 }
 
 fn no_runtime(key: &str) -> Response<ResponseBody> {
     let detail = format!(
-        "the idempotency layer runs its store calls on tokio's blocking pool and was called outside a tokio runtime; the request with Idempotency-Key {} was not processed",
+        "the idempotency layer runs its store calls as tokio tasks and was called outside a tokio runtime; the request with Idempotency-Key {} was not processed",
         quoted(key)
     );
     problem(Kind::NoRuntime, &detail, Some(key))
@@ -581,7 +588,7 @@ impl Held {
         if let Some(r) = self.reservation.take() {
             let keys = self.keys.clone();
             let key = r.key().to_owned();
-            let released = blocking(move || keys.release(&r)).await;
+            let released = spawned(async move { keys.release_async(&r).await }).await;
             match released {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => observe::layer_store_failed("idempotency_release", &key, &e),

@@ -65,10 +65,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ::postgres::types::ToSql;
-use ::postgres::{Client, Config, GenericClient, NoTls, Row, Statement};
-use r2d2::ManageConnection;
-use r2d2_postgres::PostgresConnectionManager;
+use tokio::runtime::Handle;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Config, GenericClient, NoTls, Row, Statement};
 
 use crate::error::{Error, Result};
 
@@ -87,11 +86,11 @@ pub(super) struct Stmts {
 
 impl Stmts {
     /// The statement `sql`, prepared on `client` the first time.
-    fn get(&mut self, client: &mut impl GenericClient, sql: &str) -> Result<Statement> {
+    async fn get(&mut self, client: &impl GenericClient, sql: &str) -> Result<Statement> {
         if let Some(s) = self.map.get(sql) {
             return Ok(s.clone());
         }
-        let s = client.prepare(sql)?;
+        let s = client.prepare(sql).await?;
         if self.map.len() >= MAX_STATEMENTS {
             // Dropping a statement closes it on the server.
             self.map.clear();
@@ -106,7 +105,7 @@ impl Stmts {
 /// through it are prepared once per connection; on a caller's own
 /// transaction (no cache) each is prepared where it runs, as text would be.
 pub(super) struct Db<'a, C: GenericClient> {
-    pub(super) client: &'a mut C,
+    pub(super) client: &'a C,
     pub(super) stmts: Option<&'a mut Stmts>,
     /// Outside a transaction, the connection's flag for a statement handed
     /// to the server (each commits as it ends): set once a statement is
@@ -117,9 +116,9 @@ pub(super) struct Db<'a, C: GenericClient> {
 /// Parameters of a statement.
 pub(super) type Params<'p> = [&'p (dyn ToSql + Sync)];
 
-impl<'a, C: GenericClient> Db<'a, C> {
+impl<'a, C: GenericClient + Sync> Db<'a, C> {
     /// `client` without a statement cache: a caller's own transaction.
-    pub(super) fn uncached(client: &'a mut C) -> Self {
+    pub(super) fn uncached(client: &'a C) -> Self {
         Db {
             client,
             stmts: None,
@@ -129,10 +128,10 @@ impl<'a, C: GenericClient> Db<'a, C> {
 
     /// The statement `sql`, prepared; from here on, a statement outside a
     /// transaction is on its way (see [`phase`]).
-    fn stmt(&mut self, sql: &str) -> Result<Statement> {
+    async fn stmt(&mut self, sql: &str) -> Result<Statement> {
         let s = match &mut self.stmts {
-            Some(cache) => cache.get(self.client, sql)?,
-            None => self.client.prepare(sql)?,
+            Some(cache) => cache.get(self.client, sql).await?,
+            None => self.client.prepare(sql).await?,
         };
         if let Some(sent) = &mut self.sent {
             **sent = true;
@@ -140,24 +139,28 @@ impl<'a, C: GenericClient> Db<'a, C> {
         Ok(s)
     }
 
-    pub(super) fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
-        let s = self.stmt(sql)?;
-        Ok(self.client.execute(&s, params)?)
+    pub(super) async fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
+        let s = self.stmt(sql).await?;
+        Ok(self.client.execute(&s, params).await?)
     }
 
-    pub(super) fn query(&mut self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
-        let s = self.stmt(sql)?;
-        Ok(self.client.query(&s, params)?)
+    pub(super) async fn query(&mut self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
+        let s = self.stmt(sql).await?;
+        Ok(self.client.query(&s, params).await?)
     }
 
-    pub(super) fn query_opt(&mut self, sql: &str, params: &Params<'_>) -> Result<Option<Row>> {
-        let s = self.stmt(sql)?;
-        Ok(self.client.query_opt(&s, params)?)
+    pub(super) async fn query_opt(
+        &mut self,
+        sql: &str,
+        params: &Params<'_>,
+    ) -> Result<Option<Row>> {
+        let s = self.stmt(sql).await?;
+        Ok(self.client.query_opt(&s, params).await?)
     }
 
-    pub(super) fn query_one(&mut self, sql: &str, params: &Params<'_>) -> Result<Row> {
-        let s = self.stmt(sql)?;
-        Ok(self.client.query_one(&s, params)?)
+    pub(super) async fn query_one(&mut self, sql: &str, params: &Params<'_>) -> Result<Row> {
+        let s = self.stmt(sql).await?;
+        Ok(self.client.query_one(&s, params).await?)
     }
 }
 
@@ -169,7 +172,7 @@ pub(super) struct PgConn {
     /// checked: older than the store's, it may be dead.
     epoch: u64,
     /// Whether the call using it has sent a `COMMIT`.
-    committing: bool,
+    pub(super) committing: bool,
     /// Whether the call using it has sent a statement outside a
     /// transaction (which commits as it ends).
     sent: bool,
@@ -180,54 +183,102 @@ impl PgConn {
     /// transaction.
     pub(super) fn db(&mut self) -> Db<'_, Client> {
         Db {
-            client: &mut self.client,
+            client: &self.client,
             stmts: Some(&mut self.stmts),
             sent: Some(&mut self.sent),
         }
     }
 
-    /// Runs `f` in a transaction: commits if it returns `Ok`, rolls back if
-    /// it returns `Err` or panics (the dropped transaction rolls back).
-    pub(super) fn in_transaction<T>(
-        &mut self,
-        f: impl FnOnce(&mut Db<'_, ::postgres::Transaction<'_>>) -> Result<T>,
-    ) -> Result<T> {
-        let mut tx = self.client.transaction()?;
-        let out = f(&mut Db {
-            client: &mut tx,
-            stmts: Some(&mut self.stmts),
+    /// The transaction `tx` of this connection, with its statements.
+    pub(super) fn tx_db<'a>(
+        stmts: &'a mut Stmts,
+        tx: &'a tokio_postgres::Transaction<'_>,
+    ) -> Db<'a, tokio_postgres::Transaction<'a>> {
+        // A transaction's statements are the connection's.
+        Db {
+            client: tx,
+            stmts: Some(stmts),
             sent: None,
-        })?;
-        self.committing = true;
-        tx.commit()?;
-        Ok(out)
-    }
-}
-
-/// Opens the pool's connections, stamped with the store's failure count.
-#[derive(Debug)]
-pub(super) struct Manager {
-    inner: PostgresConnectionManager<NoTls>,
-    epoch: Arc<AtomicU64>,
-}
-
-impl Manager {
-    pub(super) fn new(config: Config, epoch: Arc<AtomicU64>) -> Manager {
-        Manager {
-            inner: PostgresConnectionManager::new(config, NoTls),
-            epoch,
         }
     }
 }
 
-impl ManageConnection for Manager {
-    type Connection = PgConn;
-    type Error = ::postgres::Error;
+/// Runs `$body` (an expression that may `.await`, with `$conn` a
+/// `&mut PgConn`) in a transaction on that connection: commits if it is
+/// `Ok`, rolls back if it is `Err` (the dropped transaction rolls back). An
+/// expression, not a function taking a closure, so that the statements'
+/// borrowed parameters need no `'static` and the future stays `Send`.
+macro_rules! in_transaction {
+    ($conn:expr, |$db:ident| $body:expr) => {{
+        let conn: &mut $crate::postgres::conn::PgConn = $conn;
+        match conn.client.transaction().await {
+            Err(e) => Err($crate::error::Error::from(e)),
+            Ok(tx) => {
+                let out = {
+                    let $db = &mut $crate::postgres::conn::PgConn::tx_db(&mut conn.stmts, &tx);
+                    $body
+                };
+                match out {
+                    Ok(v) => {
+                        conn.committing = true;
+                        match tx.commit().await {
+                            Ok(()) => Ok(v),
+                            Err(e) => Err($crate::error::Error::from(e)),
+                        }
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }};
+}
+pub(super) use in_transaction;
 
-    fn connect(&self) -> Result<PgConn, ::postgres::Error> {
+/// Opens the pool's connections, stamped with the store's failure count.
+/// Each connection is opened, and runs, on the store's own runtime
+/// (`rt`): its socket belongs to that runtime's reactor, so a call awaits
+/// it from any runtime (or blocks on it from any thread), and a
+/// connection outlives the runtime of the call that opened it.
+#[derive(Debug)]
+pub(super) struct Manager {
+    config: Config,
+    rt: Handle,
+    epoch: Arc<AtomicU64>,
+}
+
+impl Manager {
+    pub(super) fn new(config: Config, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
+        Manager { config, rt, epoch }
+    }
+}
+
+/// Opens a connection to `config` on `rt`, which then drives it until it
+/// closes (the client dropped, the server gone).
+pub(super) async fn connect(config: &Config, rt: &Handle) -> Result<Client> {
+    let config = config.clone();
+    let opened = rt.spawn(async move {
+        let (client, connection) = config.connect(NoTls).await?;
+        tokio::spawn(async move {
+            // Its end is seen by the calls that use the client.
+            let _ = connection.await;
+        });
+        Ok::<_, tokio_postgres::Error>(client)
+    });
+    match opened.await {
+        Ok(client) => Ok(client?),
+        // The store's runtime is shutting down: the store is closing.
+        Err(_) => Err(Error::Closed),
+    }
+}
+
+impl deadpool::managed::Manager for Manager {
+    type Type = PgConn;
+    type Error = Error;
+
+    async fn create(&self) -> Result<PgConn> {
         let epoch = self.epoch.load(Ordering::Acquire);
         Ok(PgConn {
-            client: self.inner.connect()?,
+            client: connect(&self.config, &self.rt).await?,
             stmts: Stmts::default(),
             epoch,
             committing: false,
@@ -235,14 +286,24 @@ impl ManageConnection for Manager {
         })
     }
 
-    fn is_valid(&self, conn: &mut PgConn) -> Result<(), ::postgres::Error> {
-        self.inner.is_valid(&mut conn.client)
-    }
-
-    fn has_broken(&self, conn: &mut PgConn) -> bool {
-        conn.client.is_closed()
+    async fn recycle(
+        &self,
+        conn: &mut PgConn,
+        _: &deadpool::managed::Metrics,
+    ) -> deadpool::managed::RecycleResult<Error> {
+        if conn.client.is_closed() {
+            return Err(deadpool::managed::RecycleError::message(
+                "connection closed",
+            ));
+        }
+        Ok(())
     }
 }
+
+/// The store's pool of connections.
+pub(super) type Pool = deadpool::managed::Pool<Manager>;
+/// A connection taken from it.
+pub(super) type Conn = deadpool::managed::Object<Manager>;
 
 /// What a call writes, for deciding whether to run it again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -346,7 +407,7 @@ pub(crate) fn classify(e: &Error) -> Class {
         };
     }
     let source: &(dyn std::error::Error + 'static) = &**source;
-    if let Some(pg) = source.downcast_ref::<::postgres::Error>()
+    if let Some(pg) = source.downcast_ref::<tokio_postgres::Error>()
         && pg.is_closed()
     {
         return Class::Connection;
@@ -403,32 +464,63 @@ pub(super) fn backoff(n: u32) -> Duration {
     Duration::from_millis(5 << n.min(6))
 }
 
-/// Takes a connection from `pool`; one opened before the store's latest
-/// lost connection is checked first (an empty query) and dropped if dead.
-pub(super) fn checkout(
-    pool: &r2d2::Pool<Manager>,
+/// Takes a connection from `pool`, waiting at most `timeout` (on the
+/// store's runtime `rt`'s clock) for one; one opened before the store's
+/// latest lost connection is checked first (an empty query) and dropped
+/// if dead.
+pub(super) async fn checkout(
+    pool: &Pool,
+    rt: &Handle,
+    timeout: Duration,
     epoch: &AtomicU64,
-) -> Result<r2d2::PooledConnection<Manager>> {
+) -> Result<Conn> {
     let now = epoch.load(Ordering::Acquire);
     // Every pooled connection may be dead (a restarted server): check as
     // many as the pool holds, then take whatever comes (a new one).
-    for _ in 0..=pool.max_size() {
-        let mut conn = pool.get().map_err(super::errors::pool)?;
+    for _ in 0..=pool.status().max_size {
+        let mut conn = get(pool, rt, timeout).await?;
         conn.committing = false;
         conn.sent = false;
         if conn.epoch >= now {
             return Ok(conn);
         }
-        if conn.client.simple_query("").is_ok() {
+        if conn.client.simple_query("").await.is_ok() {
             conn.epoch = now;
             return Ok(conn);
         }
-        // Dead: the pool discards it when it comes back (`has_broken`).
+        // Dead: the pool discards it when it comes back (`recycle`).
     }
-    let mut conn = pool.get().map_err(super::errors::pool)?;
+    let mut conn = get(pool, rt, timeout).await?;
     conn.committing = false;
     conn.sent = false;
     Ok(conn)
+}
+
+/// One connection from `pool` within `timeout`.
+async fn get(pool: &Pool, rt: &Handle, timeout: Duration) -> Result<Conn> {
+    // The timer belongs to the store's runtime, whoever awaits it.
+    let bounded = {
+        let _rt = rt.enter();
+        tokio::time::timeout(timeout, pool.get())
+    };
+    match bounded.await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(deadpool::managed::PoolError::Backend(e))) => Err(e),
+        Ok(Err(deadpool::managed::PoolError::Closed)) => Err(Error::Closed),
+        Ok(Err(e)) => Err(super::errors::pool(&e.to_string())),
+        Err(_) => Err(super::errors::pool(&format!(
+            "timed out after {timeout:?} waiting for a pooled connection"
+        ))),
+    }
+}
+
+/// Sleeps `d` on the store's runtime's clock, whoever awaits it.
+pub(super) async fn sleep(rt: &Handle, d: Duration) {
+    let sleep = {
+        let _rt = rt.enter();
+        tokio::time::sleep(d)
+    };
+    sleep.await;
 }
 
 /// Records a lost connection (no answer, or the server's word that it is
@@ -539,7 +631,9 @@ mod tests {
 
     #[test]
     fn client_errors_and_the_stores_own_are_other() {
-        let parse = "port=notaport".parse::<::postgres::Config>().unwrap_err();
+        let parse = "port=notaport"
+            .parse::<tokio_postgres::Config>()
+            .unwrap_err();
         assert_eq!(classify(&Error::from(parse)), Class::Other);
         assert_eq!(classify(&Error::NotFound), Class::Other);
         assert_eq!(classify(&Error::conflict("x")), Class::Other);

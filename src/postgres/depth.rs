@@ -10,8 +10,9 @@
 //! - by every `counts` call;
 //! - by this process's own outbox writes (`enqueue`, `enqueue_many`,
 //!   `claim_due`, `settle`, `settle_many`, `settle_and_claim` and the
-//!   operator calls), at most once every [`REFRESH`] per store, on the
-//!   calling thread after its call has committed. `*_in` calls inside a
+//!   operator calls), at most once every [`REFRESH`] per store, by the
+//!   call itself once it has committed (one more query before it
+//!   returns). `*_in` calls inside a
 //!   [`PgStore::write`](super::PgStore::write) closure do not refresh it.
 //!
 //! So the gauge counts the entries of every process, not only this one's,
@@ -38,22 +39,27 @@ pub(super) struct DepthGauge {
 
 impl DepthGauge {
     /// After a write of `outbox` by this process: sets the gauge from a
-    /// count if the last one is older than [`REFRESH`] and no other thread
+    /// count if the last one is older than [`REFRESH`] and no other call
     /// is counting.
-    pub(super) fn after_write(&self, outbox: &PgOutbox) {
-        if !observe::METRICS || in_write() {
+    pub(super) async fn after_write(&self, outbox: &PgOutbox) {
+        if !observe::METRICS || in_write() || !self.due() {
             return;
         }
+        // `counts` sets the gauge itself.
+        let _ = outbox.counts_async().await;
+    }
+
+    /// Whether a refresh is due, marking it taken if so (the lock is not
+    /// held across the count).
+    fn due(&self) -> bool {
         let Some(mut last) = self.last.try_lock() else {
-            return;
+            return false;
         };
         if last.is_some_and(|at| at.elapsed() < REFRESH) {
-            return;
+            return false;
         }
         *last = Some(Instant::now());
-        drop(last);
-        // `counts` sets the gauge itself.
-        let _ = outbox.counts();
+        true
     }
 
     /// Sets the gauge from `counts`, just read from the server.

@@ -13,8 +13,8 @@ use crate::error::Error;
 /// A server or client error, with the SQLSTATE the server answered with
 /// and its message (severity, message, detail and hint), so that the
 /// caller — and `?` in an effect — gets it without digging.
-impl From<::postgres::Error> for Error {
-    fn from(e: ::postgres::Error) -> Self {
+impl From<tokio_postgres::Error> for Error {
+    fn from(e: tokio_postgres::Error) -> Self {
         let code = e.code().map(|c| c.code().to_owned());
         let message = match e.as_db_error() {
             Some(db) => {
@@ -40,13 +40,25 @@ impl From<::postgres::Error> for Error {
 /// No pooled connection came free, or none could be opened, before the
 /// pool's timeout (the server is down or unreachable, or every connection
 /// is busy).
-pub(super) fn pool(e: r2d2::Error) -> Error {
+pub(super) fn pool(reason: &str) -> Error {
     Error::Postgres {
         code: None,
-        message: format!("no database connection: {e}"),
-        source: Arc::new(e),
+        message: format!("no database connection: {reason}"),
+        source: Arc::new(NoConnection(reason.to_owned())),
     }
 }
+
+/// The source of [`pool`]'s error: no connection in time.
+#[derive(Debug)]
+pub(crate) struct NoConnection(String);
+
+impl Display for NoConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NoConnection {}
 
 /// `e`'s message followed by its sources' (the client's own messages say
 /// little without them: "error connecting to server: No such file or
@@ -105,7 +117,7 @@ mod tests {
     #[test]
     fn a_bad_connection_string_keeps_the_clients_words() {
         let e = "host=/nowhere port=notaport"
-            .parse::<::postgres::Config>()
+            .parse::<tokio_postgres::Config>()
             .unwrap_err();
         let e = Error::from(e);
         let Error::Postgres { code, message, .. } = &e else {

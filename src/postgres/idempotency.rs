@@ -19,26 +19,32 @@
 //! | `release`, `release_key` | `DELETE FROM S.idempotency WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3` |
 //! | `get` (expired row) | `BEGIN`, `SELECT … FOR UPDATE`, `DELETE …` if still expired, `COMMIT` |
 //! | `purge_expired` | `DELETE … WHERE (tenant, idem_key) IN (SELECT … WHERE created_at < $1 AND (lease_until IS NULL OR lease_until <= $1) ORDER BY created_at LIMIT 1024 FOR UPDATE SKIP LOCKED)`, repeated while a chunk is full (the `created_at` index) |
+//!
+//! The inspection calls (`entry`, `list`, `summary`, `check_indexes`, …)
+//! are in `inspect.rs`.
+
+mod inspect;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::postgres::types::ToSql;
-use ::postgres::{GenericClient, Transaction};
 use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
-use super::conn::{Db, Mode};
+use super::blocking::wait;
+use super::conn::{Db, Mode, in_transaction};
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Server, after_commit, in_write, refuse_reentrant};
+use super::{Server, Transaction, after_commit, in_write, refuse_reentrant, run};
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::rules::{
-    Completion, Look, Row, Spans, check_begin, check_put, check_tenant, check_tenant_key, decide,
-    into_row, key_entry, key_name, reservation_row, row_time, to_response,
+    Completion, Look, Row, Spans, check_begin, check_put, check_tenant_key, decide, into_row,
+    key_name, reservation_row, to_response,
 };
 use crate::idempotency::{
-    Begin, Counters, IdempotencyStats, KeyEntry, KeySummary, PURGE_CHUNK, Reservation,
-    ResponseRecord, answer, bump, count_completion, count_reserved,
+    Begin, Counters, IdempotencyStats, PURGE_CHUNK, Reservation, ResponseRecord, answer, bump,
+    count_completion, count_reserved,
 };
 
 const TABLE: &str = "idempotency";
@@ -50,7 +56,7 @@ const COLS: &str = "fingerprint, fence, created_at, lease_until, status, content
 
 /// The row in `r`, its columns [`COLS`] from `at` on, stored at
 /// `(tenant, key)`.
-fn read_row(tenant: &str, key: &str, r: &::postgres::Row, at: usize) -> Result<Row> {
+fn read_row(tenant: &str, key: &str, r: &tokio_postgres::Row, at: usize) -> Result<Row> {
     let name = key_name(tenant, key);
     let fingerprint = utf8(TABLE, &name, r.try_get(at)?)?;
     let fence: u64 = unsigned(TABLE, &name, "fence", r.try_get(at + 1)?)?;
@@ -153,21 +159,23 @@ impl PgIdempotencyKeys {
     }
 
     /// The row at `(tenant, key)`, locked if `lock`.
-    fn read(
+    async fn read<C: GenericClient + Sync>(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, C>,
         tenant: &str,
         key: &str,
         lock: bool,
     ) -> Result<Option<Row>> {
         let s = self.s();
         let lock = if lock { " FOR UPDATE" } else { "" };
-        let row = db.query_opt(
-            &format!(
-                "SELECT {COLS} FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2{lock}"
-            ),
-            &[&tenant.as_bytes(), &key.as_bytes()],
-        )?;
+        let row = db
+            .query_opt(
+                &format!(
+                    "SELECT {COLS} FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2{lock}"
+                ),
+                &[&tenant.as_bytes(), &key.as_bytes()],
+            )
+            .await?;
         row.map(|r| read_row(tenant, key, &r, 0)).transpose()
     }
 
@@ -176,9 +184,9 @@ impl PgIdempotencyKeys {
     /// replacing the row there (`replace`, locked by the caller) or
     /// inserting one. Returns the fence, or `None` if a row appeared
     /// meanwhile (the insert found one committed since the caller looked).
-    fn write_fresh(
+    async fn write_fresh<C: GenericClient + Sync>(
         &self,
-        tx: &mut Db<'_, impl GenericClient>,
+        tx: &mut Db<'_, C>,
         tenant: &str,
         key: &str,
         row: &Row,
@@ -231,7 +239,8 @@ impl PgIdempotencyKeys {
             )
         };
         let name = key_name(tenant, key);
-        tx.query_opt(&sql, &params)?
+        tx.query_opt(&sql, &params)
+            .await?
             .map(|r| unsigned(TABLE, &name, "fence", r.try_get(0)?))
             .transpose()
     }
@@ -252,10 +261,21 @@ impl PgIdempotencyKeys {
         key: &str,
         expired_before: DateTime<Utc>,
     ) -> Result<Option<ResponseRecord>> {
+        wait(self.get_async(tenant, key, expired_before))
+    }
+
+    /// [`PgIdempotencyKeys::get`], awaited. Dropped midway, an expired
+    /// record may have been deleted.
+    pub async fn get_async(
+        &self,
+        tenant: &str,
+        key: &str,
+        expired_before: DateTime<Utc>,
+    ) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
         let cutoff = micros(expired_before);
-        let found = self.server.run(Mode::Read, |conn| {
-            self.read(&mut conn.db(), tenant, key, false)
+        let found = run!(self.server, Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false).await
         })?;
         let row = match found {
             // Absent either way; the delete is left to a later call.
@@ -264,17 +284,19 @@ impl PgIdempotencyKeys {
                 let s = self.s();
                 let delete =
                     format!("DELETE FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2");
-                let (deleted, now) = self.server.run(Mode::Tx, |conn| {
-                    conn.in_transaction(|tx| {
-                        let Some(old) = self.read(tx, tenant, key, true)? else {
+                let (deleted, now) = run!(self.server, Mode::Tx, |conn| {
+                    in_transaction!(conn, |tx| async {
+                        let Some(old) = self.read(tx, tenant, key, true).await? else {
                             return Ok((false, None));
                         };
                         if !old.expired(cutoff) {
                             return Ok((false, Some(old)));
                         }
-                        tx.execute(&delete, &[&tenant.as_bytes(), &key.as_bytes()])?;
+                        tx.execute(&delete, &[&tenant.as_bytes(), &key.as_bytes()])
+                            .await?;
                         Ok((true, None))
-                    })
+                    }
+                    .await)
                 })?;
                 if deleted {
                     bump(&self.counters.expired_deleted, 1);
@@ -294,16 +316,22 @@ impl PgIdempotencyKeys {
     /// a row expired as of `record.created_at`: a response older than the
     /// handle's TTL, or a reservation whose lease ended.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
+        wait(self.put_async(record))
+    }
+
+    /// [`PgIdempotencyKeys::put`], awaited. Dropped once its `COMMIT` is
+    /// sent, the record may have been stored.
+    pub async fn put_async(&self, record: &ResponseRecord) -> Result<bool> {
         check_put(record, self.server.max_body)?;
         refuse_reentrant()?;
         let row = into_row(record.clone(), 0, record.created_at);
         let now = row.created_at();
         let expired_before = self.spans.expired_before(now);
         let (tenant, key) = (record.tenant.as_str(), record.idempotency_key.as_str());
-        let stored = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|tx| {
+        let stored = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |tx| async {
                 for _ in 0..3 {
-                    let old = self.read(tx, tenant, key, true)?;
+                    let old = self.read(tx, tenant, key, true).await?;
                     if old
                         .as_ref()
                         .is_some_and(|r| r.holds_key(now, expired_before))
@@ -311,14 +339,16 @@ impl PgIdempotencyKeys {
                         return Ok(false);
                     }
                     if self
-                        .write_fresh(tx, tenant, key, &row, old.is_some())?
+                        .write_fresh(tx, tenant, key, &row, old.is_some())
+                        .await?
                         .is_some()
                     {
                         return Ok(true);
                     }
                 }
                 Err(Error::conflict("the key kept changing while it was stored"))
-            })
+            }
+            .await)
         })?;
         if stored {
             bump(&self.counters.stored, 1);
@@ -332,6 +362,12 @@ impl PgIdempotencyKeys {
     /// costs what it removes; a row being written at that moment is left
     /// for the next purge.
     pub fn purge_expired(&self, expired_before: DateTime<Utc>) -> Result<u64> {
+        wait(self.purge_expired_async(expired_before))
+    }
+
+    /// [`PgIdempotencyKeys::purge_expired`], awaited. Dropped midway, the
+    /// chunks committed before stay purged.
+    pub async fn purge_expired_async(&self, expired_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
         let s = self.s();
         let cutoff = micros(expired_before);
@@ -344,8 +380,8 @@ impl PgIdempotencyKeys {
         );
         let mut total = 0;
         loop {
-            let n = self.server.run(Mode::Statement, |conn| {
-                conn.db().execute(&sql, &[&cutoff, &chunk])
+            let n = run!(self.server, Mode::Statement, |conn| {
+                conn.db().execute(&sql, &[&cutoff, &chunk]).await
             })?;
             total += n;
             bump(&self.counters.purged, n);
@@ -370,36 +406,85 @@ impl PgIdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
+        wait(self.begin_here(tenant, key, fingerprint, now, in_write()))
+    }
+
+    /// [`PgIdempotencyKeys::begin`], awaited. The call runs as a task of
+    /// the store's runtime, to its end whatever becomes of this future:
+    /// dropped before the answer, a reservation it made is released there
+    /// and then (fenced: it frees only that reservation), so a dropped
+    /// `begin_async` never leaves the key held.
+    pub async fn begin_async(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Begin> {
+        check_begin(tenant, key, fingerprint)?;
+        let (this, reentrant) = (self.clone(), in_write());
+        let (tenant, key, fingerprint) =
+            (tenant.to_owned(), key.to_owned(), fingerprint.to_owned());
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        self.server.handle.spawn(async move {
+            let began = this
+                .begin_here(&tenant, &key, &fingerprint, now, reentrant)
+                .await;
+            if let Err(Ok(Begin::Proceed(r))) = answer.send(began) {
+                // Nobody is there to take the reservation: free the key
+                // (a failure leaves it to its lease).
+                let _ = this.release_async(&r).await;
+            }
+        });
+        // No answer: the store's runtime is gone (the store is closing).
+        answered.await.unwrap_or(Err(Error::Closed))
+    }
+
+    /// `begin` on this task; `reentrant`: the caller's thread runs a write
+    /// closure (where a reservation is refused).
+    async fn begin_here(
+        &self,
+        tenant: &str,
+        key: &str,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+        reentrant: bool,
+    ) -> Result<Begin> {
         check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
-        let row = self.server.run(Mode::Read, |conn| {
-            self.read(&mut conn.db(), tenant, key, false)
+        let row = run!(self.server, Mode::Read, |conn| {
+            self.read(&mut conn.db(), tenant, key, false).await
         })?;
         match decide(row, fingerprint, now_us, expired_before) {
             Look::Reserve { .. } => {}
             look => return answer(&self.counters, tenant, key, look),
         }
-        refuse_reentrant()?;
+        if reentrant {
+            return Err(Error::Reentrant);
+        }
         let reservation = Row::Reserved {
             fingerprint: fingerprint.to_owned(),
             fence: 0,
             reserved_at: now_us,
             lease_until: lease_until_us,
         };
-        let began = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|tx| {
+        let began = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |tx| async {
                 // Decided again on the locked row; an insert that meets a row
                 // committed since is decided again on that one.
                 for _ in 0..3 {
-                    let old = self.read(tx, tenant, key, true)?;
+                    let old = self.read(tx, tenant, key, true).await?;
                     let exists = old.is_some();
                     let (takeover, expired) = match decide(old, fingerprint, now_us, expired_before)
                     {
                         Look::Reserve { takeover, expired } => (takeover, expired),
                         look => return Ok(Began::Answered(look)),
                     };
-                    if let Some(fence) = self.write_fresh(tx, tenant, key, &reservation, exists)? {
+                    if let Some(fence) = self
+                        .write_fresh(tx, tenant, key, &reservation, exists)
+                        .await?
+                    {
                         return Ok(Began::Reserved {
                             fence,
                             takeover,
@@ -410,7 +495,8 @@ impl PgIdempotencyKeys {
                 Err(Error::conflict(
                     "the key kept changing while it was reserved",
                 ))
-            })
+            }
+            .await)
         })?;
         match began {
             Began::Answered(look) => answer(&self.counters, tenant, key, look),
@@ -436,9 +522,9 @@ impl PgIdempotencyKeys {
     /// with its fence, and nothing else; and whether, if it did not, the
     /// row already held the response of that reservation (read from the
     /// statement's snapshot, in the same round trip).
-    fn complete_on(
+    async fn complete_on<C: GenericClient + Sync>(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, C>,
         r: &Reservation,
         row: &Row,
     ) -> Result<Completion> {
@@ -471,19 +557,21 @@ impl PgIdempotencyKeys {
             &values,
             body,
         ];
-        let r = db.query_one(
-            &format!(
-                "WITH done AS (UPDATE {s}.idempotency SET created_at = $4, lease_until = NULL, \
-                 status = $5, content_type = $6, header_names = $7, header_values = $8, \
-                 body = $9 \
-                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3 \
-                 RETURNING 1) \
-                 SELECT EXISTS (SELECT 1 FROM done), \
-                 EXISTS (SELECT 1 FROM {s}.idempotency \
-                 WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NULL AND fence = $3)"
-            ),
-            &params,
-        )?;
+        let r = db
+            .query_one(
+                &format!(
+                    "WITH done AS (UPDATE {s}.idempotency SET created_at = $4, \
+                     lease_until = NULL, status = $5, content_type = $6, header_names = $7, \
+                     header_values = $8, body = $9 \
+                     WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL \
+                     AND fence = $3 RETURNING 1) \
+                     SELECT EXISTS (SELECT 1 FROM done), \
+                     EXISTS (SELECT 1 FROM {s}.idempotency \
+                     WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NULL AND fence = $3)"
+                ),
+                &params,
+            )
+            .await?;
         let (stored, already): (bool, bool) = (r.try_get(0)?, r.try_get(1)?);
         Ok(match (stored, already) {
             (true, _) => Completion::Stored,
@@ -504,13 +592,24 @@ impl PgIdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
+        wait(self.complete_async(r, response, now))
+    }
+
+    /// [`PgIdempotencyKeys::complete`], awaited. Dropped once sent, the
+    /// response may have been stored (and the reservation ended).
+    pub async fn complete_async(
+        &self,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
         let row = reservation_row(r, response, now, self.server.max_body)?;
         refuse_reentrant()?;
         // One statement: run again only when the server said it did not
         // happen (after a lost answer a second try would find the
         // reservation gone and answer `false` for a stored response).
-        let done = self.server.run(Mode::Statement, |conn| {
-            self.complete_on(&mut conn.db(), r, &row)
+        let done = run!(self.server, Mode::Statement, |conn| {
+            self.complete_on(&mut conn.db(), r, &row).await
         })?;
         count_completion(&self.counters, done);
         Ok(done.stored())
@@ -537,8 +636,21 @@ impl PgIdempotencyKeys {
         response: ResponseRecord,
         now: DateTime<Utc>,
     ) -> Result<bool> {
+        wait(self.complete_in_async(tx.as_async(), r, response, now))
+    }
+
+    /// [`PgIdempotencyKeys::complete_in`], awaited, in a transaction of the
+    /// async client (a [`PgStore::write_async`](super::PgStore::write_async)
+    /// closure's, or your own); the completion is counted when this returns.
+    pub async fn complete_in_async(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        r: &Reservation,
+        response: ResponseRecord,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
         let row = reservation_row(r, response, now, self.server.max_body)?;
-        let done = self.complete_on(&mut Db::uncached(tx), r, &row)?;
+        let done = self.complete_on(&mut Db::uncached(tx), r, &row).await?;
         if done != Completion::AlreadyStored {
             let counters = self.counters.clone();
             after_commit(move || count_completion(&counters, done));
@@ -550,6 +662,12 @@ impl PgIdempotencyKeys {
     /// the key is free and a retry gets [`Begin::Proceed`]. If `r` no longer
     /// holds the key (taken over, completed, released) nothing changes.
     pub fn release(&self, r: &Reservation) -> Result<()> {
+        wait(self.release_async(r))
+    }
+
+    /// [`PgIdempotencyKeys::release`], awaited. Dropped once sent, the
+    /// reservation may have been given up.
+    pub async fn release_async(&self, r: &Reservation) -> Result<()> {
         refuse_reentrant()?;
         let Ok(fence) = i64::try_from(r.fence()) else {
             return Ok(());
@@ -561,9 +679,10 @@ impl PgIdempotencyKeys {
         );
         // Deleting the reservation again is harmless: a lost answer is
         // retried too.
-        let n = self.server.run(Mode::Read, |conn| {
+        let n = run!(self.server, Mode::Read, |conn| {
             conn.db()
                 .execute(&sql, &[&r.tenant().as_bytes(), &r.key().as_bytes(), &fence])
+                .await
         })?;
         if n == 1 {
             bump(&self.counters.released, 1);
@@ -574,8 +693,8 @@ impl PgIdempotencyKeys {
     /// The operator's release, for a reservation whose handler is stuck or
     /// gone: gives up the reservation of `(tenant, key)` if the key still
     /// holds a reservation with fence token `fence` (as
-    /// [`KeyEntry::fence`] lists it), and returns whether it did — the
-    /// same rule as
+    /// [`KeyEntry::fence`](crate::KeyEntry::fence) lists it), and returns
+    /// whether it did — the same rule as
     /// [`IdempotencyKeys::release_key`](crate::IdempotencyKeys::release_key).
     /// A stored response is never deleted and a reservation with another
     /// fence never freed; a holder released while still running has its
@@ -584,6 +703,12 @@ impl PgIdempotencyKeys {
     /// what the server did (a lost answer is an error, never a wrong
     /// `false`). Counted in [`IdempotencyStats::released`].
     pub fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
+        wait(self.release_key_async(tenant, key, fence))
+    }
+
+    /// [`PgIdempotencyKeys::release_key`], awaited. Dropped once sent, the
+    /// reservation may have been given up.
+    pub async fn release_key_async(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
         check_tenant_key(tenant, key)?;
         refuse_reentrant()?;
         let Ok(fence) = i64::try_from(fence) else {
@@ -595,162 +720,34 @@ impl PgIdempotencyKeys {
             "DELETE FROM {s}.idempotency \
              WHERE tenant = $1 AND idem_key = $2 AND lease_until IS NOT NULL AND fence = $3"
         );
-        let n = self.server.run(Mode::Statement, |conn| {
+        let n = run!(self.server, Mode::Statement, |conn| {
             conn.db()
                 .execute(&sql, &[&tenant.as_bytes(), &key.as_bytes(), &fence])
+                .await
         })?;
         if n == 1 {
             bump(&self.counters.released, 1);
         }
         Ok(n == 1)
     }
-
-    /// The row at `(tenant, key)`, completed or reserved, whatever its age:
-    /// what [`list`](Self::list) shows of it, or `None` if there is none. A
-    /// plain read that never deletes. For inspection tools.
-    pub fn entry(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>> {
-        check_tenant_key(tenant, key)?;
-        let found = self.server.run(Mode::Read, |conn| {
-            self.read(&mut conn.db(), tenant, key, false)
-        })?;
-        found.map(|row| key_entry(tenant, key, row)).transpose()
-    }
-
-    /// Up to `limit` rows, completed and reserved, in `(tenant, key)` order;
-    /// of one tenant only if `tenant` is given. For inspection tools.
-    pub fn list(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
-        if let Some(t) = tenant {
-            check_tenant(t)?;
-        }
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let s = self.s();
-        let sql = format!(
-            "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
-             WHERE $1::bytea IS NULL OR tenant = $1 ORDER BY tenant, idem_key LIMIT $2"
-        );
-        let rows = self.server.run(Mode::Read, |conn| {
-            conn.db().query(&sql, &[&tenant.map(str::as_bytes), &limit])
-        })?;
-        key_entries(&rows)
-    }
-
-    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
-    /// `after` (the `(tenant, key)` of a previous page's last row): every
-    /// row, a page per statement, as the embedded store's `list_after`. For
-    /// `idemstore export` and the console's list of keys; not a stable API.
-    #[doc(hidden)]
-    pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let s = self.s();
-        let (tenant, key) = after.map_or((None, None), |(t, k)| (Some(t), Some(k)));
-        let sql = format!(
-            "SELECT tenant, idem_key, {COLS} FROM {s}.idempotency \
-             WHERE $1::bytea IS NULL OR (tenant, idem_key) > ($1, $2::bytea) \
-             ORDER BY tenant, idem_key LIMIT $3"
-        );
-        let rows = self.server.run(Mode::Read, |conn| {
-            conn.db().query(
-                &sql,
-                &[&tenant.map(str::as_bytes), &key.map(str::as_bytes), &limit],
-            )
-        })?;
-        key_entries(&rows)
-    }
-
-    /// The completed response stored at `(tenant, key)`, whatever its age:
-    /// a plain read that never deletes. `None` for no row or a reservation.
-    pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
-        check_tenant_key(tenant, key)?;
-        let found = self.server.run(Mode::Read, |conn| {
-            self.read(&mut conn.db(), tenant, key, false)
-        })?;
-        match found {
-            Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// How many rows are completed responses and how many reservations, and
-    /// the oldest row's `created_at`. Counts the rows: for inspection tools.
-    pub fn summary(&self) -> Result<KeySummary> {
-        let s = self.s();
-        let sql = format!(
-            "SELECT count(*) FILTER (WHERE lease_until IS NULL), \
-                    count(*) FILTER (WHERE lease_until IS NOT NULL), \
-                    min(created_at) \
-             FROM {s}.idempotency"
-        );
-        let r = self
-            .server
-            .run(Mode::Read, |conn| conn.db().query_one(&sql, &[]))?;
-        let (completed, reserved): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
-        let oldest: Option<i64> = r.try_get(2)?;
-        Ok(KeySummary {
-            completed: u64::try_from(completed).unwrap_or(0),
-            reserved: u64::try_from(reserved).unwrap_or(0),
-            oldest: oldest.map(|at| row_time("", "(oldest)", at)).transpose()?,
-        })
-    }
-
-    /// Checks what the server does not enforce itself: every row decodes as
-    /// the store wrote it, and its fence was handed out by the sequence.
-    /// Returns one human-readable line per problem; empty when consistent.
-    /// Reads every row: for tests and offline checks.
-    pub fn check_indexes(&self) -> Result<Vec<String>> {
-        // It uses a pooled connection directly: where it may block.
-        super::runtime::off_runtime(|| self.check_indexes_here())
-    }
-
-    fn check_indexes_here(&self) -> Result<Vec<String>> {
-        let s = self.s();
-        let mut conn = self.server.conn()?;
-        let conn = &mut conn.client;
-        let last: i64 = conn
-            .query_one(
-                &format!(
-                    "SELECT CASE WHEN is_called THEN last_value ELSE 0 END \
-                     FROM {s}.idempotency_fence"
-                ),
-                &[],
-            )?
-            .try_get(0)?;
-        let mut findings = Vec::new();
-        for r in conn.query(
-            &format!("SELECT tenant, idem_key, {COLS} FROM {s}.idempotency"),
-            &[],
-        )? {
-            let (t, k): (Vec<u8>, Vec<u8>) = (r.try_get(0)?, r.try_get(1)?);
-            let (t, k) = (String::from_utf8_lossy(&t), String::from_utf8_lossy(&k));
-            let name = key_name(&t, &k);
-            match read_row(&t, &k, &r, 2) {
-                Err(e) => findings.push(format!("row {name} does not decode: {e}")),
-                Ok(row) if i64::try_from(row.fence()).map_or(true, |f| f > last) => {
-                    findings.push(format!(
-                        "row {name} has fence {} but the last fence handed out is {last}",
-                        row.fence()
-                    ));
-                }
-                Ok(_) => {}
-            }
-        }
-        Ok(findings)
-    }
 }
 
-/// The rows of a listing (tenant, key, then [`COLS`]) as entries.
-fn key_entries(rows: &[::postgres::Row]) -> Result<Vec<KeyEntry>> {
-    rows.iter()
-        .map(|r| {
-            let t = utf8(TABLE, &"?", r.try_get(0)?)?;
-            let k = utf8(TABLE, &key_name(&t, "?"), r.try_get(1)?)?;
-            let row = read_row(&t, &k, r, 2)?;
-            key_entry(&t, &k, row)
-        })
-        .collect()
+/// The async calls' futures are `Send`: a check at compile time, never run.
+#[cfg(test)]
+fn _send(
+    k: &PgIdempotencyKeys,
+    tx: &tokio_postgres::Transaction<'_>,
+    r: &Reservation,
+    record: &ResponseRecord,
+) {
+    fn is_send<T: Send>(_: T) {}
+    let now = Utc::now();
+    is_send(k.get_async("t", "k", now));
+    is_send(k.put_async(record));
+    is_send(k.purge_expired_async(now));
+    is_send(k.begin_async("t", "k", "f", now));
+    is_send(k.complete_async(r, record.clone(), now));
+    is_send(k.complete_in_async(tx, r, record.clone(), now));
+    is_send(k.release_async(r));
+    is_send(k.release_key_async("t", "k", 1));
 }

@@ -22,12 +22,14 @@
 //! Not a stable API: these calls exist for the command and may change with
 //! it.
 
-use ::postgres::GenericClient;
 use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
 
 use super::PgStore;
-use super::conn::{Db, Mode};
+use super::blocking::wait;
+use super::conn::{Db, Mode, in_transaction};
 use super::outbox::status_name;
+use super::run;
 use crate::codec::micros;
 use crate::error::{Error, Result};
 use crate::idempotency::{KeyEntry, KeyState, ResponseRecord};
@@ -40,6 +42,16 @@ impl PgStore {
     /// many were not there yet.
     #[doc(hidden)]
     pub fn import_inbox(&self, inbox: &str, keys: &[(String, DateTime<Utc>)]) -> Result<u64> {
+        wait(self.import_inbox_async(inbox, keys))
+    }
+
+    /// [`PgStore::import_inbox`], awaited.
+    #[doc(hidden)]
+    pub async fn import_inbox_async(
+        &self,
+        inbox: &str,
+        keys: &[(String, DateTime<Utc>)],
+    ) -> Result<u64> {
         check_inbox_name(inbox)?;
         for (k, _) in keys {
             check_event_key(k)?;
@@ -55,8 +67,10 @@ impl PgStore {
         );
         let names: Vec<&[u8]> = keys.iter().map(|(k, _)| k.as_bytes()).collect();
         let times: Vec<i64> = keys.iter().map(|(_, t)| micros(*t)).collect();
-        self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| db.execute(&sql, &[&inbox, &names, &times]))
+        run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| {
+                db.execute(&sql, &[&inbox, &names, &times]).await
+            })
         })
     }
 
@@ -67,21 +81,32 @@ impl PgStore {
     /// `(destination, idempotency_key)`.
     #[doc(hidden)]
     pub fn import_outbox(&self, records: &[OutboxRecord]) -> Result<(u64, Vec<OutboxId>)> {
+        wait(self.import_outbox_async(records))
+    }
+
+    /// [`PgStore::import_outbox`], awaited.
+    #[doc(hidden)]
+    pub async fn import_outbox_async(
+        &self,
+        records: &[OutboxRecord],
+    ) -> Result<(u64, Vec<OutboxId>)> {
         if records.is_empty() {
             return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
-        self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
+        run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| async {
                 db.execute(
                     &format!("LOCK TABLE {s}.outbox IN SHARE ROW EXCLUSIVE MODE"),
                     &[],
-                )?;
+                )
+                .await?;
                 let mut copied = 0;
                 let mut conflicts = Vec::new();
                 for r in records {
                     let id = r.entry.id;
                     match insert_record(db, &s, r)
+                        .await
                         .map_err(|e| naming(e, &format!("outbox entry {id}")))?
                     {
                         Copied::Inserted => copied += 1,
@@ -89,10 +114,11 @@ impl PgStore {
                         Copied::Conflict => conflicts.push(id),
                     }
                 }
-                order_sequences(db, &s, records)?;
-                bump_outbox_ids(db, &s)?;
+                order_sequences(db, &s, records).await?;
+                bump_outbox_ids(db, &s).await?;
                 Ok((copied, conflicts))
-            })
+            }
+            .await)
         })
     }
 
@@ -102,6 +128,12 @@ impl PgStore {
     /// left alone). Returns how many were copied.
     #[doc(hidden)]
     pub fn import_destinations(&self, states: &[DestinationState]) -> Result<u64> {
+        wait(self.import_destinations_async(states))
+    }
+
+    /// [`PgStore::import_destinations`], awaited.
+    #[doc(hidden)]
+    pub async fn import_destinations_async(&self, states: &[DestinationState]) -> Result<u64> {
         let states: Vec<&DestinationState> = states
             .iter()
             .filter(|d| d.paused || !d.policy.is_unlimited())
@@ -120,26 +152,29 @@ impl PgStore {
              VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (destination) DO NOTHING"
         );
-        self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
+        run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| async {
                 let mut copied = 0;
                 for d in &states {
                     let p = d.policy.to_parts();
-                    copied += db.execute(
-                        &sql,
-                        &[
-                            &d.destination.as_bytes(),
-                            &p.max_in_flight.map(i64::from),
-                            &p.rate.map(|r| r.0),
-                            &p.rate.map(|r| i64::from(r.1)),
-                            &p.circuit.map(|c| i64::from(c.0)),
-                            &p.circuit.map(|c| c.1),
-                            &d.paused,
-                        ],
-                    )?;
+                    copied += db
+                        .execute(
+                            &sql,
+                            &[
+                                &d.destination.as_bytes(),
+                                &p.max_in_flight.map(i64::from),
+                                &p.rate.map(|r| r.0),
+                                &p.rate.map(|r| i64::from(r.1)),
+                                &p.circuit.map(|c| i64::from(c.0)),
+                                &p.circuit.map(|c| c.1),
+                                &d.paused,
+                            ],
+                        )
+                        .await?;
                 }
                 Ok(copied)
-            })
+            }
+            .await)
         })
     }
 
@@ -153,25 +188,37 @@ impl PgStore {
         &self,
         rows: &[(KeyEntry, Option<ResponseRecord>)],
     ) -> Result<(u64, Vec<(String, String)>)> {
+        wait(self.import_idempotency_async(rows))
+    }
+
+    /// [`PgStore::import_idempotency`], awaited.
+    #[doc(hidden)]
+    pub async fn import_idempotency_async(
+        &self,
+        rows: &[(KeyEntry, Option<ResponseRecord>)],
+    ) -> Result<(u64, Vec<(String, String)>)> {
         if rows.is_empty() {
             return Ok((0, Vec::new()));
         }
         let s = self.schema().to_owned();
-        self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
+        run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| async {
                 db.execute(
                     &format!("LOCK TABLE {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
                     &[],
-                )?;
+                )
+                .await?;
                 let mut copied = 0;
                 let mut conflicts = Vec::new();
                 for (entry, response) in rows {
-                    let copy = insert_key(db, &s, entry, response.as_ref()).map_err(|e| {
-                        naming(
-                            e,
-                            &format!("idempotency key {:?}/{:?}", entry.tenant, entry.key),
-                        )
-                    })?;
+                    let copy = insert_key(db, &s, entry, response.as_ref())
+                        .await
+                        .map_err(|e| {
+                            naming(
+                                e,
+                                &format!("idempotency key {:?}/{:?}", entry.tenant, entry.key),
+                            )
+                        })?;
                     match copy {
                         Copied::Inserted => copied += 1,
                         Copied::Present => {}
@@ -181,11 +228,13 @@ impl PgStore {
                     }
                 }
                 let largest: Option<i64> = db
-                    .query_one(&format!("SELECT max(fence) FROM {s}.idempotency"), &[])?
+                    .query_one(&format!("SELECT max(fence) FROM {s}.idempotency"), &[])
+                    .await?
                     .try_get(0)?;
-                advance(db, &format!("{s}.idempotency_fence"), largest.unwrap_or(0))?;
+                advance(db, &format!("{s}.idempotency_fence"), largest.unwrap_or(0)).await?;
                 Ok((copied, conflicts))
-            })
+            }
+            .await)
         })
     }
 
@@ -195,22 +244,30 @@ impl PgStore {
     /// hands out an id or fence again that the source store did.
     #[doc(hidden)]
     pub fn import_counters(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
+        wait(self.import_counters_async(next_outbox_id, next_fence))
+    }
+
+    /// [`PgStore::import_counters`], awaited.
+    #[doc(hidden)]
+    pub async fn import_counters_async(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
         let last = |field, next: u64| {
             i64::try_from(next.saturating_sub(1))
                 .map_err(|_| Error::invalid(field, format!("{next} is beyond PostgreSQL's bigint")))
         };
         let (last_id, last_fence) = (last("id", next_outbox_id)?, last("fence", next_fence)?);
         let s = self.schema().to_owned();
-        self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
+        run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| async {
                 db.execute(
                     &format!("LOCK TABLE {s}.outbox, {s}.idempotency IN SHARE ROW EXCLUSIVE MODE"),
                     &[],
-                )?;
-                let seq = outbox_ids(db, &s)?;
-                advance(db, &seq, last_id)?;
-                advance(db, &format!("{s}.idempotency_fence"), last_fence)
-            })
+                )
+                .await?;
+                let seq = outbox_ids(db, &s).await?;
+                advance(db, &seq, last_id).await?;
+                advance(db, &format!("{s}.idempotency_fence"), last_fence).await
+            }
+            .await)
         })
     }
 }
@@ -248,7 +305,11 @@ fn naming(e: Error, row: &str) -> Error {
 /// there; then its attempt history. What is there is the same entry if it
 /// has the same id, destination, idempotency key, command and creation
 /// time (its status and history may have moved on since); else a conflict.
-fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord) -> Result<Copied> {
+async fn insert_record<C: GenericClient + Sync>(
+    db: &mut Db<'_, C>,
+    s: &str,
+    r: &OutboxRecord,
+) -> Result<Copied> {
     let e = &r.entry;
     let id = i64::try_from(e.id.0)
         .map_err(|_| Error::invalid("id", format!("{} is beyond PostgreSQL's bigint", e.id.0)))?;
@@ -259,9 +320,10 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
     };
     let worker = attempt.map(|a| a.worker_id.as_bytes());
     let claimed_at = attempt.map(|a| micros(a.claimed_at));
-    let inserted = db.query_opt(
-        &format!(
-            "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
+    let inserted = db
+        .query_opt(
+            &format!(
+                "INSERT INTO {s}.outbox (id, command_id, destination, idempotency_key, payload, \
              status, attempt_count, next_attempt_at, created_at, completed_at, worker_id, \
              claimed_at, last_failure, remote_ref, ordering_key, priority, seq) \
              OVERRIDING SYSTEM VALUE \
@@ -269,39 +331,42 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
                  CASE WHEN $15::bytea IS NULL OR $6 IN ('completed', 'failed') THEN NULL \
                  ELSE $1::bigint END) \
              ON CONFLICT DO NOTHING RETURNING id"
-        ),
-        &[
-            &id,
-            &e.command_id.as_bytes(),
-            &e.destination.as_bytes(),
-            &e.idempotency_key.as_bytes(),
-            &e.payload,
-            &status_name(e.status),
-            &i64::from(e.attempt_count),
-            &e.next_attempt_at.map(micros),
-            &micros(e.created_at),
-            &e.completed_at.map(micros),
-            &worker,
-            &claimed_at,
-            &r.last_failure.as_deref().map(str::as_bytes),
-            &r.remote_ref.as_deref().map(str::as_bytes),
-            &e.ordering_key.as_deref().map(str::as_bytes),
-            &i16::from(e.priority),
-        ],
-    )?;
-    if inserted.is_none() {
-        let there = db.query(
-            &format!(
-                "SELECT id, command_id, destination, idempotency_key, created_at \
-                 FROM {s}.outbox WHERE id = $1 OR (destination = $2 AND idempotency_key = $3)"
             ),
             &[
                 &id,
+                &e.command_id.as_bytes(),
                 &e.destination.as_bytes(),
                 &e.idempotency_key.as_bytes(),
+                &e.payload,
+                &status_name(e.status),
+                &i64::from(e.attempt_count),
+                &e.next_attempt_at.map(micros),
+                &micros(e.created_at),
+                &e.completed_at.map(micros),
+                &worker,
+                &claimed_at,
+                &r.last_failure.as_deref().map(str::as_bytes),
+                &r.remote_ref.as_deref().map(str::as_bytes),
+                &e.ordering_key.as_deref().map(str::as_bytes),
+                &i16::from(e.priority),
             ],
-        )?;
-        let same = |row: &::postgres::Row| -> Result<bool> {
+        )
+        .await?;
+    if inserted.is_none() {
+        let there = db
+            .query(
+                &format!(
+                    "SELECT id, command_id, destination, idempotency_key, created_at \
+                 FROM {s}.outbox WHERE id = $1 OR (destination = $2 AND idempotency_key = $3)"
+                ),
+                &[
+                    &id,
+                    &e.destination.as_bytes(),
+                    &e.idempotency_key.as_bytes(),
+                ],
+            )
+            .await?;
+        let same = |row: &tokio_postgres::Row| -> Result<bool> {
             Ok(row.try_get::<_, i64>(0)? == id
                 && row.try_get::<_, &[u8]>(1)? == e.command_id.as_bytes()
                 && row.try_get::<_, &[u8]>(2)? == e.destination.as_bytes()
@@ -330,7 +395,8 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
                      WITH ORDINALITY AS u(a, t, r, rr, n)"
             ),
             &[&id, &attempts, &ats, &reasons, &refs],
-        )?;
+        )
+        .await?;
     }
     Ok(Copied::Inserted)
 }
@@ -339,8 +405,8 @@ fn insert_record(db: &mut Db<'_, impl GenericClient>, s: &str, r: &OutboxRecord)
 /// order (enqueue order), each waiting while an entry before it is
 /// unfinished or one of its sequence is being sent or in doubt, so that
 /// the entry the source store was sending stays the one in flight.
-fn order_sequences(
-    db: &mut Db<'_, impl GenericClient>,
+async fn order_sequences<C: GenericClient + Sync>(
+    db: &mut Db<'_, C>,
     s: &str,
     records: &[OutboxRecord],
 ) -> Result<()> {
@@ -363,34 +429,37 @@ fn order_sequences(
              WHERE o.destination = ANY($1) AND o.seq IS NOT NULL"
         ),
         &[&dests],
-    )?;
+    )
+    .await?;
     Ok(())
 }
 
 /// Moves the outbox's id sequence past the largest id, never back.
-fn bump_outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<()> {
-    let seq = outbox_ids(db, s)?;
+async fn bump_outbox_ids<C: GenericClient + Sync>(db: &mut Db<'_, C>, s: &str) -> Result<()> {
+    let seq = outbox_ids(db, s).await?;
     let largest: Option<i64> = db
-        .query_one(&format!("SELECT max(id) FROM {s}.outbox"), &[])?
+        .query_one(&format!("SELECT max(id) FROM {s}.outbox"), &[])
+        .await?
         .try_get(0)?;
-    advance(db, &seq, largest.unwrap_or(0))
+    advance(db, &seq, largest.unwrap_or(0)).await
 }
 
 /// The name of the outbox's id sequence, from the catalog, quoted where it
 /// needs to be.
-fn outbox_ids(db: &mut Db<'_, impl GenericClient>, s: &str) -> Result<String> {
+async fn outbox_ids<C: GenericClient + Sync>(db: &mut Db<'_, C>, s: &str) -> Result<String> {
     Ok(db
         .query_one(
             "SELECT pg_get_serial_sequence($1, 'id')",
             &[&format!("{s}.outbox")],
-        )?
+        )
+        .await?
         .try_get(0)?)
 }
 
 /// Moves sequence `seq` so that it hands out only values above `past`;
 /// never back (a sequence that is past it already is left alone). The
 /// caller holds a lock of the table whose writers take values from it.
-fn advance(db: &mut Db<'_, impl GenericClient>, seq: &str, past: i64) -> Result<()> {
+async fn advance<C: GenericClient + Sync>(db: &mut Db<'_, C>, seq: &str, past: i64) -> Result<()> {
     if past < 1 {
         return Ok(());
     }
@@ -400,7 +469,8 @@ fn advance(db: &mut Db<'_, impl GenericClient>, seq: &str, past: i64) -> Result<
              WHERE $1 > (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})"
         ),
         &[&past],
-    )?;
+    )
+    .await?;
     Ok(())
 }
 
@@ -408,8 +478,8 @@ fn advance(db: &mut Db<'_, impl GenericClient>, seq: &str, past: i64) -> Result<
 /// there is the same record if it has the same fence and fingerprint (it
 /// may have been completed since); else a conflict. A completed entry
 /// without its response is neither copied nor a conflict.
-fn insert_key(
-    db: &mut Db<'_, impl GenericClient>,
+async fn insert_key<C: GenericClient + Sync>(
+    db: &mut Db<'_, C>,
     s: &str,
     entry: &KeyEntry,
     response: Option<&ResponseRecord>,
@@ -458,35 +528,39 @@ fn insert_key(
             ),
             (KeyState::Completed { .. }, None) => return Ok(Copied::Present),
         };
-    let n = db.execute(
-        &format!(
-            "INSERT INTO {s}.idempotency (tenant, idem_key, fingerprint, fence, created_at, \
+    let n = db
+        .execute(
+            &format!(
+                "INSERT INTO {s}.idempotency (tenant, idem_key, fingerprint, fence, created_at, \
              lease_until, status, content_type, header_names, header_values, body) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING"
-        ),
-        &[
-            &entry.tenant.as_bytes(),
-            &entry.key.as_bytes(),
-            &entry.fingerprint.as_bytes(),
-            &fence,
-            &created_at,
-            &lease_until,
-            &status,
-            &content_type,
-            &names,
-            &values,
-            &body,
-        ],
-    )?;
+            ),
+            &[
+                &entry.tenant.as_bytes(),
+                &entry.key.as_bytes(),
+                &entry.fingerprint.as_bytes(),
+                &fence,
+                &created_at,
+                &lease_until,
+                &status,
+                &content_type,
+                &names,
+                &values,
+                &body,
+            ],
+        )
+        .await?;
     if n == 1 {
         return Ok(Copied::Inserted);
     }
-    let there = db.query_opt(
-        &format!(
-            "SELECT fence, fingerprint FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2"
-        ),
-        &[&entry.tenant.as_bytes(), &entry.key.as_bytes()],
-    )?;
+    let there = db
+        .query_opt(
+            &format!(
+                "SELECT fence, fingerprint FROM {s}.idempotency WHERE tenant = $1 AND idem_key = $2"
+            ),
+            &[&entry.tenant.as_bytes(), &entry.key.as_bytes()],
+        )
+        .await?;
     Ok(match there {
         Some(row)
             if row.try_get::<_, i64>(0)? == fence
@@ -496,4 +570,15 @@ fn insert_key(
         }
         _ => Copied::Conflict,
     })
+}
+
+/// The async calls' futures are `Send`: a check at compile time, never run.
+#[cfg(test)]
+fn _send(pg: &PgStore) {
+    fn is_send<T: Send>(_: T) {}
+    is_send(pg.import_inbox_async("i", &[]));
+    is_send(pg.import_outbox_async(&[]));
+    is_send(pg.import_destinations_async(&[]));
+    is_send(pg.import_idempotency_async(&[]));
+    is_send(pg.import_counters_async(1, 1));
 }

@@ -20,13 +20,13 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use ::postgres::Transaction;
-use ::postgres::types::ToSql;
 use chrono::{DateTime, Utc};
+use tokio_postgres::types::ToSql;
 
+use super::blocking::wait;
 use super::conn::{Db, Mode};
 use super::errors::utf8;
-use super::{Finish, Server, after_commit, refuse_reentrant};
+use super::{Access, BoxFuture, Finish, Server, Transaction, after_commit, refuse_reentrant, run};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::inbox::Claim;
@@ -75,16 +75,24 @@ impl PgInbox {
     /// delivery of the same key, including concurrent ones. Returns once the
     /// claim is committed.
     pub fn claim(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
+        wait(self.claim_async(event_key, seen_at))
+    }
+
+    /// [`PgInbox::claim`], awaited. Dropped once sent, the claim may have
+    /// been made (a later claim of the key then answers `false`).
+    pub async fn claim_async(&self, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> {
         check_event_key(event_key)?;
         refuse_reentrant()?;
         let sql = self.insert_sql();
         // One statement that commits as it ends: run again only when the
         // server said it did not happen (a lost answer may hide a claim).
-        let n = self.server.run(Mode::Statement, |conn| {
-            conn.db().execute(
-                &sql,
-                &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
-            )
+        let n = run!(self.server, Mode::Statement, |conn| {
+            conn.db()
+                .execute(
+                    &sql,
+                    &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+                )
+                .await
         })?;
         observe::claim(&self.name, n == 1);
         Ok(n == 1)
@@ -95,6 +103,19 @@ impl PgInbox {
     /// `event_keys` is `true` once). All keys are checked before anything is
     /// written: one bad key fails the call and claims nothing.
     pub fn claim_many<I, K>(&self, event_keys: I, seen_at: DateTime<Utc>) -> Result<Vec<bool>>
+    where
+        I: IntoIterator<Item = K>,
+        K: AsRef<str>,
+    {
+        wait(self.claim_many_async(event_keys, seen_at))
+    }
+
+    /// [`PgInbox::claim_many`], awaited.
+    pub async fn claim_many_async<I, K>(
+        &self,
+        event_keys: I,
+        seen_at: DateTime<Utc>,
+    ) -> Result<Vec<bool>>
     where
         I: IntoIterator<Item = K>,
         K: AsRef<str>,
@@ -111,9 +132,10 @@ impl PgInbox {
              ON CONFLICT DO NOTHING RETURNING event_key",
             self.server.schema
         );
-        let rows = self.server.run(Mode::Statement, |conn| {
+        let rows = run!(self.server, Mode::Statement, |conn| {
             conn.db()
                 .query(&sql, &[&&*self.name, &bytes, &micros(seen_at)])
+                .await
         })?;
         let mut inserted: HashSet<Vec<u8>> = HashSet::with_capacity(rows.len());
         for row in rows {
@@ -169,16 +191,55 @@ impl PgInbox {
             [&&*self.name, &event_key.as_bytes(), &micros(seen_at)];
         // The claim is tried again until it answers; the effect runs at
         // most once, after it.
-        let out = self.server.write_once(
-            |db| db.execute(&sql, &params),
-            |claimed, tx| {
+        let out = self
+            .server
+            .write_once(Access::Write, Some((&sql, &params)), |claimed, tx| {
                 if claimed == 0 {
                     // Nothing was written: roll back.
                     return Ok(Finish::Rollback(Claim::Duplicate));
                 }
                 effect(tx).map(|v| Finish::Commit(Claim::Applied(v)))
-            },
-        )?;
+            })?;
+        observe::claim(&self.name, matches!(out, Claim::Applied(_)));
+        Ok(out)
+    }
+
+    /// [`PgInbox::claim_with`], awaited, with an async effect given the
+    /// client's own transaction: `|tx| Box::pin(async move { … })` (its
+    /// future borrows the transaction only: move into it what else it
+    /// needs). The `*_in_async` calls write in it.
+    ///
+    /// Dropping the future before the effect's future ends rolls back:
+    /// neither the claim nor the effect's writes commit, and a later
+    /// delivery runs the effect again. Dropping it once the effect has
+    /// returned `Ok` may leave both to commit unseen.
+    pub async fn claim_with_async<T, E, F>(
+        &self,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+        effect: F,
+    ) -> Result<Claim<T>, E>
+    where
+        F: for<'t, 'c> FnOnce(
+            &'t mut tokio_postgres::Transaction<'c>,
+        ) -> BoxFuture<'t, Result<T, E>>,
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+    {
+        check_event_key(event_key)?;
+        let sql = self.insert_sql();
+        let params: [&(dyn ToSql + Sync); 3] =
+            [&&*self.name, &event_key.as_bytes(), &micros(seen_at)];
+        let out = self
+            .server
+            .write_once_async(Access::Write, Some((&sql, &params)), |claimed, tx| {
+                if claimed == 0 {
+                    return Box::pin(async { Ok(Finish::Rollback(Claim::Duplicate)) });
+                }
+                let effect = effect(tx);
+                Box::pin(async move { effect.await.map(|v| Finish::Commit(Claim::Applied(v))) })
+            })
+            .await?;
         observe::claim(&self.name, matches!(out, Claim::Applied(_)));
         Ok(out)
     }
@@ -199,11 +260,25 @@ impl PgInbox {
         event_key: &str,
         seen_at: DateTime<Utc>,
     ) -> Result<bool> {
+        wait(self.claim_in_async(tx.as_async(), event_key, seen_at))
+    }
+
+    /// [`PgInbox::claim_in`], awaited, in a transaction of the async
+    /// client (a [`PgStore::write_async`](super::PgStore::write_async)
+    /// closure's, or your own); the claim is counted when this returns.
+    pub async fn claim_in_async(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        event_key: &str,
+        seen_at: DateTime<Utc>,
+    ) -> Result<bool> {
         check_event_key(event_key)?;
-        let n = Db::uncached(tx).execute(
-            &self.insert_sql(),
-            &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
-        )?;
+        let n = Db::uncached(tx)
+            .execute(
+                &self.insert_sql(),
+                &[&&*self.name, &event_key.as_bytes(), &micros(seen_at)],
+            )
+            .await?;
         let applied = n == 1;
         if observe::ENABLED {
             let name = Arc::clone(&self.name);
@@ -217,16 +292,27 @@ impl PgInbox {
         Ok(self.seen_at(event_key)?.is_some())
     }
 
+    /// [`PgInbox::seen`], awaited.
+    pub async fn seen_async(&self, event_key: &str) -> Result<bool> {
+        Ok(self.seen_at_async(event_key).await?.is_some())
+    }
+
     /// When `event_key` was claimed, if it was.
     pub fn seen_at(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
+        wait(self.seen_at_async(event_key))
+    }
+
+    /// [`PgInbox::seen_at`], awaited.
+    pub async fn seen_at_async(&self, event_key: &str) -> Result<Option<DateTime<Utc>>> {
         check_event_key(event_key)?;
         let sql = format!(
             "SELECT seen_at FROM {}.inbox WHERE inbox = $1 AND event_key = $2",
             self.server.schema
         );
-        let row = self.server.run(Mode::Read, |conn| {
+        let row = run!(self.server, Mode::Read, |conn| {
             conn.db()
                 .query_opt(&sql, &[&&*self.name, &event_key.as_bytes()])
+                .await
         })?;
         match row {
             Some(r) => time(event_key.as_bytes(), r.try_get(0)?).map(Some),
@@ -246,6 +332,12 @@ impl PgInbox {
     /// an `Err` midway leaves the chunks committed before it pruned, the
     /// rest for the next prune.
     pub fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64> {
+        wait(self.prune_async(seen_before))
+    }
+
+    /// [`PgInbox::prune`], awaited. Dropped midway, the chunks committed
+    /// before stay pruned.
+    pub async fn prune_async(&self, seen_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
         let s = &self.server.schema;
         let sql = format!(
@@ -257,9 +349,9 @@ impl PgInbox {
         let params: [&(dyn ToSql + Sync); 3] = [&&*self.name, &micros(seen_before), &chunk];
         let mut total = 0;
         loop {
-            let n = self
-                .server
-                .run(Mode::Statement, |conn| conn.db().execute(&sql, &params))?;
+            let n = run!(self.server, Mode::Statement, |conn| {
+                conn.db().execute(&sql, &params).await
+            })?;
             total += n;
             if n < crate::inbox::PRUNE_CHUNK as u64 {
                 return Ok(total);
@@ -272,42 +364,57 @@ impl PgInbox {
     /// locks the caller's transaction holds until it ends. Use
     /// [`PgInbox::prune`] to prune a large backlog.
     pub fn prune_in(&self, tx: &mut Transaction<'_>, seen_before: DateTime<Utc>) -> Result<u64> {
+        wait(self.prune_in_async(tx.as_async(), seen_before))
+    }
+
+    /// [`PgInbox::prune_in`], awaited, in a transaction of the async client.
+    pub async fn prune_in_async(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        seen_before: DateTime<Utc>,
+    ) -> Result<u64> {
         let params: [&(dyn ToSql + Sync); 2] = [&&*self.name, &micros(seen_before)];
         let sql = format!(
             "DELETE FROM {}.inbox WHERE inbox = $1 AND seen_at < $2",
             self.server.schema
         );
-        Db::uncached(tx).execute(&sql, &params)
+        Db::uncached(tx).execute(&sql, &params).await
     }
 
     /// Number of keys recorded in this inbox. Counts them (an index-only
     /// scan): for inspection and monitoring, not for every request.
     pub fn len(&self) -> Result<u64> {
+        wait(self.len_async())
+    }
+
+    /// [`PgInbox::len`], awaited.
+    pub async fn len_async(&self) -> Result<u64> {
         let sql = format!(
             "SELECT count(*) FROM {}.inbox WHERE inbox = $1",
             self.server.schema
         );
-        let n: i64 = self
-            .server
-            .run(Mode::Read, |conn| {
-                conn.db().query_one(&sql, &[&&*self.name])
-            })?
-            .try_get(0)?;
+        let n: i64 = run!(self.server, Mode::Read, |conn| {
+            conn.db().query_one(&sql, &[&&*self.name]).await
+        })?
+        .try_get(0)?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// Whether this inbox holds no keys.
     pub fn is_empty(&self) -> Result<bool> {
+        wait(self.is_empty_async())
+    }
+
+    /// [`PgInbox::is_empty`], awaited.
+    pub async fn is_empty_async(&self) -> Result<bool> {
         let sql = format!(
             "SELECT EXISTS (SELECT 1 FROM {}.inbox WHERE inbox = $1)",
             self.server.schema
         );
-        let any: bool = self
-            .server
-            .run(Mode::Read, |conn| {
-                conn.db().query_one(&sql, &[&&*self.name])
-            })?
-            .try_get(0)?;
+        let any: bool = run!(self.server, Mode::Read, |conn| {
+            conn.db().query_one(&sql, &[&&*self.name]).await
+        })?
+        .try_get(0)?;
         Ok(!any)
     }
 
@@ -315,6 +422,15 @@ impl PgInbox {
     /// `seen_at`, starting strictly after `after` (a `(seen_at, key)` from a
     /// previous page). For inspection tools.
     pub fn list(
+        &self,
+        after: Option<(DateTime<Utc>, &str)>,
+        limit: usize,
+    ) -> Result<Vec<(String, DateTime<Utc>)>> {
+        wait(self.list_async(after, limit))
+    }
+
+    /// [`PgInbox::list`], awaited.
+    pub async fn list_async(
         &self,
         after: Option<(DateTime<Utc>, &str)>,
         limit: usize,
@@ -330,17 +446,18 @@ impl PgInbox {
                  WHERE inbox = $1 AND (seen_at, event_key) > ($2, $3) \
                  ORDER BY seen_at, event_key LIMIT $4"
             );
-            self.server.run(Mode::Read, |conn| {
+            run!(self.server, Mode::Read, |conn| {
                 conn.db()
                     .query(&sql, &[&&*self.name, &micros(at), &key.as_bytes(), &limit])
+                    .await
             })?
         } else {
             let sql = format!(
                 "SELECT event_key, seen_at FROM {schema}.inbox WHERE inbox = $1 \
                  ORDER BY seen_at, event_key LIMIT $2"
             );
-            self.server.run(Mode::Read, |conn| {
-                conn.db().query(&sql, &[&&*self.name, &limit])
+            run!(self.server, Mode::Read, |conn| {
+                conn.db().query(&sql, &[&&*self.name, &limit]).await
             })?
         };
         rows.into_iter()
@@ -358,7 +475,7 @@ impl PgInbox {
 
 /// The names of the inboxes holding at least one key, in byte order (as
 /// the embedded store lists them).
-pub(super) fn names(server: &Server) -> Result<Vec<String>> {
+pub(super) async fn names(server: &Server) -> Result<Vec<String>> {
     // A walk of the primary key from name to name, not a scan of every key.
     // The `text` column orders by the database's collation, which need not
     // be byte order: the names are sorted here.
@@ -372,7 +489,7 @@ pub(super) fn names(server: &Server) -> Result<Vec<String>> {
              ) SELECT inbox FROM names WHERE inbox IS NOT NULL",
         s = server.schema
     );
-    let rows = server.run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
+    let rows = run!(server, Mode::Read, |conn| conn.db().query(&sql, &[]).await)?;
     let mut names = rows
         .into_iter()
         .map(|r| r.try_get::<_, String>(0).map_err(Error::from))

@@ -2,13 +2,17 @@
 //! connection of its own, turning the server's notifications into the
 //! same coalescing wake-ups as the embedded outbox's.
 //!
-//! One thread per store, started by the first subscription. It holds only
-//! a weak reference to the subscribers, so it ends (within a [`TICK`]) once
-//! the store and its outbox handles are gone. When its connection fails it
-//! reconnects after [`RETRY`]; after each (re)connection it signals once,
-//! because notifications sent while it was away are lost and a subscriber
-//! must look again. A server that refuses `LISTEN` (a PostgreSQL-compatible
-//! engine without it) gets polling instead: one signal every [`TICK`].
+//! One task per store, on the store's own runtime, started by the first
+//! subscription. The task drives its connection itself (the connection's
+//! notifications come out of its `poll_message`, which a connection run
+//! the ordinary way would drop). It holds only a weak reference to the
+//! subscribers, so it ends (within a [`TICK`]) once the store's outbox
+//! handles are gone, and with the store's runtime when the store goes.
+//! When its connection fails it reconnects after [`RETRY`]; after each
+//! (re)connection it signals once, because notifications sent while it
+//! was away are lost and a subscriber must look again. A server that
+//! refuses `LISTEN` (a PostgreSQL-compatible engine without it) gets
+//! polling instead: one signal every [`TICK`].
 //!
 //! A listening connection only reads, so a server host that vanishes
 //! without closing it (a crash, a network cut) would leave it waiting,
@@ -17,15 +21,18 @@
 //! keepalives probing after [`KEEPALIVE_IDLE`] of silence, every
 //! [`KEEPALIVE_INTERVAL`], dropped after [`KEEPALIVE_RETRIES`] unanswered
 //! probes (and, on Linux, after [`USER_TIMEOUT`] of unacknowledged data):
-//! a vanished server is noticed within about a minute, and the thread
+//! a vanished server is noticed within about a minute, and the task
 //! reconnects. Shorter settings from the connection string are kept.
 
+use std::future::{Future, poll_fn};
+use std::pin::pin;
 use std::sync::Weak;
-use std::thread;
+use std::task::Poll;
 use std::time::Duration;
 
-use ::postgres::fallible_iterator::FallibleIterator as _;
-use ::postgres::{Client, Config, NoTls};
+use tokio::runtime::Handle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{AsyncMessage, Config, Connection, NoTls};
 
 use crate::outbox::Notifier;
 
@@ -69,16 +76,9 @@ fn listener_config(config: &Config) -> Config {
     c
 }
 
-/// Starts the listening thread for `channel`.
-pub(super) fn start(
-    config: Config,
-    channel: String,
-    notifier: Weak<Notifier>,
-) -> std::io::Result<()> {
-    thread::Builder::new()
-        .name("idemstore-pg-listen".into())
-        .spawn(move || run(&listener_config(&config), &channel, &notifier))
-        .map(drop)
+/// Starts the listening task for `channel` on the store's runtime `rt`.
+pub(super) fn start(rt: &Handle, config: Config, channel: String, notifier: Weak<Notifier>) {
+    rt.spawn(async move { run(&listener_config(&config), &channel, &notifier).await });
 }
 
 /// What a listening session ended with.
@@ -91,17 +91,17 @@ enum Ended {
     Unsupported,
 }
 
-fn run(config: &Config, channel: &str, notifier: &Weak<Notifier>) {
+async fn run(config: &Config, channel: &str, notifier: &Weak<Notifier>) {
     loop {
-        match session(config, channel, notifier) {
+        match session(config, channel, notifier).await {
             Ended::StoreGone => return,
             Ended::Failed => {
                 if notifier.strong_count() == 0 {
                     return;
                 }
-                thread::sleep(RETRY);
+                tokio::time::sleep(RETRY).await;
             }
-            Ended::Unsupported => return poll(notifier),
+            Ended::Unsupported => return poll(notifier).await,
         }
     }
 }
@@ -117,59 +117,88 @@ fn signal(notifier: &Weak<Notifier>) -> bool {
     }
 }
 
-fn poll(notifier: &Weak<Notifier>) {
+async fn poll(notifier: &Weak<Notifier>) {
     while signal(notifier) {
-        thread::sleep(TICK);
+        tokio::time::sleep(TICK).await;
     }
 }
 
+/// The listening connection, as this task drives it.
+type Listening = Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>;
+
 /// One connection: `LISTEN`, then relay notifications until it fails or
 /// the store is gone.
-fn session(config: &Config, channel: &str, notifier: &Weak<Notifier>) -> Ended {
-    let Ok(mut client) = config.connect(NoTls) else {
+async fn session(config: &Config, channel: &str, notifier: &Weak<Notifier>) -> Ended {
+    let Ok((client, mut connection)) = config.connect(NoTls).await else {
         return Ended::Failed;
     };
     // The channel is `<schema>_outbox`, a checked identifier.
-    if let Err(e) = client.batch_execute(&format!("LISTEN {channel}")) {
-        let unsupported = e
-            .code()
-            .is_some_and(|c| *c == ::postgres::error::SqlState::FEATURE_NOT_SUPPORTED);
-        return if unsupported {
-            Ended::Unsupported
-        } else {
-            Ended::Failed
-        };
+    let listen = format!("LISTEN {channel}");
+    match while_driving(&mut connection, client.batch_execute(&listen)).await {
+        Some(Ok(())) => {}
+        Some(Err(e)) if e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED) => {
+            return Ended::Unsupported;
+        }
+        Some(Err(_)) | None => return Ended::Failed,
     }
     if !signal(notifier) {
         return Ended::StoreGone;
     }
-    relay(&mut client, notifier)
+    // The client stays alive while the connection is relayed: dropping it
+    // would close the connection.
+    let ended = relay(&mut connection, notifier).await;
+    drop(client);
+    ended
 }
 
-fn relay(client: &mut Client, notifier: &Weak<Notifier>) -> Ended {
-    loop {
-        {
-            let mut notifications = client.notifications();
-            let mut iter = notifications.timeout_iter(TICK);
-            loop {
-                match iter.next() {
-                    // Signals coalesce in the subscribers' channels.
-                    Ok(Some(_)) => {
-                        if !signal(notifier) {
-                            return Ended::StoreGone;
-                        }
-                    }
-                    // A quiet tick, or a closed connection (below).
-                    Ok(None) => break,
-                    Err(_) => return Ended::Failed,
-                }
+/// Awaits `request` while driving `connection`, which carries it to the
+/// server and its answer back; `None` if the connection ended first.
+async fn while_driving<T>(
+    connection: &mut Listening,
+    request: impl Future<Output = T>,
+) -> Option<T> {
+    let mut request = pin!(request);
+    poll_fn(|cx| {
+        if let Poll::Ready(out) = request.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        loop {
+            match connection.poll_message(cx) {
+                // A notice, or a notification right after the `LISTEN`
+                // (the signal that follows it covers that one).
+                Poll::Ready(Some(Ok(_))) => {}
+                Poll::Ready(Some(Err(_)) | None) => return Poll::Ready(None),
+                Poll::Pending => break,
             }
         }
-        if notifier.strong_count() == 0 {
-            return Ended::StoreGone;
-        }
-        if client.is_closed() {
-            return Ended::Failed;
+        // Polled again once the connection has handed it its answer.
+        request.as_mut().poll(cx).map(Some)
+    })
+    .await
+}
+
+/// Relays the notifications `connection` receives, checking every
+/// [`TICK`] that the store is still there.
+async fn relay(connection: &mut Listening, notifier: &Weak<Notifier>) -> Ended {
+    loop {
+        let message = poll_fn(|cx| connection.poll_message(cx));
+        match tokio::time::timeout(TICK, message).await {
+            // Signals coalesce in the subscribers' channels.
+            Ok(Some(Ok(AsyncMessage::Notification(_)))) => {
+                if !signal(notifier) {
+                    return Ended::StoreGone;
+                }
+            }
+            // A notice.
+            Ok(Some(Ok(_))) => {}
+            // The connection ended.
+            Ok(Some(Err(_)) | None) => return Ended::Failed,
+            // A quiet tick.
+            Err(_) => {
+                if notifier.strong_count() == 0 {
+                    return Ended::StoreGone;
+                }
+            }
         }
     }
 }

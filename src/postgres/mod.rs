@@ -10,8 +10,8 @@
 //! fencing, due order, duplicate enqueues as
 //! [`Enqueued::Duplicate`](crate::Enqueued::Duplicate), lazy expiry, tenant
 //! isolation, the same input limits and the same errors for bad input. Only
-//! the transaction of effects changes: a `&mut postgres::Transaction<'_>`
-//! where the embedded store hands a `&redb::WriteTransaction`. Moving a
+//! the transaction of effects changes: a `&mut` [`Transaction`] on the
+//! server where the embedded store hands a `&redb::WriteTransaction`. Moving a
 //! program is a change of constructor.
 //!
 //! ```no_run
@@ -33,6 +33,35 @@
 //! })?;
 //! assert!(matches!(outcome, Claim::Applied(())));
 //! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
+//! The same from async code, holding no thread while the server answers:
+//!
+//! ```no_run
+//! # async fn run() -> idemstore::Result<()> {
+//! use idemstore::chrono::Utc;
+//! use idemstore::postgres::PgStore;
+//! use idemstore::{Claim, NewEntry};
+//!
+//! let store = PgStore::builder()
+//!     .connect_async("host=/run/postgresql user=app dbname=app")
+//!     .await?;
+//! let webhooks = store.inbox("webhooks")?;
+//! let outbox = store.outbox();
+//! let outcome = webhooks
+//!     .claim_with_async("evt_123", Utc::now(), |tx| {
+//!         Box::pin(async move {
+//!             tx.execute("UPDATE accounts SET balance = balance + 10 WHERE id = $1", &[&7_i64])
+//!                 .await?;
+//!             let email = NewEntry::new("evt_123", "mailer", "evt_123/receipt", b"Thanks!".to_vec());
+//!             outbox.enqueue_in_async(tx, email, Utc::now()).await?;
+//!             Ok::<_, idemstore::Error>(())
+//!         })
+//!     })
+//!     .await?;
+//! assert!(matches!(outcome, Claim::Applied(())));
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! # What differs from the embedded store
@@ -78,18 +107,27 @@
 //!   `40P01`), and [`Error::kind`](crate::Error::kind) names the rest
 //!   ([`ErrorKind::OutcomeUnknown`](crate::ErrorKind::OutcomeUnknown) for
 //!   `08007`).
-//! - **Calls from async code do not panic.** The client blocks on a tokio
-//!   runtime of its own, which tokio refuses on a thread that drives a
-//!   runtime. So on a multi-thread runtime (`#[tokio::main]`) every call,
-//!   [`PgStoreBuilder::connect`] included, runs inside
-//!   `tokio::task::block_in_place`; on the thread of a current-thread
-//!   runtime the store's own calls run on a helper thread while it waits,
-//!   and a call that runs your closure there ([`PgStore::write`],
-//!   `claim_with`) returns [`Error::InvalidInput`] for the field `runtime`
-//!   (your closure cannot move to another thread). Either way a call
-//!   blocks the task that makes it for its round trips, as the embedded
-//!   store's calls do: in async code, make them in
-//!   `tokio::task::spawn_blocking`, where every call runs as on any thread.
+//! - **Every call has an `_async` form** ([`PgInbox::claim_async`],
+//!   [`PgOutbox::claim_due_async`], [`PgStore::write_async`], …) that
+//!   awaits the server without holding a thread: the store runs on the
+//!   async client, `tokio-postgres`, its connections driven by a runtime of
+//!   the store's own (one thread, `idemstore-pg`), so the futures work on
+//!   any runtime and are `Send`. The blocking calls wait on the same
+//!   futures from the calling thread, without starting a runtime: they
+//!   work on any thread, a thread that drives a tokio runtime included
+//!   (where they block its other tasks for their round trips, as every
+//!   blocking call does). A closure of a blocking call
+//!   ([`PgStore::write`], `claim_with`) gets a [`Transaction`] whose
+//!   statements block; an `_async` call's closure gets the client's own
+//!   [`tokio_postgres::Transaction`] and returns a boxed future
+//!   ([`BoxFuture`]).
+//! - **A dropped `_async` future** never leaves a call half done. Until
+//!   its statement (or its `COMMIT`) is sent, nothing of it happened; a
+//!   transaction whose future is dropped before its `COMMIT` rolls back
+//!   (the client sends the `ROLLBACK`); a one-statement write (`claim`,
+//!   `enqueue`, a settlement) or a `COMMIT` already sent may commit unseen,
+//!   exactly as when the connection is lost at that point. Each call's
+//!   documentation says what that leaves.
 //! - **Calls that counted rows in the embedded store count them here**
 //!   ([`PgInbox::len`], [`PgOutbox::counts`]): they read an index, in time
 //!   proportional to the rows, for inspection and monitoring at a modest
@@ -103,6 +141,7 @@
 //! sources (`src/postgres/schema.rs` for the tables).
 
 mod backend;
+mod blocking;
 mod conn;
 mod depth;
 mod errors;
@@ -111,32 +150,37 @@ mod import;
 mod inbox;
 mod listen;
 mod outbox;
-mod runtime;
 mod schema;
+mod transaction;
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use ::postgres::{Config, NoTls, Transaction};
-use r2d2::{Pool, PooledConnection};
+use tokio::runtime::{Handle, Runtime};
+use tokio_postgres::Config;
 
-use self::conn::{Db, Manager, Mode, PgConn};
+use self::blocking::wait;
+use self::conn::{Conn, Manager, Mode, Params, PgConn, Pool};
 
 use crate::error::{Error, Result};
 use crate::idempotency::Counters;
 use crate::store::DEFAULT_MAX_BODY;
 
-/// The synchronous PostgreSQL client this backend is built with, for the
-/// statements of your own effects (`idemstore::postgres::postgres::Transaction`,
-/// its `ToSql` types, …) at the version the store uses.
-pub use ::postgres;
+/// The PostgreSQL client this backend is built with, for the statements of
+/// your own (`idemstore::postgres::tokio_postgres::Transaction`, its
+/// `ToSql` types, …) at the version the store uses.
+pub use ::tokio_postgres;
+pub(crate) use errors::NoConnection;
 pub use idempotency::PgIdempotencyKeys;
 pub use inbox::PgInbox;
 pub use outbox::PgOutbox;
 pub use schema::SCHEMA_VERSION;
+pub use transaction::Transaction;
 
 /// The schema a store lives in unless told otherwise: `idemstore`.
 pub const DEFAULT_SCHEMA: &str = "idemstore";
@@ -146,17 +190,63 @@ pub const DEFAULT_POOL_SIZE: u32 = 16;
 /// to the server): 10 s.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Conn = PooledConnection<Manager>;
+/// A boxed future of a caller's async closure: what the `_async` calls that
+/// run one ([`PgStore::write_async`], [`PgInbox::claim_with_async`]) await.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Runs `$body` — an expression that may `.await`, with `$conn` a
+/// `&mut PgConn` — on a pooled connection of `$server`, again on another
+/// one (at most [`conn::MAX_TRIES`] times in all) when it failed in a way
+/// that `$mode` and how far it had gone make safe to run again
+/// ([`conn::decide`]); an error that leaves its outcome unknown says so
+/// ([`conn::outcome_unknown`]). Evaluates to the body's `Result`. (An
+/// expression, not a function taking a closure: the statements' borrowed
+/// parameters then need no `'static`, and the call's future stays `Send`.)
+macro_rules! run {
+    ($server:expr, $mode:expr, |$conn:ident| $body:expr) => {{
+        let server: &$crate::postgres::Server = &$server;
+        let mode: $crate::postgres::conn::Mode = $mode;
+        let mut tries = 1;
+        loop {
+            let mut pooled = match server.conn().await {
+                Ok(c) => c,
+                Err(e) => break Err(e),
+            };
+            let out: $crate::error::Result<_> = async {
+                let $conn: &mut $crate::postgres::conn::PgConn = &mut pooled;
+                $body
+            }
+            .await;
+            match out {
+                Ok(v) => break Ok(v),
+                Err(e) => {
+                    let phase = $crate::postgres::conn::phase(&pooled, mode);
+                    drop(pooled);
+                    if let Err(e) = server.retry_after(e, mode, phase, tries).await {
+                        break Err(e);
+                    }
+                    tries += 1;
+                }
+            }
+        }
+    }};
+}
+pub(crate) use run;
 
 /// The server of one [`PgStore`], as every handle of the store reaches it:
-/// the pool, the schema and the limits.
+/// the pool, the runtime its connections run on, the schema and the limits.
 pub(crate) struct Server {
-    /// Always `Some` until dropped (see `Drop`).
-    pool: Option<Pool<Manager>>,
+    pool: Pool,
+    /// Drives every connection of the store (one thread); held for its
+    /// `Drop`, which shuts it down.
+    _rt: OwnRuntime,
+    handle: Handle,
     /// The server's address, for the outbox's listening connection.
     config: Config,
     schema: String,
     max_body: usize,
+    /// Longest wait for a pooled connection.
+    timeout: Duration,
     /// How many lost connections the store has seen: a pooled connection
     /// opened before the latest is checked before use (`conn.rs`).
     epoch: Arc<AtomicU64>,
@@ -166,80 +256,102 @@ impl fmt::Debug for Server {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Server")
             .field("schema", &self.schema)
-            .field("pool", &self.pool.as_ref().map(Pool::state))
+            .field("pool", &self.pool.status())
             .field("max_body", &self.max_body)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for Server {
-    /// Closes the pool's connections on a thread of their own. The
-    /// synchronous client closes a connection by blocking on its own small
-    /// runtime, which panics on a thread that runs a tokio runtime: without
-    /// this, an async program whose last handle drops on a runtime worker
-    /// (a layer's service at shutdown, a task) would abort.
+/// The store's runtime, shut down without waiting when the store goes: a
+/// runtime dropped the ordinary way panics in async code, where a store's
+/// last handle may well be dropped (a layer's service at shutdown, a
+/// task).
+struct OwnRuntime(Option<Runtime>);
+
+impl Drop for OwnRuntime {
     fn drop(&mut self) {
-        if let Some(pool) = self.pool.take() {
-            let closer = std::thread::Builder::new()
-                .name("idemstore-pg-close".into())
-                .spawn(move || drop(pool));
-            match closer {
-                Ok(closer) => {
-                    let _ = closer.join();
-                }
-                // No thread to be had: close here, as best it can.
-                Err(e) => drop(e),
-            }
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
         }
     }
+}
+
+impl OwnRuntime {
+    /// One worker thread, `idemstore-pg`, with I/O and timers.
+    fn start() -> Result<OwnRuntime> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("idemstore-pg")
+            .enable_all()
+            .build()
+            .map_err(Error::Io)?;
+        Ok(OwnRuntime(Some(rt)))
+    }
+
+    fn handle(&self) -> Handle {
+        match &self.0 {
+            Some(rt) => rt.handle().clone(),
+            None => unreachable!("the runtime is taken only when dropped"),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // The connections end with their tasks, as the runtime goes.
+        self.pool.close();
+    }
+}
+
+/// What a transaction of a caller's closure may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Read and write (`PgStore::write`, `claim_with`).
+    Write,
+    /// Read a consistent snapshot (`REPEATABLE READ, READ ONLY`:
+    /// `PgStore::read`).
+    Read,
+}
+
+/// Begins a transaction on `conn` and runs `first` in it, if any; the
+/// rows `first` changed (0 without one).
+async fn begin<'c>(
+    conn: &'c mut PgConn,
+    access: Access,
+    first: Option<(&str, &Params<'_>)>,
+) -> Result<(tokio_postgres::Transaction<'c>, u64)> {
+    let mut builder = conn.client.build_transaction();
+    if access == Access::Read {
+        builder = builder
+            .read_only(true)
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead);
+    }
+    let tx = builder.start().await?;
+    let n = match first {
+        Some((sql, params)) => {
+            PgConn::tx_db(&mut conn.stmts, &tx)
+                .execute(sql, params)
+                .await?
+        }
+        None => 0,
+    };
+    Ok((tx, n))
 }
 
 impl Server {
     /// A pooled connection; [`Error::Postgres`] if none came free (or could
     /// be opened) before the pool's timeout.
-    fn conn(&self) -> Result<Conn> {
-        let Some(pool) = &self.pool else {
-            return Err(Error::Closed);
-        };
-        conn::checkout(pool, &self.epoch)
-    }
-
-    /// Runs `op` on a pooled connection, again on another one (at most
-    /// [`conn::MAX_TRIES`] times in all) when it failed in a way that `mode`
-    /// and how far it had gone make safe to run again ([`conn::decide`]);
-    /// an error that leaves its outcome unknown says so
-    /// ([`conn::outcome_unknown`]). On a thread that drives a tokio
-    /// runtime, it runs where it may block (`runtime.rs`).
-    fn run<T: Send>(
-        &self,
-        mode: Mode,
-        mut op: impl FnMut(&mut PgConn) -> Result<T> + Send,
-    ) -> Result<T> {
-        runtime::off_runtime(|| {
-            let mut tries = 1;
-            loop {
-                let mut conn = self.conn()?;
-                let e = match op(&mut conn) {
-                    Ok(v) => return Ok(v),
-                    Err(e) => e,
-                };
-                let phase = conn::phase(&conn, mode);
-                drop(conn);
-                self.retry_after(e, mode, phase, tries)?;
-                tries += 1;
-            }
-        })
+    async fn conn(&self) -> Result<Conn> {
+        conn::checkout(&self.pool, &self.handle, self.timeout, &self.epoch).await
     }
 
     /// Runs `first`, then `f` once, in one transaction on a pooled
-    /// connection, and commits if `f` says so: the calls that run a
-    /// caller's closure ([`PgStore::write`], `claim_with`).
-    /// `BEGIN` and `first` run again on another connection when that is
-    /// safe (nothing has committed); `f` never runs twice. While `f` runs,
-    /// the thread is inside a write ([`WriteScope`]). `f` runs on the
-    /// calling thread; on the thread of a current-thread tokio runtime,
-    /// where the client cannot block, nothing runs and the call returns
-    /// [`Error::InvalidInput`] for the field `runtime` (`runtime.rs`).
+    /// connection, and commits if `f` says so: the blocking calls that run
+    /// a caller's closure ([`PgStore::write`], [`PgStore::read`],
+    /// `claim_with`). `BEGIN` and `first` run again on another connection
+    /// when that is safe (nothing has committed); `f` never runs twice.
+    /// `f` runs on the calling thread. While a writing `f` runs, the
+    /// thread is inside a write ([`WriteScope`]).
     ///
     /// `f` returning `Err` or panicking rolls back. Before the `COMMIT`, the
     /// transaction is checked: a statement that failed inside `f` aborted
@@ -248,68 +360,100 @@ impl Server {
     /// back without an error. Such a transaction is rolled back and the
     /// server's error returned (`25P02`, "current transaction is aborted"):
     /// `Ok` means committed.
-    fn write_once<P, T, E>(
+    fn write_once<T, E>(
         &self,
-        mut first: impl FnMut(&mut Db<'_, Transaction<'_>>) -> Result<P>,
-        f: impl FnOnce(P, &mut Transaction<'_>) -> Result<Finish<T>, E>,
+        access: Access,
+        first: Option<(&str, &Params<'_>)>,
+        f: impl FnOnce(u64, &mut Transaction<'_>) -> Result<Finish<T>, E>,
     ) -> Result<T, E>
     where
         E: From<Error>,
     {
-        let scope = WriteScope::enter()?;
-        runtime::on_this_thread(move || {
+        let scope = match access {
+            Access::Write => Some(WriteScope::enter()?),
+            Access::Read => None,
+        };
+        wait(async move {
             let mut tries = 1;
             loop {
-                let mut conn = self.conn()?;
-                let conn = &mut *conn;
-                let e = match conn.client.transaction() {
-                    Ok(mut tx) => {
-                        let mut db = Db {
-                            client: &mut tx,
-                            stmts: Some(&mut conn.stmts),
-                            sent: None,
-                        };
-                        match first(&mut db) {
-                            Ok(p) => {
-                                let out = f(p, &mut tx);
-                                let hooks = take_hooks();
-                                drop(scope);
-                                return match out? {
-                                    // Dropping the transaction rolls it back.
-                                    Finish::Rollback(v) => Ok(v),
-                                    Finish::Commit(v) => {
-                                        self.commit(tx)?;
-                                        run_hooks(hooks);
-                                        Ok(v)
-                                    }
-                                };
+                let mut pooled = self.conn().await?;
+                let e = match begin(&mut pooled, access, first).await {
+                    Ok((tx, p)) => {
+                        let mut tx = Transaction::new(tx);
+                        let out = f(p, &mut tx);
+                        let hooks = take_hooks();
+                        drop(scope);
+                        return match out? {
+                            // Dropping the transaction rolls it back.
+                            Finish::Rollback(v) => Ok(v),
+                            Finish::Commit(v) => {
+                                self.commit(tx.into_inner()).await?;
+                                run_hooks(hooks);
+                                Ok(v)
                             }
-                            Err(e) => e,
-                        }
+                        };
                     }
-                    Err(e) => Error::from(e),
+                    Err(e) => e,
                 };
-                self.retry_after(e, Mode::Tx, conn::Phase::Open, tries)?;
+                self.retry_after(e, Mode::Tx, conn::Phase::Open, tries)
+                    .await?;
                 tries += 1;
             }
         })
     }
 
+    /// [`Server::write_once`] for an async closure: the same, with `f`
+    /// awaited where the call is.
+    async fn write_once_async<T, E, F>(
+        &self,
+        access: Access,
+        first: Option<(&str, &Params<'_>)>,
+        f: F,
+    ) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: for<'t, 'c> FnOnce(
+            u64,
+            &'t mut tokio_postgres::Transaction<'c>,
+        ) -> BoxFuture<'t, Result<Finish<T>, E>>,
+    {
+        let mut tries = 1;
+        loop {
+            let mut pooled = self.conn().await?;
+            let e = match begin(&mut pooled, access, first).await {
+                Ok((mut tx, p)) => {
+                    return match f(p, &mut tx).await? {
+                        Finish::Rollback(v) => Ok(v),
+                        Finish::Commit(v) => {
+                            self.commit(tx).await?;
+                            Ok(v)
+                        }
+                    };
+                }
+                Err(e) => e,
+            };
+            self.retry_after(e, Mode::Tx, conn::Phase::Open, tries)
+                .await?;
+            tries += 1;
+        }
+    }
+
     /// Commits `tx` unless a statement in it failed (see
-    /// [`Server::write_once`]); a failure is noted as [`Server::run`] notes
-    /// one, and one once the `COMMIT` was sent is
-    /// [`conn::outcome_unknown`] when it may have committed. Not run again:
-    /// the closure that wrote `tx` runs once.
-    fn commit(&self, mut tx: Transaction<'_>) -> Result<()> {
-        let failed = |e: ::postgres::Error| {
+    /// [`Server::write_once`]); a failure is noted as [`run!`] notes one,
+    /// and one once the `COMMIT` was sent is [`conn::outcome_unknown`]
+    /// when it may have committed. Not run again: the closure that wrote
+    /// `tx` runs once.
+    async fn commit(&self, tx: tokio_postgres::Transaction<'_>) -> Result<()> {
+        let failed = |e: tokio_postgres::Error| {
             let e = Error::from(e);
             conn::note_failure(&self.epoch, &e);
             e
         };
         // In an aborted transaction every statement fails with 25P02; the
         // dropped transaction then rolls back.
-        tx.batch_execute("SELECT 1").map_err(failed)?;
-        tx.commit().map_err(failed).map_err(|e| {
+        tx.batch_execute("SELECT 1").await.map_err(failed)?;
+        tx.commit().await.map_err(failed).map_err(|e| {
             match conn::decide(Mode::Tx, conn::Phase::Committing, conn::classify(&e)) {
                 conn::Decision::Unknown => conn::outcome_unknown(e),
                 conn::Decision::Retry | conn::Decision::Fail => e,
@@ -321,17 +465,30 @@ impl Server {
     /// `phase`, on try `tries` (of at most [`conn::MAX_TRIES`]): notes a
     /// lost connection, and answers `Ok` if the call may run again (after
     /// a short pause), else the error to return.
-    fn retry_after(&self, e: Error, mode: Mode, phase: conn::Phase, tries: u32) -> Result<()> {
+    async fn retry_after(
+        &self,
+        e: Error,
+        mode: Mode,
+        phase: conn::Phase,
+        tries: u32,
+    ) -> Result<()> {
         conn::note_failure(&self.epoch, &e);
         match conn::decide(mode, phase, conn::classify(&e)) {
             conn::Decision::Retry if tries < conn::MAX_TRIES => {
-                std::thread::sleep(conn::backoff(tries + 1));
+                conn::sleep(&self.handle, conn::backoff(tries + 1)).await;
                 Ok(())
             }
             conn::Decision::Unknown => Err(conn::outcome_unknown(e)),
             conn::Decision::Retry | conn::Decision::Fail => Err(e),
         }
     }
+}
+
+/// [`Error::Postgres`] for no pooled connection in time, as the pool
+/// reports it (for the error's own tests).
+#[cfg(test)]
+pub(crate) fn no_connection(reason: &str) -> Error {
+    errors::pool(reason)
 }
 
 /// How a [`Server::write_once`] closure ends its transaction.
@@ -487,43 +644,45 @@ impl PgStoreBuilder {
     /// unreachable server is [`Error::Postgres`].
     ///
     /// Connections are plain (no TLS): use a unix socket or a trusted
-    /// network.
-    ///
-    /// Safe to call from async code (`#[tokio::main] async fn main`), as
-    /// every call of the store is (see [the module docs](self)).
+    /// network. Starts the store's runtime (one thread, `idemstore-pg`),
+    /// which drives its connections until the store's last handle is
+    /// dropped.
     pub fn connect(self, url: &str) -> Result<PgStore> {
-        runtime::off_runtime(|| self.connect_here(url))
+        wait(self.connect_async(url))
     }
 
-    fn connect_here(self, url: &str) -> Result<PgStore> {
+    /// [`PgStoreBuilder::connect`], awaited.
+    pub async fn connect_async(self, url: &str) -> Result<PgStore> {
         schema::check_schema_name(&self.schema)?;
-        let mut config: Config = url
-            .parse()
-            .map_err(|e: ::postgres::Error| Error::invalid("connection string", e.to_string()))?;
+        let mut config: Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            Error::invalid("connection string", e.to_string())
+        })?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(self.connection_timeout);
         }
+        let rt = OwnRuntime::start()?;
+        let handle = rt.handle();
         // Migrations run on a connection of their own, so that an
         // unreachable server answers with its own error at once.
-        let mut client = config.connect(NoTls)?;
-        schema::check_not_keyword(&mut client, &self.schema)?;
-        schema::migrate(&mut client, &self.schema)?;
+        let mut client = conn::connect(&config, &handle).await?;
+        schema::check_not_keyword(&client, &self.schema).await?;
+        schema::migrate(&mut client, &self.schema).await?;
         drop(client);
         let epoch = Arc::new(AtomicU64::new(0));
         // No test on checkout: it would cost a round trip per call. A dead
         // connection is noticed by the call that uses it (`conn.rs`).
-        let pool = Pool::builder()
-            .max_size(self.pool_size)
-            .min_idle(Some(0))
-            .test_on_check_out(false)
-            .connection_timeout(self.connection_timeout)
-            .build(Manager::new(config.clone(), epoch.clone()))
-            .map_err(errors::pool)?;
+        let pool = Pool::builder(Manager::new(config.clone(), handle.clone(), epoch.clone()))
+            .max_size(usize::try_from(self.pool_size).unwrap_or(usize::MAX))
+            .build()
+            .map_err(|e| errors::pool(&e.to_string()))?;
         let server = Arc::new(Server {
-            pool: Some(pool),
+            pool,
+            _rt: rt,
+            handle,
             config,
             schema: self.schema,
             max_body: self.max_body,
+            timeout: self.connection_timeout,
             epoch,
         });
         crate::observe::describe_metrics();
@@ -539,9 +698,9 @@ impl PgStoreBuilder {
 /// calls, for many processes. Cheap to clone (an `Arc` inside); clones share
 /// one connection pool.
 ///
-/// All calls block the calling thread (network I/O): from async code, call
-/// them from a blocking-friendly context such as `spawn_blocking`. Called
-/// on a runtime's thread they do not panic (see [the module docs](self)).
+/// Each call has a blocking form and an `_async` form (see [the module
+/// docs](self)): in async code, await the `_async` forms, which hold no
+/// thread while the server answers.
 #[derive(Clone, Debug)]
 pub struct PgStore {
     server: Arc<Server>,
@@ -591,16 +750,73 @@ impl PgStore {
     ///
     /// A call that returns `Err` wrote nothing, except when the connection
     /// is lost after the `COMMIT` was sent: then the transaction may have
-    /// committed, and the error says so (SQLSTATE `08007`). On the thread
-    /// of a current-thread tokio runtime, `f` does not run and the call
-    /// returns [`Error::InvalidInput`] for the field `runtime`: make it in
-    /// `tokio::task::spawn_blocking`.
+    /// committed, and the error says so (SQLSTATE `08007`).
     pub fn write<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
     where
         E: From<Error>,
     {
         self.server
-            .write_once(|_| Ok(()), |(), tx| f(tx).map(Finish::Commit))
+            .write_once(Access::Write, None, |_, tx| f(tx).map(Finish::Commit))
+    }
+
+    /// [`PgStore::write`], awaited, with an async closure given the
+    /// client's own transaction: `store.write_async(|tx| Box::pin(async move
+    /// { tx.execute(…).await?; Ok(…) }))`. The closure's future borrows the
+    /// transaction only: move into it what else it needs. The `*_in_async`
+    /// calls write in it; inside it, the store's `_async` calls take a
+    /// connection of their own (never use them for writes there: they can
+    /// wait forever on rows this transaction holds).
+    ///
+    /// Dropping the future before the closure's future ends rolls the
+    /// transaction back (nothing of it commits); dropping it once the
+    /// closure has returned `Ok` may leave the `COMMIT` to happen unseen.
+    pub async fn write_async<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: for<'t, 'c> FnOnce(
+            &'t mut tokio_postgres::Transaction<'c>,
+        ) -> BoxFuture<'t, Result<T, E>>,
+    {
+        self.server
+            .write_once_async(Access::Write, None, |_, tx| {
+                let out = f(tx);
+                Box::pin(async move { out.await.map(Finish::Commit) })
+            })
+            .await
+    }
+
+    /// Runs `f` in a read-only transaction on a pooled connection, with
+    /// one snapshot of the database for all its statements (`REPEATABLE
+    /// READ`), and returns what it returns: your own queries on the store's
+    /// pool, next to its tables. `f` runs exactly once, on the calling
+    /// thread; a statement that writes fails (SQLSTATE `25006`). Inside a
+    /// [`PgStore::write`] closure it takes a second connection, and does
+    /// not see that closure's writes.
+    pub fn read<T, E>(&self, f: impl FnOnce(&mut Transaction<'_>) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        self.server
+            .write_once(Access::Read, None, |_, tx| f(tx).map(Finish::Rollback))
+    }
+
+    /// [`PgStore::read`], awaited, with an async closure given the
+    /// client's own transaction (as [`PgStore::write_async`]'s is).
+    pub async fn read_async<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        F: for<'t, 'c> FnOnce(
+            &'t mut tokio_postgres::Transaction<'c>,
+        ) -> BoxFuture<'t, Result<T, E>>,
+    {
+        self.server
+            .write_once_async(Access::Read, None, |_, tx| {
+                let out = f(tx);
+                Box::pin(async move { out.await.map(Finish::Rollback) })
+            })
+            .await
     }
 
     /// The inbox called `name`: its own namespace of event keys. Names are
@@ -624,6 +840,11 @@ impl PgStore {
     /// (as the embedded store lists them, whatever the database's
     /// collation).
     pub fn inbox_names(&self) -> Result<Vec<String>> {
-        inbox::names(&self.server)
+        wait(self.inbox_names_async())
+    }
+
+    /// [`PgStore::inbox_names`], awaited.
+    pub async fn inbox_names_async(&self) -> Result<Vec<String>> {
+        inbox::names(&self.server).await
     }
 }

@@ -55,15 +55,16 @@
 
 use std::sync::Arc;
 
-use ::postgres::{GenericClient, Transaction};
 use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
+use tokio_postgres::GenericClient;
 
-use super::conn::{Db, Mode};
+use super::blocking::wait;
+use super::conn::{Db, Mode, in_transaction};
 use super::depth::DepthGauge;
 use super::errors::{corrupted, unsigned, utf8};
-use super::{Server, listen, refuse_reentrant, schema};
+use super::{Server, Transaction, listen, refuse_reentrant, run, schema};
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::outbox::ClaimRequest;
@@ -114,7 +115,7 @@ fn db_id(id: OutboxId) -> Option<i64> {
 
 /// The entry in `r` (its first 17 columns, [`COLS`]) as the embedded
 /// store's row, with its id.
-fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
+fn read_row(r: &tokio_postgres::Row) -> Result<(u64, Row)> {
     let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
     let text = |i: usize| -> Result<String> { utf8(TABLE, &id, r.try_get(i)?) };
     let opt_text = |i: usize| -> Result<Option<String>> {
@@ -152,14 +153,14 @@ fn read_row(r: &::postgres::Row) -> Result<(u64, Row)> {
 }
 
 /// The entry in `r`, as a claim returns it.
-fn read_entry(r: &::postgres::Row) -> Result<OutboxEntry> {
+fn read_entry(r: &tokio_postgres::Row) -> Result<OutboxEntry> {
     let (id, row) = read_row(r)?;
     Ok(row.to_record(id)?.entry)
 }
 
 /// The record in `r`: [`COLS`] followed by the four arrays of its attempt
 /// history ([`PgOutbox::select_records`]).
-fn read_record(r: &::postgres::Row) -> Result<OutboxRecord> {
+fn read_record(r: &tokio_postgres::Row) -> Result<OutboxRecord> {
     let (id, row) = read_row(r)?;
     let mut record = row.to_record(id)?;
     let attempts: Vec<i64> = r.try_get(17)?;
@@ -240,30 +241,33 @@ impl PgOutbox {
     /// `Enqueued::Duplicate(existing)` (nothing changed) if its
     /// `(destination, idempotency_key)` is already in the outbox. Returns
     /// once committed, and wakes subscribers (in every process) if new.
-    #[expect(
-        clippy::needless_pass_by_value,
-        reason = "the embedded outbox's signature, which both backends share"
-    )]
     pub fn enqueue(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
+        wait(self.enqueue_async(entry, now))
+    }
+
+    /// [`PgOutbox::enqueue`], awaited. Dropped once sent, the entry may
+    /// have been enqueued (enqueueing it again answers `Duplicate`).
+    pub async fn enqueue_async(&self, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> {
         check_entry(&entry, self.server.max_body)?;
         refuse_reentrant()?;
+        let now = micros(now);
         // Statements that commit as each ends: run again only when the
         // server said they did not happen (a lost answer may hide an
         // insert, which would come back as a duplicate).
         let out = if entry.ordering_key.is_some() {
             // The sequence's lock, then the insert: one transaction.
-            self.server.run(Mode::Tx, |conn| {
-                conn.in_transaction(|db| self.insert(db, &entry, micros(now)))
+            run!(self.server, Mode::Tx, |conn| {
+                in_transaction!(conn, |db| self.insert(db, &entry, now).await)
             })?
         } else {
-            self.server.run(Mode::Statement, |conn| {
-                self.insert(&mut conn.db(), &entry, micros(now))
+            run!(self.server, Mode::Statement, |conn| {
+                self.insert(&mut conn.db(), &entry, now).await
             })?
         };
         if out.is_new() {
             self.notify();
         }
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
         Ok(out)
     }
 
@@ -275,18 +279,27 @@ impl PgOutbox {
     /// An entry with an ordering key holds its sequence's lock until the
     /// caller's transaction ends: another enqueue to the same sequence
     /// waits for it, so that the sequence keeps the order of the commits.
-    #[expect(
-        clippy::needless_pass_by_value,
-        reason = "the embedded outbox's signature, which both backends share"
-    )]
     pub fn enqueue_in(
         &self,
         tx: &mut Transaction<'_>,
         entry: NewEntry,
         now: DateTime<Utc>,
     ) -> Result<Enqueued> {
+        wait(self.enqueue_in_async(tx.as_async(), entry, now))
+    }
+
+    /// [`PgOutbox::enqueue_in`], awaited, in a transaction of the async
+    /// client (a [`PgStore::write_async`](super::PgStore::write_async)
+    /// closure's, or your own).
+    pub async fn enqueue_in_async(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        entry: NewEntry,
+        now: DateTime<Utc>,
+    ) -> Result<Enqueued> {
         check_entry(&entry, self.server.max_body)?;
         self.insert(&mut Db::uncached(tx), &entry, micros(now))
+            .await
     }
 
     /// Enqueues many entries in one transaction, in order. Every entry is
@@ -300,6 +313,16 @@ impl PgOutbox {
         entries: impl IntoIterator<Item = NewEntry>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Enqueued>> {
+        wait(self.enqueue_many_async(entries, now))
+    }
+
+    /// [`PgOutbox::enqueue_many`], awaited. Dropped once its `COMMIT` was
+    /// sent, the entries may have been enqueued.
+    pub async fn enqueue_many_async(
+        &self,
+        entries: impl IntoIterator<Item = NewEntry>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Enqueued>> {
         let entries: Vec<NewEntry> = entries.into_iter().collect();
         for e in &entries {
             check_entry(e, self.server.max_body)?;
@@ -309,25 +332,34 @@ impl PgOutbox {
         }
         refuse_reentrant()?;
         let now = micros(now);
-        let out = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
-                entries
-                    .iter()
-                    .map(|e| self.insert(db, e, now))
-                    .collect::<Result<Vec<_>>>()
-            })
+        let out = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| self.insert_all(db, &entries, now).await)
         })?;
         if out.iter().any(Enqueued::is_new) {
             self.notify();
         }
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
+        Ok(out)
+    }
+
+    /// Inserts each of `entries` in order ([`PgOutbox::insert`]).
+    async fn insert_all(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        entries: &[NewEntry],
+        now: i64,
+    ) -> Result<Vec<Enqueued>> {
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            out.push(self.insert(db, e, now).await?);
+        }
         Ok(out)
     }
 
     /// Inserts `e` unless its `(destination, idempotency_key)` is taken.
-    fn insert(
+    async fn insert(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         e: &NewEntry,
         now: i64,
     ) -> Result<Enqueued> {
@@ -349,7 +381,7 @@ impl PgOutbox {
         );
         let ordering_key = e.ordering_key.as_deref().map(str::as_bytes);
         if let Some(k) = &e.ordering_key {
-            self.lock_sequence(db, &e.destination, k)?;
+            self.lock_sequence(db, &e.destination, k).await?;
         }
         let existing =
             format!("SELECT id FROM {s}.outbox WHERE destination = $1 AND idempotency_key = $2");
@@ -357,19 +389,21 @@ impl PgOutbox {
         // A conflicting row may be purged between the two statements: then
         // the insert is tried again.
         for _ in 0..3 {
-            let inserted = db.query_opt(
-                &insert,
-                &[
-                    &e.command_id.as_bytes(),
-                    &dest,
-                    &key,
-                    &e.payload,
-                    &e.not_before.map(micros),
-                    &now,
-                    &ordering_key,
-                    &i16::from(e.priority),
-                ],
-            )?;
+            let inserted = db
+                .query_opt(
+                    &insert,
+                    &[
+                        &e.command_id.as_bytes(),
+                        &dest,
+                        &key,
+                        &e.payload,
+                        &e.not_before.map(micros),
+                        &now,
+                        &ordering_key,
+                        &i16::from(e.priority),
+                    ],
+                )
+                .await?;
             if let Some(r) = inserted {
                 return Ok(Enqueued::New(OutboxId(unsigned(
                     TABLE,
@@ -378,7 +412,7 @@ impl PgOutbox {
                     r.try_get(0)?,
                 )?)));
             }
-            if let Some(r) = db.query_opt(&existing, &[&dest, &key])? {
+            if let Some(r) = db.query_opt(&existing, &[&dest, &key]).await? {
                 let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
                 return Ok(Enqueued::Duplicate(OutboxId(id)));
             }
@@ -394,9 +428,9 @@ impl PgOutbox {
     /// by a hash of the schema, destination and key): an entry joins or
     /// leaves a sequence only under it, so that two transactions never both
     /// see themselves first of one.
-    pub(super) fn lock_sequence(
+    pub(super) async fn lock_sequence(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         destination: &str,
         key: &str,
     ) -> Result<()> {
@@ -414,7 +448,8 @@ impl PgOutbox {
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
         let lock = i64::from_ne_bytes(h.to_ne_bytes());
-        db.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])?;
+        db.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+            .await?;
         Ok(())
     }
 
@@ -427,7 +462,20 @@ impl PgOutbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<Vec<OutboxEntry>> {
-        self.claim(now, &ClaimRequest::new(limit, worker_id))
+        wait(self.claim_due_async(now, limit, worker_id))
+    }
+
+    /// [`PgOutbox::claim_due`], awaited. Dropped once its `COMMIT` was
+    /// sent, the entries may have been claimed (they stay `Dispatching`
+    /// until [`release_expired_claims`](Self::release_expired_claims)).
+    pub async fn claim_due_async(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<Vec<OutboxEntry>> {
+        self.claim_async(now, &ClaimRequest::new(limit, worker_id))
+            .await
     }
 
     /// A channel that receives `()` after a commit, in any process, that
@@ -436,41 +484,44 @@ impl PgOutbox {
     /// waits in the channel. Dropping the receiver unsubscribes.
     ///
     /// The first subscription starts the store's listening connection (its
-    /// own, outside the pool) on a thread of its own; each time it has
-    /// (re)connected it sends one signal, since notifications sent while it
-    /// was away are lost. On a server that refuses `LISTEN` it signals every
-    /// second instead (polling).
+    /// own, outside the pool), a task on the store's runtime; each time it
+    /// has (re)connected it sends one signal, since notifications sent
+    /// while it was away are lost. On a server that refuses `LISTEN` it
+    /// signals every second instead (polling).
     pub fn subscribe(&self) -> Receiver<()> {
         let rx = self.wake.notifier.subscribe();
         self.listen();
         rx
     }
 
-    /// [`subscribe`](Self::subscribe) for async waiters (the async
-    /// dispatcher): signalled after the same commits, by the same
-    /// listening connection.
-    /// No future that holds no thread yet: the dispatcher runs the blocking
-    /// call on tokio's blocking pool.
+    /// [`PgOutbox::settle_and_claim_with`] as the async dispatcher awaits
+    /// it: on the async client, holding no thread.
     #[cfg(feature = "tokio")]
-    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
+    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
     pub(super) fn settle_and_claim_boxed(
         &self,
-        _: Vec<(crate::Fence, crate::Settlement)>,
-        _: DateTime<Utc>,
-        _: ClaimRequest,
+        settlements: Vec<(crate::Fence, crate::Settlement)>,
+        now: DateTime<Utc>,
+        request: ClaimRequest,
     ) -> Option<crate::backend::BoxFuture<'_, Result<crate::SettledAndClaimed>>> {
-        None
+        Some(Box::pin(async move {
+            self.settle_and_claim_with_async(settlements, now, &request)
+                .await
+        }))
     }
 
-    /// As [`PgOutbox::settle_and_claim_boxed`].
+    /// [`PgOutbox::next_due`] likewise.
     #[cfg(feature = "tokio")]
-    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
+    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
     pub(super) fn next_due_boxed(
         &self,
     ) -> Option<crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
-        None
+        Some(Box::pin(self.next_due_async()))
     }
 
+    /// [`subscribe`](Self::subscribe) for async waiters (the async
+    /// dispatcher): signalled after the same commits, by the same
+    /// listening connection.
     #[cfg(feature = "tokio")]
     pub(super) fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
         let rx = self.wake.notifier.subscribe_async();
@@ -482,12 +533,13 @@ impl PgOutbox {
     fn listen(&self) {
         let mut listening = self.wake.listening.lock();
         if !*listening {
-            *listening = listen::start(
+            listen::start(
+                &self.server.handle,
                 self.server.config.clone(),
                 schema::channel(&self.server.schema),
                 Arc::downgrade(&self.wake.notifier),
-            )
-            .is_ok();
+            );
+            *listening = true;
         }
     }
 
@@ -497,4 +549,59 @@ impl PgOutbox {
     pub fn notify(&self) {
         self.wake.notifier.notify();
     }
+}
+
+/// The async calls' futures are `Send` (a compile-time check; nothing
+/// runs it).
+#[cfg(test)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one of each argument the calls take"
+)]
+fn _send(
+    o: &PgOutbox,
+    tx: &tokio_postgres::Transaction<'_>,
+    entry: NewEntry,
+    fence: crate::Fence,
+    settlement: &crate::Settlement,
+    request: &ClaimRequest,
+    filter: &crate::OutboxFilter,
+    change: &crate::MatchingChange,
+    now: DateTime<Utc>,
+) {
+    fn is_send<T: Send>(_: T) {}
+    let id = fence.id;
+    let batch = || vec![(fence, settlement.clone())];
+    is_send(o.enqueue_async(entry.clone(), now));
+    is_send(o.enqueue_in_async(tx, entry.clone(), now));
+    is_send(o.enqueue_many_async(vec![entry], now));
+    is_send(o.claim_due_async(now, 1, "w"));
+    is_send(o.claim_async(now, request));
+    is_send(o.next_due_async());
+    is_send(o.settle_async(fence, settlement.clone(), now));
+    is_send(o.settle_in_async(tx, fence, settlement, now));
+    is_send(o.settle_many_async(batch(), now));
+    is_send(o.settle_and_claim_async(batch(), now, 1, "w"));
+    is_send(o.settle_and_claim_with_async(batch(), now, request));
+    is_send(o.mark_completed_async(id, now));
+    is_send(o.mark_failed_async(id, "r", None, now));
+    is_send(o.mark_outcome_unknown_async(id, None));
+    is_send(o.reschedule_async(id, now));
+    is_send(o.requeue_async(id, now));
+    is_send(o.cancel_async(id, now));
+    is_send(o.change_matching_async(filter, change, 1));
+    is_send(o.set_destination_policy_async("d", crate::DestinationPolicy::default()));
+    is_send(o.pause_destination_async("d"));
+    is_send(o.resume_destination_async("d"));
+    is_send(o.destinations_async());
+    is_send(o.destination_async("d"));
+    is_send(o.release_expired_claims_async(now));
+    is_send(o.purge_finished_async(now));
+    is_send(o.get_async(id));
+    is_send(o.find_async("d", "k"));
+    is_send(o.list_for_command_async("c"));
+    is_send(o.counts_async());
+    is_send(o.oldest_claim_async());
+    is_send(o.list_async(filter, 1));
+    is_send(o.check_indexes_async());
 }

@@ -42,7 +42,7 @@
 //! migrated the schema) is [`Error::IncompatibleFormat`] and changes
 //! nothing. Migrations are append-only: a released one never changes.
 
-use ::postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
 
@@ -222,13 +222,14 @@ pub(super) fn check_schema_name(name: &str) -> Result<()> {
 /// (`user`, `select`, `order`, `current_user`, …): unquoted, as the store
 /// writes it, it makes every statement a syntax error. Asks the server
 /// (`pg_get_keywords`), whose list changes between versions.
-pub(super) fn check_not_keyword(client: &mut Client, name: &str) -> Result<()> {
+pub(super) async fn check_not_keyword(client: &Client, name: &str) -> Result<()> {
     let reserved: bool = client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_get_keywords() \
              WHERE word = $1 AND catcode IN ('R', 'T'))",
             &[&name],
-        )?
+        )
+        .await?
         .try_get(0)?;
     if reserved {
         return Err(Error::invalid(
@@ -253,7 +254,7 @@ fn lock_key(schema: &str) -> i64 {
 
 /// The version recorded in `schema`, `None` if it has no version table
 /// (a new schema).
-fn recorded(client: &mut impl ::postgres::GenericClient, schema: &str) -> Result<Option<u64>> {
+async fn recorded(client: &(impl GenericClient + Sync), schema: &str) -> Result<Option<u64>> {
     // A query of the catalog's tables, not `to_regclass`: that reads the
     // session's catalog cache, which taking an advisory lock does not
     // refresh, so a process that waited for another's migration would not
@@ -264,12 +265,15 @@ fn recorded(client: &mut impl ::postgres::GenericClient, schema: &str) -> Result
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relname = 'schema_version')",
             &[&schema],
-        )?
+        )
+        .await?
         .try_get::<_, bool>(0)?;
     if !exists {
         return Ok(None);
     }
-    let row = client.query_opt(&format!("SELECT version FROM {schema}.schema_version"), &[])?;
+    let row = client
+        .query_opt(&format!("SELECT version FROM {schema}.schema_version"), &[])
+        .await?;
     let version = match row {
         Some(r) => r.try_get::<_, i64>(0)?,
         None => 0,
@@ -290,16 +294,17 @@ fn incompatible(schema: &str, version: impl std::fmt::Display) -> Error {
 
 /// Creates or migrates `schema` to [`SCHEMA_VERSION`] (see the module
 /// docs).
-pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
-    match recorded(client, schema)? {
+pub(super) async fn migrate(client: &mut Client, schema: &str) -> Result<()> {
+    match recorded(&*client, schema).await? {
         Some(v) if v == SCHEMA_VERSION => return Ok(()),
         Some(v) if v > SCHEMA_VERSION => return Err(incompatible(schema, v)),
         _ => {}
     }
-    let mut tx = client.transaction()?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])?;
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])
+        .await?;
     // Another process may have migrated while this one waited.
-    let found = recorded(&mut tx, schema)?;
+    let found = recorded(&tx, schema).await?;
     let from = match found {
         Some(v) if v > SCHEMA_VERSION => return Err(incompatible(schema, v)),
         Some(v) => v,
@@ -308,10 +313,11 @@ pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 .query_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
                     &[&schema],
-                )?
+                )
+                .await?
                 .try_get::<_, bool>(0)?;
             if !exists {
-                tx.batch_execute(&format!("CREATE SCHEMA {schema}"))?;
+                tx.batch_execute(&format!("CREATE SCHEMA {schema}")).await?;
             }
             tx.batch_execute(&format!(
                 "CREATE TABLE {schema}.schema_version (
@@ -319,7 +325,8 @@ pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                      version bigint  NOT NULL
                  );
                  INSERT INTO {schema}.schema_version (version) VALUES (0);"
-            ))?;
+            ))
+            .await?;
             0
         }
     };
@@ -328,16 +335,25 @@ pub(super) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
         .iter()
         .skip(usize::try_from(from).unwrap_or(usize::MAX))
     {
-        tx.batch_execute(&sql.replace("{s}", schema))?;
+        tx.batch_execute(&sql.replace("{s}", schema)).await?;
         version += 1;
     }
     let v = i64::try_from(version).unwrap_or(i64::MAX);
     tx.execute(
         &format!("UPDATE {schema}.schema_version SET version = $1"),
         &[&v],
-    )?;
-    tx.commit()?;
+    )
+    .await?;
+    tx.commit().await?;
     Ok(())
+}
+
+/// The connect's futures are `Send`: a check at compile time, never run.
+#[cfg(test)]
+fn _send(client: &mut Client) {
+    fn is_send<T: Send>(_: T) {}
+    is_send(check_not_keyword(client, "s"));
+    is_send(migrate(client, "s"));
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use idemstore::postgres::postgres::{Client, NoTls};
+use postgres::{Client, NoTls};
 
 /// The server's connection string, or `None` (after saying so) when the
 /// tests are to skip; a panic under `CI=true`, where the server must be

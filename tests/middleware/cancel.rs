@@ -4,10 +4,10 @@
 //! not 409 until the lease ends (the layer's clock never moves past it
 //! here). Generic over the [`Backend`].
 //!
-//! Each test runs on a runtime whose blocking pool has one thread, which
-//! runs its tasks in the order they were queued: a test holds that thread
-//! to keep a `begin` queued, and waits for a task queued after a store
-//! call to know that call is done.
+//! Each test runs on a current-thread runtime, where the layer's store
+//! calls (tasks of their own) run only once the test lets them: a `begin`
+//! stays queued until the test yields, and the test waits for the
+//! runtime's tasks to end to know the calls are done.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,31 +20,14 @@ use http_body_util::Full;
 use idemstore::middleware::{IdempotencyLayer, ResponseBody};
 use tower::{ServiceExt as _, service_fn};
 
-use super::{Backend, Error, TestResult, t};
+use super::{Backend, Error, TestResult, store_calls_done, t};
 
 type Reply = Result<http::Response<ResponseBody>, &'static str>;
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .max_blocking_threads(1)
         .build()
-}
-
-/// Waits until every store call queued on the blocking pool so far is done.
-async fn blocking_pool_drained() -> TestResult {
-    tokio::task::spawn_blocking(|| ()).await?;
-    Ok(())
-}
-
-/// Holds the one blocking thread until the returned sender is used or
-/// dropped.
-fn hold_blocking_pool() -> std::sync::mpsc::Sender<()> {
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    drop(tokio::task::spawn_blocking(move || {
-        let _ = held.recv();
-    }));
-    release
 }
 
 /// A layered service whose handler counts its runs and, with `hang`,
@@ -104,13 +87,12 @@ pub(crate) fn a_request_dropped_while_its_begin_is_queued_reserves_nothing<B: Ba
     runtime()?.block_on(async {
         let store = backend!(B);
         let runs = Arc::new(AtomicUsize::new(0));
-        let release = hold_blocking_pool();
         let mut call = Box::pin(service(&store, &runs, false).oneshot(keyed("k-queued")?));
-        // The call queues its `begin` behind the held thread, then goes away.
+        // The call queues its `begin` (a task that has not run yet: this
+        // one has not yielded since), then goes away.
         poll_once(&mut call).await;
         drop(call);
-        drop(release);
-        blocking_pool_drained().await?;
+        store_calls_done().await?;
         assert_eq!(store.rows()?, 0, "nothing reserved for a request gone");
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         assert_retry_runs(&store, "k-queued").await
@@ -126,10 +108,10 @@ pub(crate) fn a_request_dropped_once_its_begin_reserved_releases_the_key<B: Back
         poll_once(&mut call).await;
         // `begin` has reserved the key; the request goes away before it
         // takes the answer.
-        blocking_pool_drained().await?;
+        store_calls_done().await?;
         assert_eq!(store.rows()?, 1, "reserved");
         drop(call);
-        blocking_pool_drained().await?;
+        store_calls_done().await?;
         assert_eq!(store.rows()?, 0, "released by the dropped request");
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         assert_retry_runs(&store, "k-reserved").await
@@ -143,12 +125,12 @@ pub(crate) fn a_request_dropped_while_its_handler_runs_releases_the_key<B: Backe
         let runs = Arc::new(AtomicUsize::new(0));
         let mut call = Box::pin(service(&store, &runs, true).oneshot(keyed("k-handler")?));
         poll_once(&mut call).await;
-        blocking_pool_drained().await?;
+        store_calls_done().await?;
         // The answer of `begin` is in: the handler runs (and hangs).
         poll_once(&mut call).await;
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         drop(call);
-        blocking_pool_drained().await?;
+        store_calls_done().await?;
         assert_eq!(store.rows()?, 0, "released by the dropped request");
         assert_retry_runs(&store, "k-handler").await
     })

@@ -191,20 +191,12 @@ async fn assert_replayed<B: Backend>(store: &B, key: &str, at: i64) -> TestResul
     Ok(())
 }
 
-/// A runtime whose blocking pool has one thread, which runs its tasks in
-/// the order they were queued: once a task queued after the layer's
-/// drop-guard `release` has run, that release has run too.
+/// A current-thread runtime: once its tasks have ended, so have the
+/// layer's store calls, the drop guard's `release` included.
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .max_blocking_threads(1)
         .build()
-}
-
-/// Waits until every store call queued on the blocking pool so far is done.
-async fn blocking_pool_drained() -> TestResult {
-    tokio::task::spawn_blocking(|| ()).await?;
-    Ok(())
 }
 
 pub(crate) async fn a_server_error_after_the_commit_replays_the_stored_response_at_once<
@@ -246,7 +238,7 @@ pub(crate) fn a_panic_after_the_commit_replays_the_stored_response_at_once<B: Ba
         let call = tokio::spawn(app.router(0).oneshot(order("k-panic")?));
         assert!(call.await.expect_err("the handler panicked").is_panic());
         assert_eq!(app.runs(), 1);
-        blocking_pool_drained().await?;
+        super::store_calls_done().await?;
         assert_replayed(&store, "k-panic", 1).await
     })
 }
@@ -266,7 +258,7 @@ pub(crate) fn a_dropped_request_after_the_commit_replays_the_stored_response_at_
         }
         call.abort();
         assert!(call.await.expect_err("aborted").is_cancelled());
-        blocking_pool_drained().await?;
+        super::store_calls_done().await?;
         assert_replayed(&store, "k-drop", 1).await
     })
 }

@@ -39,6 +39,21 @@ pub(crate) mod pg;
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) type TestResult = Result<(), Error>;
 
+/// Waits until every store call the layer has started so far has ended:
+/// the layer runs each as a task of the current runtime (awaiting the
+/// store's async form), so none is left once no task is.
+pub(crate) async fn store_calls_done() -> TestResult {
+    let rt = tokio::runtime::Handle::current();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rt.metrics().num_alive_tasks() > 0 {
+        if std::time::Instant::now() > deadline {
+            return Err("the layer's store calls still run after 10 s".into());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
 /// A fixed instant plus `secs` seconds.
 pub(crate) fn t(secs: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()

@@ -151,7 +151,7 @@ pub(crate) fn open_store(target: &Target, schema: Option<&str>) -> Result<StoreH
 
 #[cfg(feature = "postgres")]
 mod postgres {
-    use ::postgres::{Client, NoTls};
+    use idemstore::postgres::tokio_postgres::{self, NoTls};
     use idemstore::postgres::{DEFAULT_SCHEMA, PgStore};
 
     use super::StoreHandle;
@@ -162,18 +162,28 @@ mod postgres {
     pub(super) fn open(url: &str, schema: Option<&str>) -> Result<StoreHandle, Failure> {
         let schema = schema.unwrap_or(DEFAULT_SCHEMA);
         let unreachable =
-            |e: ::postgres::Error| Failure(format!("cannot reach {}: {e}", redact(url)));
+            |e: tokio_postgres::Error| Failure(format!("cannot reach {}: {e}", redact(url)));
         // Connecting a store creates its schema when there is none: look
         // first, so that a misspelt schema is an error, not a new store.
-        let mut client = Client::connect(url, NoTls).map_err(unreachable)?;
-        let found: bool = client
-            .query_one(
-                "SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL",
-                &[&schema],
-            )
-            .map_err(unreachable)?
-            .get(0);
-        drop(client);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Failure(format!("cannot start a runtime: {e}")))?;
+        let found: bool = rt
+            .block_on(async {
+                let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
+                let driven = tokio::spawn(connection);
+                let row = client
+                    .query_one(
+                        "SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL",
+                        &[&schema],
+                    )
+                    .await;
+                drop(client);
+                let _ = driven.await;
+                Ok(row?.get(0))
+            })
+            .map_err(unreachable)?;
         if !found {
             return Err(Failure(format!(
                 "{} has no idemstore store in schema {schema:?} (give its schema with --schema)",

@@ -28,8 +28,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use ::postgres::GenericClient;
 use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
 
 use super::flows::{DESTINATIONS, FLOW_COLS, Stored, read_flow};
 use super::{COLS, PgOutbox, TABLE, read_entry};
@@ -38,9 +38,10 @@ use crate::error::Result;
 use crate::outbox::destinations::ONE_DESTINATION_LOOKS;
 use crate::outbox::destinations::{Allowance, Flow, PolicyParts};
 use crate::outbox::{ClaimRequest, OutboxEntry};
-use crate::postgres::conn::{Db, Mode};
+use crate::postgres::blocking::wait;
+use crate::postgres::conn::{Db, Mode, in_transaction};
 use crate::postgres::errors::{unsigned, utf8};
-use crate::postgres::refuse_reentrant;
+use crate::postgres::{refuse_reentrant, run};
 
 /// The entries a claim takes from `available` (each destination's, in its
 /// order), in rounds: one from each destination of `wants` per round, in
@@ -130,7 +131,7 @@ fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
 
 impl PgOutbox {
     /// Every destination with a claimable entry, with its place in line.
-    fn line(&self, db: &mut Db<'_, impl GenericClient>) -> Result<Vec<Candidate>> {
+    async fn line(&self, db: &mut Db<'_, impl GenericClient + Sync>) -> Result<Vec<Candidate>> {
         let s = self.s();
         let due = "coalesce(o.next_attempt_at, o.created_at)";
         let sql = format!(
@@ -155,7 +156,7 @@ impl PgOutbox {
                  {FLOW_COLS} \
              FROM line l LEFT JOIN {s}.destinations d ON d.destination = l.destination"
         );
-        let rows = db.query(&sql, &[])?;
+        let rows = db.query(&sql, &[]).await?;
         let mut out = Vec::with_capacity(rows.len());
         for r in &rows {
             let destination = utf8(DESTINATIONS, &"line", r.try_get(0)?)?;
@@ -214,9 +215,14 @@ impl PgOutbox {
     /// nothing here. A dispatcher sleeps until then, or until a
     /// [`subscribe`](PgOutbox::subscribe) signal.
     pub fn next_due(&self) -> Result<Option<DateTime<Utc>>> {
-        let line = self
-            .server
-            .run(Mode::Read, |conn| self.line(&mut conn.db()))?;
+        wait(self.next_due_async())
+    }
+
+    /// [`PgOutbox::next_due`], awaited.
+    pub async fn next_due_async(&self) -> Result<Option<DateTime<Utc>>> {
+        let line = run!(self.server, Mode::Read, |conn| self
+            .line(&mut conn.db())
+            .await)?;
         match line.iter().filter_map(|c| c.place).min() {
             Some(at) => from_micros(TABLE, &"next due", at).map(Some),
             None => Ok(None),
@@ -248,42 +254,57 @@ impl PgOutbox {
     /// [`release_expired_claims`](Self::release_expired_claims) hands them
     /// back.
     pub fn claim(&self, now: DateTime<Utc>, request: &ClaimRequest) -> Result<Vec<OutboxEntry>> {
+        wait(self.claim_async(now, request))
+    }
+
+    /// [`PgOutbox::claim`], awaited. Dropped once its `COMMIT` was sent,
+    /// the entries may have been claimed (they stay `Dispatching` until
+    /// [`release_expired_claims`](Self::release_expired_claims)).
+    pub async fn claim_async(
+        &self,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
         request.check()?;
         if request.limit() == 0 {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
         let now = micros(now);
-        let claimed = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| self.claim_in(db, now, request))
+        let claimed = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| self.claim_in(db, now, request).await)
         })?;
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
         Ok(claimed)
     }
 
     /// [`PgOutbox::claim`] in `db`'s transaction.
-    pub(super) fn claim_in(
+    pub(super) async fn claim_in(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         now: i64,
         request: &ClaimRequest,
     ) -> Result<Vec<OutboxEntry>> {
         if request.limit() == 0 {
             return Ok(Vec::new());
         }
-        let line = self.line(db)?;
-        let mut out = self.claim_from(db, &line, now, request, |d| !request.avoids(d))?;
+        let line = self.line(db).await?;
+        let mut out = self
+            .claim_from(db, &line, now, request, |d| !request.avoids(d))
+            .await?;
         if out.is_empty() && !request.avoid.is_empty() {
-            out = self.claim_from(db, &line, now, request, |d| request.avoids(d))?;
+            out = self
+                .claim_from(db, &line, now, request, |d| request.avoids(d))
+                .await?;
         }
         Ok(out)
     }
 
     /// [`PgOutbox::claim_in`] from the destinations of `line` (read once
     /// for both passes) that `take` accepts.
-    fn claim_from(
+    async fn claim_from(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         line: &[Candidate],
         now: i64,
         request: &ClaimRequest,
@@ -293,7 +314,9 @@ impl PgOutbox {
         let ready = Self::ready_at(line, now, take);
         if request.one_destination {
             for c in ready.iter().take(ONE_DESTINATION_LOOKS) {
-                let got = self.take_rounds(db, std::slice::from_ref(c), limit, now, request)?;
+                let got = self
+                    .take_rounds(db, std::slice::from_ref(c), limit, now, request)
+                    .await?;
                 if !got.is_empty() {
                     return Ok(got);
                 }
@@ -301,38 +324,38 @@ impl PgOutbox {
             return Ok(Vec::new());
         }
         let visit: Vec<Candidate> = ready.into_iter().take(limit).collect();
-        self.take_rounds(db, &visit, limit, now, request)
+        self.take_rounds(db, &visit, limit, now, request).await
     }
 
     /// Takes up to `limit` entries from `visit` (in line order), one from
     /// each per round, each within what its flow allows at `now`.
-    fn take_rounds(
+    async fn take_rounds(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         visit: &[Candidate],
         limit: usize,
         now: i64,
         request: &ClaimRequest,
     ) -> Result<Vec<OutboxEntry>> {
         if visit.iter().all(|c| c.free) {
-            return self.take_free(db, visit, limit, now, request);
+            return self.take_free(db, visit, limit, now, request).await;
         }
         let missing: Vec<String> = visit
             .iter()
             .filter(|c| !c.has_row)
             .map(|c| c.destination.clone())
             .collect();
-        self.ensure_flows(db, &missing)?;
+        self.ensure_flows(db, &missing).await?;
         let mut names: Vec<String> = visit.iter().map(|c| c.destination.clone()).collect();
         names.sort_unstable();
         names.dedup();
-        let mut locked = self.lock_flows(db, &names, true)?;
+        let mut locked = self.lock_flows(db, &names, true).await?;
         let capped: Vec<&str> = locked
             .iter()
             .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
             .map(|(d, _)| d.as_str())
             .collect();
-        let counts = self.count_in_flight(db, &capped)?;
+        let counts = self.count_in_flight(db, &capped).await?;
         for (d, r) in &mut locked {
             r.flow.in_flight = counts.get(d).copied().unwrap_or(0);
         }
@@ -345,7 +368,7 @@ impl PgOutbox {
                 (n > 0).then_some((c.destination.as_str(), n, c.priorities.as_slice()))
             })
             .collect();
-        let available = self.first_entries(db, &wants, now)?;
+        let available = self.first_entries(db, &wants, now).await?;
         let chosen = rounds(&wants, &available, limit);
         if chosen.is_empty() {
             return Ok(Vec::new());
@@ -355,18 +378,20 @@ impl PgOutbox {
             .map(|(_, id)| i64::try_from(*id).unwrap_or(i64::MAX))
             .collect();
         let s = self.s();
-        let rows = db.query(
-            &format!(
-                "UPDATE {s}.outbox SET status = 'dispatching', \
-                 attempt_count = LEAST(attempt_count + 1, 4294967295), \
-                 worker_id = $3, claimed_at = $1 \
-                 WHERE id IN (SELECT id FROM {s}.outbox WHERE id = ANY($2) \
-                     AND status = 'pending' AND NOT waiting \
-                     AND coalesce(next_attempt_at, created_at) <= $1 FOR UPDATE SKIP LOCKED) \
-                 RETURNING {COLS}"
-            ),
-            &[&now, &ids, &request.worker_id().as_bytes()],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "UPDATE {s}.outbox SET status = 'dispatching', \
+                     attempt_count = LEAST(attempt_count + 1, 4294967295), \
+                     worker_id = $3, claimed_at = $1 \
+                     WHERE id IN (SELECT id FROM {s}.outbox WHERE id = ANY($2) \
+                         AND status = 'pending' AND NOT waiting \
+                         AND coalesce(next_attempt_at, created_at) <= $1 FOR UPDATE SKIP LOCKED) \
+                     RETURNING {COLS}"
+                ),
+                &[&now, &ids, &request.worker_id().as_bytes()],
+            )
+            .await?;
         let mut by_id: HashMap<u64, OutboxEntry> = HashMap::with_capacity(rows.len());
         for r in &rows {
             let e = read_entry(r)?;
@@ -392,7 +417,7 @@ impl PgOutbox {
             .into_iter()
             .filter_map(|d| Some((d, locked.get(d)?)))
             .collect();
-        self.write_flows(db, &writes)?;
+        self.write_flows(db, &writes).await?;
         Ok(out)
     }
 
@@ -405,9 +430,9 @@ impl PgOutbox {
     /// forward where no other transaction holds its row (a claimer that
     /// does is moving it as far). One statement. A destination given a
     /// policy, a pause or a hold since the line was read is left out of it.
-    fn take_free(
+    async fn take_free(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         visit: &[Candidate],
         limit: usize,
         now: i64,
@@ -432,47 +457,50 @@ impl PgOutbox {
             .map(|c| c.destination.as_bytes())
             .collect();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = db.query(
-            &format!(
-                "WITH q (d, pos, pr) AS ( \
-                     SELECT * FROM unnest($1::bytea[], $2::int[], $3::smallint[])), \
-                 open AS (SELECT q.d, q.pos, q.pr FROM q WHERE NOT EXISTS ( \
-                     SELECT 1 FROM {s}.destinations f WHERE f.destination = q.d AND ( \
-                     f.paused OR f.max_in_flight IS NOT NULL OR f.rate_per_second IS NOT NULL \
-                     OR f.circuit_failures IS NOT NULL OR f.held_until IS NOT NULL))), \
-                 pick (pid, k, pos) AS (SELECT x.id, x.k, x.pos FROM ( \
-                     SELECT e.id, open.pos, row_number() OVER ( \
-                         PARTITION BY open.pos ORDER BY open.pr DESC, e.due, e.id) AS k \
-                     FROM open CROSS JOIN LATERAL ( \
-                         SELECT o.id, {due} AS due FROM {s}.outbox o \
-                         WHERE o.destination = open.d AND o.priority = open.pr \
-                         AND o.status = 'pending' AND NOT o.waiting AND {due} <= $4 \
-                         ORDER BY o.destination, o.priority, {due}, o.id \
-                         LIMIT $5 FOR UPDATE SKIP LOCKED) e) x \
-                     ORDER BY x.k, x.pos LIMIT $5), \
-                 served AS (UPDATE {s}.destinations f SET served_at = GREATEST(f.served_at, $4) \
-                     WHERE f.destination IN (SELECT l.destination FROM {s}.destinations l \
-                         WHERE l.destination = ANY($8) FOR UPDATE SKIP LOCKED)), \
-                 born AS (INSERT INTO {s}.destinations (destination, served_at) \
-                     SELECT d, $4 FROM unnest($7::bytea[]) AS m(d) ORDER BY d \
-                     ON CONFLICT DO NOTHING) \
-                 UPDATE {s}.outbox o SET status = 'dispatching', \
-                     attempt_count = LEAST(o.attempt_count + 1, 4294967295), \
-                     worker_id = $6, claimed_at = $4 \
-                 FROM pick WHERE o.id = pick.pid \
-                 RETURNING {COLS}, pick.k, pick.pos"
-            ),
-            &[
-                &pair_names,
-                &positions,
-                &priorities,
-                &now,
-                &limit,
-                &request.worker_id().as_bytes(),
-                &missing,
-                &names,
-            ],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "WITH q (d, pos, pr) AS ( \
+                         SELECT * FROM unnest($1::bytea[], $2::int[], $3::smallint[])), \
+                     open AS (SELECT q.d, q.pos, q.pr FROM q WHERE NOT EXISTS ( \
+                         SELECT 1 FROM {s}.destinations f WHERE f.destination = q.d AND ( \
+                         f.paused OR f.max_in_flight IS NOT NULL OR f.rate_per_second IS NOT NULL \
+                         OR f.circuit_failures IS NOT NULL OR f.held_until IS NOT NULL))), \
+                     pick (pid, k, pos) AS (SELECT x.id, x.k, x.pos FROM ( \
+                         SELECT e.id, open.pos, row_number() OVER ( \
+                             PARTITION BY open.pos ORDER BY open.pr DESC, e.due, e.id) AS k \
+                         FROM open CROSS JOIN LATERAL ( \
+                             SELECT o.id, {due} AS due FROM {s}.outbox o \
+                             WHERE o.destination = open.d AND o.priority = open.pr \
+                             AND o.status = 'pending' AND NOT o.waiting AND {due} <= $4 \
+                             ORDER BY o.destination, o.priority, {due}, o.id \
+                             LIMIT $5 FOR UPDATE SKIP LOCKED) e) x \
+                         ORDER BY x.k, x.pos LIMIT $5), \
+                     served AS (UPDATE {s}.destinations f \
+                         SET served_at = GREATEST(f.served_at, $4) \
+                         WHERE f.destination IN (SELECT l.destination FROM {s}.destinations l \
+                             WHERE l.destination = ANY($8) FOR UPDATE SKIP LOCKED)), \
+                     born AS (INSERT INTO {s}.destinations (destination, served_at) \
+                         SELECT d, $4 FROM unnest($7::bytea[]) AS m(d) ORDER BY d \
+                         ON CONFLICT DO NOTHING) \
+                     UPDATE {s}.outbox o SET status = 'dispatching', \
+                         attempt_count = LEAST(o.attempt_count + 1, 4294967295), \
+                         worker_id = $6, claimed_at = $4 \
+                     FROM pick WHERE o.id = pick.pid \
+                     RETURNING {COLS}, pick.k, pick.pos"
+                ),
+                &[
+                    &pair_names,
+                    &positions,
+                    &priorities,
+                    &now,
+                    &limit,
+                    &request.worker_id().as_bytes(),
+                    &missing,
+                    &names,
+                ],
+            )
+            .await?;
         let mut taken = Vec::with_capacity(rows.len());
         for r in &rows {
             let k: i64 = r.try_get(FREE_K)?;
@@ -486,9 +514,9 @@ impl PgOutbox {
     /// The first claimable entries due at `now` of each destination in
     /// `wants`, as many as it says, highest priority first, then earliest
     /// due, then id.
-    fn first_entries<'a>(
+    async fn first_entries<'a>(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         wants: &[(&'a str, usize, &[i16])],
         now: i64,
     ) -> Result<HashMap<&'a str, Vec<u64>>> {
@@ -507,18 +535,20 @@ impl PgOutbox {
                 priorities.push(*p);
             }
         }
-        let rows = db.query(
-            &format!(
-                "SELECT q.d, e.id, q.pr, e.due \
-                 FROM unnest($1::bytea[], $2::bigint[], $4::smallint[]) AS q(d, n, pr) \
-                 CROSS JOIN LATERAL ( \
-                     SELECT o.id, {due} AS due FROM {s}.outbox o \
-                     WHERE o.destination = q.d AND o.priority = q.pr AND o.status = 'pending' \
-                     AND NOT o.waiting AND {due} <= $3 \
-                     ORDER BY o.destination, o.priority, {due}, o.id LIMIT q.n) e"
-            ),
-            &[&names, &counts, &now, &priorities],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "SELECT q.d, e.id, q.pr, e.due \
+                     FROM unnest($1::bytea[], $2::bigint[], $4::smallint[]) AS q(d, n, pr) \
+                     CROSS JOIN LATERAL ( \
+                         SELECT o.id, {due} AS due FROM {s}.outbox o \
+                         WHERE o.destination = q.d AND o.priority = q.pr AND o.status = 'pending' \
+                         AND NOT o.waiting AND {due} <= $3 \
+                         ORDER BY o.destination, o.priority, {due}, o.id LIMIT q.n) e"
+                ),
+                &[&names, &counts, &now, &priorities],
+            )
+            .await?;
         let mut found: HashMap<&'a str, Vec<(i16, i64, u64)>> = HashMap::new();
         for r in &rows {
             let d: &[u8] = r.try_get(0)?;

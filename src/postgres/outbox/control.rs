@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use ::postgres::GenericClient;
+use tokio_postgres::GenericClient;
 
 use super::flows::{DESTINATIONS, FLOW_COLS, Stored, read_flow};
 use super::{PgOutbox, parse_status};
@@ -14,9 +14,10 @@ use crate::codec::from_micros;
 use crate::error::Result;
 use crate::outbox::destinations::{DestinationPolicy, DestinationState, Flow, check_destination};
 use crate::outbox::{OutboxCounts, OutboxStatus};
-use crate::postgres::conn::{Db, Mode};
+use crate::postgres::blocking::wait;
+use crate::postgres::conn::{Db, Mode, in_transaction};
 use crate::postgres::errors::utf8;
-use crate::postgres::{refuse_reentrant, schema};
+use crate::postgres::{refuse_reentrant, run, schema};
 
 impl PgOutbox {
     /// Sets `destination`'s policy (replacing the one before; the default
@@ -31,10 +32,20 @@ impl PgOutbox {
         destination: &str,
         policy: DestinationPolicy,
     ) -> Result<()> {
+        wait(self.set_destination_policy_async(destination, policy))
+    }
+
+    /// [`PgOutbox::set_destination_policy`], awaited.
+    pub async fn set_destination_policy_async(
+        &self,
+        destination: &str,
+        policy: DestinationPolicy,
+    ) -> Result<()> {
         check_destination(destination)?;
         policy.check()?;
         let parts = policy.to_parts();
         self.flow_change(destination, |flow| flow.set_policy(parts))
+            .await
     }
 
     /// Pauses `destination`: none of its entries is claimed until
@@ -43,14 +54,26 @@ impl PgOutbox {
     /// paused destination changes nothing. A destination need not have
     /// entries yet.
     pub fn pause_destination(&self, destination: &str) -> Result<()> {
+        wait(self.pause_destination_async(destination))
+    }
+
+    /// [`PgOutbox::pause_destination`], awaited.
+    pub async fn pause_destination_async(&self, destination: &str) -> Result<()> {
         check_destination(destination)?;
         self.flow_change(destination, |flow| flow.paused = true)
+            .await
     }
 
     /// Lets a paused `destination`'s entries be claimed again.
     pub fn resume_destination(&self, destination: &str) -> Result<()> {
+        wait(self.resume_destination_async(destination))
+    }
+
+    /// [`PgOutbox::resume_destination`], awaited.
+    pub async fn resume_destination_async(&self, destination: &str) -> Result<()> {
         check_destination(destination)?;
         self.flow_change(destination, |flow| flow.paused = false)
+            .await
     }
 
     /// Every destination with an entry, a policy or a pause, by name: its
@@ -58,11 +81,16 @@ impl PgOutbox {
     /// by status. Counts the entries (one `GROUP BY`): for monitoring at a
     /// modest rate.
     pub fn destinations(&self) -> Result<Vec<DestinationState>> {
-        self.states(None)
+        wait(self.destinations_async())
+    }
+
+    /// [`PgOutbox::destinations`], awaited.
+    pub async fn destinations_async(&self) -> Result<Vec<DestinationState>> {
+        self.states(None).await
     }
 
     /// The states of every destination, or of `only` that one.
-    fn states(&self, only: Option<&str>) -> Result<Vec<DestinationState>> {
+    async fn states(&self, only: Option<&str>) -> Result<Vec<DestinationState>> {
         let s = self.s();
         let only: Option<&[u8]> = only.map(str::as_bytes);
         let flows_sql = format!(
@@ -74,16 +102,17 @@ impl PgOutbox {
              WHERE $1::bytea IS NULL OR destination = $1 GROUP BY destination, status"
         );
         // One snapshot for both: a repeatable-read transaction.
-        let (flows, counts) = self.server.run(Mode::Read, |conn| {
-            let mut tx = conn
+        let (flows, counts) = run!(self.server, Mode::Read, |conn| {
+            let tx = conn
                 .client
                 .build_transaction()
-                .isolation_level(::postgres::IsolationLevel::RepeatableRead)
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
                 .read_only(true)
-                .start()?;
-            let flows = tx.query(&flows_sql, &[&only])?;
-            let counts = tx.query(&counts_sql, &[&only])?;
-            tx.commit()?;
+                .start()
+                .await?;
+            let flows = tx.query(&flows_sql, &[&only]).await?;
+            let counts = tx.query(&counts_sql, &[&only]).await?;
+            tx.commit().await?;
             Ok((flows, counts))
         })?;
         let mut by_name: BTreeMap<Vec<u8>, (Option<Stored>, [u64; 5])> = BTreeMap::new();
@@ -125,8 +154,13 @@ impl PgOutbox {
     /// (a destination the store has nothing of is reported without limits
     /// or entries).
     pub fn destination(&self, destination: &str) -> Result<DestinationState> {
+        wait(self.destination_async(destination))
+    }
+
+    /// [`PgOutbox::destination`], awaited.
+    pub async fn destination_async(&self, destination: &str) -> Result<DestinationState> {
         check_destination(destination)?;
-        let found = self.states(Some(destination))?.into_iter().next();
+        let found = self.states(Some(destination)).await?.into_iter().next();
         Ok(found.unwrap_or_else(|| DestinationState::empty(destination)))
     }
 
@@ -134,10 +168,16 @@ impl PgOutbox {
     /// its row lock, and wakes the dispatchers (of every process) if it
     /// became claimable sooner. A row left holding nothing, of a
     /// destination without entries, is deleted.
-    fn flow_change(&self, destination: &str, change: impl Fn(&mut Flow) + Sync) -> Result<()> {
+    async fn flow_change(
+        &self,
+        destination: &str,
+        change: impl Fn(&mut Flow) + Send + Sync,
+    ) -> Result<()> {
         refuse_reentrant()?;
-        let sooner = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| self.flow_change_in(db, destination, &change))
+        let sooner = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| {
+                self.flow_change_in(db, destination, &change).await
+            })
         })?;
         if sooner {
             self.notify();
@@ -145,21 +185,22 @@ impl PgOutbox {
         Ok(())
     }
 
-    fn flow_change_in(
+    async fn flow_change_in(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         destination: &str,
-        change: &impl Fn(&mut Flow),
+        change: &(impl Fn(&mut Flow) + Sync),
     ) -> Result<bool> {
         let name = [destination.to_owned()];
-        self.ensure_flows(db, &name)?;
-        let mut rows = self.lock_flows(db, &name, false)?;
+        self.ensure_flows(db, &name).await?;
+        let mut rows = self.lock_flows(db, &name, false).await?;
         let Some(stored) = rows.get_mut(destination) else {
             return Ok(false);
         };
         if stored.flow.policy.max_in_flight.is_some() {
             stored.flow.in_flight = self
-                .count_in_flight(db, &[destination])?
+                .count_in_flight(db, &[destination])
+                .await?
                 .get(destination)
                 .copied()
                 .unwrap_or(0);
@@ -171,12 +212,13 @@ impl PgOutbox {
             (Some(b), Some(a)) => a < b,
             (_, None) => false,
         };
-        self.write_flow(db, destination, stored)?;
+        self.write_flow(db, destination, stored).await?;
         if stored.is_idle() {
-            self.drop_idle_flows(db, &[destination.as_bytes()])?;
+            self.drop_idle_flows(db, &[destination.as_bytes()]).await?;
         }
         if sooner {
-            db.execute("SELECT pg_notify($1, '')", &[&schema::channel(self.s())])?;
+            db.execute("SELECT pg_notify($1, '')", &[&schema::channel(self.s())])
+                .await?;
         }
         Ok(sooner)
     }

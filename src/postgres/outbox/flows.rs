@@ -15,8 +15,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ::postgres::GenericClient;
-use ::postgres::types::ToSql;
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
 use super::{PgOutbox, TABLE};
 use crate::error::Result;
@@ -54,7 +54,7 @@ fn u64_col(dest: &str, field: &str, v: Option<i64>) -> Result<Option<u64>> {
 }
 
 /// The flow of `dest` in `r`, its [`FLOW_COLS`] from column `at` on.
-pub(super) fn read_flow(r: &::postgres::Row, at: usize, dest: &str) -> Result<Stored> {
+pub(super) fn read_flow(r: &tokio_postgres::Row, at: usize, dest: &str) -> Result<Stored> {
     let rate = match (
         r.try_get::<_, Option<f64>>(at + 1)?,
         u32_col(dest, "rate_burst", r.try_get(at + 2)?)?,
@@ -132,9 +132,9 @@ impl Stored {
 impl PgOutbox {
     /// The rows of `dests` (sorted, distinct), locked in name order; with
     /// `skip_locked`, those another transaction holds are left out.
-    pub(super) fn lock_flows(
+    pub(super) async fn lock_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dests: &[String],
         skip_locked: bool,
     ) -> Result<BTreeMap<String, Stored>> {
@@ -143,14 +143,16 @@ impl PgOutbox {
         }
         let s = self.s();
         let names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
-        let rows = db.query(
-            &format!(
-                "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
-                 WHERE destination = ANY($1) ORDER BY destination FOR UPDATE{}",
-                if skip_locked { " SKIP LOCKED" } else { "" }
-            ),
-            &[&names],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
+                     WHERE destination = ANY($1) ORDER BY destination FOR UPDATE{}",
+                    if skip_locked { " SKIP LOCKED" } else { "" }
+                ),
+                &[&names],
+            )
+            .await?;
         read_flows(&rows)
     }
 
@@ -161,32 +163,34 @@ impl PgOutbox {
     /// without a circuit, probe or failure count changes nothing), so
     /// concurrent settlements and claims of such a destination do not wait
     /// for each other.
-    fn lock_settled_flows(
+    async fn lock_settled_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dests: &[String],
         held: &[String],
     ) -> Result<BTreeMap<String, Stored>> {
         let s = self.s();
         let names: Vec<&[u8]> = dests.iter().map(String::as_bytes).collect();
         let held: Vec<&[u8]> = held.iter().map(String::as_bytes).collect();
-        let rows = db.query(
-            &format!(
-                "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
-                 WHERE destination = ANY($1) AND (destination = ANY($2) \
-                     OR max_in_flight IS NOT NULL OR rate_per_second IS NOT NULL \
-                     OR circuit_failures IS NOT NULL OR probe IS NOT NULL \
-                     OR failures <> 0 OR trips <> 0 OR open_until IS NOT NULL) \
-                 ORDER BY destination FOR UPDATE"
-            ),
-            &[&names, &held],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "SELECT destination, {FLOW_COLS} FROM {s}.destinations \
+                     WHERE destination = ANY($1) AND (destination = ANY($2) \
+                         OR max_in_flight IS NOT NULL OR rate_per_second IS NOT NULL \
+                         OR circuit_failures IS NOT NULL OR probe IS NOT NULL \
+                         OR failures <> 0 OR trips <> 0 OR open_until IS NOT NULL) \
+                     ORDER BY destination FOR UPDATE"
+                ),
+                &[&names, &held],
+            )
+            .await?;
         read_flows(&rows)
     }
 }
 
 /// The flows of `rows`, each its destination then its [`FLOW_COLS`].
-fn read_flows(rows: &[::postgres::Row]) -> Result<BTreeMap<String, Stored>> {
+fn read_flows(rows: &[tokio_postgres::Row]) -> Result<BTreeMap<String, Stored>> {
     let mut out = BTreeMap::new();
     for r in rows {
         let dest = utf8(DESTINATIONS, &"?", r.try_get(0)?)?;
@@ -199,9 +203,9 @@ fn read_flows(rows: &[::postgres::Row]) -> Result<BTreeMap<String, Stored>> {
 impl PgOutbox {
     /// Creates the rows of `dests` that do not exist yet (the default flow),
     /// in name order.
-    pub(super) fn ensure_flows(
+    pub(super) async fn ensure_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dests: &[String],
     ) -> Result<()> {
         if dests.is_empty() {
@@ -216,15 +220,16 @@ impl PgOutbox {
                  SELECT d FROM unnest($1::bytea[]) AS u(d) ORDER BY d ON CONFLICT DO NOTHING"
             ),
             &[&names],
-        )?;
+        )
+        .await?;
         Ok(())
     }
 
     /// The entries of `dests` in `Dispatching` now, by destination (those
     /// with none are absent).
-    pub(super) fn count_in_flight(
+    pub(super) async fn count_in_flight(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dests: &[&str],
     ) -> Result<HashMap<String, u64>> {
         if dests.is_empty() {
@@ -232,13 +237,15 @@ impl PgOutbox {
         }
         let s = self.s();
         let names: Vec<&[u8]> = dests.iter().map(|d| d.as_bytes()).collect();
-        let rows = db.query(
-            &format!(
-                "SELECT destination, count(*) FROM {s}.outbox \
-                 WHERE destination = ANY($1) AND status = 'dispatching' GROUP BY destination"
-            ),
-            &[&names],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "SELECT destination, count(*) FROM {s}.outbox \
+                     WHERE destination = ANY($1) AND status = 'dispatching' GROUP BY destination"
+                ),
+                &[&names],
+            )
+            .await?;
         let mut out = HashMap::new();
         for r in &rows {
             let dest = utf8(TABLE, &"in flight", r.try_get(0)?)?;
@@ -249,9 +256,9 @@ impl PgOutbox {
     }
 
     /// Writes `stored` as the row of `dest` (which exists, locked).
-    pub(super) fn write_flow(
+    pub(super) async fn write_flow(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dest: &str,
         stored: &Stored,
     ) -> Result<()> {
@@ -283,19 +290,20 @@ impl PgOutbox {
                  probe = $13, held_until = $14, served_at = $15 WHERE destination = $1"
             ),
             &params,
-        )?;
+        )
+        .await?;
         Ok(())
     }
 
     /// Writes each `(dest, stored)` as the row of `dest` (which exists,
     /// locked): one statement for all.
-    pub(super) fn write_flows(
+    pub(super) async fn write_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         rows: &[(&str, &Stored)],
     ) -> Result<()> {
         if let [(dest, stored)] = rows {
-            return self.write_flow(db, dest, stored);
+            return self.write_flow(db, dest, stored).await;
         }
         if rows.is_empty() {
             return Ok(());
@@ -356,15 +364,16 @@ impl PgOutbox {
                  WHERE d.destination = u.destination"
             ),
             &params,
-        )?;
+        )
+        .await?;
         Ok(())
     }
 
     /// Deletes the rows of `dests` that hold nothing ([`Stored::is_idle`])
     /// and whose destinations have no entry left.
-    pub(super) fn drop_idle_flows(
+    pub(super) async fn drop_idle_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         dests: &[&[u8]],
     ) -> Result<()> {
         if dests.is_empty() {
@@ -379,7 +388,8 @@ impl PgOutbox {
                  AND NOT EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.destination = d.destination)"
             ),
             &[&dests],
-        )?;
+        )
+        .await?;
         Ok(())
     }
 
@@ -389,9 +399,9 @@ impl PgOutbox {
     /// slot freed below its cap, its circuit closed or a probe ended, or an
     /// entry of a sequence became claimable. Then the server's
     /// notification goes out at commit too, to every process.
-    pub(super) fn settle_flows(
+    pub(super) async fn settle_flows(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         touched: &Touched,
     ) -> Result<bool> {
         let mut by_dest: BTreeMap<&str, Vec<FlowEvent>> = BTreeMap::new();
@@ -405,15 +415,15 @@ impl PgOutbox {
                 .filter(|(_, es)| es.iter().any(|e| matches!(e, FlowEvent::Hold(_))))
                 .map(|(d, _)| (*d).to_owned())
                 .collect();
-            self.ensure_flows(db, &held)?;
+            self.ensure_flows(db, &held).await?;
             let dests: Vec<String> = by_dest.keys().map(|d| (*d).to_owned()).collect();
-            let mut rows = self.lock_settled_flows(db, &dests, &held)?;
+            let mut rows = self.lock_settled_flows(db, &dests, &held).await?;
             let capped: Vec<&str> = rows
                 .iter()
                 .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
                 .map(|(d, _)| d.as_str())
                 .collect();
-            let in_flight = self.count_in_flight(db, &capped)?;
+            let in_flight = self.count_in_flight(db, &capped).await?;
             let mut changed = Vec::new();
             for (dest, stored) in &mut rows {
                 let Some(events) = by_dest.get(dest.as_str()) else {
@@ -450,13 +460,14 @@ impl PgOutbox {
                 .iter()
                 .filter_map(|d| Some((d.as_str(), rows.get(d)?)))
                 .collect();
-            self.write_flows(db, &writes)?;
+            self.write_flows(db, &writes).await?;
         }
         if sooner {
             db.execute(
                 "SELECT pg_notify($1, '')",
                 &[&crate::postgres::schema::channel(self.s())],
-            )?;
+            )
+            .await?;
         }
         Ok(sooner)
     }

@@ -13,46 +13,69 @@ use crate::error::{Error, Result};
 use crate::outbox::{
     OutboxCounts, OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, check_field,
 };
+use crate::postgres::blocking::wait;
 use crate::postgres::conn::Mode;
+use crate::postgres::run;
 
 impl PgOutbox {
     /// The entry `id` with its claim, settlement details and attempt
     /// history; [`Error::NotFound`] if there is none.
     pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
+        wait(self.get_async(id))
+    }
+
+    /// [`PgOutbox::get`], awaited.
+    pub async fn get_async(&self, id: OutboxId) -> Result<OutboxRecord> {
         let db = db_id(id).ok_or(Error::NotFound)?;
         let sql = format!("{} WHERE o.id = $1", self.select_records());
-        let row = self
-            .server
-            .run(Mode::Read, |conn| conn.db().query_opt(&sql, &[&db]))?;
+        let row = run!(self.server, Mode::Read, |conn| {
+            conn.db().query_opt(&sql, &[&db]).await
+        })?;
         read_record(&row.ok_or(Error::NotFound)?)
     }
 
     /// The entry enqueued as `(destination, idempotency_key)`, if any.
     pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
+        wait(self.find_async(destination, idempotency_key))
+    }
+
+    /// [`PgOutbox::find`], awaited.
+    pub async fn find_async(
+        &self,
+        destination: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<OutboxRecord>> {
         check_field("destination", destination)?;
         check_field("idempotency_key", idempotency_key)?;
         let sql = format!(
             "{} WHERE o.destination = $1 AND o.idempotency_key = $2",
             self.select_records()
         );
-        let row = self.server.run(Mode::Read, |conn| {
-            conn.db().query_opt(
-                &sql,
-                &[&destination.as_bytes(), &idempotency_key.as_bytes()],
-            )
+        let row = run!(self.server, Mode::Read, |conn| {
+            conn.db()
+                .query_opt(
+                    &sql,
+                    &[&destination.as_bytes(), &idempotency_key.as_bytes()],
+                )
+                .await
         })?;
         row.as_ref().map(read_record).transpose()
     }
 
     /// Every entry of `command_id`, by `created_at`, then id.
     pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
+        wait(self.list_for_command_async(command_id))
+    }
+
+    /// [`PgOutbox::list_for_command`], awaited.
+    pub async fn list_for_command_async(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
         check_field("command_id", command_id)?;
         let sql = format!(
             "{} WHERE o.command_id = $1 ORDER BY o.created_at, o.id",
             self.select_records()
         );
-        let rows = self.server.run(Mode::Read, |conn| {
-            conn.db().query(&sql, &[&command_id.as_bytes()])
+        let rows = run!(self.server, Mode::Read, |conn| {
+            conn.db().query(&sql, &[&command_id.as_bytes()]).await
         })?;
         rows.iter().map(read_record).collect()
     }
@@ -61,11 +84,17 @@ impl PgOutbox {
     /// monitoring at a modest rate. Sets the `idemstore_outbox_entries`
     /// gauge (feature `metrics`) to what it counted.
     pub fn counts(&self) -> Result<OutboxCounts> {
+        wait(self.counts_async())
+    }
+
+    /// [`PgOutbox::counts`], awaited.
+    pub async fn counts_async(&self) -> Result<OutboxCounts> {
         let s = self.s();
         let sql = format!("SELECT status, count(*) FROM {s}.outbox GROUP BY status");
-        let rows = self
-            .server
-            .run(Mode::Read, |conn| conn.db().query(&sql, &[]))?;
+        let rows = run!(self.server, Mode::Read, |conn| conn
+            .db()
+            .query(&sql, &[])
+            .await)?;
         let mut counts: HashMap<OutboxStatus, u64> = HashMap::new();
         for r in &rows {
             let name: &str = r.try_get(0)?;
@@ -80,18 +109,25 @@ impl PgOutbox {
     /// The claim time of the longest-held `Dispatching` entry, or `None` if
     /// nothing is being dispatched.
     pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
+        wait(self.oldest_claim_async())
+    }
+
+    /// [`PgOutbox::oldest_claim`], awaited.
+    pub async fn oldest_claim_async(&self) -> Result<Option<DateTime<Utc>>> {
         let s = self.s();
         self.first_time(&format!(
             "SELECT claimed_at, id FROM {s}.outbox WHERE status = 'dispatching' \
              ORDER BY claimed_at, id LIMIT 1"
         ))
+        .await
     }
 
     /// The `(time, id)` of the one row `sql` returns, if any.
-    fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
-        let Some(r) = self
-            .server
-            .run(Mode::Read, |conn| conn.db().query_opt(sql, &[]))?
+    async fn first_time(&self, sql: &str) -> Result<Option<DateTime<Utc>>> {
+        let Some(r) = run!(self.server, Mode::Read, |conn| conn
+            .db()
+            .query_opt(sql, &[])
+            .await)?
         else {
             return Ok(None);
         };
@@ -103,6 +139,15 @@ impl PgOutbox {
     /// inspection tools, not for a dispatcher. Page with
     /// [`OutboxFilter::after`] and the last id returned.
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
+        wait(self.list_async(filter, limit))
+    }
+
+    /// [`PgOutbox::list`], awaited.
+    pub async fn list_async(
+        &self,
+        filter: &OutboxFilter,
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>> {
         filter.check()?;
         let Some((lo, hi)) = db_bounds(filter) else {
             return Ok(Vec::new());
@@ -119,8 +164,10 @@ impl PgOutbox {
             status_condition("o.", filter),
             order(filter)
         );
-        let rows = self.server.run(Mode::Read, |conn| {
-            conn.db().query(&sql, &[&lo, &destination, &limit, &hi])
+        let rows = run!(self.server, Mode::Read, |conn| {
+            conn.db()
+                .query(&sql, &[&lo, &destination, &limit, &hi])
+                .await
         })?;
         rows.iter().map(read_record).collect()
     }
@@ -133,26 +180,31 @@ impl PgOutbox {
     /// Returns one human-readable finding per violation, none if the outbox
     /// is consistent. Reads every row: for tests and offline checks.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
-        // It uses a pooled connection directly: where it may block.
-        crate::postgres::runtime::off_runtime(|| self.check_indexes_here())
+        wait(self.check_indexes_async())
     }
 
-    fn check_indexes_here(&self) -> Result<Vec<String>> {
+    /// [`PgOutbox::check_indexes`], awaited.
+    pub async fn check_indexes_async(&self) -> Result<Vec<String>> {
         let mut findings = Vec::new();
-        let mut conn = self.server.conn()?;
-        let conn = &mut conn.client;
-        for r in conn.query(&self.select_records(), &[])? {
+        // One pooled connection, used directly for its three reads (they are
+        // not run again on a lost connection).
+        let conn = self.server.conn().await?;
+        let conn = &conn.client;
+        for r in conn.query(&self.select_records(), &[]).await? {
             if let Err(e) = read_record(&r) {
                 findings.push(e.to_string());
             }
         }
         let s = self.s();
-        for r in conn.query(
-            &format!(
-                "SELECT id, count(*) FROM {s}.outbox_attempts GROUP BY id HAVING count(*) > $1"
-            ),
-            &[&history()],
-        )? {
+        for r in conn
+            .query(
+                &format!(
+                    "SELECT id, count(*) FROM {s}.outbox_attempts GROUP BY id HAVING count(*) > $1"
+                ),
+                &[&history()],
+            )
+            .await?
+        {
             let (id, n): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
             findings.push(format!(
                 "{ATTEMPTS}: record {id} keeps {n} attempt records, more than {}",
@@ -161,17 +213,20 @@ impl PgOutbox {
         }
         // An entry waits in its sequence exactly when an earlier one is
         // unfinished (or, as copied in, another is being sent or in doubt).
-        for r in conn.query(
-            &format!(
-                "SELECT o.id, o.waiting FROM {s}.outbox o WHERE o.seq IS NOT NULL \
-                 AND o.waiting <> (EXISTS (SELECT 1 FROM {s}.outbox p \
-                     WHERE p.destination = o.destination AND p.ordering_key = o.ordering_key \
-                     AND p.seq IS NOT NULL AND p.id <> o.id AND (p.seq < o.seq \
-                         OR (o.status = 'pending' \
-                             AND p.status IN ('dispatching', 'outcome_unknown')))))"
-            ),
-            &[],
-        )? {
+        for r in conn
+            .query(
+                &format!(
+                    "SELECT o.id, o.waiting FROM {s}.outbox o WHERE o.seq IS NOT NULL \
+                     AND o.waiting <> (EXISTS (SELECT 1 FROM {s}.outbox p \
+                         WHERE p.destination = o.destination AND p.ordering_key = o.ordering_key \
+                         AND p.seq IS NOT NULL AND p.id <> o.id AND (p.seq < o.seq \
+                             OR (o.status = 'pending' \
+                                 AND p.status IN ('dispatching', 'outcome_unknown')))))"
+                ),
+                &[],
+            )
+            .await?
+        {
             let (id, waiting): (i64, bool) = (r.try_get(0)?, r.try_get(1)?);
             findings.push(format!(
                 "{TABLE}: record {id} is {} in its ordering sequence, against its place",

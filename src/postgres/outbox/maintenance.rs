@@ -4,6 +4,7 @@
 //! server's resources, in one transaction.
 
 use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
 
 use super::flows::{FlowEvent, Touched};
 use super::{PgOutbox, TABLE};
@@ -11,9 +12,10 @@ use crate::codec::micros;
 use crate::error::Result;
 use crate::outbox::rules::Change;
 use crate::outbox::{MAINTENANCE_CHUNK, OutboxId, OutboxStatus};
-use crate::postgres::conn::Mode;
+use crate::postgres::blocking::wait;
+use crate::postgres::conn::{Db, Mode, in_transaction};
 use crate::postgres::errors::{unsigned, utf8};
-use crate::postgres::refuse_reentrant;
+use crate::postgres::{refuse_reentrant, run};
 
 /// [`MAINTENANCE_CHUNK`] as a statement parameter.
 fn chunk() -> i64 {
@@ -35,6 +37,15 @@ impl PgOutbox {
     /// lost connection or an `Err` midway leaves the chunks committed
     /// before it released (and the rest claimed, for the next call).
     pub fn release_expired_claims(&self, claimed_before: DateTime<Utc>) -> Result<Vec<OutboxId>> {
+        wait(self.release_expired_claims_async(claimed_before))
+    }
+
+    /// [`PgOutbox::release_expired_claims`], awaited. Dropped midway, the
+    /// chunks committed before stay released.
+    pub async fn release_expired_claims_async(
+        &self,
+        claimed_before: DateTime<Utc>,
+    ) -> Result<Vec<OutboxId>> {
         refuse_reentrant()?;
         let s = self.s();
         let sql = format!(
@@ -50,25 +61,8 @@ impl PgOutbox {
         loop {
             // With what it tells the destinations (a released probe ends):
             // one transaction per chunk.
-            let rows = self.server.run(Mode::Tx, |conn| {
-                conn.in_transaction(|db| {
-                    let rows = db.query(&sql, &[&cutoff, &chunk])?;
-                    let mut touched = Touched::default();
-                    for r in &rows {
-                        let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
-                        let dest = utf8(TABLE, &id, r.try_get(2)?)?;
-                        touched.events.push((
-                            dest,
-                            FlowEvent::Settled {
-                                id,
-                                signal: Change::Released.signal(OutboxStatus::Dispatching),
-                                at: Change::Released.time(),
-                            },
-                        ));
-                    }
-                    self.settle_flows(db, &touched)?;
-                    Ok(rows)
-                })
+            let rows = run!(self.server, Mode::Tx, |conn| {
+                in_transaction!(conn, |db| self.release_chunk(db, &sql, cutoff, chunk).await)
             })?;
             for r in &rows {
                 let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
@@ -86,6 +80,34 @@ impl PgOutbox {
         Ok(released.into_iter().map(|(_, id)| id).collect())
     }
 
+    /// One chunk of [`PgOutbox::release_expired_claims`] in `db`'s
+    /// transaction (`sql` its statement): the rows released, with what it
+    /// tells their destinations.
+    async fn release_chunk(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        sql: &str,
+        cutoff: i64,
+        chunk: i64,
+    ) -> Result<Vec<tokio_postgres::Row>> {
+        let rows = db.query(sql, &[&cutoff, &chunk]).await?;
+        let mut touched = Touched::default();
+        for r in &rows {
+            let id: u64 = unsigned(TABLE, &"?", "id", r.try_get(0)?)?;
+            let dest = utf8(TABLE, &id, r.try_get(2)?)?;
+            touched.events.push((
+                dest,
+                FlowEvent::Settled {
+                    id,
+                    signal: Change::Released.signal(OutboxStatus::Dispatching),
+                    at: Change::Released.time(),
+                },
+            ));
+        }
+        self.settle_flows(db, &touched).await?;
+        Ok(rows)
+    }
+
     /// Deletes `Completed` and `Failed` entries whose `completed_at` is
     /// strictly before `finished_before`, with their attempt history; returns how
     /// many. Walks the partial finished index: costs what it removes. A
@@ -100,6 +122,12 @@ impl PgOutbox {
     /// a lost connection or an `Err` midway leaves the chunks committed
     /// before it purged, the rest for the next purge.
     pub fn purge_finished(&self, finished_before: DateTime<Utc>) -> Result<u64> {
+        wait(self.purge_finished_async(finished_before))
+    }
+
+    /// [`PgOutbox::purge_finished`], awaited. Dropped midway, the chunks
+    /// committed before stay purged.
+    pub async fn purge_finished_async(&self, finished_before: DateTime<Utc>) -> Result<u64> {
         refuse_reentrant()?;
         let s = self.s();
         let sql = format!(
@@ -113,24 +141,34 @@ impl PgOutbox {
         loop {
             // A destination left with no entry and nothing else to keep
             // loses its flow row, as in the embedded store.
-            let n = self.server.run(Mode::Tx, |conn| {
-                conn.in_transaction(|db| {
-                    let rows = db.query(&sql, &[&cutoff, &chunk])?;
-                    let mut dests: Vec<Vec<u8>> = rows
-                        .iter()
-                        .map(|r| r.try_get(0))
-                        .collect::<std::result::Result<_, _>>()?;
-                    dests.sort_unstable();
-                    dests.dedup();
-                    let dests: Vec<&[u8]> = dests.iter().map(Vec::as_slice).collect();
-                    self.drop_idle_flows(db, &dests)?;
-                    Ok(rows.len() as u64)
-                })
+            let n = run!(self.server, Mode::Tx, |conn| {
+                in_transaction!(conn, |db| self.purge_chunk(db, &sql, cutoff, chunk).await)
             })?;
             total += n;
             if n < MAINTENANCE_CHUNK as u64 {
                 return Ok(total);
             }
         }
+    }
+
+    /// One chunk of [`PgOutbox::purge_finished`] in `db`'s transaction
+    /// (`sql` its statement): how many it deleted.
+    async fn purge_chunk(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        sql: &str,
+        cutoff: i64,
+        chunk: i64,
+    ) -> Result<u64> {
+        let rows = db.query(sql, &[&cutoff, &chunk]).await?;
+        let mut dests: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()?;
+        dests.sort_unstable();
+        dests.dedup();
+        let dests: Vec<&[u8]> = dests.iter().map(Vec::as_slice).collect();
+        self.drop_idle_flows(db, &dests).await?;
+        Ok(rows.len() as u64)
     }
 }

@@ -8,24 +8,25 @@
 
 use std::collections::{HashMap, HashSet};
 
-use ::postgres::types::ToSql;
-use ::postgres::{GenericClient, Transaction};
 use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
 use super::flows::{FlowEvent, Touched};
 use super::{COLS, PgOutbox, TABLE, db_id, history, read_row, status_name};
 use crate::codec::micros;
 use crate::error::{Error, Result};
-use crate::outbox::ClaimRequest;
 use crate::outbox::destinations::sequenced;
 use crate::outbox::rules::{
     Change, FencedChange, Row, mark_failed_change, mark_outcome_unknown_change, plan,
     plan_settle_and_claim, plan_settlements,
 };
+use crate::outbox::{ClaimRequest, OutboxEntry};
 use crate::outbox::{Fence, OutboxId, OutboxStatus, SettledAndClaimed, Settlement};
-use crate::postgres::conn::{Db, Mode};
+use crate::postgres::blocking::wait;
+use crate::postgres::conn::{Db, Mode, in_transaction};
 use crate::postgres::errors::unsigned;
-use crate::postgres::refuse_reentrant;
+use crate::postgres::{Transaction, refuse_reentrant, run};
 
 /// The condition (on the row `o`) under which completing an entry changes
 /// nothing but the row: it has no ordering key (no sequence to move on),
@@ -44,9 +45,9 @@ impl PgOutbox {
     /// Completes entry `id` at `now` in one statement if the status table
     /// allows it as it stands (`Dispatching` or `OutcomeUnknown`, at
     /// attempt `fence` if given); `false` if the statement changed nothing.
-    fn complete_fast(
+    async fn complete_fast(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         id: i64,
         fence: Option<u32>,
         now: i64,
@@ -60,15 +61,15 @@ impl PgOutbox {
             flow_neutral(s)
         );
         let fence = fence.map(i64::from);
-        Ok(db.execute(&sql, &[&id, &fence, &now])? == 1)
+        Ok(db.execute(&sql, &[&id, &fence, &now]).await? == 1)
     }
 
     /// Applies `change` to entry `id` (fenced by `fence` if given) in
     /// `tx`: a completion in one statement when it applies as it stands,
     /// anything else through the status machine on the locked row.
-    fn change_in(
+    async fn change_in(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         id: OutboxId,
         change: &Change,
         fence: Option<u32>,
@@ -77,43 +78,46 @@ impl PgOutbox {
             return Err(Error::NotFound);
         };
         if let Change::Completed { now } = change
-            && self.complete_fast(db, id, fence, *now)?
+            && self.complete_fast(db, id, fence, *now).await?
         {
             return Ok(());
         }
         let mut touched = Touched::default();
-        self.change_locked(db, id, change, fence, &mut touched)?;
-        self.settle_flows(db, &touched)?;
+        self.change_locked(db, id, change, fence, &mut touched)
+            .await?;
+        self.settle_flows(db, &touched).await?;
         Ok(())
     }
 
     /// Applies `change` to entry `db` through the status machine on the
     /// locked row.
-    fn change_locked(
+    async fn change_locked(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         id: i64,
         change: &Change,
         fence: Option<u32>,
         touched: &mut Touched,
     ) -> Result<()> {
-        let rows = self.lock(db, &[id])?;
+        let rows = self.lock(db, &[id]).await?;
         let (id, old) = rows.iter().next().ok_or(Error::NotFound)?;
-        self.apply(db, *id, old, change, fence, touched)?;
+        self.apply(db, *id, old, change, fence, touched).await?;
         Ok(())
     }
 
     /// The entries `ids`, read and locked (`FOR UPDATE`) in id order.
-    pub(super) fn lock(
+    pub(super) async fn lock(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         ids: &[i64],
     ) -> Result<HashMap<u64, Row>> {
         let s = self.s();
-        let rows = db.query(
-            &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
-            &[&ids],
-        )?;
+        let rows = db
+            .query(
+                &format!("SELECT {COLS} FROM {s}.outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE"),
+                &[&ids],
+            )
+            .await?;
         rows.iter().map(read_row).collect()
     }
 
@@ -123,9 +127,9 @@ impl PgOutbox {
     /// entry comes back), the attempt record it adds, and the next entry of
     /// its sequence made claimable when it leaves. Notes in `touched` what
     /// it tells its destination. Returns the row as it stands afterwards.
-    pub(super) fn apply(
+    pub(super) async fn apply(
         &self,
-        tx: &mut Db<'_, impl GenericClient>,
+        tx: &mut Db<'_, impl GenericClient + Sync>,
         id: u64,
         old: &Row,
         change: &Change,
@@ -138,7 +142,7 @@ impl PgOutbox {
         let attempt = change.attempt_row(old, old.status);
         let s = self.s().to_owned();
         let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
-        let (new, waiting, leaves) = self.place_in_sequence(tx, id, old, new)?;
+        let (new, waiting, leaves) = self.place_in_sequence(tx, id, old, new).await?;
         let status = status_name(new.status);
         let (worker, claimed_at) = match &new.attempt {
             Some((w, at)) => (Some(w.as_bytes()), Some(*at)),
@@ -165,7 +169,8 @@ impl PgOutbox {
                  remote_ref = $9, seq = $10, waiting = coalesce($11, waiting) WHERE id = $1"
             ),
             &params,
-        )?;
+        )
+        .await?;
         if let Some(a) = attempt {
             // The next record after the entry's last, and the oldest ones
             // beyond the last 20 dropped: one statement, under the row lock.
@@ -190,10 +195,11 @@ impl PgOutbox {
                      WHERE id = $1 AND seq <= (SELECT seq FROM added) - $6"
                 ),
                 &params,
-            )?;
+            )
+            .await?;
         }
         if leaves {
-            touched.promoted |= self.promote_next(tx, old)?;
+            touched.promoted |= self.promote_next(tx, old).await?;
         }
         if old.status == OutboxStatus::Dispatching {
             touched.events.push((
@@ -219,9 +225,9 @@ impl PgOutbox {
     /// comes back (then it waits if another entry of the sequence is
     /// unfinished). Returns it, what its `waiting` flag becomes (`None`:
     /// unchanged) and whether it left its sequence.
-    fn place_in_sequence(
+    async fn place_in_sequence(
         &self,
-        tx: &mut Db<'_, impl GenericClient>,
+        tx: &mut Db<'_, impl GenericClient + Sync>,
         id: u64,
         old: &Row,
         new: Row,
@@ -232,30 +238,41 @@ impl PgOutbox {
         if (leaves || joins)
             && let Some(key) = &old.ordering_key
         {
-            self.lock_sequence(tx, &old.destination, key)?;
+            self.lock_sequence(tx, &old.destination, key).await?;
         }
-        let new = sequenced(old, new, || {
+        // The rules ask for a fresh place by calling back, which cannot
+        // await: they are given a placeholder, and the place they asked for
+        // is taken from the server afterwards.
+        let mut fresh = false;
+        let mut new = sequenced(old, new, || {
+            fresh = true;
+            Ok(0)
+        })?;
+        if fresh {
             let n: i64 = tx
                 .query_one(
                     &format!("SELECT nextval(pg_get_serial_sequence('{s}.outbox', 'id'))"),
                     &[],
-                )?
+                )
+                .await?
                 .try_get(0)?;
-            unsigned(TABLE, &id, "seq", n)
-        })?;
+            new.seq = Some(unsigned(TABLE, &id, "seq", n)?);
+        }
         let waiting = if joins {
             let db = db_id(OutboxId(id)).ok_or(Error::NotFound)?;
-            let r = tx.query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {s}.outbox WHERE destination = $1 \
-                     AND ordering_key = $2 AND seq IS NOT NULL AND id <> $3)"
-                ),
-                &[
-                    &new.destination.as_bytes(),
-                    &new.ordering_key.as_deref().map(str::as_bytes),
-                    &db,
-                ],
-            )?;
+            let r = tx
+                .query_one(
+                    &format!(
+                        "SELECT EXISTS (SELECT 1 FROM {s}.outbox WHERE destination = $1 \
+                         AND ordering_key = $2 AND seq IS NOT NULL AND id <> $3)"
+                    ),
+                    &[
+                        &new.destination.as_bytes(),
+                        &new.ordering_key.as_deref().map(str::as_bytes),
+                        &db,
+                    ],
+                )
+                .await?;
             Some(r.try_get::<_, bool>(0)?)
         } else if leaves {
             Some(false)
@@ -267,20 +284,26 @@ impl PgOutbox {
 
     /// Makes the first entry left in `old`'s sequence claimable (`old` just
     /// left it, under the sequence's lock); whether one was, `Pending`.
-    fn promote_next(&self, tx: &mut Db<'_, impl GenericClient>, old: &Row) -> Result<bool> {
+    async fn promote_next(
+        &self,
+        tx: &mut Db<'_, impl GenericClient + Sync>,
+        old: &Row,
+    ) -> Result<bool> {
         let s = self.s();
-        let promoted = tx.query_opt(
-            &format!(
-                "UPDATE {s}.outbox SET waiting = false WHERE id = ( \
-                     SELECT id FROM {s}.outbox WHERE destination = $1 \
-                     AND ordering_key = $2 AND seq IS NOT NULL ORDER BY seq LIMIT 1) \
-                 AND waiting RETURNING status"
-            ),
-            &[
-                &old.destination.as_bytes(),
-                &old.ordering_key.as_deref().map(str::as_bytes),
-            ],
-        )?;
+        let promoted = tx
+            .query_opt(
+                &format!(
+                    "UPDATE {s}.outbox SET waiting = false WHERE id = ( \
+                         SELECT id FROM {s}.outbox WHERE destination = $1 \
+                         AND ordering_key = $2 AND seq IS NOT NULL ORDER BY seq LIMIT 1) \
+                     AND waiting RETURNING status"
+                ),
+                &[
+                    &old.destination.as_bytes(),
+                    &old.ordering_key.as_deref().map(str::as_bytes),
+                ],
+            )
+            .await?;
         Ok(match promoted {
             Some(r) => r.try_get::<_, &str>(0)? == status_name(OutboxStatus::Pending),
             None => false,
@@ -289,25 +312,23 @@ impl PgOutbox {
 
     /// Applies `change` to `id` in its own transaction, waking this
     /// process's subscribers if it may have made work due.
-    fn change(&self, id: OutboxId, change: &Change, fence: Option<u32>) -> Result<()> {
+    async fn change(&self, id: OutboxId, change: &Change, fence: Option<u32>) -> Result<()> {
         refuse_reentrant()?;
         let id = db_id(id).ok_or(Error::NotFound)?;
         // A completion lost in flight may be run again: a second
         // completion of the same attempt is accepted without change.
-        let (done, sooner) = self.server.run(Mode::Tx, |conn| {
+        let (done, sooner) = run!(self.server, Mode::Tx, |conn| {
             if let Change::Completed { now } = change
-                && self.complete_fast(&mut conn.db(), id, fence, *now)?
+                && self.complete_fast(&mut conn.db(), id, fence, *now).await?
             {
                 return Ok((true, false));
             }
-            let sooner = conn.in_transaction(|db| {
-                let mut touched = Touched::default();
-                self.change_locked(db, id, change, fence, &mut touched)?;
-                self.settle_flows(db, &touched)
+            let sooner = in_transaction!(conn, |db| {
+                self.change_settled(db, id, change, fence).await
             })?;
             Ok((false, sooner))
         })?;
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
         if done {
             return Ok(());
         }
@@ -315,6 +336,21 @@ impl PgOutbox {
             self.notify();
         }
         Ok(())
+    }
+
+    /// [`PgOutbox::change_locked`] and what it tells the destinations, in
+    /// `db`'s transaction: whether one may have become claimable sooner.
+    async fn change_settled(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        id: i64,
+        change: &Change,
+        fence: Option<u32>,
+    ) -> Result<bool> {
+        let mut touched = Touched::default();
+        self.change_locked(db, id, change, fence, &mut touched)
+            .await?;
+        self.settle_flows(db, &touched).await
     }
 
     /// Settles the attempt `fence` (from [`OutboxEntry::fence`](crate::OutboxEntry::fence)) as
@@ -327,8 +363,19 @@ impl PgOutbox {
     /// (completed twice, failed without retry twice) is accepted and changes
     /// nothing. [`Error::NotFound`] if the entry is gone.
     pub fn settle(&self, fence: Fence, settlement: Settlement, now: DateTime<Utc>) -> Result<()> {
+        wait(self.settle_async(fence, settlement, now))
+    }
+
+    /// [`PgOutbox::settle`], awaited. Dropped once its `COMMIT` was sent,
+    /// the settlement may have been applied.
+    pub async fn settle_async(
+        &self,
+        fence: Fence,
+        settlement: Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         let change = settlement.into_change(now)?;
-        self.change(fence.id, &change, Some(fence.attempt))
+        self.change(fence.id, &change, Some(fence.attempt)).await
     }
 
     /// [`PgOutbox::settle`] inside the caller's own transaction (for a
@@ -346,6 +393,19 @@ impl PgOutbox {
         settlement: &Settlement,
         now: DateTime<Utc>,
     ) -> Result<()> {
+        wait(self.settle_in_async(tx.as_async(), fence, settlement, now))
+    }
+
+    /// [`PgOutbox::settle_in`], awaited, in a transaction of the async
+    /// client (a [`PgStore::write_async`](crate::postgres::PgStore::write_async)
+    /// closure's, or your own).
+    pub async fn settle_in_async(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        fence: Fence,
+        settlement: &Settlement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         let change = settlement.clone().into_change(now)?;
         self.change_in(
             &mut Db::uncached(tx),
@@ -353,30 +413,31 @@ impl PgOutbox {
             &change,
             Some(fence.attempt),
         )
+        .await
     }
 
     /// Applies `changes` in order in `tx`, each accepted or refused on its
     /// own; the rows are locked first, in id order.
-    fn settle_many_in(
+    async fn settle_many_in(
         &self,
-        tx: &mut Db<'_, impl GenericClient>,
+        tx: &mut Db<'_, impl GenericClient + Sync>,
         changes: &[FencedChange],
     ) -> Result<(Vec<Result<()>>, bool)> {
         let mut touched = Touched::default();
-        let out = self.settle_many_rows(tx, changes, &mut touched)?;
-        let sooner = self.settle_flows(tx, &touched)?;
+        let out = self.settle_many_rows(tx, changes, &mut touched).await?;
+        let sooner = self.settle_flows(tx, &touched).await?;
         Ok((out, sooner))
     }
 
     /// The entry changes of [`PgOutbox::settle_many_in`], noting in
     /// `touched` what they tell their destinations.
-    fn settle_many_rows(
+    async fn settle_many_rows(
         &self,
-        tx: &mut Db<'_, impl GenericClient>,
+        tx: &mut Db<'_, impl GenericClient + Sync>,
         changes: &[FencedChange],
         touched: &mut Touched,
     ) -> Result<Vec<Result<()>>> {
-        let done = self.complete_many_fast(tx, changes)?;
+        let done = self.complete_many_fast(tx, changes).await?;
         let ids: Vec<i64> = changes
             .iter()
             .filter(|(id, ..)| !done.contains(id))
@@ -385,7 +446,7 @@ impl PgOutbox {
         let mut rows = if ids.is_empty() {
             HashMap::new()
         } else {
-            self.lock(tx, &ids)?
+            self.lock(tx, &ids).await?
         };
         let mut out = Vec::with_capacity(changes.len());
         for (id, attempt, change) in changes {
@@ -397,7 +458,10 @@ impl PgOutbox {
                 out.push(Err(Error::NotFound));
                 continue;
             };
-            match self.apply(tx, *id, old, change, Some(*attempt), touched) {
+            match self
+                .apply(tx, *id, old, change, Some(*attempt), touched)
+                .await
+            {
                 Ok(new) => {
                     rows.insert(*id, new);
                     out.push(Ok(()));
@@ -414,9 +478,9 @@ impl PgOutbox {
     /// Only when every id in `changes` is distinct, so that no settlement
     /// has to see an earlier one of the same entry; the rest take the
     /// general path.
-    fn complete_many_fast(
+    async fn complete_many_fast(
         &self,
-        db: &mut Db<'_, impl GenericClient>,
+        db: &mut Db<'_, impl GenericClient + Sync>,
         changes: &[FencedChange],
     ) -> Result<HashSet<u64>> {
         let mut seen = HashSet::with_capacity(changes.len());
@@ -435,17 +499,19 @@ impl PgOutbox {
             return Ok(HashSet::new());
         }
         let s = self.s();
-        let rows = db.query(
-            &format!(
-                "UPDATE {s}.outbox o SET status = 'completed', completed_at = f.at, \
-                 next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
-                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
-                 WHERE o.id = f.id AND o.attempt_count = f.fence \
-                 AND o.status IN ('dispatching', 'outcome_unknown') AND {} RETURNING o.id",
-                flow_neutral(s)
-            ),
-            &[&ids, &fences, &times],
-        )?;
+        let rows = db
+            .query(
+                &format!(
+                    "UPDATE {s}.outbox o SET status = 'completed', completed_at = f.at, \
+                     next_attempt_at = NULL, worker_id = NULL, claimed_at = NULL \
+                     FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS f(id, fence, at) \
+                     WHERE o.id = f.id AND o.attempt_count = f.fence \
+                     AND o.status IN ('dispatching', 'outcome_unknown') AND {} RETURNING o.id",
+                    flow_neutral(s)
+                ),
+                &[&ids, &fences, &times],
+            )
+            .await?;
         rows.iter()
             .map(|r| unsigned(TABLE, &"?", "id", r.try_get(0)?))
             .collect()
@@ -466,16 +532,26 @@ impl PgOutbox {
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
     ) -> Result<Vec<Result<()>>> {
+        wait(self.settle_many_async(settlements, now))
+    }
+
+    /// [`PgOutbox::settle_many`], awaited. Dropped once its `COMMIT` was
+    /// sent, every settlement may have been applied.
+    pub async fn settle_many_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<()>>> {
         let (changes, _) = plan_settlements(settlements, now)?;
         if changes.is_empty() {
             return Ok(Vec::new());
         }
         refuse_reentrant()?;
-        let (out, sooner) = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| self.settle_many_in(db, &changes))
+        let (out, sooner) = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| self.settle_many_in(db, &changes).await)
         })?;
         self.notify_if_settled(&changes, &out, sooner);
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
         Ok(out)
     }
 
@@ -495,7 +571,20 @@ impl PgOutbox {
         limit: usize,
         worker_id: &str,
     ) -> Result<SettledAndClaimed> {
-        self.settle_and_claim_with(settlements, now, &ClaimRequest::new(limit, worker_id))
+        wait(self.settle_and_claim_async(settlements, now, limit, worker_id))
+    }
+
+    /// [`PgOutbox::settle_and_claim`], awaited. Dropped once its `COMMIT`
+    /// was sent, all of it may have committed.
+    pub async fn settle_and_claim_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        self.settle_and_claim_with_async(settlements, now, &ClaimRequest::new(limit, worker_id))
+            .await
     }
 
     /// [`PgOutbox::settle_and_claim`] with a claim that `request` shapes (as
@@ -506,24 +595,48 @@ impl PgOutbox {
         now: DateTime<Utc>,
         request: &ClaimRequest,
     ) -> Result<SettledAndClaimed> {
+        wait(self.settle_and_claim_with_async(settlements, now, request))
+    }
+
+    /// [`PgOutbox::settle_and_claim_with`], awaited. Dropped once its
+    /// `COMMIT` was sent, all of it may have committed.
+    pub async fn settle_and_claim_with_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        request: &ClaimRequest,
+    ) -> Result<SettledAndClaimed> {
         request.check()?;
         let (changes, _) = plan_settle_and_claim(settlements, now, request.worker_id())?;
         refuse_reentrant()?;
         let now = micros(now);
-        let (settled, claimed, sooner) = self.server.run(Mode::Tx, |conn| {
-            conn.in_transaction(|db| {
-                let (settled, sooner) = if changes.is_empty() {
-                    (Vec::new(), false)
-                } else {
-                    self.settle_many_in(db, &changes)?
-                };
-                let claimed = self.claim_in(db, now, request)?;
-                Ok((settled, claimed, sooner))
+        let (settled, claimed, sooner) = run!(self.server, Mode::Tx, |conn| {
+            in_transaction!(conn, |db| {
+                self.settle_and_claim_in(db, &changes, now, request).await
             })
         })?;
         self.notify_if_settled(&changes, &settled, sooner);
-        self.depth.after_write(self);
+        self.depth.after_write(self).await;
         Ok((settled, claimed))
+    }
+
+    /// [`PgOutbox::settle_and_claim_with`] in `db`'s transaction: the
+    /// settlements' results, the entries claimed, and whether a
+    /// destination may have become claimable sooner.
+    async fn settle_and_claim_in(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        changes: &[FencedChange],
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<(Vec<Result<()>>, Vec<OutboxEntry>, bool)> {
+        let (settled, sooner) = if changes.is_empty() {
+            (Vec::new(), false)
+        } else {
+            self.settle_many_in(db, changes).await?
+        };
+        let claimed = self.claim_in(db, now, request).await?;
+        Ok((settled, claimed, sooner))
     }
 
     /// Wakes this process's subscribers after a bulk settle that may have
@@ -543,7 +656,13 @@ impl PgOutbox {
     /// `Dispatching` and `OutcomeUnknown`; accepted without change on
     /// `Completed`; otherwise [`Error::Conflict`].
     pub fn mark_completed(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        wait(self.mark_completed_async(id, now))
+    }
+
+    /// [`PgOutbox::mark_completed`], awaited.
+    pub async fn mark_completed_async(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
         self.change(id, &Change::Completed { now: micros(now) }, None)
+            .await
     }
 
     /// Operator call, unfenced: records `reason` as `last_failure`, then with
@@ -558,7 +677,19 @@ impl PgOutbox {
         retry_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<()> {
+        wait(self.mark_failed_async(id, reason, retry_at, now))
+    }
+
+    /// [`PgOutbox::mark_failed`], awaited.
+    pub async fn mark_failed_async(
+        &self,
+        id: OutboxId,
+        reason: &str,
+        retry_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         self.change(id, &mark_failed_change(reason, retry_at, now)?, None)
+            .await
     }
 
     /// Operator call, unfenced: `Dispatching → OutcomeUnknown`, storing
@@ -566,28 +697,52 @@ impl PgOutbox {
     /// the remote reference only if none is stored yet. Otherwise
     /// [`Error::Conflict`].
     pub fn mark_outcome_unknown(&self, id: OutboxId, remote_ref: Option<&str>) -> Result<()> {
+        wait(self.mark_outcome_unknown_async(id, remote_ref))
+    }
+
+    /// [`PgOutbox::mark_outcome_unknown`], awaited.
+    pub async fn mark_outcome_unknown_async(
+        &self,
+        id: OutboxId,
+        remote_ref: Option<&str>,
+    ) -> Result<()> {
         self.change(id, &mark_outcome_unknown_change(remote_ref)?, None)
+            .await
     }
 
     /// Operator call, unfenced: moves a `Pending`, `Dispatching` or
     /// `OutcomeUnknown` entry to `Pending` due at `next_attempt_at`.
     /// Otherwise [`Error::Conflict`].
     pub fn reschedule(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        wait(self.reschedule_async(id, next_attempt_at))
+    }
+
+    /// [`PgOutbox::reschedule`], awaited.
+    pub async fn reschedule_async(
+        &self,
+        id: OutboxId,
+        next_attempt_at: DateTime<Utc>,
+    ) -> Result<()> {
         let change = Change::Rescheduled {
             next_attempt_at: micros(next_attempt_at),
             now: None,
         };
-        self.change(id, &change, None)
+        self.change(id, &change, None).await
     }
 
     /// Operator call: moves a `Failed` or `OutcomeUnknown` entry back to
     /// `Pending`, due at `next_attempt_at`. Anything else is
     /// [`Error::Conflict`].
     pub fn requeue(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
+        wait(self.requeue_async(id, next_attempt_at))
+    }
+
+    /// [`PgOutbox::requeue`], awaited.
+    pub async fn requeue_async(&self, id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> {
         let change = Change::Requeued {
             next_attempt_at: micros(next_attempt_at),
         };
-        self.change(id, &change, None)
+        self.change(id, &change, None).await
     }
 
     /// Cancels `id` at `now`: a `Pending` or `OutcomeUnknown` entry becomes
@@ -595,6 +750,12 @@ impl PgOutbox {
     /// Repeating it is accepted; a `Dispatching`, `Completed` or otherwise
     /// `Failed` entry is [`Error::Conflict`].
     pub fn cancel(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
+        wait(self.cancel_async(id, now))
+    }
+
+    /// [`PgOutbox::cancel`], awaited.
+    pub async fn cancel_async(&self, id: OutboxId, now: DateTime<Utc>) -> Result<()> {
         self.change(id, &Change::Cancelled { now: micros(now) }, None)
+            .await
     }
 }
