@@ -166,20 +166,23 @@ pub(crate) mod sealed {
         #[cfg(feature = "tokio")]
         fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()>;
         /// [`settle_and_claim_with`](super::OutboxBackend::settle_and_claim_with)
-        /// as a future that holds no thread while it waits, where the
-        /// backend has one (`None`: run the blocking call on the pool).
+        /// as a future that holds no thread while it waits.
         #[cfg(feature = "tokio")]
         fn settle_and_claim_async(
             &self,
             settlements: Vec<(crate::Fence, crate::Settlement)>,
             now: chrono::DateTime<chrono::Utc>,
             request: crate::ClaimRequest,
-        ) -> Option<super::BoxFuture<'_, crate::Result<crate::SettledAndClaimed>>>;
+        ) -> super::BoxFuture<'_, crate::Result<crate::SettledAndClaimed>>;
         /// [`next_due`](super::OutboxBackend::next_due) likewise.
         #[cfg(feature = "tokio")]
         fn next_due_async(
             &self,
-        ) -> Option<super::BoxFuture<'_, crate::Result<Option<chrono::DateTime<chrono::Utc>>>>>;
+        ) -> super::BoxFuture<'_, crate::Result<Option<chrono::DateTime<chrono::Utc>>>>;
+        /// How many claimers the async dispatcher runs: commits that may
+        /// usefully run at once (1 where commits go one after the other).
+        #[cfg(feature = "tokio")]
+        fn commit_parallelism(&self) -> usize;
     }
 
     /// The seal of [`InboxBackend`](super::InboxBackend).
@@ -238,20 +241,19 @@ macro_rules! forward_to_handles {
                 settlements: Vec<($crate::Fence, $crate::Settlement)>,
                 now: chrono::DateTime<chrono::Utc>,
                 request: $crate::ClaimRequest,
-            ) -> Option<$crate::backend::BoxFuture<'_, $crate::Result<$crate::SettledAndClaimed>>>
-            {
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<$crate::SettledAndClaimed>> {
                 <$outbox>::settle_and_claim_boxed(self, settlements, now, request)
             }
             #[cfg(feature = "tokio")]
             fn next_due_async(
                 &self,
-            ) -> Option<
-                $crate::backend::BoxFuture<
-                    '_,
-                    $crate::Result<Option<chrono::DateTime<chrono::Utc>>>,
-                >,
-            > {
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<Option<chrono::DateTime<chrono::Utc>>>>
+            {
                 <$outbox>::next_due_boxed(self)
+            }
+            #[cfg(feature = "tokio")]
+            fn commit_parallelism(&self) -> usize {
+                <$outbox>::commit_parallelism(self)
             }
         }
 

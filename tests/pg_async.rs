@@ -339,3 +339,43 @@ async fn the_outbox_the_keys_and_the_applications_statements_answer_awaited() ->
     assert!(failed.is_err());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_async_dispatchers_claimers_send_every_entry_once() -> TestResult {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let Some(url) = url() else { return Ok(()) };
+    let (store, _drop) = store(&url, 8).await?;
+    let outbox = store.outbox();
+    let entries: Vec<_> = (0..300)
+        .map(|i| NewEntry::new("c", format!("d{}", i % 3), format!("k{i}"), vec![]))
+        .collect();
+    outbox.enqueue_many_async(entries, Utc::now()).await?;
+    let sent: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    // Four workers on a pool of eight: four claimers, a commit each at once.
+    let dispatcher = {
+        let sent = sent.clone();
+        idemstore::Dispatcher::builder(outbox.clone())
+            .workers(4)
+            .batch_size(16)
+            .start_async(move |entry| {
+                *sent
+                    .lock()
+                    .unwrap()
+                    .entry(entry.idempotency_key)
+                    .or_default() += 1;
+                std::future::ready(idemstore::Delivery::Delivered)
+            })?
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while dispatcher.stats().delivered < 300 {
+        assert!(std::time::Instant::now() < deadline, "drained in time");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    dispatcher.shutdown().await?;
+    let sent = sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 300, "every entry sent");
+    assert!(sent.values().all(|&n| n == 1), "none sent twice");
+    assert_eq!(outbox.counts_async().await?.completed, 300);
+    Ok(())
+}

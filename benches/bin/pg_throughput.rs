@@ -9,7 +9,8 @@
 //!
 //! - durable inbox claims at 1/16/64 threads: `PgInbox::claim` vs a raw
 //!   `INSERT … ON CONFLICT DO NOTHING` (one round trip each; an r2d2 pool of
-//!   plain clients, no test on checkout);
+//!   plain clients, no test on checkout); and from 256 tasks on a 2-worker
+//!   runtime through `claim_async`, on a pool of 64 as the 64 threads;
 //! - `claim_due(100)` with 200k vs 5k entries pending;
 //! - draining 20k entries with a `Dispatcher` of 4 workers over a `PgOutbox`
 //!   (sending nothing) vs a hand-rolled `UPDATE … WHERE id IN
@@ -18,7 +19,8 @@
 //!   loop running the `Dispatcher`'s own statements in its shape (the
 //!   completions fenced by attempt, whole rows returned, one transaction
 //!   per batch), which tells the statements' cost from the dispatcher's;
-//!   and the same drain by 3 processes vs 1.
+//!   and the same drain by 3 processes vs 1, and by the async dispatcher
+//!   (`start_async`, 4 workers, on a 2-worker runtime).
 //!
 //! Every figure is measured in this run against the same server, so the
 //! ratios are what to read.
@@ -74,6 +76,16 @@ fn main() -> R<()> {
             );
             admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
         }
+        let schema = format!("bench_claims_{tag}_tasks");
+        let threads = median3(|| claims_ours(&url, &schema, 64, run_for))?;
+        let tasks = median3(|| claims_tasks(&url, &schema, 256, 64, run_for))?;
+        println!(
+            "{:>8} | {tasks:>12.0} | {:>12} | {:>6.2}× 64 threads ({threads:.0})",
+            "256 tasks",
+            "",
+            tasks / threads
+        );
+        admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
 
         println!("\nclaim_due(100), ms per call");
         let schema = format!("bench_due_{tag}");
@@ -85,12 +97,22 @@ fn main() -> R<()> {
         admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
     }
 
+    drain_figures(&url, &tag, &mut admin)
+}
+
+/// The drains (see the module docs).
+fn drain_figures(url: &str, tag: &str, admin: &mut Client) -> R<()> {
+    let url = url.to_owned();
     println!("\ndrain of {DRAIN} entries, batches of {BATCH}, entries per second");
     let schema = format!("bench_drain_{tag}");
     PgStore::builder().schema(&schema).connect(&url)?;
     let ours = median3(|| {
         fill(&url, &schema, DRAIN)?;
         Ok(DRAIN as f64 / drain_ours(&url, &schema, 4)?)
+    })?;
+    let tasks = median3(|| {
+        fill(&url, &schema, DRAIN)?;
+        Ok(DRAIN as f64 / drain_tasks(&url, &schema, 4)?)
     })?;
     // The hand-rolled loops take the earliest due entries, by the due index
     // such a queue has (idemstore's own tables have none: their queue
@@ -128,6 +150,11 @@ fn main() -> R<()> {
         Ok(DRAIN as f64 / start.elapsed().as_secs_f64())
     })?;
     println!("{:>42} | {ours:>9.0}", "idemstore Dispatcher, 4 workers");
+    println!(
+        "{:>42} | {tasks:>9.0}",
+        "idemstore async dispatcher, 4 workers"
+    );
+    println!("{:>42} | {:>8.2}×", "async / threads", tasks / ours);
     println!("{:>42} | {raw:>9.0}", "hand-rolled SKIP LOCKED, 4 workers");
     println!("{:>42} | {:>8.2}×", "ratio", ours / raw);
     println!(
@@ -306,6 +333,90 @@ fn drain_ours(url: &str, schema: &str, workers: usize) -> R<f64> {
     let took = start.elapsed().as_secs_f64();
     dispatcher.shutdown()?;
     Ok(took)
+}
+
+/// Claims from `tasks` tasks on a 2-worker runtime through `claim_async`
+/// for `run_for`, on a pool of `pool`; claims per second.
+fn claims_tasks(url: &str, schema: &str, tasks: usize, pool: u32, run_for: Duration) -> R<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let store = PgStore::builder()
+            .schema(schema)
+            .pool_size(pool)
+            .connect_async(url)
+            .await?;
+        let inbox = store.inbox("bench")?;
+        let run = RUN.fetch_add(1, Ordering::Relaxed);
+        let now = Utc::now();
+        let done = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let handles: Vec<_> = (0..tasks)
+            .map(|t| {
+                let (inbox, done) = (inbox.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut i = 0;
+                    while start.elapsed() < run_for {
+                        inbox.claim_async(&format!("a{run}-{t}-{i}"), now).await?;
+                        i += 1;
+                    }
+                    done.fetch_add(i, Ordering::Relaxed);
+                    Ok::<_, idemstore::Error>(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await??;
+        }
+        Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+    })
+}
+
+/// [`drain_ours`] by the async dispatcher (`start_async`, `workers`
+/// workers) on a 2-worker runtime; seconds.
+fn drain_tasks(url: &str, schema: &str, workers: usize) -> R<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let store = PgStore::builder()
+            .schema(schema)
+            .pool_size(u32::try_from(workers + 2)?)
+            .connect_async(url)
+            .await?;
+        let outbox = store.outbox();
+        let sent = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let dispatcher = {
+            let sent = sent.clone();
+            idemstore::Dispatcher::builder(outbox.clone())
+                .workers(workers)
+                .batch_size(BATCH)
+                .worker_id(format!("t{}", std::process::id()))
+                .start_async(move |_| {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    std::future::ready(idemstore::Delivery::Delivered)
+                })?
+        };
+        let mut last = u64::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let now = sent.load(Ordering::Relaxed);
+            if now != last {
+                last = now;
+                continue;
+            }
+            if outbox.next_due_async().await?.is_none() && dispatcher.stats().delivered == now {
+                break;
+            }
+        }
+        let took = start.elapsed().as_secs_f64();
+        dispatcher.shutdown().await?;
+        Ok(took)
+    })
 }
 
 /// How a hand-rolled drain talks to the server.

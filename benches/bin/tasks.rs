@@ -17,6 +17,10 @@
 //!
 //! Claims per second, durable commits, and the peak threads and resident
 //! memory of the process while each runs (sampled every millisecond).
+//! `-- --only tasks|threads|blocking` runs one way alone, for counts of
+//! what it costs that a noisy machine shifts little: `perf stat -e
+//! task-clock,context-switches` (every thread), `valgrind
+//! --tool=callgrind` (instructions).
 //!
 //! `-- drain`: the async dispatcher (64 workers, each send awaiting 1 ms on
 //! tokio's timer) draining a durable backlog of 20,000 entries over 10
@@ -44,74 +48,87 @@ fn main() -> Res<()> {
     if args.iter().any(|a| a == "drain") {
         return drain();
     }
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str);
+    let wanted = |way: &str| only.is_none_or(|o| o == way);
     println!("{claims} durable inbox claims, distinct keys, each way on a fresh store file:");
-    let tasks = run("2,000 tasks, claim_async", claims, |store, n| {
-        let runtime = runtime()?;
-        runtime.block_on(async {
-            let inbox = store.inbox("bench")?;
-            let handles: Vec<_> = (0..TASKS)
-                .map(|t| {
-                    let inbox = inbox.clone();
-                    tokio::spawn(async move {
-                        for i in (t..n).step_by(TASKS) {
-                            inbox.claim_async(&format!("k{i}"), Utc::now()).await?;
-                        }
-                        Ok::<_, idemstore::Error>(())
+    let (mut tasks, mut threads, mut blocking) = (f64::NAN, f64::NAN, f64::NAN);
+    if wanted("tasks") {
+        tasks = run("2,000 tasks, claim_async", claims, |store, n| {
+            let runtime = runtime()?;
+            runtime.block_on(async {
+                let inbox = store.inbox("bench")?;
+                let handles: Vec<_> = (0..TASKS)
+                    .map(|t| {
+                        let inbox = inbox.clone();
+                        tokio::spawn(async move {
+                            for i in (t..n).step_by(TASKS) {
+                                inbox.claim_async(&format!("k{i}"), Utc::now()).await?;
+                            }
+                            Ok::<_, idemstore::Error>(())
+                        })
                     })
-                })
-                .collect();
-            for h in handles {
-                h.await??;
-            }
-            Ok(())
-        })
-    })?;
-    let threads = run("64 threads, claim", claims, |store, n| {
-        let inbox = store.inbox("bench")?;
-        let handles: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let inbox = inbox.clone();
-                std::thread::spawn(move || {
-                    for i in (t..n).step_by(THREADS) {
-                        inbox.claim(&format!("k{i}"), Utc::now())?;
-                    }
-                    Ok::<_, idemstore::Error>(())
-                })
+                    .collect();
+                for h in handles {
+                    h.await??;
+                }
+                Ok(())
             })
-            .collect();
-        for h in handles {
-            h.join().map_err(|_| "a claiming thread panicked")??;
-        }
-        Ok(())
-    })?;
-    let blocking = run("2,000 tasks, spawn_blocking(claim)", claims, |store, n| {
-        let runtime = runtime()?;
-        runtime.block_on(async {
+        })?;
+    }
+    if wanted("threads") {
+        threads = run("64 threads, claim", claims, |store, n| {
             let inbox = store.inbox("bench")?;
-            let handles: Vec<_> = (0..TASKS)
+            let handles: Vec<_> = (0..THREADS)
                 .map(|t| {
                     let inbox = inbox.clone();
-                    tokio::spawn(async move {
-                        for i in (t..n).step_by(TASKS) {
-                            let inbox = inbox.clone();
-                            tokio::task::spawn_blocking(move || {
-                                inbox.claim(&format!("k{i}"), Utc::now())
-                            })
-                            .await
-                            .map_err(|_| {
-                                idemstore::Error::Io(std::io::Error::other("panicked"))
-                            })??;
+                    std::thread::spawn(move || {
+                        for i in (t..n).step_by(THREADS) {
+                            inbox.claim(&format!("k{i}"), Utc::now())?;
                         }
                         Ok::<_, idemstore::Error>(())
                     })
                 })
                 .collect();
             for h in handles {
-                h.await??;
+                h.join().map_err(|_| "a claiming thread panicked")??;
             }
             Ok(())
-        })
-    })?;
+        })?;
+    }
+    if wanted("blocking") {
+        blocking = run("2,000 tasks, spawn_blocking(claim)", claims, |store, n| {
+            let runtime = runtime()?;
+            runtime.block_on(async {
+                let inbox = store.inbox("bench")?;
+                let handles: Vec<_> = (0..TASKS)
+                    .map(|t| {
+                        let inbox = inbox.clone();
+                        tokio::spawn(async move {
+                            for i in (t..n).step_by(TASKS) {
+                                let inbox = inbox.clone();
+                                tokio::task::spawn_blocking(move || {
+                                    inbox.claim(&format!("k{i}"), Utc::now())
+                                })
+                                .await
+                                .map_err(|_| {
+                                    idemstore::Error::Io(std::io::Error::other("panicked"))
+                                })??;
+                            }
+                            Ok::<_, idemstore::Error>(())
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.await??;
+                }
+                Ok(())
+            })
+        })?;
+    }
     println!(
         "  tasks ÷ 64 threads: {:.2}×   tasks ÷ spawn_blocking: {:.2}×",
         tasks / threads,

@@ -18,7 +18,13 @@
 //! One claimer rather than `workers` claiming tasks: a wake-up makes one
 //! claim (not `workers` claims racing for the same entry), the number of
 //! sends in flight is `workers` whatever the batch size and the backlog,
-//! and an idle dispatcher has one task waiting, not `workers`.
+//! and an idle dispatcher has one task waiting, not `workers`. That is the
+//! embedded store's shape, whose commits go one after the other anyway. On
+//! PostgreSQL a commit is a round trip the server runs beside others, and
+//! one at a time would bound a drain at a batch per round trip: there the
+//! dispatcher runs as many claimers as the pool has connections (at most
+//! 16, at most `workers`), the slots shared out between them, each as
+//! above.
 //!
 //! # Fair sharing
 //!
@@ -33,11 +39,11 @@
 //! destination's backlog never fills every slot while another has entries
 //! due, and a lone destination still gets them all.
 //!
-//! On the embedded store a worker's step (its settlements and its next
-//! claim, one commit) and its look at the next due time are the store's
-//! `_async` calls: they wait for the commit without holding a thread. The
-//! other store calls, and every call on PostgreSQL, run on tokio's
-//! blocking pool (they fsync). Waiting —
+//! A claimer's step (its settlements and its next claim, one commit) and
+//! its look at the next due time are the store's `_async` calls, on both
+//! backends: they wait for the commit without holding a thread. The
+//! reaper's and the janitor's calls, the settlements at shutdown and the
+//! handling of a failed step run on tokio's blocking pool (rare calls). Waiting —
 //! for a wake-up of the outbox, a jump of a [`ManualClock`](super::ManualClock),
 //! the next due time, a back-off, the stop signal — is async: no thread is
 //! parked for it. The reaper and the janitor are a task each. The steps
@@ -159,8 +165,19 @@ impl DispatcherBuilder {
         // before the claimer looks for work.
         let reaper = reaper(ctx.clone(), stopped.clone());
         tasks.push(spawn(&runtime, &ctx, REAPER_TASK, reaper));
-        let claimer = Claimer::new(ctx.clone(), send, &worker_id, workers, stopped.clone());
-        tasks.push(spawn(&runtime, &ctx, CLAIMER_TASK, claimer.run()));
+        // One claimer where commits go one after the other; where they
+        // run side by side (PostgreSQL), several, the slots shared out.
+        let claimers = ctx.outbox.commit_parallelism().clamp(1, workers.max(1));
+        for i in 0..claimers {
+            let slots = workers / claimers + usize::from(i < workers % claimers);
+            let id = if claimers == 1 {
+                format!("{worker_id}-async")
+            } else {
+                format!("{worker_id}-async-{i}")
+            };
+            let claimer = Claimer::new(ctx.clone(), send.clone(), id, slots, stopped.clone());
+            tasks.push(spawn(&runtime, &ctx, CLAIMER_TASK, claimer.run()));
+        }
         if let Some(janitor) = janitor {
             let janitor = run_janitor(ctx.clone(), Arc::new(janitor), stopped);
             tasks.push(spawn(&runtime, &ctx, JANITOR_TASK, janitor));
@@ -332,14 +349,10 @@ async fn pause(
 /// When the next entry is due, without a thread where the backend allows
 /// (see [`worker::next_due`]).
 async fn next_due(ctx: &Arc<Ctx>) -> Result<Option<DateTime<Utc>>, worker::BackOff> {
-    if let Some(look) = ctx.outbox.next_due_async() {
-        return look.await.map_err(|e| {
-            ctx.store_error("next_due", &e);
-            worker::BackOff
-        });
-    }
-    let ctx = ctx.clone();
-    blocking(move || worker::next_due(&ctx)).await
+    ctx.outbox.next_due_async().await.map_err(|e| {
+        ctx.store_error("next_due", &e);
+        worker::BackOff
+    })
 }
 
 /// Runs `step` on the blocking pool. A panic in it goes on in the caller,
@@ -446,7 +459,7 @@ struct Claimer {
     due_only: Option<Vec<String>>,
     /// Sent, not settled yet: committed with the next claim.
     settlements: Vec<(Fence, Settlement)>,
-    /// The commit in progress on the blocking pool.
+    /// The commit in progress.
     commit: Option<JoinHandle<Commit>>,
     /// Whether work may be due that a claim would find: set by a wake-up,
     /// a clock jump, the due time, a claim that came back full; consumed
@@ -465,11 +478,10 @@ impl Claimer {
     fn new(
         ctx: Arc<Ctx>,
         send: Arc<SendFn>,
-        prefix: &str,
+        worker_id: String,
         slots: usize,
         stop: watch::Receiver<bool>,
     ) -> Claimer {
-        let worker_id = format!("{prefix}-async");
         Claimer {
             rng: Rng::seeded(&worker_id),
             worker_id: worker_id.into(),
@@ -611,36 +623,22 @@ impl Claimer {
         let limit = room;
         let avoided = self.busy.crowded(self.slots);
         let request = ClaimRequest::new(limit, &*worker_id).avoid(avoided.clone());
-        // On the embedded store the step holds no thread while it waits
-        // for its commit; elsewhere it runs on the blocking pool.
+        // The step holds no thread while it waits for its commit.
         self.commit = Some(tokio::spawn(async move {
             let now = ctx.clock.now();
             let step = ctx
                 .outbox
                 .settle_and_claim_async(settlements.clone(), now, request.clone());
-            let (claimed, settlements) = if let Some(step) = step {
-                match step.await {
-                    outcome @ Ok(_) => (
-                        worker::claimed(&ctx, &mut settlements, outcome),
-                        settlements,
-                    ),
-                    failed => {
-                        let ctx = ctx.clone();
-                        blocking(move || {
-                            (worker::claimed(&ctx, &mut settlements, failed), settlements)
-                        })
+            let (claimed, settlements) = match step.await {
+                outcome @ Ok(_) => (
+                    worker::claimed(&ctx, &mut settlements, outcome),
+                    settlements,
+                ),
+                failed => {
+                    let ctx = ctx.clone();
+                    blocking(move || (worker::claimed(&ctx, &mut settlements, failed), settlements))
                         .await
-                    }
                 }
-            } else {
-                let ctx = ctx.clone();
-                blocking(move || {
-                    (
-                        worker::claim_cycle(&ctx, &mut settlements, &request),
-                        settlements,
-                    )
-                })
-                .await
             };
             // Fewer than asked for: nothing else is due now; when will it be?
             let next_due = match &claimed {

@@ -118,29 +118,30 @@ impl Outbox {
 
     /// The dispatcher's step, boxed for the backend trait (the outbox does
     /// not name the trait's types: the backend module sits above it).
-    #[expect(
-        clippy::unnecessary_wraps,
-        reason = "the backend trait's shape: PostgreSQL has none yet"
-    )]
     pub(crate) fn settle_and_claim_boxed(
         &self,
         settlements: Vec<(Fence, Settlement)>,
         now: DateTime<Utc>,
         request: ClaimRequest,
-    ) -> Option<Boxed<'_, Result<SettledAndClaimed>>> {
-        Some(Box::pin(async move {
+    ) -> Boxed<'_, Result<SettledAndClaimed>> {
+        Box::pin(async move {
             self.settle_and_claim_async(settlements, now, &request)
                 .await
-        }))
+        })
     }
 
     /// The dispatcher's idle look, boxed for the backend trait.
-    #[expect(
-        clippy::unnecessary_wraps,
-        reason = "the backend trait's shape: PostgreSQL has none yet"
-    )]
-    pub(crate) fn next_due_boxed(&self) -> Option<Boxed<'_, Result<Option<DateTime<Utc>>>>> {
-        Some(Box::pin(self.next_due_async()))
+    pub(crate) fn next_due_boxed(&self) -> Boxed<'_, Result<Option<DateTime<Utc>>>> {
+        Box::pin(self.next_due_async())
+    }
+
+    /// How many commits of the async dispatcher may usefully run at once:
+    /// one. The store's commits are one after the other (the group commit
+    /// batches what comes during one), so a second claimer would only race
+    /// the first for the same entries.
+    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
+    pub(crate) fn commit_parallelism(&self) -> usize {
+        1
     }
 
     /// [`Outbox::requeue`], awaited.

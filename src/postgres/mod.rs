@@ -339,6 +339,11 @@ async fn begin<'c>(
 }
 
 impl Server {
+    /// The most connections the pool holds.
+    fn pool_size(&self) -> usize {
+        self.pool.status().max_size
+    }
+
     /// A pooled connection; [`Error::Postgres`] if none came free (or could
     /// be opened) before the pool's timeout.
     async fn conn(&self) -> Result<Conn> {

@@ -497,26 +497,33 @@ impl PgOutbox {
     /// [`PgOutbox::settle_and_claim_with`] as the async dispatcher awaits
     /// it: on the async client, holding no thread.
     #[cfg(feature = "tokio")]
-    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
     pub(super) fn settle_and_claim_boxed(
         &self,
         settlements: Vec<(crate::Fence, crate::Settlement)>,
         now: DateTime<Utc>,
         request: ClaimRequest,
-    ) -> Option<crate::backend::BoxFuture<'_, Result<crate::SettledAndClaimed>>> {
-        Some(Box::pin(async move {
+    ) -> crate::backend::BoxFuture<'_, Result<crate::SettledAndClaimed>> {
+        Box::pin(async move {
             self.settle_and_claim_with_async(settlements, now, &request)
                 .await
-        }))
+        })
     }
 
     /// [`PgOutbox::next_due`] likewise.
     #[cfg(feature = "tokio")]
-    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
     pub(super) fn next_due_boxed(
         &self,
-    ) -> Option<crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>>> {
-        Some(Box::pin(self.next_due_async()))
+    ) -> crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>> {
+        Box::pin(self.next_due_async())
+    }
+
+    /// How many commits of the async dispatcher may usefully run at once:
+    /// each is a round trip of its own that the server runs beside the
+    /// others (`SKIP LOCKED` keeps their claims apart), so as many as the
+    /// pool has connections, at most 16.
+    #[cfg(feature = "tokio")]
+    pub(super) fn commit_parallelism(&self) -> usize {
+        self.server.pool_size().min(16)
     }
 
     /// [`subscribe`](Self::subscribe) for async waiters (the async
