@@ -105,7 +105,8 @@
 //! `claim_many_async`, `claim_with_async`; [`Outbox::enqueue_async`],
 //! `enqueue_many_async`, `claim_due_async`, `claim_async`,
 //! `settle_async`, `settle_many_async`, `settle_and_claim_async`,
-//! `get_async`, `next_due_async`, and the operator's `requeue_async`,
+//! `settle_and_claim_with_async`, `get_async`, `next_due_async`, and the
+//! operator's `requeue_async`,
 //! `reschedule_async`, `cancel_async`, `mark_completed_async`,
 //! `mark_failed_async`; [`IdempotencyKeys::begin_async`], `complete_async`,
 //! `release_async`; [`Store::write_async`], [`Store::read_async`]). Their

@@ -218,7 +218,7 @@ async fn the_outbox_and_the_keys_answer_through_their_async_forms() -> TestResul
         .await?;
     assert!(settled[0].is_ok());
     let (_, next) = outbox
-        .settle_and_claim_async(Vec::new(), t(3), &ClaimRequest::new(10, "w"))
+        .settle_and_claim_with_async(Vec::new(), t(3), &ClaimRequest::new(10, "w"))
         .await?;
     assert_eq!(next.len(), 2);
     assert_eq!(

@@ -34,6 +34,11 @@ mod fixture {
         }
 
         /// The same store: one process holds the file.
+        /// The store, for the operator's calls.
+        pub(crate) fn admin(&self) -> &Db {
+            &self.store
+        }
+
         pub(crate) fn another(&self) -> Db {
             self.store.clone()
         }

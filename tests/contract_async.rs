@@ -5,13 +5,6 @@
 //! on a tokio runtime. So the async forms give the blocking calls' answers
 //! and errors, under the same concurrency.
 //!
-//! Not yet the idempotency keys' contract (`keys_contract!()`): one of its
-//! tests calls `idemstore::StoreAdmin::key(&f.store, ..)`, and `StoreAdmin`
-//! is sealed (only `Store` and `PgStore` implement it), so it cannot
-//! compile on a wrapper type; the keys' wrapper is ready for it, and this
-//! binary takes `contract_suite!()` once that test reaches the store's
-//! `StoreAdmin` in a way a wrapper can give (through the fixture, say).
-//!
 //! Calls that stay blocking, each for its reason:
 //!
 //! - `Store::write` and `Inbox::claim_with`: their closures, in the suite,
@@ -24,9 +17,7 @@
 //!   `change_matching`, `find`, `list`, `list_for_command`, `counts`,
 //!   `oldest_claim`, `check_indexes` and the destinations' calls; the keys'
 //!   `release_key`, `entry`, `response`, `get`, `put`, `purge_expired`,
-//!   `summary`, `list`, `check_indexes`; `Store::inbox_names`; and
-//!   `Outbox::settle_and_claim` (the embedded `settle_and_claim_async` takes
-//!   a `ClaimRequest`: it is `settle_and_claim_with`'s, and runs for that);
+//!   `summary`, `list`, `check_indexes`; `Store::inbox_names`;
 //! - the calls that never wait: `Inbox::name`, the keys' `lease` and `stats`,
 //!   `Outbox::subscribe` and `notify`.
 //!
@@ -35,10 +26,6 @@
 
 #[macro_use]
 #[path = "contract/mod.rs"]
-#[expect(
-    unused_macros,
-    reason = "keys_contract!(), and contract_suite!() with it, cannot compile here"
-)]
 mod contract;
 
 #[macro_use]
@@ -49,10 +36,6 @@ mod asynced;
 mod embedded;
 
 /// The embedded store's handles, through their async forms.
-#[expect(
-    dead_code,
-    reason = "the keys' wrapper: keys_contract!() cannot compile here"
-)]
 mod wrapped {
     async_wrappers! { embedded;
         store: idemstore::Store,
@@ -99,6 +82,11 @@ mod fixture {
         }
 
         /// The same store: one process holds the file.
+        /// The store wrapped, for the operator's calls.
+        pub(crate) fn admin(&self) -> &idemstore::Store {
+            self.store.admin()
+        }
+
         pub(crate) fn another(&self) -> Db {
             Db::new(self.plain.clone(), self.rt.clone())
         }
@@ -133,9 +121,4 @@ mod fixture {
 use contract::*;
 use fixture::*;
 
-// `contract_suite!()` but for `keys_contract!()`, which cannot compile on
-// a wrapper (see the module doc).
-inbox_contract!();
-outbox_contract!();
-maintenance_contract!();
-destinations_contract!();
+contract_suite!();

@@ -6,13 +6,6 @@
 //! own. So the async forms give the blocking calls' answers and errors,
 //! under the same concurrency.
 //!
-//! Not yet the idempotency keys' contract (`keys_contract!()`): one of its
-//! tests calls `idemstore::StoreAdmin::key(&f.store, ..)`, and `StoreAdmin`
-//! is sealed (only `Store` and `PgStore` implement it), so it cannot
-//! compile on a wrapper type; the keys' wrapper is ready for it, and this
-//! binary takes `contract_suite!()` once that test reaches the store's
-//! `StoreAdmin` in a way a wrapper can give (through the fixture, say).
-//!
 //! Every call of the inbox, the outbox, the idempotency keys and the store
 //! goes through its async form, except:
 //!
@@ -33,10 +26,6 @@
 
 #[macro_use]
 #[path = "contract/mod.rs"]
-#[expect(
-    unused_macros,
-    reason = "keys_contract!(), and contract_suite!() with it, cannot compile here"
-)]
 mod contract;
 
 #[macro_use]
@@ -46,10 +35,6 @@ mod asynced;
 mod common;
 
 /// PostgreSQL's handles, through their async forms.
-#[expect(
-    dead_code,
-    reason = "the keys' wrapper: keys_contract!() cannot compile here"
-)]
 mod wrapped {
     async_wrappers! { postgres;
         store: idemstore::postgres::PgStore,
@@ -114,6 +99,11 @@ mod fixture {
 
         /// A second store on the same schema, with its own pool: what
         /// another process would open.
+        /// The store wrapped, for the operator's calls.
+        pub(crate) fn admin(&self) -> &idemstore::postgres::PgStore {
+            self.store.admin()
+        }
+
         pub(crate) fn another(&self) -> Db {
             Db::new(Self::connect(&self.url, &self.schema), self.rt.clone())
         }
@@ -186,9 +176,4 @@ mod fixture {
 use contract::*;
 use fixture::*;
 
-// `contract_suite!()` but for `keys_contract!()`, which cannot compile on
-// a wrapper (see the module doc).
-inbox_contract!();
-outbox_contract!();
-maintenance_contract!();
-destinations_contract!();
+contract_suite!();

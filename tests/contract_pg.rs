@@ -57,6 +57,11 @@ mod fixture {
 
         /// A second store on the same schema, with its own pool: what
         /// another process would open.
+        /// The store, for the operator's calls.
+        pub(crate) fn admin(&self) -> &Db {
+            &self.store
+        }
+
         pub(crate) fn another(&self) -> Db {
             PgStore::builder()
                 .schema(&self.schema)

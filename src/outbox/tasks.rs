@@ -98,8 +98,20 @@ impl Outbox {
         Ok(out)
     }
 
-    /// [`Outbox::settle_and_claim_with`], awaited.
+    /// [`Outbox::settle_and_claim`], awaited.
     pub async fn settle_and_claim_async(
+        &self,
+        settlements: impl IntoIterator<Item = (Fence, Settlement)>,
+        now: DateTime<Utc>,
+        limit: usize,
+        worker_id: &str,
+    ) -> Result<SettledAndClaimed> {
+        self.settle_and_claim_with_async(settlements, now, &ClaimRequest::new(limit, worker_id))
+            .await
+    }
+
+    /// [`Outbox::settle_and_claim_with`], awaited.
+    pub async fn settle_and_claim_with_async(
         &self,
         settlements: impl IntoIterator<Item = (Fence, Settlement)>,
         now: DateTime<Utc>,
@@ -125,7 +137,7 @@ impl Outbox {
         request: ClaimRequest,
     ) -> Boxed<'_, Result<SettledAndClaimed>> {
         Box::pin(async move {
-            self.settle_and_claim_async(settlements, now, &request)
+            self.settle_and_claim_with_async(settlements, now, &request)
                 .await
         })
     }

@@ -121,6 +121,14 @@ macro_rules! async_wrappers {
             rt: Arc<Runtime>,
         }
 
+        impl Store {
+            /// The store wrapped, for the operator's calls (a sealed
+            /// trait's: the wrapper cannot implement it).
+            pub(crate) fn admin(&self) -> &$store {
+                &self.inner
+            }
+        }
+
         /// An inbox, its calls through their async forms.
         pub(crate) struct Inbox {
             inner: $inbox,
@@ -222,20 +230,18 @@ macro_rules! async_wrappers {
                     -> Result<()> => blocking;
                 fn settle_many(settlements: impl IntoIterator<Item = (Fence, Settlement)>, now: DateTime<Utc>)
                     -> Result<Vec<Result<()>>> => settle_many_async;
-                // The embedded store's `settle_and_claim_async` takes a
-                // `ClaimRequest`: it is `settle_and_claim_with`'s.
                 fn settle_and_claim(
                     settlements: impl IntoIterator<Item = (Fence, Settlement)>,
                     now: DateTime<Utc>,
                     limit: usize,
                     worker_id: &str,
-                ) -> Result<SettledAndClaimed> => postgres: settle_and_claim_async;
+                ) -> Result<SettledAndClaimed> => settle_and_claim_async;
                 fn settle_and_claim_with(
                     settlements: impl IntoIterator<Item = (Fence, Settlement)>,
                     now: DateTime<Utc>,
                     request: &ClaimRequest,
                 ) -> Result<SettledAndClaimed>
-                    => embedded: settle_and_claim_async, postgres: settle_and_claim_with_async;
+                    => settle_and_claim_with_async;
                 fn mark_completed(id: OutboxId, now: DateTime<Utc>) -> Result<()> => mark_completed_async;
                 fn mark_failed(id: OutboxId, reason: &str, retry_at: Option<DateTime<Utc>>, now: DateTime<Utc>)
                     -> Result<()> => mark_failed_async;

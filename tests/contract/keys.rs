@@ -125,7 +125,7 @@ macro_rules! keys_contract {
                 let listed = keys.entry("t", "k")?.expect("a reservation");
                 assert_eq!((listed.fence, listed.fingerprint.as_str()), (first.fence(), fp.as_str()));
                 assert_eq!(listed.state, KeyState::Reserved { reserved_at: t(0), lease_until: t(10) });
-                assert_eq!(idemstore::StoreAdmin::key(&f.store, "t", "k")?, Some(listed));
+                assert_eq!(idemstore::StoreAdmin::key(f.admin(), "t", "k")?, Some(listed));
                 // Another fence frees nothing; the holder's frees the key at
                 // once, live lease or not.
                 assert!(!keys.release_key("t", "k", first.fence() + 1)?);
@@ -141,7 +141,7 @@ macro_rules! keys_contract {
                 // A stored response is never deleted.
                 assert!(keys.complete(&second, second.response(200, b"done".to_vec(), t(4)), t(4))?);
                 assert!(!keys.release_key("t", "k", second.fence())?);
-                assert!(!idemstore::StoreAdmin::release_key(&f.store, "t", "k", second.fence())?);
+                assert!(!idemstore::StoreAdmin::release_key(f.admin(), "t", "k", second.fence())?);
                 assert_eq!(keys.response("t", "k")?.map(|r| r.response_body), Some(b"done".to_vec()));
                 let done = keys.entry("t", "k")?.expect("the response");
                 assert_eq!(done.state, KeyState::Completed { status: 200, body_len: 4, created_at: t(4) });

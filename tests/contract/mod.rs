@@ -13,6 +13,9 @@
 //!   another process would open it;
 //! - `fixture.mark(tx, key)` / `fixture.marks()`: the application's own
 //!   writes inside a store transaction, and what of them committed;
+//! - `fixture.admin()`: the store itself, for the operator's
+//!   [`StoreAdmin`](idemstore::StoreAdmin) calls (a fixture whose `Db`
+//!   wraps the store hands out what it wraps);
 //! - `fixture.commits_during(f)`: `f`'s result, and how many write
 //!   transactions committed while it ran (the embedded store's commit
 //!   counter; on PostgreSQL, the transactions that updated or deleted
