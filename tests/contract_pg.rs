@@ -607,6 +607,7 @@ mod destinations_pg {
         }
         let most = AtomicI64::new(0);
         let done = AtomicBool::new(false);
+        let total = &AtomicI64::new(0);
         let sql = format!(
             "SELECT count(*) FROM {}.outbox WHERE destination = 'capped' AND status = 'dispatching'",
             f.schema
@@ -625,9 +626,11 @@ mod destinations_pg {
                 .enumerate()
                 .map(|(w, outbox)| {
                     s.spawn(move || -> Result<usize, idemstore::Error> {
+                        // Until every entry is sent, whichever worker the
+                        // claims' `SKIP LOCKED` favours.
                         let mut sent = 0;
-                        for round in 0..400 {
-                            if sent >= 30 {
+                        for round in 0..5000 {
+                            if total.load(Ordering::SeqCst) >= 60 {
                                 break;
                             }
                             let got = outbox.claim_due(t(1 + round), 3, &format!("w{w}"))?;
@@ -635,6 +638,7 @@ mod destinations_pg {
                             for e in got {
                                 outbox.settle(e.fence(), Settlement::Completed, t(1 + round))?;
                                 sent += 1;
+                                total.fetch_add(1, Ordering::SeqCst);
                             }
                         }
                         Ok(sent)
