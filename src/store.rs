@@ -600,6 +600,12 @@ impl Store {
         self.engine.read(crate::inbox::names)
     }
 
+    /// [`Store::inbox_names`], awaited (feature `tokio`).
+    #[cfg(feature = "tokio")]
+    pub async fn inbox_names_async(&self) -> Result<Vec<String>> {
+        self.engine.read_async(crate::inbox::names).await
+    }
+
     /// Checks every inbox's rows against its `seen_at` index and its count:
     /// each `(inbox, key)` row of the ledger has its `(inbox, seen_at, key)`
     /// index row and vice versa, no key is both in the ledger and in the

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use idemstore::chrono::{DateTime, TimeZone, Utc};
 use idemstore::{
-    Begin, ClaimRequest, Enqueued, NewEntry, OutboxStatus, Settlement, Store, fingerprint,
+    Begin, ClaimRequest, DestinationPolicy, Enqueued, MatchingChange, NewEntry, OutboxFilter,
+    OutboxStatus, Settlement, Store, fingerprint,
 };
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -430,5 +431,199 @@ async fn the_operators_calls_move_entries_as_the_blocking_ones_do() -> TestResul
     assert_eq!(status(c)?, OutboxStatus::Failed);
     assert_eq!(status(d)?, OutboxStatus::Dispatching);
     assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+/// The outbox's inspection, maintenance and destination calls, awaited:
+/// the same answers as the blocking ones.
+#[tokio::test(flavor = "current_thread")]
+async fn the_outboxs_reads_maintenance_and_destinations_answer_as_blocking() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let outbox = store.outbox();
+    outbox
+        .enqueue_many_async(
+            (0..4).map(|i| NewEntry::new("cmd", "d", format!("k{i}"), vec![])),
+            t(0),
+        )
+        .await?;
+    let claimed = outbox.claim_due_async(t(1), 4, "w").await?;
+    assert_eq!(claimed.len(), 4);
+    outbox
+        .enqueue_async(NewEntry::new("cmd", "e", "k4", vec![]), t(1))
+        .await?;
+    let done = claimed[0].id;
+    outbox
+        .settle_many_async(
+            claimed[..2]
+                .iter()
+                .map(|e| (e.fence(), Settlement::Completed)),
+            t(2),
+        )
+        .await?;
+    outbox
+        .mark_outcome_unknown_async(claimed[2].id, Some("ref-1"))
+        .await?;
+    assert_eq!(
+        outbox.get(claimed[2].id)?.entry.status,
+        OutboxStatus::OutcomeUnknown
+    );
+    // Reads.
+    assert_eq!(outbox.counts_async().await?, outbox.counts()?);
+    assert_eq!(outbox.counts_async().await?.completed, 2);
+    let any = OutboxFilter::any();
+    assert_eq!(outbox.list_async(&any, 10).await?, outbox.list(&any, 10)?);
+    let completed = OutboxFilter::any().status(OutboxStatus::Completed);
+    let listed = outbox.list_async(&completed, 10).await?;
+    assert_eq!(listed, outbox.list(&completed, 10)?);
+    assert_eq!(listed.len(), 2);
+    assert_eq!(outbox.find_async("d", "k0").await?, outbox.find("d", "k0")?);
+    assert_eq!(
+        outbox.find_async("d", "k0").await?.map(|r| r.entry.id),
+        Some(done)
+    );
+    assert_eq!(outbox.find_async("d", "nope").await?, None);
+    assert_eq!(
+        outbox.list_for_command_async("cmd").await?,
+        outbox.list_for_command("cmd")?
+    );
+    assert_eq!(outbox.oldest_claim_async().await?, Some(t(1)));
+    assert_eq!(outbox.oldest_claim_async().await?, outbox.oldest_claim()?);
+    // Destinations.
+    let policy = DestinationPolicy::default().max_in_flight(2);
+    outbox.set_destination_policy_async("d", policy).await?;
+    outbox.pause_destination_async("e").await?;
+    assert_eq!(outbox.destination_async("d").await?.policy, policy);
+    assert!(outbox.destination_async("e").await?.paused);
+    assert_eq!(
+        outbox.destination_async("e").await?,
+        outbox.destination("e")?
+    );
+    assert_eq!(outbox.destinations_async().await?, outbox.destinations()?);
+    assert!(
+        outbox.claim_due_async(t(3), 10, "w").await?.is_empty(),
+        "e is paused"
+    );
+    outbox.resume_destination_async("e").await?;
+    assert!(!outbox.destination("e")?.paused);
+    assert!(matches!(
+        outbox.pause_destination_async("").await,
+        Err(idemstore::Error::InvalidInput { .. })
+    ));
+    // Maintenance and bulk changes.
+    let released = outbox.release_expired_claims_async(t(10)).await?;
+    assert_eq!(released, vec![claimed[3].id]);
+    assert_eq!(outbox.release_expired_claims(t(10))?, Vec::new());
+    let unknown = OutboxFilter::any().status(OutboxStatus::OutcomeUnknown);
+    let cancel = MatchingChange::Cancel { now: t(11) };
+    let step = outbox.change_matching_async(&unknown, &cancel, 10).await?;
+    assert_eq!((step.changed, step.last), (1, Some(claimed[2].id)));
+    assert_eq!(outbox.change_matching(&unknown, &cancel, 10)?.changed, 0);
+    assert_eq!(outbox.purge_finished_async(t(20)).await?, 3);
+    assert_eq!(outbox.purge_finished(t(20))?, 0);
+    assert_eq!(outbox.counts_async().await?.total(), 2);
+    assert_eq!(outbox.check_indexes_async().await?, Vec::<String>::new());
+    assert_eq!(outbox.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+/// The inbox's reads and prune, the keys' reads and operator calls, and
+/// the store's inbox names, awaited: the same answers as the blocking ones.
+#[tokio::test(flavor = "current_thread")]
+async fn the_inbox_and_the_keys_reads_and_maintenance_answer_as_blocking() -> TestResult {
+    let (_dir, store) = file_store()?;
+    let inbox = store.inbox("hooks")?;
+    assert!(inbox.is_empty_async().await?);
+    assert_eq!(store.inbox_names_async().await?, Vec::<String>::new());
+    for i in 0..3 {
+        inbox.claim_async(&format!("evt-{i}"), t(i)).await?;
+    }
+    assert!(inbox.seen_async("evt-1").await?);
+    assert!(!inbox.seen_async("evt-9").await?);
+    assert_eq!(inbox.seen_at_async("evt-2").await?, Some(t(2)));
+    assert_eq!(inbox.seen_at_async("evt-2").await?, inbox.seen_at("evt-2")?);
+    assert_eq!(inbox.len_async().await?, 3);
+    assert!(!inbox.is_empty_async().await?);
+    assert_eq!(inbox.list_async(None, 10).await?, inbox.list(None, 10)?);
+    let after = Some((t(0), "evt-0"));
+    assert_eq!(
+        inbox.list_async(after, 1).await?,
+        vec![("evt-1".to_owned(), t(1))]
+    );
+    assert_eq!(store.inbox_names_async().await?, vec!["hooks".to_owned()]);
+    assert_eq!(inbox.prune_async(t(2)).await?, 2);
+    assert_eq!(inbox.prune(t(2))?, 0);
+    assert_eq!(inbox.len_async().await?, 1);
+
+    let keys = store.idempotency_keys();
+    let fp = fingerprint("POST", "/pay", b"{}");
+    let record = idemstore::ResponseRecord {
+        tenant: "t".into(),
+        idempotency_key: "put-1".into(),
+        request_fingerprint: fp.clone(),
+        response_status: 201,
+        content_type: None,
+        headers: Vec::new(),
+        response_body: b"ok".to_vec(),
+        created_at: t(0),
+    };
+    assert!(keys.put_async(&record).await?);
+    assert!(!keys.put_async(&record).await?, "first write wins");
+    assert_eq!(
+        keys.get_async("t", "put-1", t(-10)).await?,
+        Some(record.clone())
+    );
+    assert_eq!(
+        keys.response_async("t", "put-1").await?,
+        keys.response("t", "put-1")?
+    );
+    assert_eq!(
+        keys.entry_async("t", "put-1").await?,
+        keys.entry("t", "put-1")?
+    );
+    let Begin::Proceed(r) = keys.begin_async("t", "held", &fp, t(1)).await? else {
+        panic!("a free key proceeds");
+    };
+    assert_eq!(
+        keys.list_async(Some("t"), 10).await?,
+        keys.list(Some("t"), 10)?
+    );
+    assert_eq!(
+        keys.list_after_async(None, 10).await?,
+        keys.list_after(None, 10)?
+    );
+    assert_eq!(keys.summary_async().await?, keys.summary()?);
+    assert_eq!(keys.summary_async().await?.reserved, 1);
+    assert!(!keys.release_key_async("t", "held", r.fence() + 1).await?);
+    assert!(keys.release_key_async("t", "held", r.fence()).await?);
+    assert_eq!(keys.entry_async("t", "held").await?, None);
+    // An expired response reads as absent, and is deleted.
+    assert_eq!(keys.get_async("t", "put-1", t(1)).await?, None);
+    assert_eq!(keys.entry("t", "put-1")?, None);
+    assert!(keys.put(&record)?);
+    assert_eq!(keys.purge_expired_async(t(1)).await?, 1);
+    assert_eq!(keys.purge_expired(t(1))?, 0);
+    assert_eq!(keys.check_indexes_async().await?, Vec::<String>::new());
+    assert_eq!(keys.check_indexes()?, Vec::<String>::new());
+    Ok(())
+}
+
+/// The new async forms' futures can be spawned (`Send`).
+#[test]
+fn the_async_forms_futures_are_send() -> TestResult {
+    fn is_send<T: Send>(_: &T) {}
+    let store = Store::in_memory()?;
+    let (inbox, outbox, keys) = (store.inbox("i")?, store.outbox(), store.idempotency_keys());
+    is_send(&store.inbox_names_async());
+    is_send(&inbox.seen_at_async("k"));
+    is_send(&inbox.list_async(None, 1));
+    is_send(&inbox.prune_async(t(0)));
+    is_send(&outbox.purge_finished_async(t(0)));
+    is_send(&outbox.release_expired_claims_async(t(0)));
+    is_send(&outbox.list_async(&OutboxFilter::any(), 1));
+    is_send(&outbox.pause_destination_async("d"));
+    is_send(&outbox.destinations_async());
+    is_send(&keys.get_async("t", "k", t(0)));
+    is_send(&keys.purge_expired_async(t(0)));
+    is_send(&keys.summary_async());
     Ok(())
 }

@@ -2,13 +2,13 @@
 
 use std::ops::Bound;
 
-use redb::{ReadableTable, TableHandle as _};
+use redb::{ReadTransaction, ReadableTable, TableHandle as _};
 
-use super::IdempotencyKeys;
 use super::ops::stored_next_fence;
 use super::record::decode_row;
-use super::rules::{Row, check_tenant, check_tenant_key, key_entry, key_name, to_response};
+use super::rules::{Row, check_tenant, check_tenant_key, key_entry, key_name};
 use super::types::{KeyEntry, KeySummary, ResponseRecord};
+use super::{IdempotencyKeys, completed_response};
 use crate::codec::from_micros;
 use crate::error::Result;
 use crate::schema::{IDEM, IDEM_CREATED, META, open_read};
@@ -20,24 +20,7 @@ impl IdempotencyKeys {
         if let Some(t) = tenant {
             check_tenant(t)?;
         }
-        self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, IDEM)? else {
-                return Ok(Vec::new());
-            };
-            let mut out = Vec::new();
-            for entry in rows.range((tenant.unwrap_or(""), "")..)? {
-                if out.len() >= limit {
-                    break;
-                }
-                let (k, v) = entry?;
-                let (t, key) = k.value();
-                if tenant.is_some_and(|want| want != t) {
-                    break;
-                }
-                out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
-            }
-            Ok(out)
-        })
+        self.engine.read(|tx| list_in(tx, tenant, limit))
     }
 
     /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
@@ -46,25 +29,7 @@ impl IdempotencyKeys {
     /// `migrate` and the console's list of keys; not a stable API.
     #[doc(hidden)]
     pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
-        self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, IDEM)? else {
-                return Ok(Vec::new());
-            };
-            let start = match after {
-                Some(k) => Bound::Excluded(k),
-                None => Bound::Unbounded,
-            };
-            let mut out = Vec::new();
-            for entry in rows.range::<(&str, &str)>((start, Bound::Unbounded))? {
-                if out.len() >= limit {
-                    break;
-                }
-                let (k, v) = entry?;
-                let (t, key) = k.value();
-                out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
-            }
-            Ok(out)
-        })
+        self.engine.read(|tx| list_after_in(tx, after, limit))
     }
 
     /// The row at `(tenant, key)`, completed or reserved, whatever its age:
@@ -73,9 +38,7 @@ impl IdempotencyKeys {
     /// stored). For inspection tools.
     pub fn entry(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>> {
         check_tenant_key(tenant, key)?;
-        self.read_row(tenant, key)?
-            .map(|row| key_entry(tenant, key, row))
-            .transpose()
+        key_entry_of(tenant, key, self.read_row(tenant, key)?)
     }
 
     /// The completed response stored at `(tenant, key)`, whatever its age:
@@ -84,10 +47,7 @@ impl IdempotencyKeys {
     /// For inspection tools and backups.
     pub fn response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
-        match self.read_row(tenant, key)? {
-            Some(row @ Row::Completed { .. }) => to_response(tenant, key, row).map(Some),
-            _ => Ok(None),
-        }
+        completed_response(tenant, key, self.read_row(tenant, key)?)
     }
 
     /// The next fence token a reservation will take (fences are never
@@ -106,27 +66,7 @@ impl IdempotencyKeys {
     /// [`purge_expired`](Self::purge_expired) would reach first). Reads
     /// every row in one read transaction: for inspection tools.
     pub fn summary(&self) -> Result<KeySummary> {
-        self.engine.read(|tx| {
-            let mut out = KeySummary::default();
-            let Some(rows) = open_read(tx, IDEM)? else {
-                return Ok(out);
-            };
-            for entry in rows.iter()? {
-                let (k, v) = entry?;
-                let (t, key) = k.value();
-                match decode_row(t, key, v.value())? {
-                    Row::Completed { .. } => out.completed += 1,
-                    Row::Reserved { .. } => out.reserved += 1,
-                }
-            }
-            if let Some(index) = open_read(tx, IDEM_CREATED)?
-                && let Some((k, _)) = index.first()?
-            {
-                let (at, t, key) = k.value();
-                out.oldest = Some(from_micros(IDEM_CREATED.name(), &key_name(t, key), at)?);
-            }
-            Ok(out)
-        })
+        self.engine.read(summary_in)
     }
 
     /// Checks the invariants between the rows and the expiry index: every
@@ -134,67 +74,150 @@ impl IdempotencyKeys {
     /// fence below the store's next one, and every index entry has its row.
     /// Returns one human-readable line per problem; empty when consistent.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
-        self.engine.read(|tx| {
-            let mut findings = Vec::new();
-            let rows = open_read(tx, IDEM)?;
-            let index = open_read(tx, IDEM_CREATED)?;
-            let next_fence = match open_read(tx, META)? {
-                Some(meta) => stored_next_fence(&meta)?,
-                None => 1,
+        self.engine.read(check_indexes_in)
+    }
+}
+
+/// What [`IdempotencyKeys::entry`] shows of `row` (of `(tenant, key)`).
+pub(super) fn key_entry_of(tenant: &str, key: &str, row: Option<Row>) -> Result<Option<KeyEntry>> {
+    row.map(|row| key_entry(tenant, key, row)).transpose()
+}
+
+/// Up to `limit` rows (of `tenant` only, if given), as `tx` sees them
+/// ([`IdempotencyKeys::list`]).
+pub(super) fn list_in(
+    tx: &ReadTransaction,
+    tenant: Option<&str>,
+    limit: usize,
+) -> Result<Vec<KeyEntry>> {
+    let Some(rows) = open_read(tx, IDEM)? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for entry in rows.range((tenant.unwrap_or(""), "")..)? {
+        if out.len() >= limit {
+            break;
+        }
+        let (k, v) = entry?;
+        let (t, key) = k.value();
+        if tenant.is_some_and(|want| want != t) {
+            break;
+        }
+        out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
+    }
+    Ok(out)
+}
+
+/// Up to `limit` rows strictly after `after`, as `tx` sees them
+/// ([`IdempotencyKeys::list_after`]).
+pub(super) fn list_after_in(
+    tx: &ReadTransaction,
+    after: Option<(&str, &str)>,
+    limit: usize,
+) -> Result<Vec<KeyEntry>> {
+    let Some(rows) = open_read(tx, IDEM)? else {
+        return Ok(Vec::new());
+    };
+    let start = match after {
+        Some(k) => Bound::Excluded(k),
+        None => Bound::Unbounded,
+    };
+    let mut out = Vec::new();
+    for entry in rows.range::<(&str, &str)>((start, Bound::Unbounded))? {
+        if out.len() >= limit {
+            break;
+        }
+        let (k, v) = entry?;
+        let (t, key) = k.value();
+        out.push(key_entry(t, key, decode_row(t, key, v.value())?)?);
+    }
+    Ok(out)
+}
+
+/// The rows' summary, as `tx` sees them ([`IdempotencyKeys::summary`]).
+pub(super) fn summary_in(tx: &ReadTransaction) -> Result<KeySummary> {
+    let mut out = KeySummary::default();
+    let Some(rows) = open_read(tx, IDEM)? else {
+        return Ok(out);
+    };
+    for entry in rows.iter()? {
+        let (k, v) = entry?;
+        let (t, key) = k.value();
+        match decode_row(t, key, v.value())? {
+            Row::Completed { .. } => out.completed += 1,
+            Row::Reserved { .. } => out.reserved += 1,
+        }
+    }
+    if let Some(index) = open_read(tx, IDEM_CREATED)?
+        && let Some((k, _)) = index.first()?
+    {
+        let (at, t, key) = k.value();
+        out.oldest = Some(from_micros(IDEM_CREATED.name(), &key_name(t, key), at)?);
+    }
+    Ok(out)
+}
+
+/// The findings of [`IdempotencyKeys::check_indexes`], as `tx` sees the
+/// rows.
+pub(super) fn check_indexes_in(tx: &ReadTransaction) -> Result<Vec<String>> {
+    let mut findings = Vec::new();
+    let rows = open_read(tx, IDEM)?;
+    let index = open_read(tx, IDEM_CREATED)?;
+    let next_fence = match open_read(tx, META)? {
+        Some(meta) => stored_next_fence(&meta)?,
+        None => 1,
+    };
+    if let Some(rows) = &rows {
+        for entry in rows.iter()? {
+            let (k, v) = entry?;
+            let (t, key) = k.value();
+            let name = key_name(t, key);
+            let row = match decode_row(t, key, v.value()) {
+                Ok(r) => r,
+                Err(e) => {
+                    findings.push(format!("row {name} does not decode: {e}"));
+                    continue;
+                }
             };
-            if let Some(rows) = &rows {
-                for entry in rows.iter()? {
-                    let (k, v) = entry?;
-                    let (t, key) = k.value();
-                    let name = key_name(t, key);
-                    let row = match decode_row(t, key, v.value()) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            findings.push(format!("row {name} does not decode: {e}"));
-                            continue;
-                        }
-                    };
-                    let at = row.created_at();
-                    let indexed = match &index {
-                        Some(i) => i.get((at, t, key))?.is_some(),
-                        None => false,
-                    };
-                    if !indexed {
-                        findings.push(format!("row {name} has no expiry index entry at {at} µs"));
-                    }
-                    if row.fence() >= next_fence {
+            let at = row.created_at();
+            let indexed = match &index {
+                Some(i) => i.get((at, t, key))?.is_some(),
+                None => false,
+            };
+            if !indexed {
+                findings.push(format!("row {name} has no expiry index entry at {at} µs"));
+            }
+            if row.fence() >= next_fence {
+                findings.push(format!(
+                    "row {name} has fence {} but the next fence to hand out is {next_fence}",
+                    row.fence()
+                ));
+            }
+        }
+    }
+    if let Some(index) = &index {
+        for entry in index.iter()? {
+            let (k, _) = entry?;
+            let (at, t, key) = k.value();
+            let name = key_name(t, key);
+            let row = match &rows {
+                Some(r) => r.get((t, key))?,
+                None => None,
+            };
+            match row {
+                None => findings.push(format!("index entry at {at} µs for {name} has no row")),
+                Some(v) => {
+                    if let Ok(row) = decode_row(t, key, v.value())
+                        && row.created_at() != at
+                    {
                         findings.push(format!(
-                            "row {name} has fence {} but the next fence to hand out is {next_fence}",
-                            row.fence()
+                            "index entry at {at} µs for {name}, but the row's created_at is {} µs",
+                            row.created_at()
                         ));
                     }
                 }
             }
-            if let Some(index) = &index {
-                for entry in index.iter()? {
-                    let (k, _) = entry?;
-                    let (at, t, key) = k.value();
-                    let name = key_name(t, key);
-                    let row = match &rows {
-                        Some(r) => r.get((t, key))?,
-                        None => None,
-                    };
-                    match row {
-                        None => findings.push(format!("index entry at {at} µs for {name} has no row")),
-                        Some(v) => {
-                            if let Ok(row) = decode_row(t, key, v.value())
-                                && row.created_at() != at
-                            {
-                                findings.push(format!(
-                                    "index entry at {at} µs for {name}, but the row's created_at is {} µs",
-                                    row.created_at()
-                                ));
-                            }
-                        }
-                    }
-                }
-            }
-            Ok(findings)
-        })
+        }
     }
+    Ok(findings)
 }

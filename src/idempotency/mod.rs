@@ -231,24 +231,25 @@ impl IdempotencyKeys {
     ) -> Result<Option<ResponseRecord>> {
         check_tenant_key(tenant, key)?;
         let cutoff = micros(expired_before);
-        let row = self.read_row(tenant, key)?;
-        let row = match row {
+        let row = match self.read_row(tenant, key)? {
             Some(r) if r.expired(cutoff) => {
-                let (t, k) = (tenant.to_owned(), key.to_owned());
-                let (deleted, now) = self
+                let deleted = self
                     .engine
-                    .execute(move |tx| ops::delete_expired(tx, &t, &k, cutoff))?;
-                if deleted {
-                    bump(&self.counters.expired_deleted, 1);
-                }
-                now
+                    .execute(delete_expired_op(tenant, key, cutoff))?;
+                self.expired_deleted(deleted)
             }
             other => other,
         };
-        match row {
-            Some(r @ Row::Completed { .. }) => to_response(tenant, key, r).map(Some),
-            _ => Ok(None),
+        completed_response(tenant, key, row)
+    }
+
+    /// What is at a key once `get`'s delete of its expired row committed
+    /// (counted if it deleted).
+    fn expired_deleted(&self, (deleted, now): (bool, Option<Row>)) -> Option<Row> {
+        if deleted {
+            bump(&self.counters.expired_deleted, 1);
         }
+        now
     }
 
     /// Stores `record` if its key is free; `true` if stored, `false` if a
@@ -261,17 +262,28 @@ impl IdempotencyKeys {
     /// ended reservation and fences its holder out. For responses produced
     /// under a reservation, use [`complete`](Self::complete) instead.
     pub fn put(&self, record: &ResponseRecord) -> Result<bool> {
+        let stored = self.engine.execute(self.put_op(record)?)?;
+        Ok(self.stored(stored))
+    }
+
+    /// `put`'s checks, and its operation.
+    fn put_op(
+        &self,
+        record: &ResponseRecord,
+    ) -> Result<impl Fn(&WriteTransaction) -> Result<bool> + Send + 'static> {
         check_put(record, self.max_body)?;
         let row = into_row(record.clone(), 0, record.created_at);
         let expired_before = self.spans.expired_before(row.created_at());
         let (t, k) = (record.tenant.clone(), record.idempotency_key.clone());
-        let stored = self
-            .engine
-            .execute(move |tx| ops::put(tx, &t, &k, &row, expired_before))?;
+        Ok(move |tx: &WriteTransaction| ops::put(tx, &t, &k, &row, expired_before))
+    }
+
+    /// What `put` answers once its operation committed (counted if stored).
+    fn stored(&self, stored: bool) -> bool {
         if stored {
             bump(&self.counters.stored, 1);
         }
-        Ok(stored)
+        stored
     }
 
     /// Removes every record created strictly before `expired_before` (a
@@ -283,10 +295,7 @@ impl IdempotencyKeys {
         let mut total = 0;
         let mut cursor: ops::PurgeCursor = None;
         loop {
-            let after = cursor.clone();
-            let (n, next) = self
-                .engine
-                .execute(move |tx| ops::purge_chunk(tx, &after, cutoff, PURGE_CHUNK))?;
+            let (n, next) = self.engine.execute(purge_op(cursor.clone(), cutoff))?;
             total += n;
             bump(&self.counters.purged, n);
             match next {
@@ -432,13 +441,10 @@ impl IdempotencyKeys {
     /// stale holder never frees a newer holder's reservation nor deletes a
     /// response.
     pub fn release(&self, r: &Reservation) -> Result<()> {
-        let (t, k, fence) = (r.tenant.clone(), r.key.clone(), r.fence);
-        if self
+        let released = self
             .engine
-            .execute(move |tx| ops::release(tx, &t, &k, fence))?
-        {
-            bump(&self.counters.released, 1);
-        }
+            .execute(release_op(&r.tenant, &r.key, r.fence))?;
+        self.released(released);
         Ok(())
     }
 
@@ -462,14 +468,17 @@ impl IdempotencyKeys {
     /// as for [`begin`](Self::begin).
     pub fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
         check_tenant_key(tenant, key)?;
-        let (t, k) = (tenant.to_owned(), key.to_owned());
-        let released = self
-            .engine
-            .execute(move |tx| ops::release(tx, &t, &k, fence))?;
+        let released = self.engine.execute(release_op(tenant, key, fence))?;
+        Ok(self.released(released))
+    }
+
+    /// What a release answers once its operation committed (counted if it
+    /// released).
+    fn released(&self, released: bool) -> bool {
         if released {
             bump(&self.counters.released, 1);
         }
-        Ok(released)
+        released
     }
 
     pub(super) fn read_row(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
@@ -485,6 +494,45 @@ impl IdempotencyKeys {
     ) -> Result<Row> {
         reservation_row(r, response, now, self.max_body)
     }
+}
+
+/// The completed response in `row` (of `(tenant, key)`), if it holds one.
+fn completed_response(tenant: &str, key: &str, row: Option<Row>) -> Result<Option<ResponseRecord>> {
+    match row {
+        Some(r @ Row::Completed { .. }) => to_response(tenant, key, r).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// The operation deleting the row of `(tenant, key)` if it is (still)
+/// expired at `cutoff` (µs): whether it did, and what is there afterwards.
+fn delete_expired_op(
+    tenant: &str,
+    key: &str,
+    cutoff: i64,
+) -> impl Fn(&WriteTransaction) -> Result<(bool, Option<Row>)> + Send + 'static {
+    let (t, k) = (tenant.to_owned(), key.to_owned());
+    move |tx: &WriteTransaction| ops::delete_expired(tx, &t, &k, cutoff)
+}
+
+/// The operation purging one chunk of the rows expired at `cutoff` (µs),
+/// from `after`: how many, and where to go on.
+fn purge_op(
+    after: ops::PurgeCursor,
+    cutoff: i64,
+) -> impl Fn(&WriteTransaction) -> Result<(u64, ops::PurgeCursor)> + Send + 'static {
+    move |tx: &WriteTransaction| ops::purge_chunk(tx, &after, cutoff, PURGE_CHUNK)
+}
+
+/// The operation releasing the reservation of `(tenant, key)` fenced by
+/// `fence`: whether it released it.
+fn release_op(
+    tenant: &str,
+    key: &str,
+    fence: u64,
+) -> impl Fn(&WriteTransaction) -> Result<bool> + Send + 'static {
+    let (t, k) = (tenant.to_owned(), key.to_owned());
+    move |tx: &WriteTransaction| ops::release(tx, &t, &k, fence)
 }
 
 /// The row of `(tenant, key)` as `tx` sees it.

@@ -2,7 +2,7 @@
 //! the blocking call of the same name without `_async`, with the same
 //! checks, answers and errors; a write joins the next group commit like a
 //! thread's, and the task waits for its durable answer without holding a
-//! thread.
+//! thread; a read runs on the task, and waits for durability likewise.
 //!
 //! Dropping one of these futures before its first poll does nothing;
 //! dropping it after may leave its one operation to commit without anyone
@@ -17,9 +17,11 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use parking_lot::Mutex;
 
-use super::rules::{self, Look, check_begin};
+use super::inspect::{check_indexes_in, key_entry_of, list_after_in, list_in, summary_in};
+use super::rules::{self, Look, Row, check_begin, check_tenant, check_tenant_key};
 use super::{
-    Begin, IdempotencyKeys, Reservation, ResponseRecord, bump, count_completion, ops, row_in,
+    Begin, IdempotencyKeys, KeyEntry, KeySummary, Reservation, ResponseRecord, bump,
+    completed_response, count_completion, delete_expired_op, ops, purge_op, release_op, row_in,
 };
 use crate::codec::micros;
 use crate::error::Result;
@@ -85,15 +87,123 @@ impl IdempotencyKeys {
 
     /// [`IdempotencyKeys::release`], awaited.
     pub async fn release_async(&self, r: &Reservation) -> Result<()> {
-        let (t, k, fence) = (r.tenant.clone(), r.key.clone(), r.fence);
-        if self
+        let released = self
             .engine
-            .execute_async(move |tx| ops::release(tx, &t, &k, fence))
-            .await?
-        {
-            bump(&self.counters.released, 1);
-        }
+            .execute_async(release_op(&r.tenant, &r.key, r.fence))
+            .await?;
+        self.released(released);
         Ok(())
+    }
+
+    /// [`IdempotencyKeys::release_key`], awaited. Dropped after its first
+    /// poll, the reservation may still be released.
+    pub async fn release_key_async(&self, tenant: &str, key: &str, fence: u64) -> Result<bool> {
+        check_tenant_key(tenant, key)?;
+        let released = self
+            .engine
+            .execute_async(release_op(tenant, key, fence))
+            .await?;
+        Ok(self.released(released))
+    }
+
+    /// [`IdempotencyKeys::get`], awaited. Dropped after its first poll, an
+    /// expired row it found may still be deleted.
+    pub async fn get_async(
+        &self,
+        tenant: &str,
+        key: &str,
+        expired_before: DateTime<Utc>,
+    ) -> Result<Option<ResponseRecord>> {
+        check_tenant_key(tenant, key)?;
+        let cutoff = micros(expired_before);
+        let row = match self.read_row_async(tenant, key).await? {
+            Some(r) if r.expired(cutoff) => {
+                let deleted = self
+                    .engine
+                    .execute_async(delete_expired_op(tenant, key, cutoff))
+                    .await?;
+                self.expired_deleted(deleted)
+            }
+            other => other,
+        };
+        completed_response(tenant, key, row)
+    }
+
+    /// [`IdempotencyKeys::put`], awaited. Dropped after its first poll, the
+    /// record may still be stored (a retry then answers `false`).
+    pub async fn put_async(&self, record: &ResponseRecord) -> Result<bool> {
+        let stored = self.engine.execute_async(self.put_op(record)?).await?;
+        Ok(self.stored(stored))
+    }
+
+    /// [`IdempotencyKeys::purge_expired`], awaited. Dropped after its first
+    /// poll, the chunks committed before stay purged and the chunk under
+    /// way may still commit; no chunk is queued after it.
+    pub async fn purge_expired_async(&self, expired_before: DateTime<Utc>) -> Result<u64> {
+        let cutoff = micros(expired_before);
+        let mut total = 0;
+        let mut cursor: ops::PurgeCursor = None;
+        loop {
+            let (n, next) = self
+                .engine
+                .execute_async(purge_op(cursor.clone(), cutoff))
+                .await?;
+            total += n;
+            bump(&self.counters.purged, n);
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(total),
+            }
+        }
+    }
+
+    /// [`IdempotencyKeys::entry`], awaited.
+    pub async fn entry_async(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>> {
+        check_tenant_key(tenant, key)?;
+        key_entry_of(tenant, key, self.read_row_async(tenant, key).await?)
+    }
+
+    /// [`IdempotencyKeys::response`], awaited.
+    pub async fn response_async(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>> {
+        check_tenant_key(tenant, key)?;
+        completed_response(tenant, key, self.read_row_async(tenant, key).await?)
+    }
+
+    /// [`IdempotencyKeys::list`], awaited.
+    pub async fn list_async(&self, tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> {
+        if let Some(t) = tenant {
+            check_tenant(t)?;
+        }
+        self.engine
+            .read_async(|tx| list_in(tx, tenant, limit))
+            .await
+    }
+
+    /// [`IdempotencyKeys::list_after`], awaited. Not a stable API.
+    #[doc(hidden)]
+    pub async fn list_after_async(
+        &self,
+        after: Option<(&str, &str)>,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>> {
+        self.engine
+            .read_async(|tx| list_after_in(tx, after, limit))
+            .await
+    }
+
+    /// [`IdempotencyKeys::summary`], awaited.
+    pub async fn summary_async(&self) -> Result<KeySummary> {
+        self.engine.read_async(summary_in).await
+    }
+
+    /// [`IdempotencyKeys::check_indexes`], awaited.
+    pub async fn check_indexes_async(&self) -> Result<Vec<String>> {
+        self.engine.read_async(check_indexes_in).await
+    }
+
+    /// The row of `(tenant, key)`, read from the task.
+    async fn read_row_async(&self, tenant: &str, key: &str) -> Result<Option<Row>> {
+        self.engine.read_async(|tx| row_in(tx, tenant, key)).await
     }
 }
 

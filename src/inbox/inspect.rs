@@ -20,65 +20,73 @@ impl Inbox {
         after: Option<(DateTime<Utc>, &str)>,
         limit: usize,
     ) -> Result<Vec<(String, DateTime<Utc>)>> {
-        let name: &str = &self.name;
-        let start = after.map_or((i64::MIN, String::new()), |(at, k)| {
-            (micros(at), k.to_owned())
-        });
-        let past_start = |at: i64, key: &str| match after {
-            Some(_) => (at, key) > (start.0, start.1.as_str()),
-            None => true,
-        };
-        self.engine.read(|tx| {
-            // The ledger's keys come in order from the `seen_at` index; the
-            // journal's (at most `journal_size`, not indexed yet) are
-            // gathered and sorted, then the two are merged.
-            let mut journaled: Vec<(i64, String)> = Vec::new();
-            if let Some(log) = open_read(tx, INBOX_JOURNAL)? {
-                for row in log.range((name, 0)..=(name, u64::MAX))? {
-                    let (_, v) = row?;
-                    let (key, at) = v.value();
-                    if past_start(at, key) {
-                        journaled.push((at, key.to_owned()));
-                    }
-                }
-            }
-            journaled.sort_unstable();
-            let mut journaled = journaled.into_iter().peekable();
-            let mut indexed: Vec<(i64, String)> = Vec::new();
-            if let Some(index) = open_read(tx, INBOX_SEEN)? {
-                for row in index.range((name, start.0, start.1.as_str())..)? {
-                    let (k, _) = row?;
-                    let (n, at, key) = k.value();
-                    if n != name || indexed.len() >= limit {
-                        break;
-                    }
-                    if past_start(at, key) {
-                        indexed.push((at, key.to_owned()));
-                    }
-                }
-            }
-            let mut indexed = indexed.into_iter().peekable();
-            let mut out = Vec::new();
-            while out.len() < limit {
-                let from_index = match (indexed.peek(), journaled.peek()) {
-                    (Some(a), Some(b)) => a <= b,
-                    (Some(_), None) => true,
-                    (None, Some(_)) => false,
-                    (None, None) => break,
-                };
-                let next = if from_index {
-                    indexed.next()
-                } else {
-                    journaled.next()
-                };
-                if let Some((at, key)) = next {
-                    let when = from_micros(INBOX_SEEN.name(), &key, at)?;
-                    out.push((key, when));
-                }
-            }
-            Ok(out)
-        })
+        self.engine.read(|tx| list_in(tx, &self.name, after, limit))
     }
+}
+
+/// Up to `limit` keys of inbox `name` in claim order with their `seen_at`,
+/// strictly after `after`, as `tx` sees them (what [`Inbox::list`] answers).
+pub(super) fn list_in(
+    tx: &ReadTransaction,
+    name: &str,
+    after: Option<(DateTime<Utc>, &str)>,
+    limit: usize,
+) -> Result<Vec<(String, DateTime<Utc>)>> {
+    let start = after.map_or((i64::MIN, String::new()), |(at, k)| {
+        (micros(at), k.to_owned())
+    });
+    let past_start = |at: i64, key: &str| match after {
+        Some(_) => (at, key) > (start.0, start.1.as_str()),
+        None => true,
+    };
+    // The ledger's keys come in order from the `seen_at` index; the
+    // journal's (at most `journal_size`, not indexed yet) are gathered and
+    // sorted, then the two are merged.
+    let mut journaled: Vec<(i64, String)> = Vec::new();
+    if let Some(log) = open_read(tx, INBOX_JOURNAL)? {
+        for row in log.range((name, 0)..=(name, u64::MAX))? {
+            let (_, v) = row?;
+            let (key, at) = v.value();
+            if past_start(at, key) {
+                journaled.push((at, key.to_owned()));
+            }
+        }
+    }
+    journaled.sort_unstable();
+    let mut journaled = journaled.into_iter().peekable();
+    let mut indexed: Vec<(i64, String)> = Vec::new();
+    if let Some(index) = open_read(tx, INBOX_SEEN)? {
+        for row in index.range((name, start.0, start.1.as_str())..)? {
+            let (k, _) = row?;
+            let (n, at, key) = k.value();
+            if n != name || indexed.len() >= limit {
+                break;
+            }
+            if past_start(at, key) {
+                indexed.push((at, key.to_owned()));
+            }
+        }
+    }
+    let mut indexed = indexed.into_iter().peekable();
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let from_index = match (indexed.peek(), journaled.peek()) {
+            (Some(a), Some(b)) => a <= b,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => break,
+        };
+        let next = if from_index {
+            indexed.next()
+        } else {
+            journaled.next()
+        };
+        if let Some((at, key)) = next {
+            let when = from_micros(INBOX_SEEN.name(), &key, at)?;
+            out.push((key, when));
+        }
+    }
+    Ok(out)
 }
 
 /// The names of the inboxes holding at least one key, in name order (from

@@ -164,11 +164,13 @@ mod inspect;
 mod journal;
 mod ops;
 pub(crate) mod rules;
+#[cfg(feature = "tokio")]
+mod tasks;
 
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use redb::{TableHandle as _, WriteTransaction};
+use redb::{ReadTransaction, TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::{Engine, after_commit};
@@ -477,8 +479,7 @@ impl Inbox {
         check_event_key(event_key)?;
         let (at, seq) = self.lookup(event_key)?;
         self.engine.wait_durable(seq)?;
-        at.map(|at| from_micros(INBOX.name(), &event_key, at))
-            .transpose()
+        seen_time(event_key, at)
     }
 
     /// When `event_key` was claimed, from a snapshot taken now (the ledger
@@ -538,16 +539,25 @@ impl Inbox {
         let mut total = 0;
         let mut merge = true;
         loop {
-            let (journal, name) = (self.journal.clone(), self.name.clone());
-            let (n, more) = self
-                .engine
-                .execute(move |tx| ops::prune(tx, &journal, &name, cutoff, PRUNE_CHUNK, merge))?;
+            let (n, more) = self.engine.execute(self.prune_op(cutoff, merge))?;
             total += n;
             merge = false;
             if !more {
                 return Ok(total);
             }
         }
+    }
+
+    /// The store operation that prunes one chunk of the keys claimed before
+    /// `cutoff` (µs), merging the journal first if `merge`: how many it
+    /// removed, and whether more remain.
+    fn prune_op(
+        &self,
+        cutoff: i64,
+        merge: bool,
+    ) -> impl Fn(&WriteTransaction) -> Result<(u64, bool)> + Send + 'static {
+        let (journal, name) = (self.journal.clone(), self.name.clone());
+        move |tx| ops::prune(tx, &journal, &name, cutoff, PRUNE_CHUNK, merge)
     }
 
     /// [`Inbox::prune`] inside the caller's own write transaction: every
@@ -566,22 +576,31 @@ impl Inbox {
     /// [`StoreBuilder::journal_size`](crate::StoreBuilder::journal_size)),
     /// never the ledger itself.
     pub fn len(&self) -> Result<u64> {
-        self.engine.read(|tx| {
-            let name: &str = &self.name;
-            let merged = match open_read(tx, INBOX_COUNT)? {
-                Some(counts) => ops::ledger_count(&counts, name)?,
-                None => 0,
-            };
-            let journaled = match open_read(tx, INBOX_JOURNAL)? {
-                Some(log) => journal::count(&log, name)?,
-                None => 0,
-            };
-            Ok(merged + journaled)
-        })
+        self.engine.read(|tx| len_in(tx, &self.name))
     }
 
     /// Whether this inbox holds no keys.
     pub fn is_empty(&self) -> Result<bool> {
         Ok(self.len()? == 0)
     }
+}
+
+/// What `seen_at` answers for `event_key` claimed at `at` (µs), if it was.
+fn seen_time(event_key: &str, at: Option<i64>) -> Result<Option<DateTime<Utc>>> {
+    at.map(|at| from_micros(INBOX.name(), &event_key, at))
+        .transpose()
+}
+
+/// The number of keys of inbox `name` as `tx` sees them: its count and its
+/// rows in the journal of recent claims.
+fn len_in(tx: &ReadTransaction, name: &str) -> Result<u64> {
+    let merged = match open_read(tx, INBOX_COUNT)? {
+        Some(counts) => ops::ledger_count(&counts, name)?,
+        None => 0,
+    };
+    let journaled = match open_read(tx, INBOX_JOURNAL)? {
+        Some(log) => journal::count(&log, name)?,
+        None => 0,
+    };
+    Ok(merged + journaled)
 }

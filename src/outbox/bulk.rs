@@ -128,18 +128,40 @@ impl Outbox {
         change: &MatchingChange,
         limit: usize,
     ) -> Result<MatchingStep> {
-        filter.check()?;
-        let change = change.change()?;
-        let filter = filter.clone();
-        let wake = change.makes_work_due();
-        let (step, sooner) = self
-            .engine
-            .execute(move |tx| change_step(tx, &filter, &change, limit))?;
-        if step.changed > 0 && (wake || sooner) {
+        let (op, wake) = change_matching_op(filter, change, limit)?;
+        let (step, sooner) = self.engine.execute(op)?;
+        Ok(self.matched(step, wake || sooner))
+    }
+
+    /// What a step of `change_matching` answers, once it committed: the
+    /// dispatchers woken if it changed an entry and `wake`.
+    pub(super) fn matched(&self, step: MatchingStep, wake: bool) -> MatchingStep {
+        if step.changed > 0 && wake {
             self.notify();
         }
-        Ok(step)
+        step
     }
+}
+
+/// `change_matching`'s checks, its operation (one step) and whether the
+/// change may make work due.
+#[expect(clippy::type_complexity, reason = "an operation and a flag")]
+pub(super) fn change_matching_op(
+    filter: &OutboxFilter,
+    change: &MatchingChange,
+    limit: usize,
+) -> Result<(
+    impl Fn(&WriteTransaction) -> Result<(MatchingStep, bool)> + Send + 'static,
+    bool,
+)> {
+    filter.check()?;
+    let change = change.change()?;
+    let filter = filter.clone();
+    let wake = change.makes_work_due();
+    Ok((
+        move |tx: &WriteTransaction| change_step(tx, &filter, &change, limit),
+        wake,
+    ))
 }
 
 /// One step of `change` to the entries `filter` matches, in `tx`; and

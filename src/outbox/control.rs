@@ -4,7 +4,7 @@
 //! process on the file from then on; the rules are in `destinations.rs`,
 //! the tables in `flow.rs`.
 
-use redb::{TableHandle as _, WriteTransaction};
+use redb::{ReadTransaction, TableHandle as _, WriteTransaction};
 
 use super::Outbox;
 use super::destinations::{DestinationPolicy, DestinationState, check_destination};
@@ -25,14 +25,7 @@ impl Outbox {
         destination: &str,
         policy: DestinationPolicy,
     ) -> Result<()> {
-        check_destination(destination)?;
-        policy.check()?;
-        let destination = destination.to_owned();
-        let parts = policy.to_parts();
-        self.flow_change(move |flows| {
-            flows.rec(&destination)?.flow.set_policy(parts);
-            Ok(())
-        })
+        self.flow_change(policy_change(destination, policy)?)
     }
 
     /// Pauses `destination`: none of its entries is claimed until
@@ -41,24 +34,19 @@ impl Outbox {
     /// pausing a paused destination changes nothing. A destination need not
     /// have entries yet.
     pub fn pause_destination(&self, destination: &str) -> Result<()> {
-        self.set_paused(destination, true)
+        self.flow_change(paused_change(destination, true)?)
     }
 
     /// Lets a paused `destination`'s entries be claimed again.
     pub fn resume_destination(&self, destination: &str) -> Result<()> {
-        self.set_paused(destination, false)
+        self.flow_change(paused_change(destination, false)?)
     }
 
     /// Every destination with an entry, a policy or a pause, by name: its
     /// policy, pause, circuit, hold, tokens, entries in flight and entries
     /// by status.
     pub fn destinations(&self) -> Result<Vec<DestinationState>> {
-        self.engine.read(|tx| {
-            flow::read_all(tx)?
-                .into_iter()
-                .map(|(name, rec)| state_of(&name, &rec))
-                .collect()
-        })
+        self.engine.read(destinations_in)
     }
 
     /// The state of `destination` as [`Outbox::destinations`] reports it
@@ -66,37 +54,82 @@ impl Outbox {
     /// or entries). Reads its one flow record.
     pub fn destination(&self, destination: &str) -> Result<DestinationState> {
         check_destination(destination)?;
-        self.engine
-            .read(|tx| match flow::read_one(tx, destination)? {
-                Some(rec) => state_of(destination, &rec),
-                None => Ok(DestinationState::empty(destination)),
-            })
-    }
-
-    fn set_paused(&self, destination: &str, paused: bool) -> Result<()> {
-        check_destination(destination)?;
-        let destination = destination.to_owned();
-        self.flow_change(move |flows| {
-            flows.rec(&destination)?.flow.paused = paused;
-            Ok(())
-        })
+        self.engine.read(|tx| destination_in(tx, destination))
     }
 
     /// Applies `change` to the destinations' tables in one commit, and wakes
     /// the dispatchers if a destination became claimable sooner.
-    fn flow_change(
-        &self,
-        change: impl Fn(&mut Flows<'_>) -> Result<()> + Send + 'static,
-    ) -> Result<()> {
-        let sooner = self.engine.execute(move |tx: &WriteTransaction| {
-            let mut flows = Flows::open(tx)?;
-            change(&mut flows)?;
-            flows.finish()
-        })?;
+    fn flow_change(&self, change: impl FlowChange) -> Result<()> {
+        let sooner = self.engine.execute(flow_op(change))?;
+        self.flow_changed(sooner);
+        Ok(())
+    }
+
+    /// What a destination call answers once its change committed: the
+    /// dispatchers woken if a destination became claimable `sooner`.
+    pub(super) fn flow_changed(&self, sooner: bool) {
         if sooner {
             self.notify();
         }
+    }
+}
+
+/// A change to the destinations' tables.
+pub(super) trait FlowChange: Fn(&mut Flows<'_>) -> Result<()> + Send + 'static {}
+
+impl<F: Fn(&mut Flows<'_>) -> Result<()> + Send + 'static> FlowChange for F {}
+
+/// `set_destination_policy`'s checks, and its change.
+pub(super) fn policy_change(
+    destination: &str,
+    policy: DestinationPolicy,
+) -> Result<impl FlowChange> {
+    check_destination(destination)?;
+    policy.check()?;
+    let destination = destination.to_owned();
+    let parts = policy.to_parts();
+    Ok(move |flows: &mut Flows<'_>| {
+        flows.rec(&destination)?.flow.set_policy(parts);
         Ok(())
+    })
+}
+
+/// `pause_destination`'s and `resume_destination`'s checks, and their
+/// change.
+pub(super) fn paused_change(destination: &str, paused: bool) -> Result<impl FlowChange> {
+    check_destination(destination)?;
+    let destination = destination.to_owned();
+    Ok(move |flows: &mut Flows<'_>| {
+        flows.rec(&destination)?.flow.paused = paused;
+        Ok(())
+    })
+}
+
+/// The operation applying `change` to the destinations' tables: whether a
+/// destination became claimable sooner.
+pub(super) fn flow_op(
+    change: impl FlowChange,
+) -> impl Fn(&WriteTransaction) -> Result<bool> + Send + 'static {
+    move |tx: &WriteTransaction| {
+        let mut flows = Flows::open(tx)?;
+        change(&mut flows)?;
+        flows.finish()
+    }
+}
+
+/// Every destination's state, as `tx` sees it.
+pub(super) fn destinations_in(tx: &ReadTransaction) -> Result<Vec<DestinationState>> {
+    flow::read_all(tx)?
+        .into_iter()
+        .map(|(name, rec)| state_of(&name, &rec))
+        .collect()
+}
+
+/// `destination`'s state (checked), as `tx` sees it.
+pub(super) fn destination_in(tx: &ReadTransaction, destination: &str) -> Result<DestinationState> {
+    match flow::read_one(tx, destination)? {
+        Some(rec) => state_of(destination, &rec),
+        None => Ok(DestinationState::empty(destination)),
     }
 }
 

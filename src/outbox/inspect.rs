@@ -62,12 +62,7 @@ impl Outbox {
     /// The entry `id` with its claim, settlement details and attempt
     /// history; [`Error::NotFound`] if there is none.
     pub fn get(&self, id: OutboxId) -> Result<OutboxRecord> {
-        self.engine.read(|tx| {
-            let Some(reader) = Reader::open(tx)? else {
-                return Err(Error::NotFound);
-            };
-            reader.record(id.0)?.ok_or(Error::NotFound)
-        })
+        self.engine.read(|tx| get_in(tx, id))
     }
 
     /// [`Outbox::get`] for an async task (feature `tokio`): the read runs
@@ -75,70 +70,26 @@ impl Outbox {
     /// thread.
     #[cfg(feature = "tokio")]
     pub async fn get_async(&self, id: OutboxId) -> Result<OutboxRecord> {
-        self.engine
-            .read_async(|tx| {
-                let Some(reader) = Reader::open(tx)? else {
-                    return Err(Error::NotFound);
-                };
-                reader.record(id.0)?.ok_or(Error::NotFound)
-            })
-            .await
+        self.engine.read_async(|tx| get_in(tx, id)).await
     }
 
     /// The entry enqueued as `(destination, idempotency_key)`, if any.
     pub fn find(&self, destination: &str, idempotency_key: &str) -> Result<Option<OutboxRecord>> {
         check_field("destination", destination)?;
         check_field("idempotency_key", idempotency_key)?;
-        self.engine.read(|tx| {
-            let Some(dedup) = open_read(tx, OUTBOX_DEDUP)? else {
-                return Ok(None);
-            };
-            let Some(id) = dedup
-                .get((destination, idempotency_key))?
-                .map(|v| v.value())
-            else {
-                return Ok(None);
-            };
-            let record = match Reader::open(tx)? {
-                Some(reader) => reader.record(id)?,
-                None => None,
-            };
-            record
-                .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))
-                .map(Some)
-        })
+        self.engine
+            .read(|tx| find_in(tx, destination, idempotency_key))
     }
 
     /// Every entry of `command_id`, by `created_at`, then id.
     pub fn list_for_command(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
         check_field("command_id", command_id)?;
-        self.engine.read(|tx| {
-            let (Some(index), Some(reader)) =
-                (open_read(tx, OUTBOX_BY_COMMAND)?, Reader::open(tx)?)
-            else {
-                return Ok(Vec::new());
-            };
-            let mut out = Vec::new();
-            for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
-                let id = key?.0.value().2;
-                out.push(
-                    reader
-                        .record(id)?
-                        .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
-                );
-            }
-            Ok(out)
-        })
+        self.engine.read(|tx| list_for_command_in(tx, command_id))
     }
 
     /// How many entries are in each status (from counters, no scan).
     pub fn counts(&self) -> Result<OutboxCounts> {
-        self.engine.read(|tx| {
-            let totals = flow::read_totals(tx)?;
-            Ok(OutboxCounts::from_fn(|s| {
-                totals.get(usize::from(s.code())).copied().unwrap_or(0)
-            }))
-        })
+        self.engine.read(counts_in)
     }
 
     /// When the next entry may be claimed (possibly in the past: work is
@@ -165,24 +116,7 @@ impl Outbox {
     /// dispatcher: use [`claim_due`](Outbox::claim_due)).
     pub fn list(&self, filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> {
         filter.check()?;
-        self.engine.read(|tx| {
-            let Some(reader) = Reader::open(tx)? else {
-                return Ok(Vec::new());
-            };
-            let small = open_read(tx, OUTBOX_FLOWS)?;
-            let claimed = open_read(tx, OUTBOX_CLAIMED)?;
-            let tables = Listing {
-                rows: &reader.rows,
-                states: reader.states.as_ref(),
-                small: small.as_ref(),
-                claimed: claimed.as_ref(),
-            };
-            tables
-                .matching(filter, limit)?
-                .into_iter()
-                .map(|(id, row)| reader.complete(id, &row))
-                .collect()
-        })
+        self.engine.read(|tx| list_in(tx, filter, limit))
     }
 
     /// The next id an enqueue will hand out (ids are never reused, even
@@ -201,26 +135,7 @@ impl Outbox {
     /// [`release_expired_claims`](Outbox::release_expired_claims) cutoff
     /// would reach.
     pub fn oldest_claim(&self) -> Result<Option<DateTime<Utc>>> {
-        self.first_time(&OUTBOX_CLAIMED)
-    }
-
-    /// The time of the first row of a `(time, id)` index.
-    fn first_time(
-        &self,
-        index: &'static TableDefinition<'static, (i64, u64), ()>,
-    ) -> Result<Option<DateTime<Utc>>> {
-        self.engine.read(|tx| {
-            let Some(rows) = open_read(tx, *index)? else {
-                return Ok(None);
-            };
-            match rows.first()? {
-                Some((k, _)) => {
-                    let (at, id) = k.value();
-                    from_micros(index.name(), &id, at).map(Some)
-                }
-                None => Ok(None),
-            }
-        })
+        self.engine.read(oldest_claim_in)
     }
 
     /// Checks every invariant between outbox rows, their index rows and the
@@ -229,6 +144,116 @@ impl Outbox {
     /// outbox in one read transaction: for tests and offline checks.
     pub fn check_indexes(&self) -> Result<Vec<String>> {
         self.engine.read(index::check)
+    }
+}
+
+/// The entry `id`, as `tx` sees it ([`Outbox::get`]).
+fn get_in(tx: &ReadTransaction, id: OutboxId) -> Result<OutboxRecord> {
+    let Some(reader) = Reader::open(tx)? else {
+        return Err(Error::NotFound);
+    };
+    reader.record(id.0)?.ok_or(Error::NotFound)
+}
+
+/// The entry of `(destination, idempotency_key)` (checked), as `tx` sees it
+/// ([`Outbox::find`]).
+pub(super) fn find_in(
+    tx: &ReadTransaction,
+    destination: &str,
+    idempotency_key: &str,
+) -> Result<Option<OutboxRecord>> {
+    let Some(dedup) = open_read(tx, OUTBOX_DEDUP)? else {
+        return Ok(None);
+    };
+    let Some(id) = dedup
+        .get((destination, idempotency_key))?
+        .map(|v| v.value())
+    else {
+        return Ok(None);
+    };
+    let record = match Reader::open(tx)? {
+        Some(reader) => reader.record(id)?,
+        None => None,
+    };
+    record
+        .ok_or_else(|| dangling(OUTBOX_DEDUP.name(), id))
+        .map(Some)
+}
+
+/// The entries of `command_id` (checked), as `tx` sees them
+/// ([`Outbox::list_for_command`]).
+pub(super) fn list_for_command_in(
+    tx: &ReadTransaction,
+    command_id: &str,
+) -> Result<Vec<OutboxRecord>> {
+    let (Some(index), Some(reader)) = (open_read(tx, OUTBOX_BY_COMMAND)?, Reader::open(tx)?) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for key in index.range((command_id, i64::MIN, 0)..=(command_id, i64::MAX, u64::MAX))? {
+        let id = key?.0.value().2;
+        out.push(
+            reader
+                .record(id)?
+                .ok_or_else(|| dangling(OUTBOX_BY_COMMAND.name(), id))?,
+        );
+    }
+    Ok(out)
+}
+
+/// The entries in each status, as `tx` sees them ([`Outbox::counts`]).
+pub(super) fn counts_in(tx: &ReadTransaction) -> Result<OutboxCounts> {
+    let totals = flow::read_totals(tx)?;
+    Ok(OutboxCounts::from_fn(|s| {
+        totals.get(usize::from(s.code())).copied().unwrap_or(0)
+    }))
+}
+
+/// Up to `limit` entries matching `filter` (checked), as `tx` sees them
+/// ([`Outbox::list`]).
+pub(super) fn list_in(
+    tx: &ReadTransaction,
+    filter: &OutboxFilter,
+    limit: usize,
+) -> Result<Vec<OutboxRecord>> {
+    let Some(reader) = Reader::open(tx)? else {
+        return Ok(Vec::new());
+    };
+    let small = open_read(tx, OUTBOX_FLOWS)?;
+    let claimed = open_read(tx, OUTBOX_CLAIMED)?;
+    let tables = Listing {
+        rows: &reader.rows,
+        states: reader.states.as_ref(),
+        small: small.as_ref(),
+        claimed: claimed.as_ref(),
+    };
+    tables
+        .matching(filter, limit)?
+        .into_iter()
+        .map(|(id, row)| reader.complete(id, &row))
+        .collect()
+}
+
+/// The claim time of the longest-held claim, as `tx` sees it
+/// ([`Outbox::oldest_claim`]).
+pub(super) fn oldest_claim_in(tx: &ReadTransaction) -> Result<Option<DateTime<Utc>>> {
+    first_time(tx, &OUTBOX_CLAIMED)
+}
+
+/// The time of the first row of a `(time, id)` index.
+fn first_time(
+    tx: &ReadTransaction,
+    index: &'static TableDefinition<'static, (i64, u64), ()>,
+) -> Result<Option<DateTime<Utc>>> {
+    let Some(rows) = open_read(tx, *index)? else {
+        return Ok(None);
+    };
+    match rows.first()? {
+        Some((k, _)) => {
+            let (at, id) = k.value();
+            from_micros(index.name(), &id, at).map(Some)
+        }
+        None => Ok(None),
     }
 }
 

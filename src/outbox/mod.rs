@@ -608,9 +608,7 @@ impl Outbox {
         let cutoff = micros(claimed_before);
         let mut released = Vec::new();
         loop {
-            let (ids, more) = self.engine.execute(move |tx| {
-                ops::release_expired(tx, cutoff, MAINTENANCE_CHUNK, RELEASE_BYTES)
-            })?;
+            let (ids, more) = self.engine.execute(release_op(cutoff))?;
             if !ids.is_empty() {
                 self.notify();
             }
@@ -639,9 +637,7 @@ impl Outbox {
         let cutoff = micros(finished_before);
         let mut total = 0;
         loop {
-            let (n, more) = self
-                .engine
-                .execute(move |tx| ops::purge_finished(tx, cutoff, MAINTENANCE_CHUNK))?;
+            let (n, more) = self.engine.execute(purge_op(cutoff))?;
             total += n;
             if !more {
                 return Ok(total);
@@ -732,6 +728,20 @@ fn claim_op(
     let request = request.clone();
     let now = micros(now);
     Ok((request.limit > 0).then_some(move |tx: &WriteTransaction| ops::claim(tx, now, &request)))
+}
+
+/// The operation releasing one chunk of the claims made before `cutoff`
+/// (µs): the ids released, and whether more remain.
+fn release_op(
+    cutoff: i64,
+) -> impl Fn(&WriteTransaction) -> Result<(Vec<OutboxId>, bool)> + Send + 'static {
+    move |tx: &WriteTransaction| ops::release_expired(tx, cutoff, MAINTENANCE_CHUNK, RELEASE_BYTES)
+}
+
+/// The operation purging one chunk of the entries finished before `cutoff`
+/// (µs): how many, and whether more remain.
+fn purge_op(cutoff: i64) -> impl Fn(&WriteTransaction) -> Result<(u64, bool)> + Send + 'static {
+    move |tx: &WriteTransaction| ops::purge_finished(tx, cutoff, MAINTENANCE_CHUNK)
 }
 
 /// The operation applying `change` to `id` (fenced by `attempt` when

@@ -11,17 +11,28 @@
 //! their claims expire and the reaper releases them), a settlement may
 //! have settled (settling the same attempt the same way again is
 //! accepted). Nothing is ever half done: each call is one operation of
-//! one commit.
+//! one commit, but for the maintenance calls that commit in chunks
+//! (`release_expired_claims`, `purge_finished`), each chunk of which is
+//! whole. The reads run on the task and wait for durability without
+//! holding a thread.
 
 use std::future::Future;
 use std::pin::Pin;
 
 use chrono::{DateTime, Utc};
 
-use super::rules::{Change, mark_failed_change};
+use super::bulk::change_matching_op;
+use super::control::{
+    FlowChange, destination_in, destinations_in, flow_op, paused_change, policy_change,
+};
+use super::destinations::check_destination;
+use super::inspect::{counts_in, find_in, list_for_command_in, list_in, oldest_claim_in};
+use super::rules::{Change, mark_failed_change, mark_outcome_unknown_change};
 use super::{
-    ClaimRequest, Enqueued, Fence, NewEntry, Outbox, OutboxEntry, OutboxId, SettledAndClaimed,
-    Settlement, change_op, claim_op, settle_and_claim_op, settle_many_op,
+    ClaimRequest, DestinationPolicy, DestinationState, Enqueued, Fence, MatchingChange,
+    MatchingStep, NewEntry, Outbox, OutboxCounts, OutboxEntry, OutboxFilter, OutboxId,
+    OutboxRecord, SettledAndClaimed, Settlement, change_op, check_field, claim_op, purge_op,
+    release_op, settle_and_claim_op, settle_many_op,
 };
 use crate::codec::micros;
 use crate::error::Result;
@@ -199,6 +210,160 @@ impl Outbox {
     ) -> Result<()> {
         self.change_async(id, mark_failed_change(reason, retry_at, now)?)
             .await
+    }
+
+    /// [`Outbox::mark_outcome_unknown`], awaited.
+    pub async fn mark_outcome_unknown_async(
+        &self,
+        id: OutboxId,
+        remote_ref: Option<&str>,
+    ) -> Result<()> {
+        self.change_async(id, mark_outcome_unknown_change(remote_ref)?)
+            .await
+    }
+
+    /// [`Outbox::release_expired_claims`], awaited. Dropped after its first
+    /// poll, the chunks committed before stay released (their entries
+    /// pending again) and the chunk under way may still commit; no chunk
+    /// is queued after it.
+    pub async fn release_expired_claims_async(
+        &self,
+        claimed_before: DateTime<Utc>,
+    ) -> Result<Vec<OutboxId>> {
+        let cutoff = micros(claimed_before);
+        let mut released = Vec::new();
+        loop {
+            let (ids, more) = self.engine.execute_async(release_op(cutoff)).await?;
+            if !ids.is_empty() {
+                self.notify();
+            }
+            released.extend(ids);
+            if !more {
+                return Ok(released);
+            }
+        }
+    }
+
+    /// [`Outbox::purge_finished`], awaited. Dropped after its first poll,
+    /// the chunks committed before stay purged and the chunk under way may
+    /// still commit; no chunk is queued after it.
+    pub async fn purge_finished_async(&self, finished_before: DateTime<Utc>) -> Result<u64> {
+        let cutoff = micros(finished_before);
+        let mut total = 0;
+        loop {
+            let (n, more) = self.engine.execute_async(purge_op(cutoff)).await?;
+            total += n;
+            if !more {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// [`Outbox::change_matching`], awaited. Dropped after its first poll,
+    /// the step may still commit, whole.
+    pub async fn change_matching_async(
+        &self,
+        filter: &OutboxFilter,
+        change: &MatchingChange,
+        limit: usize,
+    ) -> Result<MatchingStep> {
+        let (op, wake) = change_matching_op(filter, change, limit)?;
+        let (step, sooner) = self.engine.execute_async(op).await?;
+        Ok(self.matched(step, wake || sooner))
+    }
+
+    /// [`Outbox::set_destination_policy`], awaited. Dropped after its
+    /// first poll, the policy may still be set.
+    pub async fn set_destination_policy_async(
+        &self,
+        destination: &str,
+        policy: DestinationPolicy,
+    ) -> Result<()> {
+        self.flow_change_async(policy_change(destination, policy)?)
+            .await
+    }
+
+    /// [`Outbox::pause_destination`], awaited. Dropped after its first
+    /// poll, the destination may still be paused.
+    pub async fn pause_destination_async(&self, destination: &str) -> Result<()> {
+        self.flow_change_async(paused_change(destination, true)?)
+            .await
+    }
+
+    /// [`Outbox::resume_destination`], awaited. Dropped after its first
+    /// poll, the destination may still be resumed.
+    pub async fn resume_destination_async(&self, destination: &str) -> Result<()> {
+        self.flow_change_async(paused_change(destination, false)?)
+            .await
+    }
+
+    /// [`Outbox::destinations`], awaited.
+    pub async fn destinations_async(&self) -> Result<Vec<DestinationState>> {
+        self.engine.read_async(destinations_in).await
+    }
+
+    /// [`Outbox::destination`], awaited.
+    pub async fn destination_async(&self, destination: &str) -> Result<DestinationState> {
+        check_destination(destination)?;
+        self.engine
+            .read_async(|tx| destination_in(tx, destination))
+            .await
+    }
+
+    /// [`Outbox::find`], awaited.
+    pub async fn find_async(
+        &self,
+        destination: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<OutboxRecord>> {
+        check_field("destination", destination)?;
+        check_field("idempotency_key", idempotency_key)?;
+        self.engine
+            .read_async(|tx| find_in(tx, destination, idempotency_key))
+            .await
+    }
+
+    /// [`Outbox::list_for_command`], awaited.
+    pub async fn list_for_command_async(&self, command_id: &str) -> Result<Vec<OutboxRecord>> {
+        check_field("command_id", command_id)?;
+        self.engine
+            .read_async(|tx| list_for_command_in(tx, command_id))
+            .await
+    }
+
+    /// [`Outbox::counts`], awaited.
+    pub async fn counts_async(&self) -> Result<OutboxCounts> {
+        self.engine.read_async(counts_in).await
+    }
+
+    /// [`Outbox::list`], awaited.
+    pub async fn list_async(
+        &self,
+        filter: &OutboxFilter,
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>> {
+        filter.check()?;
+        self.engine
+            .read_async(|tx| list_in(tx, filter, limit))
+            .await
+    }
+
+    /// [`Outbox::oldest_claim`], awaited.
+    pub async fn oldest_claim_async(&self) -> Result<Option<DateTime<Utc>>> {
+        self.engine.read_async(oldest_claim_in).await
+    }
+
+    /// [`Outbox::check_indexes`], awaited.
+    pub async fn check_indexes_async(&self) -> Result<Vec<String>> {
+        self.engine.read_async(super::index::check).await
+    }
+
+    /// A destination call's `change` in a commit of its own, awaited (see
+    /// `Outbox::flow_change`).
+    async fn flow_change_async(&self, change: impl FlowChange) -> Result<()> {
+        let sooner = self.engine.execute_async(flow_op(change)).await?;
+        self.flow_changed(sooner);
+        Ok(())
     }
 
     /// An operator's unfenced `change` to `id` in a commit of its own,

@@ -14,9 +14,8 @@
 //!   `claim_with`): the suite's closures borrow its locals, and the async
 //!   forms take `'static` closures returning boxed futures;
 //! - the `*_in` calls, which write in such a closure's transaction;
-//! - calls with no async form on the backend (most of the embedded
-//!   store's reads and operator calls), and those that never wait
-//!   (`name`, `stats`, `subscribe`, `notify`).
+//! - calls that never wait (`name`, `lease`, `stats`, `subscribe`,
+//!   `notify`).
 //!
 //! The table below says which is which, for both backends at once.
 
@@ -182,7 +181,7 @@ macro_rules! async_wrappers {
             }
 
             forward! { $backend;
-                fn inbox_names() -> Result<Vec<String>> => postgres: inbox_names_async;
+                fn inbox_names() -> Result<Vec<String>> => inbox_names_async;
             }
         }
 
@@ -205,14 +204,14 @@ macro_rules! async_wrappers {
                 fn claim_many(event_keys: impl IntoIterator<Item = impl AsRef<str>>, seen_at: DateTime<Utc>)
                     -> Result<Vec<bool>> => claim_many_async;
                 fn claim_in(tx: $tx, event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> => blocking;
-                fn seen(event_key: &str) -> Result<bool> => postgres: seen_async;
-                fn seen_at(event_key: &str) -> Result<Option<DateTime<Utc>>> => postgres: seen_at_async;
-                fn prune(seen_before: DateTime<Utc>) -> Result<u64> => postgres: prune_async;
+                fn seen(event_key: &str) -> Result<bool> => seen_async;
+                fn seen_at(event_key: &str) -> Result<Option<DateTime<Utc>>> => seen_at_async;
+                fn prune(seen_before: DateTime<Utc>) -> Result<u64> => prune_async;
                 fn prune_in(tx: $tx, seen_before: DateTime<Utc>) -> Result<u64> => blocking;
-                fn len() -> Result<u64> => postgres: len_async;
-                fn is_empty() -> Result<bool> => postgres: is_empty_async;
+                fn len() -> Result<u64> => len_async;
+                fn is_empty() -> Result<bool> => is_empty_async;
                 fn list(after: Option<(DateTime<Utc>, &str)>, limit: usize)
-                    -> Result<Vec<(String, DateTime<Utc>)>> => postgres: list_async;
+                    -> Result<Vec<(String, DateTime<Utc>)>> => list_async;
             }
         }
 
@@ -246,30 +245,30 @@ macro_rules! async_wrappers {
                 fn mark_failed(id: OutboxId, reason: &str, retry_at: Option<DateTime<Utc>>, now: DateTime<Utc>)
                     -> Result<()> => mark_failed_async;
                 fn mark_outcome_unknown(id: OutboxId, remote_ref: Option<&str>)
-                    -> Result<()> => postgres: mark_outcome_unknown_async;
+                    -> Result<()> => mark_outcome_unknown_async;
                 fn reschedule(id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> => reschedule_async;
                 fn requeue(id: OutboxId, next_attempt_at: DateTime<Utc>) -> Result<()> => requeue_async;
                 fn cancel(id: OutboxId, now: DateTime<Utc>) -> Result<()> => cancel_async;
                 fn release_expired_claims(claimed_before: DateTime<Utc>)
-                    -> Result<Vec<OutboxId>> => postgres: release_expired_claims_async;
-                fn purge_finished(finished_before: DateTime<Utc>) -> Result<u64> => postgres: purge_finished_async;
+                    -> Result<Vec<OutboxId>> => release_expired_claims_async;
+                fn purge_finished(finished_before: DateTime<Utc>) -> Result<u64> => purge_finished_async;
                 fn change_matching(filter: &OutboxFilter, change: &MatchingChange, limit: usize)
-                    -> Result<MatchingStep> => postgres: change_matching_async;
+                    -> Result<MatchingStep> => change_matching_async;
                 fn get(id: OutboxId) -> Result<OutboxRecord> => get_async;
                 fn find(destination: &str, idempotency_key: &str)
-                    -> Result<Option<OutboxRecord>> => postgres: find_async;
-                fn list_for_command(command_id: &str) -> Result<Vec<OutboxRecord>> => postgres: list_for_command_async;
-                fn list(filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> => postgres: list_async;
-                fn counts() -> Result<OutboxCounts> => postgres: counts_async;
+                    -> Result<Option<OutboxRecord>> => find_async;
+                fn list_for_command(command_id: &str) -> Result<Vec<OutboxRecord>> => list_for_command_async;
+                fn list(filter: &OutboxFilter, limit: usize) -> Result<Vec<OutboxRecord>> => list_async;
+                fn counts() -> Result<OutboxCounts> => counts_async;
                 fn next_due() -> Result<Option<DateTime<Utc>>> => next_due_async;
-                fn oldest_claim() -> Result<Option<DateTime<Utc>>> => postgres: oldest_claim_async;
-                fn check_indexes() -> Result<Vec<String>> => postgres: check_indexes_async;
+                fn oldest_claim() -> Result<Option<DateTime<Utc>>> => oldest_claim_async;
+                fn check_indexes() -> Result<Vec<String>> => check_indexes_async;
                 fn set_destination_policy(destination: &str, policy: DestinationPolicy)
-                    -> Result<()> => postgres: set_destination_policy_async;
-                fn pause_destination(destination: &str) -> Result<()> => postgres: pause_destination_async;
-                fn resume_destination(destination: &str) -> Result<()> => postgres: resume_destination_async;
-                fn destinations() -> Result<Vec<DestinationState>> => postgres: destinations_async;
-                fn destination(destination: &str) -> Result<DestinationState> => postgres: destination_async;
+                    -> Result<()> => set_destination_policy_async;
+                fn pause_destination(destination: &str) -> Result<()> => pause_destination_async;
+                fn resume_destination(destination: &str) -> Result<()> => resume_destination_async;
+                fn destinations() -> Result<Vec<DestinationState>> => destinations_async;
+                fn destination(destination: &str) -> Result<DestinationState> => destination_async;
                 fn subscribe() -> Receiver<()> => blocking;
                 fn notify() => blocking;
             }
@@ -298,16 +297,16 @@ macro_rules! async_wrappers {
                 fn complete_in(tx: $tx, r: &Reservation, response: ResponseRecord, now: DateTime<Utc>)
                     -> Result<bool> => blocking;
                 fn release(r: &Reservation) -> Result<()> => release_async;
-                fn release_key(tenant: &str, key: &str, fence: u64) -> Result<bool> => postgres: release_key_async;
+                fn release_key(tenant: &str, key: &str, fence: u64) -> Result<bool> => release_key_async;
                 fn get(tenant: &str, key: &str, expired_before: DateTime<Utc>)
-                    -> Result<Option<ResponseRecord>> => postgres: get_async;
-                fn put(record: &ResponseRecord) -> Result<bool> => postgres: put_async;
-                fn purge_expired(expired_before: DateTime<Utc>) -> Result<u64> => postgres: purge_expired_async;
-                fn entry(tenant: &str, key: &str) -> Result<Option<KeyEntry>> => postgres: entry_async;
-                fn response(tenant: &str, key: &str) -> Result<Option<ResponseRecord>> => postgres: response_async;
-                fn summary() -> Result<KeySummary> => postgres: summary_async;
-                fn list(tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> => postgres: list_async;
-                fn check_indexes() -> Result<Vec<String>> => postgres: check_indexes_async;
+                    -> Result<Option<ResponseRecord>> => get_async;
+                fn put(record: &ResponseRecord) -> Result<bool> => put_async;
+                fn purge_expired(expired_before: DateTime<Utc>) -> Result<u64> => purge_expired_async;
+                fn entry(tenant: &str, key: &str) -> Result<Option<KeyEntry>> => entry_async;
+                fn response(tenant: &str, key: &str) -> Result<Option<ResponseRecord>> => response_async;
+                fn summary() -> Result<KeySummary> => summary_async;
+                fn list(tenant: Option<&str>, limit: usize) -> Result<Vec<KeyEntry>> => list_async;
+                fn check_indexes() -> Result<Vec<String>> => check_indexes_async;
             }
         }
     };
