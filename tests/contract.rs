@@ -33,12 +33,12 @@ mod fixture {
             })
         }
 
-        /// The same store: one process holds the file.
         /// The store, for the operator's calls.
         pub(crate) fn admin(&self) -> &Db {
             &self.store
         }
 
+        /// The same store: one process holds the file.
         pub(crate) fn another(&self) -> Db {
             self.store.clone()
         }

@@ -37,7 +37,7 @@ mod embedded;
 
 /// The embedded store's handles, through their async forms.
 mod wrapped {
-    async_wrappers! { embedded;
+    async_wrappers! {
         store: idemstore::Store,
         inbox: idemstore::Inbox,
         outbox: idemstore::Outbox,
@@ -81,12 +81,12 @@ mod fixture {
             })
         }
 
-        /// The same store: one process holds the file.
         /// The store wrapped, for the operator's calls.
         pub(crate) fn admin(&self) -> &idemstore::Store {
             self.store.admin()
         }
 
+        /// The same store: one process holds the file.
         pub(crate) fn another(&self) -> Db {
             Db::new(self.plain.clone(), self.rt.clone())
         }

@@ -34,9 +34,12 @@ mod asynced;
 
 mod common;
 
+#[path = "contract/pg.rs"]
+mod app;
+
 /// PostgreSQL's handles, through their async forms.
 mod wrapped {
-    async_wrappers! { postgres;
+    async_wrappers! {
         store: idemstore::postgres::PgStore,
         inbox: idemstore::postgres::PgInbox,
         outbox: idemstore::postgres::PgOutbox,
@@ -54,6 +57,7 @@ mod fixture {
     use tokio::runtime::Runtime;
 
     use super::{asynced, wrapped};
+    use crate::app;
     use crate::common::pg::{unique_schema, url};
 
     pub(crate) type Db = wrapped::Store;
@@ -82,12 +86,7 @@ mod fixture {
             let url = url()?;
             let schema = unique_schema();
             let store = Self::connect(&url, &schema);
-            let mut client = Client::connect(&url, NoTls).expect("a plain connection");
-            client
-                .batch_execute(&format!(
-                    "CREATE TABLE {schema}.app_marks (key text PRIMARY KEY)"
-                ))
-                .expect("the application's table");
+            app::create_marks(&url, &schema);
             let rt = asynced::runtime();
             Some(Fixture {
                 store: Db::new(store, rt.clone()),
@@ -97,70 +96,31 @@ mod fixture {
             })
         }
 
-        /// A second store on the same schema, with its own pool: what
-        /// another process would open.
         /// The store wrapped, for the operator's calls.
         pub(crate) fn admin(&self) -> &idemstore::postgres::PgStore {
             self.store.admin()
         }
 
+        /// A second store on the same schema, with its own pool: what
+        /// another process would open.
         pub(crate) fn another(&self) -> Db {
             Db::new(Self::connect(&self.url, &self.schema), self.rt.clone())
         }
 
-        /// A plain connection to the server.
-        fn client(&self) -> Client {
-            Client::connect(&self.url, NoTls).expect("a plain connection")
-        }
-
         /// Writes the application row `key` in `tx`.
         pub(crate) fn mark(&self, tx: &mut Transaction<'_>, key: &str) -> Result<()> {
-            tx.execute(
-                &format!("INSERT INTO {}.app_marks (key) VALUES ($1)", self.schema),
-                &[&key],
-            )?;
-            Ok(())
+            app::mark(tx, &self.schema, key)
         }
 
         /// The application rows committed, in key order.
         pub(crate) fn marks(&self) -> Result<Vec<String>> {
-            let rows = self.client().query(
-                &format!("SELECT key FROM {}.app_marks ORDER BY key", self.schema),
-                &[],
-            )?;
-            rows.iter()
-                .map(|r| r.try_get(0).map_err(idemstore::Error::from))
-                .collect()
+            app::marks(&self.url, &self.schema)
         }
 
         /// How many transactions updated or deleted rows of the outbox or
-        /// the inbox while `f` ran (a trigger notes each such row's
-        /// transaction).
+        /// the inbox while `f` ran.
         pub(crate) fn commits_during<T>(&self, f: impl FnOnce() -> T) -> Result<(T, u64)> {
-            let s = &self.schema;
-            let mut client = self.client();
-            client.batch_execute(&format!(
-                "CREATE TABLE {s}.test_xacts (xact bigint NOT NULL); \
-                 CREATE FUNCTION {s}.test_note_xact() RETURNS trigger LANGUAGE plpgsql AS \
-                 $$ BEGIN INSERT INTO {s}.test_xacts VALUES (txid_current()); RETURN NULL; END $$; \
-                 CREATE TRIGGER test_note_xact AFTER UPDATE OR DELETE ON {s}.outbox \
-                 FOR EACH ROW EXECUTE FUNCTION {s}.test_note_xact(); \
-                 CREATE TRIGGER test_note_xact AFTER DELETE ON {s}.inbox \
-                 FOR EACH ROW EXECUTE FUNCTION {s}.test_note_xact();"
-            ))?;
-            let out = f();
-            let n: i64 = client
-                .query_one(
-                    &format!("SELECT count(DISTINCT xact) FROM {s}.test_xacts"),
-                    &[],
-                )?
-                .get(0);
-            client.batch_execute(&format!(
-                "DROP TRIGGER test_note_xact ON {s}.outbox; \
-                 DROP TRIGGER test_note_xact ON {s}.inbox; \
-                 DROP FUNCTION {s}.test_note_xact(); DROP TABLE {s}.test_xacts;"
-            ))?;
-            Ok((out, u64::try_from(n).unwrap_or(0)))
+            app::commits_during(&self.url, &self.schema, f)
         }
     }
 

@@ -48,12 +48,12 @@ mod fixture {
             })
         }
 
-        /// A second store opened shared on the same file: another process.
         /// The store, for the operator's calls.
         pub(crate) fn admin(&self) -> &Db {
             &self.store
         }
 
+        /// A second store opened shared on the same file: another process.
         pub(crate) fn another(&self) -> Db {
             shared().open(&self.path).expect("a second shared store")
         }

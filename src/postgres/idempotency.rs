@@ -406,6 +406,7 @@ impl PgIdempotencyKeys {
         fingerprint: &str,
         now: DateTime<Utc>,
     ) -> Result<Begin> {
+        check_begin(tenant, key, fingerprint)?;
         wait(self.begin_here(tenant, key, fingerprint, now, in_write()))
     }
 
@@ -440,8 +441,9 @@ impl PgIdempotencyKeys {
         answered.await.unwrap_or(Err(Error::Closed))
     }
 
-    /// `begin` on this task; `reentrant`: the caller's thread runs a write
-    /// closure (where a reservation is refused).
+    /// `begin` on this task, its arguments checked by the caller;
+    /// `reentrant`: the caller's thread runs a write closure (where a
+    /// reservation is refused).
     async fn begin_here(
         &self,
         tenant: &str,
@@ -450,7 +452,6 @@ impl PgIdempotencyKeys {
         now: DateTime<Utc>,
         reentrant: bool,
     ) -> Result<Begin> {
-        check_begin(tenant, key, fingerprint)?;
         let now_us = micros(now);
         let (expired_before, lease_until_us, lease_until) = self.spans.begin_window(now_us)?;
         let row = run!(self.server, Mode::Read, |conn| {

@@ -36,31 +36,13 @@ pub(crate) fn runtime() -> Arc<Runtime> {
 
 /// Methods of a wrapper (fields `inner`, `rt`) that forward to `inner`,
 /// one a line: `fn name(args) -> Answer => how;`, where `how` is
-///
-/// - `name_async`: the async form, on both backends;
-/// - `postgres: name_async`: the async form on PostgreSQL, the blocking
-///   call on the embedded store (which has no async form of it);
-/// - `embedded: a_async, postgres: b_async`: async forms named apart;
-/// - `blocking`: the blocking call, on both backends.
-///
-/// The first token says which backend the wrapper is for.
+/// `name_async` (the async form, run to its end on the runtime) or
+/// `blocking` (the blocking call).
 macro_rules! forward {
-    (@pick $backend:ident [blocking] $($sig:tt)*) => {
+    (@pick [blocking] $($sig:tt)*) => {
         forward!(@blocking $($sig)*);
     };
-    (@pick $backend:ident [$async:ident] $($sig:tt)*) => {
-        forward!(@async $async $($sig)*);
-    };
-    (@pick postgres [postgres: $async:ident] $($sig:tt)*) => {
-        forward!(@async $async $($sig)*);
-    };
-    (@pick embedded [postgres: $async:ident] $($sig:tt)*) => {
-        forward!(@blocking $($sig)*);
-    };
-    (@pick embedded [embedded: $async:ident, postgres: $other:ident] $($sig:tt)*) => {
-        forward!(@async $async $($sig)*);
-    };
-    (@pick postgres [embedded: $other:ident, postgres: $async:ident] $($sig:tt)*) => {
+    (@pick [$async:ident] $($sig:tt)*) => {
         forward!(@async $async $($sig)*);
     };
     (@blocking $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
@@ -74,27 +56,22 @@ macro_rules! forward {
         }
     };
     (
-        $backend:ident;
         $(
             fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
-                => $how:ident $(: $named:ident)? $(, $other:ident: $other_named:ident)?;
+                => $how:ident;
         )*
     ) => {
         $(
-            forward!(
-                @pick $backend [$how $(: $named)? $(, $other: $other_named)?]
-                $name($($arg: $ty),*) $(-> $ret)?
-            );
+            forward!(@pick [$how] $name($($arg: $ty),*) $(-> $ret)?);
         )*
     };
 }
 
 /// The wrappers `Store`, `Inbox`, `Outbox` and `Keys` over one backend's
-/// handles (`embedded` or `postgres`, then the handles' types and the
-/// write closures' transaction type), with every call the suite makes.
+/// handles (the handles' types and the write closures' transaction type),
+/// with every call the suite makes.
 macro_rules! async_wrappers {
     (
-        $backend:ident;
         store: $store:ty,
         inbox: $inbox:ty,
         outbox: $outbox:ty,
@@ -180,7 +157,7 @@ macro_rules! async_wrappers {
                 self.inner.write(f)
             }
 
-            forward! { $backend;
+            forward! {
                 fn inbox_names() -> Result<Vec<String>> => inbox_names_async;
             }
         }
@@ -198,7 +175,7 @@ macro_rules! async_wrappers {
                 self.inner.claim_with(event_key, seen_at, effect)
             }
 
-            forward! { $backend;
+            forward! {
                 fn name() -> &str => blocking;
                 fn claim(event_key: &str, seen_at: DateTime<Utc>) -> Result<bool> => claim_async;
                 fn claim_many(event_keys: impl IntoIterator<Item = impl AsRef<str>>, seen_at: DateTime<Utc>)
@@ -216,7 +193,7 @@ macro_rules! async_wrappers {
         }
 
         impl Outbox {
-            forward! { $backend;
+            forward! {
                 fn enqueue(entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> => enqueue_async;
                 fn enqueue_in(tx: $tx, entry: NewEntry, now: DateTime<Utc>) -> Result<Enqueued> => blocking;
                 fn enqueue_many(entries: impl IntoIterator<Item = NewEntry>, now: DateTime<Utc>)
@@ -289,7 +266,7 @@ macro_rules! async_wrappers {
                 }
             }
 
-            forward! { $backend;
+            forward! {
                 fn lease() -> Duration => blocking;
                 fn stats() -> IdempotencyStats => blocking;
                 fn begin(tenant: &str, key: &str, fingerprint: &str, now: DateTime<Utc>) -> Result<Begin> => begin_async;
