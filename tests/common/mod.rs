@@ -149,8 +149,59 @@ struct Disk {
     fail_sync: Option<u64>,
     /// Panic in the Nth sync (1-based), once; nothing reaches the platter.
     panic_sync: Option<u64>,
+    /// Every write and resize since the last `sync_data`, in order: on
+    /// their way to the platter, any of them may have landed at a power
+    /// loss ([`FaultyDisk::torn_image`]).
+    in_flight: Vec<InFlight>,
     /// While held, every sync waits at it before it does anything.
     gate: Arc<Gate>,
+}
+
+/// A change since the last `sync_data`, not yet on the platter.
+#[derive(Debug, Clone)]
+enum InFlight {
+    Write { offset: usize, data: Vec<u8> },
+    SetLen(usize),
+}
+
+/// The unit a disk writes whole: a power loss tears a write at these
+/// boundaries, never inside one.
+pub const SECTOR: usize = 512;
+
+/// A small deterministic pseudo-random generator (xorshift64*), so that a
+/// failing seed can be run again.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        // Never zero, which xorshift cannot leave.
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// `true` with probability `percent` / 100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = usize::try_from(self.below(i as u64 + 1)).unwrap();
+            items.swap(i, j);
+        }
+    }
 }
 
 /// Where syncs wait while the gate is held ([`FaultyDisk::hold_syncs`]).
@@ -259,6 +310,60 @@ impl FaultyDisk {
     pub fn durable_image(&self) -> Vec<u8> {
         self.0.lock().durable.clone()
     }
+
+    /// How many writes and resizes were in flight (made since the last
+    /// sync) when the power went.
+    pub fn in_flight(&self) -> usize {
+        self.0.lock().in_flight.len()
+    }
+
+    /// The platter after a power loss that tears and reorders: what was
+    /// synced, plus any subset of the writes and resizes in flight, landed
+    /// in any order, each write torn at sector boundaries (each of its
+    /// sectors landed or not on its own). Where writes in flight overlap,
+    /// a sector holds what any one of them put there, as a disk that
+    /// wrote back an older copy of the page and never the newer one.
+    /// `seed` picks the subset: 0 lands nothing, 1 lands everything in
+    /// order, any other a pseudo-random tearing whose density the seed
+    /// also picks.
+    pub fn torn_image(&self, seed: u64) -> Vec<u8> {
+        let d = self.0.lock();
+        let mut image = d.durable.clone();
+        let mut order: Vec<usize> = (0..d.in_flight.len()).collect();
+        let mut rng = Rng::new(seed);
+        let percent = match seed {
+            0 => 0,
+            1 => 100,
+            _ => {
+                rng.shuffle(&mut order);
+                [10, 50, 90][usize::try_from(seed % 3).unwrap()]
+            }
+        };
+        for i in order {
+            match &d.in_flight[i] {
+                InFlight::SetLen(len) => {
+                    if rng.chance(percent) {
+                        image.resize(*len, 0);
+                    }
+                }
+                InFlight::Write { offset, data } => {
+                    let end = offset + data.len();
+                    let mut at = *offset;
+                    while at < end {
+                        let to = ((at / SECTOR + 1) * SECTOR).min(end);
+                        if rng.chance(percent) {
+                            if image.len() < to {
+                                image.resize(to, 0);
+                            }
+                            image[at..to].copy_from_slice(&data[at - offset..to - offset]);
+                        }
+                        at = to;
+                    }
+                }
+            }
+        }
+        image
+    }
 }
 
 /// The [`StorageBackend`] view of a [`FaultyDisk`].
@@ -300,7 +405,9 @@ impl StorageBackend for FaultyBackend {
         if d.dead {
             return Err(power_lost());
         }
-        d.live.resize(usize::try_from(len).unwrap(), 0);
+        let len = usize::try_from(len).unwrap();
+        d.live.resize(len, 0);
+        d.in_flight.push(InFlight::SetLen(len));
         Ok(())
     }
 
@@ -331,6 +438,7 @@ impl StorageBackend for FaultyBackend {
         d.syncs = n;
         let d = &mut *d;
         d.durable.clone_from(&d.live);
+        d.in_flight.clear();
         Ok(())
     }
 
@@ -351,6 +459,10 @@ impl StorageBackend for FaultyBackend {
             d.live.resize(end, 0);
         }
         d.live[start..end].copy_from_slice(data);
+        d.in_flight.push(InFlight::Write {
+            offset: start,
+            data: data.to_vec(),
+        });
         Ok(())
     }
 
