@@ -183,10 +183,46 @@ pub(crate) mod sealed {
         /// usefully run at once (1 where commits go one after the other).
         #[cfg(feature = "tokio")]
         fn commit_parallelism(&self) -> usize;
+        /// [`settle`](super::OutboxBackend::settle), awaited.
+        #[cfg(feature = "tokio")]
+        fn settle_async(
+            &self,
+            fence: crate::Fence,
+            settlement: crate::Settlement,
+            now: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<()>>;
+        /// [`settle_many`](super::OutboxBackend::settle_many), awaited.
+        #[cfg(feature = "tokio")]
+        fn settle_many_async(
+            &self,
+            settlements: Vec<(crate::Fence, crate::Settlement)>,
+            now: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<Vec<crate::Result<()>>>>;
+        /// [`release_expired_claims`](super::OutboxBackend::release_expired_claims),
+        /// awaited.
+        #[cfg(feature = "tokio")]
+        fn release_expired_claims_async(
+            &self,
+            claimed_before: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<Vec<crate::OutboxId>>>;
+        /// [`purge_finished`](super::OutboxBackend::purge_finished), awaited.
+        #[cfg(feature = "tokio")]
+        fn purge_finished_async(
+            &self,
+            finished_before: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<u64>>;
     }
 
-    /// The seal of [`InboxBackend`](super::InboxBackend).
-    pub trait Inbox {}
+    /// The seal of [`InboxBackend`](super::InboxBackend), with its call as
+    /// a future, for the async dispatcher's janitor.
+    pub trait Inbox {
+        /// [`prune`](super::InboxBackend::prune), awaited.
+        #[cfg(feature = "tokio")]
+        fn prune_async(
+            &self,
+            seen_before: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<u64>>;
+    }
 
     /// The seal of [`IdempotencyBackend`](super::IdempotencyBackend), with
     /// its calls as futures that hold no thread while they wait, for the
@@ -215,6 +251,13 @@ pub(crate) mod sealed {
             &'a self,
             r: &'a crate::Reservation,
         ) -> super::BoxFuture<'a, crate::Result<()>>;
+        /// [`purge_expired`](super::IdempotencyBackend::purge_expired),
+        /// awaited (the async dispatcher's janitor).
+        #[cfg(feature = "tokio")]
+        fn purge_expired_async(
+            &self,
+            expired_before: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<u64>>;
     }
 
     /// The seal of [`OutboxAdmin`](super::OutboxAdmin).
@@ -254,6 +297,37 @@ macro_rules! forward_to_handles {
             #[cfg(feature = "tokio")]
             fn commit_parallelism(&self) -> usize {
                 <$outbox>::commit_parallelism(self)
+            }
+            #[cfg(feature = "tokio")]
+            fn settle_async(
+                &self,
+                fence: $crate::Fence,
+                settlement: $crate::Settlement,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<()>> {
+                Box::pin(<$outbox>::settle_async(self, fence, settlement, now))
+            }
+            #[cfg(feature = "tokio")]
+            fn settle_many_async(
+                &self,
+                settlements: Vec<($crate::Fence, $crate::Settlement)>,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<Vec<$crate::Result<()>>>> {
+                Box::pin(<$outbox>::settle_many_async(self, settlements, now))
+            }
+            #[cfg(feature = "tokio")]
+            fn release_expired_claims_async(
+                &self,
+                claimed_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<Vec<$crate::OutboxId>>> {
+                Box::pin(<$outbox>::release_expired_claims_async(self, claimed_before))
+            }
+            #[cfg(feature = "tokio")]
+            fn purge_finished_async(
+                &self,
+                finished_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<u64>> {
+                Box::pin(<$outbox>::purge_finished_async(self, finished_before))
             }
         }
 
@@ -334,7 +408,15 @@ macro_rules! forward_to_handles {
             }
         }
 
-        impl $crate::backend::sealed::Inbox for $inbox {}
+        impl $crate::backend::sealed::Inbox for $inbox {
+            #[cfg(feature = "tokio")]
+            fn prune_async(
+                &self,
+                seen_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<u64>> {
+                Box::pin(<$inbox>::prune_async(self, seen_before))
+            }
+        }
 
         impl $crate::backend::InboxBackend for $inbox {
             fn prune(&self, seen_before: chrono::DateTime<chrono::Utc>) -> $crate::Result<u64> {
@@ -368,6 +450,13 @@ macro_rules! forward_to_handles {
                 r: &'a $crate::Reservation,
             ) -> $crate::backend::BoxFuture<'a, $crate::Result<()>> {
                 Box::pin(<$keys>::release_async(self, r))
+            }
+            #[cfg(feature = "tokio")]
+            fn purge_expired_async(
+                &self,
+                expired_before: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<u64>> {
+                Box::pin(<$keys>::purge_expired_async(self, expired_before))
             }
         }
 

@@ -9,17 +9,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemstore::chrono::{DateTime, TimeZone, Utc};
 use idemstore::{
     Begin, ClaimRequest, DestinationPolicy, Enqueued, MatchingChange, NewEntry, OutboxFilter,
     OutboxStatus, Settlement, Store, fingerprint,
 };
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+#[macro_use]
+mod common;
 
-fn t(secs: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
-}
+use common::t;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 fn file_store() -> Result<(tempfile::TempDir, Store), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
@@ -626,4 +626,13 @@ fn the_async_forms_futures_are_send() -> TestResult {
     is_send(&keys.purge_expired_async(t(0)));
     is_send(&keys.summary_async());
     Ok(())
+}
+
+#[test]
+fn the_async_dispatcher_makes_no_store_call_on_the_blocking_pool()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    dispatcher_without_blocking_pool!({
+        let dir = tempfile::tempdir()?;
+        (Store::open(dir.path().join("pool.idem"))?, dir)
+    })
 }

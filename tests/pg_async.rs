@@ -16,6 +16,7 @@ use idemstore::chrono::{DateTime, TimeZone, Utc};
 use idemstore::postgres::PgStore;
 use idemstore::{Begin, Claim, Enqueued, Error, NewEntry, OutboxStatus, Settlement, fingerprint};
 
+#[macro_use]
 mod common;
 
 use common::pg::{DropSchema, client, unique_schema, url};
@@ -378,4 +379,10 @@ async fn the_async_dispatchers_claimers_send_every_entry_once() -> TestResult {
     assert!(sent.values().all(|&n| n == 1), "none sent twice");
     assert_eq!(outbox.counts_async().await?.completed, 300);
     Ok(())
+}
+
+#[test]
+fn the_async_dispatcher_makes_no_store_call_on_the_blocking_pool() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    dispatcher_without_blocking_pool!(store(&url, 4).await?)
 }

@@ -112,30 +112,36 @@ impl Janitor {
 
     /// Runs every task once, as of `now`.
     pub fn run_once(&self, now: DateTime<Utc>) -> Result<JanitorReport> {
-        let before = |keep: Duration| {
-            chrono::Duration::from_std(keep)
-                .ok()
-                .and_then(|k| now.checked_sub_signed(k))
-                .unwrap_or(DateTime::<Utc>::MIN_UTC)
-        };
         let run = observe::Stopwatch::start();
         let mut report = JanitorReport::default();
         if let Some((outbox, keep)) = &self.outbox {
-            report.outbox_purged = outbox.purge_finished(before(*keep))?;
+            report.outbox_purged = outbox.purge_finished(before(now, *keep))?;
         }
         for (inbox, keep) in &self.inboxes {
-            report.inbox_pruned += inbox.prune(before(*keep))?;
+            report.inbox_pruned += inbox.prune(before(now, *keep))?;
         }
         if let Some(keys) = &self.keys {
-            report.keys_purged = keys.purge_expired(before(keys.ttl()))?;
+            report.keys_purged = keys.purge_expired(before(now, keys.ttl()))?;
         }
-        observe::janitor_run(
-            report.outbox_purged,
-            report.inbox_pruned,
-            report.keys_purged,
-            run,
-        );
-        Ok(report)
+        Ok(report.observed(run))
+    }
+
+    /// [`Janitor::run_once`] through the backends' async calls, which hold
+    /// no thread while they wait: the async dispatcher's janitor.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn run_once_async(&self, now: DateTime<Utc>) -> Result<JanitorReport> {
+        let run = observe::Stopwatch::start();
+        let mut report = JanitorReport::default();
+        if let Some((outbox, keep)) = &self.outbox {
+            report.outbox_purged = outbox.purge_finished_async(before(now, *keep)).await?;
+        }
+        for (inbox, keep) in &self.inboxes {
+            report.inbox_pruned += inbox.prune_async(before(now, *keep)).await?;
+        }
+        if let Some(keys) = &self.keys {
+            report.keys_purged = keys.purge_expired_async(before(now, keys.ttl())).await?;
+        }
+        Ok(report.observed(run))
     }
 
     /// The loop a dispatcher runs: a run at start, then one per interval,
@@ -169,18 +175,52 @@ impl Janitor {
         next: &mut DateTime<Utc>,
         record: &dyn Fn(DateTime<Utc>, &Result<JanitorReport>),
     ) -> Duration {
-        let interval = self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL);
-        let period = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
-        let now = clock.now();
-        if now >= *next {
+        if let Some(now) = self.due(clock, next) {
             record(now, &self.run_once(now));
-            *next = now
-                .checked_add_signed(period)
-                .unwrap_or(DateTime::<Utc>::MAX_UTC);
         }
-        (*next - clock.now())
+        self.wait(clock, *next)
+    }
+
+    /// The time by `clock` if a run is due (`next` has come), moving `next`
+    /// an interval on; `None` if not yet.
+    pub(crate) fn due(&self, clock: &dyn Clock, next: &mut DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let now = clock.now();
+        if now < *next {
+            return None;
+        }
+        let period = chrono::Duration::from_std(self.interval()).unwrap_or(chrono::Duration::MAX);
+        *next = now
+            .checked_add_signed(period)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        Some(now)
+    }
+
+    /// How long to wait for the run at `next` (at most an interval).
+    pub(crate) fn wait(&self, clock: &dyn Clock, next: DateTime<Utc>) -> Duration {
+        (next - clock.now())
             .to_std()
             .unwrap_or(Duration::ZERO)
-            .min(interval)
+            .min(self.interval())
+    }
+
+    fn interval(&self) -> Duration {
+        self.interval.unwrap_or(DEFAULT_JANITOR_INTERVAL)
+    }
+}
+
+/// The cutoff of a task that keeps rows for `keep` as of `now`.
+fn before(now: DateTime<Utc>, keep: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(keep)
+        .ok()
+        .and_then(|k| now.checked_sub_signed(k))
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
+impl JanitorReport {
+    /// This report of a run that started at `run`, once told to the
+    /// recorders.
+    fn observed(self, run: observe::Stopwatch) -> Self {
+        observe::janitor_run(self.outbox_purged, self.inbox_pruned, self.keys_purged, run);
+        self
     }
 }

@@ -97,11 +97,10 @@
 //!   hyper or reqwest owns it). One task claims and settles, each send is a
 //!   task, and `workers(n)` bounds the sends in flight — async sends are
 //!   cheap, so set it well above the thread count when sends wait on the
-//!   network. On the embedded store a worker's step (settle, then claim)
-//!   waits for its commit without holding a thread (the `_async` calls);
-//!   the rest of the store calls, and every call on PostgreSQL, run on
-//!   tokio's blocking pool. An idle
-//!   dispatcher waits for a wake-up or its next due time without holding a
+//!   network. On both backends every store call it makes (a step that
+//!   settles and claims, the reaper, the janitor) is an `_async` one that
+//!   waits for its commit without holding a thread; none runs on tokio's
+//!   blocking pool. An idle dispatcher waits for a wake-up or its next due time without holding a
 //!   thread. `handle.shutdown().await` lets the sends in flight finish,
 //!   settles them and gives back what was claimed but not sent; dropping
 //!   the handle never blocks the runtime (the tasks stop on their own).

@@ -39,11 +39,12 @@
 //! destination's backlog never fills every slot while another has entries
 //! due, and a lone destination still gets them all.
 //!
-//! A claimer's step (its settlements and its next claim, one commit) and
-//! its look at the next due time are the store's `_async` calls, on both
-//! backends: they wait for the commit without holding a thread. The
-//! reaper's and the janitor's calls, the settlements at shutdown and the
-//! handling of a failed step run on tokio's blocking pool (rare calls). Waiting —
+//! Every store call is the store's `_async` form, on both backends: a
+//! claimer's step (its settlements and its next claim, one commit), its
+//! look at the next due time, the settlements one by one after a failed
+//! step and those at shutdown, the reaper's release and the janitor's
+//! runs. Each waits for its commit without holding a thread, and none
+//! runs on tokio's blocking pool. Waiting —
 //! for a wake-up of the outbox, a jump of a [`ManualClock`](super::ManualClock),
 //! the next due time, a back-off, the stop signal — is async: no thread is
 //! parked for it. The reaper and the janitor are a task each. The steps
@@ -91,10 +92,10 @@ impl DispatcherBuilder {
     /// Retries, back-off, `max_attempts`, fencing, the reaper, the janitor
     /// and the stats are those of [`start`](DispatcherBuilder::start); a
     /// `send` that panics (or whose future panics) is caught and counted
-    /// as a retryable failure, as there. A worker's steps on the embedded
-    /// store hold no thread while they wait for their commit; other store
-    /// calls run on the runtime's blocking pool; waiting for work never
-    /// holds a thread.
+    /// as a retryable failure, as there. Every store call it makes, on
+    /// either backend, is an `_async` one that holds no thread while it
+    /// waits for its commit, and waiting for work never holds a thread:
+    /// nothing of the dispatcher runs on the runtime's blocking pool.
     ///
     /// Works on `current_thread` and multi-thread runtimes. It must be
     /// called from within a runtime (a task, `Runtime::block_on`,
@@ -355,18 +356,9 @@ async fn next_due(ctx: &Arc<Ctx>) -> Result<Option<DateTime<Utc>>, worker::BackO
     })
 }
 
-/// Runs `step` on the blocking pool. A panic in it goes on in the caller,
-/// which ends its task with it.
-async fn blocking<T: Send + 'static>(step: impl FnOnce() -> T + Send + 'static) -> T {
-    match tokio::task::spawn_blocking(step).await {
-        Ok(value) => value,
-        Err(e) => unwind(e).await,
-    }
-}
-
-/// What a blocking step's failed join means: its panic goes on here; a
-/// step cancelled by the runtime shutting down leaves this task to be
-/// dropped with it.
+/// What a task's failed join means: its panic goes on here; a task
+/// cancelled by the runtime shutting down leaves this one to be dropped
+/// with it.
 async fn unwind<T>(error: JoinError) -> T {
     match error.try_into_panic() {
         Ok(payload) => resume_unwind(payload),
@@ -379,8 +371,7 @@ async fn unwind<T>(error: JoinError) -> T {
 async fn reaper(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     let mut changes = ctx.clock.changes_async();
     while !ctx.stopping() {
-        let shared = ctx.clone();
-        blocking(move || worker::reap(&shared)).await;
+        worker::reap_async(&ctx).await;
         if !pause(worker::reaper_period(&ctx), &mut changes, &mut stop).await {
             break;
         }
@@ -392,16 +383,11 @@ async fn run_janitor(ctx: Arc<Ctx>, janitor: Arc<Janitor>, mut stop: watch::Rece
     let mut changes = ctx.clock.changes_async();
     let mut next = ctx.clock.now();
     while !ctx.stopping() {
-        let (shared, janitor) = (ctx.clone(), janitor.clone());
-        let wait;
-        (wait, next) = blocking(move || {
-            let wait = janitor.turn(&*shared.clock, &mut next, &|at, outcome| {
-                shared.counters.janitor_run(at, outcome);
-            });
-            (wait, next)
-        })
-        .await;
-        if !pause(wait, &mut changes, &mut stop).await {
+        if let Some(now) = janitor.due(&*ctx.clock, &mut next) {
+            let outcome = janitor.run_once_async(now).await;
+            ctx.counters.janitor_run(now, &outcome);
+        }
+        if !pause(janitor.wait(&*ctx.clock, next), &mut changes, &mut stop).await {
             break;
         }
     }
@@ -526,8 +512,7 @@ impl Claimer {
             self.handle(event).await;
         }
         // Settle what was sent (and give back what was not) before ending.
-        let (ctx, settlements) = (self.ctx.clone(), std::mem::take(&mut self.settlements));
-        blocking(move || worker::settle_last(&ctx, settlements)).await;
+        worker::settle_last_async(&self.ctx, std::mem::take(&mut self.settlements)).await;
     }
 
     /// Starts sends from the waiting entries while slots are free, the
@@ -629,17 +614,7 @@ impl Claimer {
             let step = ctx
                 .outbox
                 .settle_and_claim_async(settlements.clone(), now, request.clone());
-            let (claimed, settlements) = match step.await {
-                outcome @ Ok(_) => (
-                    worker::claimed(&ctx, &mut settlements, outcome),
-                    settlements,
-                ),
-                failed => {
-                    let ctx = ctx.clone();
-                    blocking(move || (worker::claimed(&ctx, &mut settlements, failed), settlements))
-                        .await
-                }
-            };
+            let claimed = worker::claimed_async(&ctx, &mut settlements, step.await).await;
             // Fewer than asked for: nothing else is due now; when will it be?
             let next_due = match &claimed {
                 Ok(entries) if entries.len() < limit => Some(next_due(&ctx).await),

@@ -4,8 +4,9 @@
 //! does — which store call, how its answer and its errors are counted, how
 //! a send's outcome becomes a settlement — is here, once.
 //!
-//! Every step is synchronous and may call the store (which may fsync): the
-//! async runtime runs those on tokio's blocking pool.
+//! A step that calls the store (which may fsync) has a blocking form, for
+//! the worker threads, and an `_async` form through the store's async calls,
+//! for the tasks; the two share what comes before and after the call.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -116,6 +117,23 @@ pub(super) fn claimed(
     }
 }
 
+/// [`claimed`] through the backend's async calls (the async dispatcher).
+#[cfg(feature = "tokio")]
+pub(super) async fn claimed_async(
+    ctx: &Ctx,
+    settlements: &mut Vec<(Fence, Settlement)>,
+    outcome: crate::Result<crate::SettledAndClaimed>,
+) -> Result<Vec<OutboxEntry>, BackOff> {
+    match outcome {
+        Err(e) => {
+            settle_apart_async(ctx, settlements).await;
+            ctx.store_error("claim", &e);
+            Err(BackOff)
+        }
+        ok => claimed(ctx, settlements, ok),
+    }
+}
+
 /// When the next entry is due ([`OutboxBackend::next_due`]), for an idle worker's
 /// sleep; a failure is counted as `"next_due"`.
 pub(super) fn next_due(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
@@ -132,9 +150,27 @@ pub(super) fn settle_last(ctx: &Ctx, settlements: Vec<(Fence, Settlement)>) {
     if settlements.is_empty() {
         return;
     }
-    match ctx.outbox.settle_many(settlements, ctx.clock.now()) {
-        Ok(settled) => count_fenced(ctx, &settled),
-        Err(e) => ctx.store_error("settle", &e),
+    settled_last(ctx, &ctx.outbox.settle_many(settlements, ctx.clock.now()));
+}
+
+/// [`settle_last`] through the backend's async calls.
+#[cfg(feature = "tokio")]
+pub(super) async fn settle_last_async(ctx: &Ctx, settlements: Vec<(Fence, Settlement)>) {
+    if settlements.is_empty() {
+        return;
+    }
+    let settled = ctx
+        .outbox
+        .settle_many_async(settlements, ctx.clock.now())
+        .await;
+    settled_last(ctx, &settled);
+}
+
+/// Counts the answer to a stopping worker's last settlements.
+fn settled_last(ctx: &Ctx, settled: &Result<Vec<Result<()>>>) {
+    match settled {
+        Ok(settled) => count_fenced(ctx, settled),
+        Err(e) => ctx.store_error("settle", e),
     }
 }
 
@@ -146,6 +182,23 @@ fn settle_apart(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
     let mut kept = Vec::new();
     for (fence, settlement) in settlements.drain(..) {
         let answer = ctx.outbox.settle(fence, settlement.clone(), now);
+        if count_answer(ctx, &answer) {
+            kept.push((fence, settlement));
+        }
+    }
+    *settlements = kept;
+}
+
+/// [`settle_apart`] through the backend's async calls.
+#[cfg(feature = "tokio")]
+async fn settle_apart_async(ctx: &Ctx, settlements: &mut Vec<(Fence, Settlement)>) {
+    let now = ctx.clock.now();
+    let mut kept = Vec::new();
+    for (fence, settlement) in settlements.drain(..) {
+        let answer = ctx
+            .outbox
+            .settle_async(fence, settlement.clone(), now)
+            .await;
         if count_answer(ctx, &answer) {
             kept.push((fence, settlement));
         }
@@ -223,14 +276,34 @@ pub(super) fn give_back(ctx: &Ctx, entry: &OutboxEntry, now: DateTime<Utc>) -> (
 /// The reaper's step: releases the claims older than the lease (their
 /// entries are due at once); a failure is counted as `"reaper"`.
 pub(super) fn reap(ctx: &Ctx) {
+    let (now, cutoff) = reap_cutoff(ctx);
+    reaped(ctx, now, &ctx.outbox.release_expired_claims(cutoff));
+}
+
+/// [`reap`] through the backend's async calls.
+#[cfg(feature = "tokio")]
+pub(super) async fn reap_async(ctx: &Ctx) {
+    let (now, cutoff) = reap_cutoff(ctx);
+    let released = ctx.outbox.release_expired_claims_async(cutoff).await;
+    reaped(ctx, now, &released);
+}
+
+/// The time of a reaper step, and the claims it releases: those made more
+/// than a lease before it.
+fn reap_cutoff(ctx: &Ctx) -> (DateTime<Utc>, DateTime<Utc>) {
     let lease = chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::MAX);
     let now = ctx.clock.now();
     let cutoff = now
         .checked_sub_signed(lease)
         .unwrap_or(DateTime::<Utc>::MIN_UTC);
-    match ctx.outbox.release_expired_claims(cutoff) {
+    (now, cutoff)
+}
+
+/// Counts what a reaper step at `now` released, or its failure.
+fn reaped(ctx: &Ctx, now: DateTime<Utc>, released: &Result<Vec<crate::OutboxId>>) {
+    match released {
         Ok(ids) => bump(&ctx.counters.released, ids.len() as u64),
-        Err(e) => ctx.counters.store_error(now, "reaper", &e),
+        Err(e) => ctx.counters.store_error(now, "reaper", e),
     }
 }
 

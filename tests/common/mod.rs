@@ -2,6 +2,9 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "tokio")]
+#[macro_use]
+mod blocking_pool;
 #[cfg(feature = "postgres")]
 pub mod pg;
 
