@@ -252,7 +252,6 @@ fn a_claim_on_a_pooled_connection_after_an_immediate_restart_is_retried() -> Tes
 /// through untouched.
 mod proxy {
     use std::collections::HashMap;
-    use std::fmt::Write as _;
     use std::io::{Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
     use std::os::unix::net::UnixStream;
@@ -260,9 +259,6 @@ mod proxy {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     use std::thread;
-
-    use postgres::Config;
-    use postgres::config::Host;
 
     /// What the armed proxy cuts after.
     #[derive(Debug, Clone)]
@@ -285,14 +281,9 @@ mod proxy {
         /// Starts a proxy in front of the server named by `url` (a unix
         /// socket, as `.ci/postgres` starts it).
         pub(super) fn start(url: &str) -> Proxy {
-            let config: Config = url.parse().expect("the test server's connection string");
-            let Some(Host::Unix(dir)) = config.get_hosts().first().cloned() else {
-                panic!("the test server listens on a unix socket: {url}");
-            };
-            let port = config.get_ports().first().copied().unwrap_or(5432);
-            let socket = dir.join(format!(".s.PGSQL.{port}"));
             let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-            let addr = listener.local_addr().unwrap();
+            let (socket, proxied) =
+                super::common::faulty_net::in_front_of(url, listener.local_addr().unwrap().port());
             let armed: Arc<Mutex<Option<Trigger>>> = Arc::default();
             let cuts = Arc::new(AtomicUsize::new(0));
             {
@@ -304,13 +295,6 @@ mod proxy {
                         thread::spawn(move || relay(&client, &socket, &armed, &cuts));
                     }
                 });
-            }
-            let mut proxied = format!("host=127.0.0.1 port={}", addr.port());
-            if let Some(user) = config.get_user() {
-                let _ = write!(proxied, " user={user}");
-            }
-            if let Some(db) = config.get_dbname() {
-                let _ = write!(proxied, " dbname={db}");
             }
             Proxy {
                 url: proxied,

@@ -6,6 +6,8 @@
 #[macro_use]
 mod blocking_pool;
 #[cfg(feature = "postgres")]
+pub mod faulty_net;
+#[cfg(feature = "postgres")]
 pub mod pg;
 
 use std::io;
