@@ -321,3 +321,98 @@ fn calls_through_a_faulty_network_keep_every_promise_and_recover_when_it_heals()
     ));
     Ok(())
 }
+
+/// Drops every packet to and from a loopback port while it lives (Linux
+/// `tc`: a `prio` root on `lo` whose third band is `netem loss 100%`, fed
+/// by filters on the port): a partition at the packet level, which neither
+/// end hears about, so only the connection's own timeouts end a call
+/// caught by it. `None` where `tc` cannot change `lo` (not root, no `tc`).
+struct Partition;
+
+impl Partition {
+    fn cut(port: u16) -> Option<Partition> {
+        let tc = |args: &str| {
+            std::process::Command::new("tc")
+                .args(args.split_whitespace())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !tc("qdisc add dev lo root handle 1: prio") {
+            return None;
+        }
+        let cut = Partition;
+        let ok = tc("qdisc add dev lo parent 1:3 handle 30: netem loss 100%")
+            && tc(&format!(
+                "filter add dev lo protocol ip parent 1:0 prio 3 u32 match ip dport {port} 0xffff flowid 1:3"
+            ))
+            && tc(&format!(
+                "filter add dev lo protocol ip parent 1:0 prio 3 u32 match ip sport {port} 0xffff flowid 1:3"
+            ));
+        ok.then_some(cut)
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("tc")
+            .args(["qdisc", "del", "dev", "lo", "root"])
+            .status();
+    }
+}
+
+#[test]
+fn a_call_caught_by_a_packet_level_partition_fails_within_its_bound_and_the_store_recovers()
+-> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let schema = unique_schema();
+    let _drop = DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let net = FaultyNet::start(&url);
+    // Short bounds from the connection string (the store keeps shorter
+    // ones than its own).
+    let bounded = format!("{} connect_timeout=2 tcp_user_timeout=2000", net.url);
+    let store = PgStore::builder()
+        .schema(&schema)
+        .pool_size(2)
+        .connection_timeout(Duration::from_secs(2))
+        .connect(&bounded)?;
+    let inbox = store.inbox("cut")?;
+    assert!(inbox.claim("before", t(0))?);
+    let port: u16 = net
+        .url
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("port="))
+        .ok_or("the proxy's port")?
+        .parse()?;
+    let Some(partition) = Partition::cut(port) else {
+        eprintln!("skipped: tc cannot change lo here (needs root and iproute2's tc)");
+        return Ok(());
+    };
+    let started = Instant::now();
+    let caught = inbox.claim("during", t(0));
+    let took = started.elapsed();
+    assert!(
+        caught.is_err(),
+        "a call through a cut network answered: {caught:?}"
+    );
+    assert!(took < Duration::from_secs(20), "the call took {took:?}");
+    drop(partition);
+    // Healed: the next calls answer (the one caught may have committed).
+    let healed = Instant::now();
+    inbox.claim("during", t(0))?;
+    assert!(inbox.claim("after", t(0))?);
+    assert!(
+        healed.elapsed() < Duration::from_secs(10),
+        "slow after the heal"
+    );
+    common::report(&format!(
+        "postgres packet-level partition: a claim caught by it failed after {took:.1?} \
+         ({}), the store answered again {:.1?} after the heal",
+        caught.err().map_or_else(String::new, |e| e.to_string()),
+        healed.elapsed()
+    ));
+    Ok(())
+}

@@ -234,6 +234,49 @@ macro_rules! in_transaction {
 }
 pub(super) use in_transaction;
 
+/// Silence on a connection before keepalive probes start.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// Time between two keepalive probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Unanswered probes after which the connection is dropped.
+const KEEPALIVE_RETRIES: u32 = 3;
+/// Longest time data sent may stay unacknowledged before the connection is
+/// dropped (Linux's `TCP_USER_TIMEOUT`).
+const USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `config` as every connection of the store opens it, pooled or
+/// listening: TCP keepalives on, probing after [`KEEPALIVE_IDLE`] of
+/// silence, every [`KEEPALIVE_INTERVAL`], dropped after
+/// [`KEEPALIVE_RETRIES`] unanswered probes, and (on Linux) after
+/// [`USER_TIMEOUT`] of data sent and not acknowledged. A server host that
+/// vanishes without closing its connections (a crash, a network cut) is
+/// then noticed within about a minute instead of the operating system's
+/// defaults (about two hours for an idle connection, a quarter of an hour
+/// for a call in flight), so a call caught by a partition fails within
+/// about a minute and is retried or reported by the usual rules. Shorter
+/// settings from the connection string are kept.
+pub(super) fn bounded_config(config: &Config) -> Config {
+    let mut c = config.clone();
+    c.keepalives(true);
+    if c.get_keepalives_idle() > KEEPALIVE_IDLE {
+        c.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if c.get_keepalives_interval()
+        .is_none_or(|i| i > KEEPALIVE_INTERVAL)
+    {
+        c.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if c.get_keepalives_retries()
+        .is_none_or(|n| n > KEEPALIVE_RETRIES)
+    {
+        c.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if c.get_tcp_user_timeout().is_none_or(|t| *t > USER_TIMEOUT) {
+        c.tcp_user_timeout(USER_TIMEOUT);
+    }
+    c
+}
+
 /// Opens the pool's connections, stamped with the store's failure count.
 /// Each connection is opened, and runs, on the store's own runtime
 /// (`rt`): its socket belongs to that runtime's reactor, so a call awaits
@@ -247,8 +290,12 @@ pub(super) struct Manager {
 }
 
 impl Manager {
-    pub(super) fn new(config: Config, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
-        Manager { config, rt, epoch }
+    pub(super) fn new(config: &Config, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
+        Manager {
+            config: bounded_config(config),
+            rt,
+            epoch,
+        }
     }
 }
 
@@ -713,5 +760,29 @@ mod tests {
     fn backoff_grows_and_stays_short() {
         assert!(backoff(2) < backoff(3));
         assert!(backoff(100) <= Duration::from_millis(320));
+    }
+
+    #[test]
+    fn every_connection_notices_a_vanished_server_within_a_minute() {
+        let plain: Config = "host=db user=app".parse().unwrap();
+        let c = bounded_config(&plain);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), KEEPALIVE_IDLE);
+        assert_eq!(c.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(c.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&USER_TIMEOUT));
+        let probing = KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_RETRIES;
+        assert!(probing <= Duration::from_secs(60));
+        // Shorter settings of the connection string stay.
+        let eager: Config = "host=db keepalives=0 keepalives_idle=5 keepalives_interval=2 \
+                             keepalives_retries=1 tcp_user_timeout=4"
+            .parse()
+            .unwrap();
+        let c = bounded_config(&eager);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(5));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(2)));
+        assert_eq!(c.get_keepalives_retries(), Some(1));
+        assert_eq!(c.get_tcp_user_timeout(), Some(&Duration::from_secs(4)));
     }
 }

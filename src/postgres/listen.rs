@@ -17,12 +17,9 @@
 //! A listening connection only reads, so a server host that vanishes
 //! without closing it (a crash, a network cut) would leave it waiting,
 //! half-open, for the operating system's default keepalive (about two
-//! hours) while no wake-up arrives. Its connection therefore uses TCP
-//! keepalives probing after [`KEEPALIVE_IDLE`] of silence, every
-//! [`KEEPALIVE_INTERVAL`], dropped after [`KEEPALIVE_RETRIES`] unanswered
-//! probes (and, on Linux, after [`USER_TIMEOUT`] of unacknowledged data):
-//! a vanished server is noticed within about a minute, and the task
-//! reconnects. Shorter settings from the connection string are kept.
+//! hours) while no wake-up arrives. Like every connection of the store it
+//! therefore probes a silent peer and gives up on it within about a minute
+//! ([`bounded_config`]), and the task reconnects.
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
@@ -34,6 +31,7 @@ use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Config, Connection, NoTls};
 
+use super::conn::bounded_config;
 use crate::outbox::Notifier;
 
 /// How long the listener waits for a notification before it checks that
@@ -42,43 +40,9 @@ const TICK: Duration = Duration::from_secs(1);
 /// How long it waits before reconnecting after a failure.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Silence on the listening connection before keepalive probes start.
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
-/// Time between two keepalive probes.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-/// Unanswered probes after which the connection is dropped.
-const KEEPALIVE_RETRIES: u32 = 3;
-/// Longest time data sent may stay unacknowledged before the connection is
-/// dropped (Linux's `TCP_USER_TIMEOUT`).
-const USER_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// `config` for the listening connection: keepalives on, at most as slow
-/// as the constants above.
-fn listener_config(config: &Config) -> Config {
-    let mut c = config.clone();
-    c.keepalives(true);
-    if c.get_keepalives_idle() > KEEPALIVE_IDLE {
-        c.keepalives_idle(KEEPALIVE_IDLE);
-    }
-    if c.get_keepalives_interval()
-        .is_none_or(|i| i > KEEPALIVE_INTERVAL)
-    {
-        c.keepalives_interval(KEEPALIVE_INTERVAL);
-    }
-    if c.get_keepalives_retries()
-        .is_none_or(|n| n > KEEPALIVE_RETRIES)
-    {
-        c.keepalives_retries(KEEPALIVE_RETRIES);
-    }
-    if c.get_tcp_user_timeout().is_none_or(|t| *t > USER_TIMEOUT) {
-        c.tcp_user_timeout(USER_TIMEOUT);
-    }
-    c
-}
-
 /// Starts the listening task for `channel` on the store's runtime `rt`.
 pub(super) fn start(rt: &Handle, config: Config, channel: String, notifier: Weak<Notifier>) {
-    rt.spawn(async move { run(&listener_config(&config), &channel, &notifier).await });
+    rt.spawn(async move { run(&bounded_config(&config), &channel, &notifier).await });
 }
 
 /// What a listening session ended with.
@@ -200,34 +164,5 @@ async fn relay(connection: &mut Listening, notifier: &Weak<Notifier>) -> Ended {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_listener_notices_a_vanished_server_within_a_minute() {
-        let plain: Config = "host=db user=app".parse().unwrap();
-        let c = listener_config(&plain);
-        assert!(c.get_keepalives());
-        assert_eq!(c.get_keepalives_idle(), KEEPALIVE_IDLE);
-        assert_eq!(c.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
-        assert_eq!(c.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
-        assert_eq!(c.get_tcp_user_timeout(), Some(&USER_TIMEOUT));
-        let probing = KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_RETRIES;
-        assert!(probing <= Duration::from_secs(60));
-        // Shorter settings of the connection string stay.
-        let eager: Config = "host=db keepalives=0 keepalives_idle=5 keepalives_interval=2 \
-                             keepalives_retries=1 tcp_user_timeout=4"
-            .parse()
-            .unwrap();
-        let c = listener_config(&eager);
-        assert!(c.get_keepalives());
-        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(5));
-        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(2)));
-        assert_eq!(c.get_keepalives_retries(), Some(1));
-        assert_eq!(c.get_tcp_user_timeout(), Some(&Duration::from_secs(4)));
     }
 }

@@ -676,7 +676,7 @@ impl PgStoreBuilder {
         let epoch = Arc::new(AtomicU64::new(0));
         // No test on checkout: it would cost a round trip per call. A dead
         // connection is noticed by the call that uses it (`conn.rs`).
-        let pool = Pool::builder(Manager::new(config.clone(), handle.clone(), epoch.clone()))
+        let pool = Pool::builder(Manager::new(&config, handle.clone(), epoch.clone()))
             .max_size(usize::try_from(self.pool_size).unwrap_or(usize::MAX))
             .build()
             .map_err(|e| errors::pool(&e.to_string()))?;
