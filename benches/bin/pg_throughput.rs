@@ -4,7 +4,8 @@
 //! ```text
 //! .ci/postgres run -- cargo run --release -p idemstore-benches --features postgres \
 //!     --bin pg_throughput            # add `-- --quick` for shorter runs,
-//!                                    # `-- --drain-only` for the drain alone
+//!                                    # `-- --drain-only` for the drain alone,
+//!                                    # `-- --single` for one caller alone
 //! ```
 //!
 //! - durable inbox claims at 1/16/64 threads: `PgInbox::claim` vs a raw
@@ -66,7 +67,13 @@ fn main() -> R<()> {
             "threads", "idemstore", "raw INSERT", "ratio"
         );
         println!("{}", "-".repeat(50));
-        for threads in [1usize, 16, 64] {
+        // `--single`: the one-caller row only (the latency of one call).
+        let rows: &[usize] = if args.iter().any(|a| a == "--single") {
+            &[1]
+        } else {
+            &[1, 16, 64]
+        };
+        for &threads in rows {
             let schema = format!("bench_claims_{tag}_{threads}");
             let ours = median3(|| claims_ours(&url, &schema, threads, run_for))?;
             let raw = median3(|| claims_raw(&url, &schema, threads, run_for))?;
@@ -75,6 +82,9 @@ fn main() -> R<()> {
                 ours / raw
             );
             admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))?;
+        }
+        if rows.len() == 1 {
+            return Ok(());
         }
         let schema = format!("bench_claims_{tag}_tasks");
         let threads = median3(|| claims_ours(&url, &schema, 64, run_for))?;
