@@ -100,10 +100,11 @@
 //!   network. On both backends every store call it makes (a step that
 //!   settles and claims, the reaper, the janitor) is an `_async` one that
 //!   waits for its commit without holding a thread; none runs on tokio's
-//!   blocking pool. An idle dispatcher waits for a wake-up or its next due time without holding a
-//!   thread. `handle.shutdown().await` lets the sends in flight finish,
-//!   settles them and gives back what was claimed but not sent; dropping
-//!   the handle never blocks the runtime (the tasks stop on their own).
+//!   blocking pool. An idle dispatcher waits for a wake-up or its next
+//!   due time without holding a thread. `handle.shutdown().await` lets the
+//!   sends in flight finish, settles them and gives back what was claimed
+//!   but not sent; dropping the handle never blocks the runtime (the tasks
+//!   stop on their own).
 //!   Called outside a tokio runtime, `start_async` returns an `Error`.
 //!
 //! An async client (hyper, reqwest) belongs in `start_async`. Driven from a
