@@ -52,6 +52,8 @@ struct History {
     /// Idempotency keys whose handler's write and response committed, or
     /// that answered `Replay`.
     completed: HashSet<String>,
+    /// Outbox entries (`e{n}` to `d{n % 3}`) whose enqueue answered.
+    enqueued: HashSet<String>,
     /// Calls that failed and were tried again.
     failed: u64,
     /// Calls made, and the slowest one.
@@ -95,6 +97,26 @@ fn claimer(store: &PgStore, schema: &str, w: usize, stop: &AtomicBool) -> Histor
         if stop.load(Ordering::Relaxed) {
             break;
         }
+    }
+    h
+}
+
+/// Enqueues `e{n}`, each until it answers (a retry after a lost answer
+/// finds its own entry, a duplicate).
+fn enqueuer(store: &PgStore, stop: &AtomicBool) -> History {
+    let outbox = store.outbox();
+    let mut h = History::default();
+    for n in 0.. {
+        let key = format!("e{n:05}");
+        let entry = || NewEntry::new("c", format!("d{}", n % 3), key.clone(), vec![]);
+        while h.timed(|| outbox.enqueue(entry(), t(0))).is_err() {
+            thread::sleep(Duration::from_millis(20));
+        }
+        h.enqueued.insert(key);
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        thread::sleep(Duration::from_millis(5));
     }
     h
 }
@@ -199,13 +221,18 @@ fn check_history(
             assert!(inbox.seen(key)?, "acknowledged claim {key} lost");
             assert_eq!(effects.get(key), Some(&1), "{key}'s effect");
         }
+        for key in &h.enqueued {
+            let n: u64 = key[1..].parse()?;
+            let found = store.outbox().find(&format!("d{}", n % 3), key)?;
+            assert!(found.is_some(), "acknowledged enqueue {key} lost");
+        }
         for key in &h.completed {
             // Stored before now, so expired for nothing before t(0).
             let stored = keys.get("", key, t(0))?;
             assert!(stored.is_some(), "acknowledged response {key} lost");
             assert_eq!(effects.get(key), Some(&1), "{key}'s effect");
         }
-        acked += h.claimed.len() + h.completed.len();
+        acked += h.claimed.len() + h.completed.len() + h.enqueued.len();
         calls += h.calls;
         failed += h.failed;
         slowest = slowest.max(h.slowest);
@@ -239,11 +266,6 @@ fn calls_through_a_faulty_network_keep_every_promise_and_recover_when_it_heals()
         Ok::<_, Error>(())
     })?;
     let outbox = store.outbox();
-    let entries = 300;
-    outbox.enqueue_many(
-        (0..entries).map(|i| NewEntry::new("c", format!("d{}", i % 3), format!("e{i}"), vec![])),
-        t(0),
-    )?;
 
     // The dispatcher: each send checks that its entry is in no other send.
     let sending: Arc<Mutex<HashSet<u64>>> = Arc::default();
@@ -277,6 +299,7 @@ fn calls_through_a_faulty_network_keep_every_promise_and_recover_when_it_heals()
             let (store, schema, stop) = (&store, &schema, &stop);
             callers.push(s.spawn(move || handler(store, schema, w, stop)));
         }
+        callers.push(s.spawn(|| enqueuer(&store, &stop)));
         let injected = faults(&net, until, seconds);
         stop.store(true, Ordering::Relaxed);
         let histories: Vec<History> = callers.into_iter().map(|c| c.join().unwrap()).collect();
@@ -290,6 +313,7 @@ fn calls_through_a_faulty_network_keep_every_promise_and_recover_when_it_heals()
         healed.elapsed() < Duration::from_secs(5),
         "slow after the heal"
     );
+    let entries: u64 = histories.iter().map(|h| h.enqueued.len() as u64).sum();
     let deadline = Instant::now() + Duration::from_secs(60);
     while outbox.counts()?.completed < entries {
         assert!(
