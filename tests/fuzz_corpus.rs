@@ -1,6 +1,7 @@
 //! The fuzz targets' logic under `cargo test`, on stable: every file of the
-//! committed seed corpus (`fuzz/seeds/{model,codec}/`) and a batch of
-//! pseudo-random inputs run through both targets.
+//! committed seed corpus (`fuzz/seeds/{model,codec}/`) and of the committed
+//! corpus the fuzzer found (`fuzz/corpus-min/{model,codec}/`, minimised),
+//! and a batch of pseudo-random inputs, run through both targets.
 //!
 //! `FUZZ_CORPUS_RANDOM` sets the number of pseudo-random inputs per target
 //! (default 60). `cargo test --test fuzz_corpus -- --ignored` rewrites the
@@ -23,9 +24,16 @@ fn seeds_dir(target: &str) -> PathBuf {
         .join(target)
 }
 
+/// The inputs replayed for `target`: the seeds, and the corpus the fuzzer
+/// found and `cargo fuzz cmin` minimised (`fuzz/corpus-min/`, committed;
+/// absent for a target not fuzzed yet).
 fn seed_files(target: &str) -> Vec<PathBuf> {
+    let found = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus-min")
+        .join(target);
     let mut files: Vec<PathBuf> = fs::read_dir(seeds_dir(target))
         .expect("the seed corpus directory")
+        .chain(fs::read_dir(found).into_iter().flatten())
         .map(|e| e.expect("a directory entry").path())
         .filter(|p| p.is_file())
         .collect();
