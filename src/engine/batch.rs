@@ -552,7 +552,7 @@ fn absorb(inner: &Inner, batch: &mut Batch) -> bool {
 /// a microsecond, against an fsync's hundreds.
 fn absorb_after_yielding(inner: &Inner, batch: &mut Batch) -> bool {
     for _ in 0..3 {
-        std::thread::yield_now();
+        super::sync::thread::yield_now();
         if absorb(inner, batch) {
             return true;
         }

@@ -11,9 +11,6 @@
 //! None taken here. The order of all of them is in the engine's module
 //! docs.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
-
-use parking_lot::{Condvar, Mutex, RwLock};
 use redb::Database;
 
 use super::EngineConfig;
@@ -21,6 +18,7 @@ use super::batch::Queue;
 use super::durability::SyncState;
 use super::open_tx::OpenTx;
 use super::processes::Refresh;
+use super::sync::{AtomicBool, AtomicU64, AtomicUsize, Condvar, Mutex, RwLock};
 
 /// The state of one engine, shared by its handle, the callers' threads and
 /// the flusher. Fields drop in the order declared: `db` before a

@@ -142,9 +142,13 @@ use crate::error::{Error, Result};
 mod batch;
 mod durability;
 mod inner;
+#[cfg(test)]
+#[cfg(shuttle)]
+mod model;
 mod open_tx;
 mod processes;
 mod scope;
+mod sync;
 #[cfg(feature = "tokio")]
 mod tasks;
 #[cfg(test)]

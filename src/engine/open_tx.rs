@@ -38,14 +38,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use redb::WriteTransaction;
 
 use super::batch::{Needs, Queued};
 use super::inner::Inner;
 use super::scope::Hook;
+use super::sync::{Receiver, RecvTimeoutError, Sender, bounded, thread};
 use crate::error::{Error, Result};
 
 /// A batch's write transaction, with what it holds from earlier batches:
@@ -136,14 +135,14 @@ impl Inner {
 /// every flush interval, until stopped.
 pub(super) struct Flusher {
     stop: Sender<()>,
-    thread: JoinHandle<()>,
+    thread: thread::JoinHandle<()>,
 }
 
 impl Flusher {
     pub(super) fn start(inner: &Arc<Inner>) -> Result<Flusher> {
-        let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
+        let (stop, stopped) = bounded::<()>(1);
         let thread_inner = inner.clone();
-        let thread = std::thread::Builder::new()
+        let thread = thread::Builder::new()
             .name("idemstore-flush".into())
             .spawn(move || flush_loop(&thread_inner, &stopped))
             .map_err(Error::Io)?;

@@ -35,6 +35,10 @@
 //! batch, once the batch's other callers are answered.
 
 use std::cell::{Cell, RefCell};
+
+// Under the model checker each of its threads needs its own copy.
+#[cfg(shuttle)]
+use shuttle::thread_local;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::error::{Error, Result};

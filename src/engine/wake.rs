@@ -31,9 +31,8 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
-
 use super::batch::Answers;
+use super::sync::{Condvar, Mutex};
 use crate::error::Result;
 
 /// What a caller's operation came to: its own result, or the panic it
