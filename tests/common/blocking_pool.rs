@@ -60,9 +60,9 @@ macro_rules! dispatcher_without_blocking_pool {
                     keys.complete_async(&r, r.response(200, b"ok".to_vec(), t(0)), t(0))
                         .await?
                 );
-                let held = outbox.enqueue_async(entry("held"), t(0)).await?.id();
-
                 let (open, gate) = tokio::sync::watch::channel(false);
+                let (started, mut in_flight) = tokio::sync::watch::channel(false);
+                let started = std::sync::Arc::new(started);
                 let janitor = Janitor::new()
                     .outbox(outbox.clone(), Duration::from_secs(10))
                     .inbox(inbox.clone(), Duration::from_secs(10))
@@ -71,13 +71,12 @@ macro_rules! dispatcher_without_blocking_pool {
                     .clock(ManualClock::new(t(100)))
                     .lease(Duration::from_secs(60))
                     .janitor(janitor)
-                    // Room for the released entry beside the held one, whichever
-                    // the first claim finds.
                     .workers(4)
                     .start_async(move |e| {
-                        let mut gate = gate.clone();
+                        let (mut gate, started) = (gate.clone(), started.clone());
                         async move {
                             if e.idempotency_key == "held" {
+                                started.send_replace(true);
                                 let _ = gate.wait_for(|open| *open).await;
                             }
                             Delivery::Delivered
@@ -86,7 +85,7 @@ macro_rules! dispatcher_without_blocking_pool {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
                 loop {
                     let stats = handle.stats();
-                    let janitor = stats.janitor.and_then(|j| j.last_report);
+                    let janitor = stats.janitor.clone().and_then(|j| j.last_report);
                     let sent =
                         outbox.get_async(crashed).await?.entry.status == OutboxStatus::Completed;
                     if sent && stats.released == 1 && janitor.is_some() {
@@ -102,16 +101,22 @@ macro_rules! dispatcher_without_blocking_pool {
                         );
                         break;
                     }
-                    assert!(
-                        tokio::time::Instant::now() < deadline,
-                        "timed out: released {}, janitor {janitor:?}, crashed sent {sent}",
-                        stats.released
-                    );
+                    if tokio::time::Instant::now() >= deadline {
+                        let record = outbox.get_async(crashed).await?;
+                        panic!(
+                            "timed out: janitor {janitor:?}, crashed {:?} {:?}, stats {stats:?}",
+                            record.entry.status, record.claim
+                        );
+                    }
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 assert!(!inbox.seen_async("old").await?, "pruned");
-                // Told to stop with `held` in flight: the shutdown lets it end
-                // and settles it.
+                // A send held in flight until the dispatcher is told to stop:
+                // the shutdown lets it end and settles it.
+                let held = outbox.enqueue_async(entry("held"), t(0)).await?.id();
+                tokio::time::timeout(Duration::from_secs(30), in_flight.wait_for(|s| *s))
+                    .await
+                    .map_err(|_| "timed out: the held send never started")??;
                 let stopped = tokio::time::timeout(Duration::from_secs(30), async {
                     tokio::join!(handle.shutdown(), async {
                         tokio::task::yield_now().await;
