@@ -63,9 +63,7 @@ mod fixture {
             reason = "the suite's fixture interface: other backends may fail to count"
         )]
         pub(crate) fn commits_during<T>(&self, f: impl FnOnce() -> T) -> Result<(T, u64)> {
-            let before = self.store.commit_stats().commits;
-            let out = f();
-            Ok((out, self.store.commit_stats().commits - before))
+            Ok(embedded::commits_during(&self.store, f))
         }
     }
 }

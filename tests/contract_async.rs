@@ -111,9 +111,7 @@ mod fixture {
             reason = "the suite's fixture interface: other backends may fail to count"
         )]
         pub(crate) fn commits_during<T>(&self, f: impl FnOnce() -> T) -> Result<(T, u64)> {
-            let before = self.plain.commit_stats().commits;
-            let out = f();
-            Ok((out, self.plain.commit_stats().commits - before))
+            Ok(embedded::commits_during(&self.plain, f))
         }
     }
 }

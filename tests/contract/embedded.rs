@@ -24,3 +24,11 @@ pub(crate) fn marks(store: &Store) -> Result<Vec<String>> {
         Err(e) => Err(e.into()),
     })
 }
+
+/// `f`'s result, and how many write transactions `store` committed while
+/// it ran.
+pub(crate) fn commits_during<T>(store: &Store, f: impl FnOnce() -> T) -> (T, u64) {
+    let before = store.commit_stats().commits;
+    let out = f();
+    (out, store.commit_stats().commits - before)
+}
