@@ -1,6 +1,5 @@
 //! Operation sequences on the inbox, the outbox and the idempotency keys,
-//! with time steps and reopens, checked against an in-memory model after
-//! every operation. The logic lives in `tests/fuzzing/`, which `cargo test`
+//! with time steps and reopens, checked against an in-memory model. The logic lives in `tests/fuzzing/`, which `cargo test`
 //! also runs over the seed corpus.
 #![no_main]
 

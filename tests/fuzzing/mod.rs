@@ -4,7 +4,8 @@
 //!
 //! - [`run_model`] decodes an `Arbitrary` sequence of operations on all three
 //!   primitives (and reopens of the file) and checks the store against a
-//!   plain in-memory model after every one.
+//!   plain in-memory model: every answer, and the whole store every few
+//!   operations.
 //! - [`outbox_model`] is the outbox part of that model, which
 //!   `tests/outbox_model.rs` also drives with seeded random operations.
 //! - [`run_codec`] overwrites stored records with arbitrary or mutated bytes
@@ -13,10 +14,12 @@
 //!   `NotFound`).
 
 mod codec;
+mod memory_file;
 mod model;
 pub(crate) mod outbox_model;
 
 pub(crate) use codec::run_codec;
+pub(crate) use memory_file::MemoryFile;
 pub(crate) use model::{ModelStats, run_model};
 
 use chrono::{DateTime, TimeZone, Utc};
