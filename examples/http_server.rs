@@ -21,7 +21,7 @@
 use std::net::SocketAddr;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -30,9 +30,9 @@ use chrono::Utc;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idemstore::middleware::IdempotencyLayer;
+use idemstore::middleware::{IdempotencyLayer, record_response, to_response};
 use idemstore::redb::{ReadableTable as _, ReadableTableMetadata as _, TableDefinition};
-use idemstore::{Reservation, ResponseRecord, Store};
+use idemstore::{Reservation, Store};
 
 /// Payment id → request body.
 const PAYMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("example.payments");
@@ -53,10 +53,13 @@ async fn create_payment(
             let id = payments.last()?.map_or(1, |(k, _)| k.value() + 1);
             payments.insert(id, &*body)?;
             let now = Utc::now();
-            let json = format!("{{\"id\":{id},\"status\":\"accepted\"}}");
-            let mut response = reservation.response(201, json, now);
-            response.content_type = Some("application/json".to_owned());
-            response.headers = vec![("location".to_owned(), format!("/payments/{id}"))];
+            // The answer, written once: stored as it is, sent as stored.
+            let answer = Response::builder()
+                .status(StatusCode::CREATED)
+                .header(header::CONTENT_TYPE, "application/json")
+                .header(header::LOCATION, format!("/payments/{id}"))
+                .body(format!("{{\"id\":{id},\"status\":\"accepted\"}}"))?;
+            let response = record_response(&reservation, &answer, now);
             // The payment and its stored response commit together.
             if keys.complete_in(tx, &reservation, response.clone(), now)? {
                 Ok(response)
@@ -69,31 +72,11 @@ async fn create_payment(
     })
     .await;
     match recorded {
-        Ok(Ok(stored)) => answer(stored),
+        // What retries will get, replayed, is what this client gets.
+        Ok(Ok(stored)) => to_response(&stored).into_response(),
         // Nothing was committed; on a 5xx the layer frees the key for a retry.
         _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
-}
-
-/// A stored response, as sent to its first client.
-fn answer(stored: ResponseRecord) -> Response {
-    let mut response = Response::new(Body::from(stored.response_body));
-    *response.status_mut() =
-        StatusCode::from_u16(stored.response_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = stored
-        .content_type
-        .map(|ct| ("content-type".to_owned(), ct))
-        .into_iter()
-        .chain(stored.headers);
-    for (name, value) in headers {
-        if let (Ok(name), Ok(value)) = (
-            header::HeaderName::from_bytes(name.as_bytes()),
-            header::HeaderValue::from_str(&value),
-        ) {
-            response.headers_mut().append(name, value);
-        }
-    }
-    response
 }
 
 /// How many payments were recorded.

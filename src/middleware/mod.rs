@@ -39,7 +39,9 @@
 //! 4. its body is read, at most [`max_body`](IdempotencyLayer::max_body)
 //!    bytes (a longer one → **413**, nothing reserved, handler not run), and
 //!    the request [`fingerprint`](crate::fingerprint)ed from its method,
-//!    path-and-query and body;
+//!    path-and-query and body, or as
+//!    [`fingerprint_with`](IdempotencyLayer::fingerprint_with) says (its
+//!    error → **400**);
 //! 5. [`IdempotencyKeys::begin`] decides, in a task of its own through its
 //!    async form (a store error → **503**, handler not run; no tokio
 //!    runtime → **500**, see [below](#a-tokio-runtime)):
@@ -48,7 +50,8 @@
 //!      headers](IdempotencyLayer::replay_headers) and body, plus
 //!      `Idempotent-Replayed: true`;
 //!    - the key is held by a running request → **409** with `Retry-After`
-//!      (whole seconds until its lease ends, at least 1);
+//!      ([`retry_after`](IdempotencyLayer::retry_after), default 1 s,
+//!      capped by the time left on the holder's lease);
 //!    - the key was used for another request → **422**;
 //!    - the key is free (or its holder's lease ended) → the handler runs,
 //!      with the request's [`Reservation`] in its extensions.
@@ -80,7 +83,7 @@
 //! use axum::response::{IntoResponse, Response};
 //! use axum::{Router, body::Bytes, routing::post};
 //! use chrono::Utc;
-//! use idemstore::middleware::IdempotencyLayer;
+//! use idemstore::middleware::{IdempotencyLayer, record_response, to_response};
 //! use idemstore::redb::{ReadableTable as _, TableDefinition};
 //! use idemstore::{Reservation, Store};
 //!
@@ -99,8 +102,13 @@
 //!             let id = orders.last()?.map_or(1, |(k, _)| k.value() + 1);
 //!             orders.insert(id, &*body)?;
 //!             let now = Utc::now();
-//!             let mut response = reservation.response(201, format!("{{\"order\":{id}}}"), now);
-//!             response.content_type = Some("application/json".to_owned());
+//!             // The answer, written once: its record is what retries get.
+//!             let answer = Response::builder()
+//!                 .status(StatusCode::CREATED)
+//!                 .header(header::CONTENT_TYPE, "application/json")
+//!                 .header(header::LOCATION, format!("/orders/{id}"))
+//!                 .body(format!("{{\"order\":{id}}}"))?;
+//!             let response = record_response(&reservation, &answer, now);
 //!             // The order and its response commit together, or neither does.
 //!             if keys.complete_in(tx, &reservation, response.clone(), now)? {
 //!                 Ok(response)
@@ -113,12 +121,8 @@
 //!     })
 //!     .await;
 //!     match placed {
-//!         Ok(Ok(stored)) => (
-//!             StatusCode::CREATED,
-//!             [(header::CONTENT_TYPE, "application/json")],
-//!             stored.response_body,
-//!         )
-//!             .into_response(),
+//!         // This client gets exactly what a retry will.
+//!         Ok(Ok(stored)) => to_response(&stored).into_response(),
 //!         // Nothing committed: the layer releases the key on this 5xx.
 //!         _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
 //!     }
@@ -144,7 +148,10 @@
 //! [`fenced_out`](crate::IdempotencyStats::fenced_out) (which counts only
 //! holders whose key another request took over).
 //! The first client gets whatever the handler answered; retries get what it
-//! stored. If the handler's transaction rolls back, nothing is stored and
+//! stored. To make the two one answer, build the response once and derive
+//! the other from it: [`record_response`] makes the record of an
+//! `http::Response` (status, `Content-Type`, its headers, body) and
+//! [`to_response`] the response of a record. If the handler's transaction rolls back, nothing is stored and
 //! the rules below apply as for any handler.
 //!
 //! # After the handler
@@ -270,6 +277,11 @@
 //! ### Unreadable request body
 //! 400: reading the request body failed.
 //!
+//! ### Request not fingerprinted
+//! 400: the [`fingerprint_with`](IdempotencyLayer::fingerprint_with)
+//! function refused the request (for [`json_fingerprint`]: a body that is
+//! not JSON); nothing was reserved.
+//!
 //! ### Request in flight
 //! 409, with `Retry-After`: another request with the key is running.
 //!
@@ -289,12 +301,15 @@
 //! did not run and nothing was reserved.
 
 mod body;
+mod fingerprint;
 mod key;
 mod problem;
+mod response;
 mod service;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use http::request::Parts;
@@ -305,6 +320,8 @@ use http::{HeaderName, Method};
 use crate::IdempotencyKeys;
 use crate::{IdempotencyBackend, Reservation};
 
+pub use fingerprint::{canonical_json, json_fingerprint};
+pub use response::{record_response, to_response};
 pub use service::{IdempotencyService, ResponseFuture};
 
 // The layer hands each request's reservation to the handler through
@@ -329,6 +346,9 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// Default [`IdempotencyLayer::max_body`]: 1 MiB.
 pub const DEFAULT_MAX_BODY: usize = crate::DEFAULT_MAX_BODY;
+
+/// Default [`IdempotencyLayer::retry_after`]: 1 s.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type ClockFn = dyn Fn() -> DateTime<Utc> + Send + Sync;
@@ -358,6 +378,9 @@ pub(crate) struct Config {
     pub(crate) max_body: usize,
     pub(crate) cache_server_errors: bool,
     pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) retry_after: Duration,
+    /// `None`: [`fingerprint::exact`].
+    pub(crate) fingerprint: Option<Arc<fingerprint::FingerprintFn>>,
     pub(crate) clock: Arc<ClockFn>,
 }
 
@@ -371,6 +394,8 @@ impl Clone for Config {
             max_body: self.max_body,
             cache_server_errors: self.cache_server_errors,
             replay_headers: self.replay_headers.clone(),
+            retry_after: self.retry_after,
+            fingerprint: self.fingerprint.clone(),
             clock: self.clock.clone(),
         }
     }
@@ -385,6 +410,8 @@ impl fmt::Debug for IdempotencyLayer {
             .field("max_body", &c.max_body)
             .field("cache_server_errors", &c.cache_server_errors)
             .field("replay_headers", &c.replay_headers)
+            .field("retry_after", &c.retry_after)
+            .field("fingerprint_with", &c.fingerprint.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -400,7 +427,9 @@ impl IdempotencyLayer {
     ///
     /// Defaults: one tenant `""`; requests without a key pass through;
     /// `POST` and `PATCH` covered; 1 MiB bodies; 5xx responses not stored;
-    /// no headers replayed but `Content-Type`; the system clock.
+    /// no headers replayed but `Content-Type`; `Retry-After: 1` on a 409;
+    /// requests fingerprinted by method, path and exact body; the system
+    /// clock.
     pub fn new(keys: impl IdempotencyBackend) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -411,6 +440,8 @@ impl IdempotencyLayer {
                 max_body: DEFAULT_MAX_BODY,
                 cache_server_errors: false,
                 replay_headers: Vec::new(),
+                retry_after: DEFAULT_RETRY_AFTER,
+                fingerprint: None,
                 clock: Arc::new(Utc::now),
             }),
         }
@@ -471,6 +502,47 @@ impl IdempotencyLayer {
     pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         let names = names.into_iter().collect();
         self.with(|c| c.replay_headers = names)
+    }
+
+    /// The `Retry-After` of a **409** (the key's holder is still running):
+    /// when a retry is likely to find the answer stored, so set it near your
+    /// handlers' usual run time. It is rounded up to whole seconds (at
+    /// least 1) and capped by the holder's remaining lease.
+    ///
+    /// It is not the lease ([`IdempotencyKeys::with_lease`], default 60 s),
+    /// which bounds one handler run: only after the lease may a retry take
+    /// the key over from a holder that crashed or hangs. A retry that
+    /// honours `Retry-After` and still finds the holder running gets
+    /// another 409, and retries again. Default: [`DEFAULT_RETRY_AFTER`], 1 s.
+    #[must_use]
+    pub fn retry_after(self, after: Duration) -> Self {
+        self.with(|c| c.retry_after = after)
+    }
+
+    /// What identifies "the same request" for one key: `f` gets the
+    /// request's head and body and returns its fingerprint, stored with the
+    /// reservation; a later request with the key and another fingerprint is
+    /// answered **422**, one with the same fingerprint gets the stored
+    /// response. Choose what matters to your API: the method and path, some
+    /// headers, a canonical form or a subset of the body ([`json_fingerprint`]
+    /// compares JSON documents, whitespace and member order aside). Build it
+    /// with [`crate::fingerprint`], which keeps fields apart. An `Err` is
+    /// answered **400** with its message, nothing reserved, the handler not
+    /// run.
+    ///
+    /// Changing `f` on a live service changes the fingerprints of new
+    /// requests only: a retry of a request reserved under the old `f` may
+    /// then mismatch (422) until that key expires.
+    ///
+    /// Default: [`crate::fingerprint`] of the method, the path and query,
+    /// and the exact body bytes.
+    #[must_use]
+    pub fn fingerprint_with(
+        self,
+        f: impl Fn(&Parts, &[u8]) -> Result<String, BoxError> + Send + Sync + 'static,
+    ) -> Self {
+        let f: Arc<fingerprint::FingerprintFn> = Arc::new(f);
+        self.with(|c| c.fingerprint = Some(f))
     }
 
     /// The clock giving the `now` of `begin` and `complete` (leases, TTLs,

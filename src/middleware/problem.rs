@@ -22,6 +22,7 @@ pub(crate) enum Kind {
     NoTenant,
     BodyTooLarge,
     UnreadableBody,
+    NotFingerprinted,
     InFlight,
     KeyReused,
     StoreUnavailable,
@@ -52,6 +53,11 @@ impl Kind {
                 StatusCode::BAD_REQUEST,
                 "unreadable-request-body",
                 "Unreadable request body",
+            ),
+            Kind::NotFingerprinted => (
+                StatusCode::BAD_REQUEST,
+                "request-not-fingerprinted",
+                "Request not fingerprinted",
             ),
             Kind::InFlight => (
                 StatusCode::CONFLICT,

@@ -5,22 +5,25 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
-use http::{HeaderName, Request, Response, StatusCode};
+use http::{HeaderName, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 use parking_lot::Mutex;
 
 use super::body::{Buffered, buffer, over_max_body};
+use super::fingerprint;
 use super::key::parse_key;
 use super::problem::{Kind, full, in_flight, problem, quoted};
-use super::{BoxError, Config, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ResponseBody};
+use super::response::replay;
+use super::{BoxError, Config, IDEMPOTENCY_KEY, ResponseBody};
 use crate::observe::{self, LayerAnswer};
-use crate::{Begin, IdempotencyBackend, MAX_TENANT_LEN, Reservation, ResponseRecord, fingerprint};
+use crate::{Begin, IdempotencyBackend, MAX_TENANT_LEN, Reservation};
 
 /// The service an [`IdempotencyLayer`](super::IdempotencyLayer) wraps around
 /// `S`. `Clone` (it clones `S`), and `Send + Sync` when `S` is.
@@ -138,8 +141,19 @@ where
         observe::layer_without_runtime(&key);
         return Ok(no_runtime(&key));
     }
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let fp = fingerprint(parts.method.as_str(), path, &body);
+    let fp = match &config.fingerprint {
+        None => fingerprint::exact(&parts, &body),
+        Some(f) => match f(&parts, &body) {
+            Ok(fp) => fp,
+            Err(e) => {
+                let detail = format!(
+                    "the request could not be fingerprinted, so nothing was reserved for Idempotency-Key {}: {e}",
+                    quoted(&key)
+                );
+                return Ok(problem(Kind::NotFingerprinted, &detail, Some(&key)));
+            }
+        },
+    };
     let now = (config.clock)();
     let mut beginning = Beginning::new(config.keys.clone());
     let begin = {
@@ -160,10 +174,10 @@ where
         },
         Ok(Some(Ok(Begin::Replay(record)))) => {
             observe::layer_answered(LayerAnswer::Replay, &key);
-            return Ok(replay(record));
+            return Ok(replay(&record));
         }
         Ok(Some(Ok(Begin::InFlight { lease_until }))) => {
-            let retry_after_s = retry_after(now, lease_until);
+            let retry_after_s = retry_after(now, lease_until, config.retry_after);
             observe::layer_answered(LayerAnswer::InFlight { retry_after_s }, &key);
             return Ok(in_flight(&key, retry_after_s));
         }
@@ -530,10 +544,14 @@ fn unavailable(key: &str) -> Response<ResponseBody> {
     problem(Kind::StoreUnavailable, &detail, Some(key))
 }
 
-/// Whole seconds from `now` until `until`, rounded up, at least 1.
-fn retry_after(now: DateTime<Utc>, until: DateTime<Utc>) -> u64 {
-    let micros = (until - now).num_microseconds().unwrap_or(i64::MAX);
-    u64::try_from(micros).map_or(1, |us| us.div_ceil(1_000_000).max(1))
+/// The `Retry-After` of a 409: `after`, capped by the time from `now`
+/// until the holder's lease ends at `until`; whole seconds, rounded up, at
+/// least 1.
+fn retry_after(now: DateTime<Utc>, until: DateTime<Utc>, after: Duration) -> u64 {
+    let left = (until - now).num_microseconds().unwrap_or(i64::MAX);
+    let left = u64::try_from(left).unwrap_or(0);
+    let after = u64::try_from(after.as_micros()).unwrap_or(u64::MAX);
+    left.min(after).div_ceil(1_000_000).max(1)
 }
 
 /// The allow-listed headers of a response whose values can be stored.
@@ -547,30 +565,6 @@ fn stored_headers(headers: &http::HeaderMap, allowed: &[HeaderName]) -> Vec<(Str
         }
     }
     out
-}
-
-/// A stored response, sent again.
-fn replay(record: ResponseRecord) -> Response<ResponseBody> {
-    let mut response = Response::new(full(Bytes::from(record.response_body)));
-    *response.status_mut() =
-        StatusCode::from_u16(record.response_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
-    if let Some(v) = record
-        .content_type
-        .and_then(|ct| HeaderValue::from_str(&ct).ok())
-    {
-        headers.insert(CONTENT_TYPE, v);
-    }
-    for (name, value) in record.headers {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(&value),
-        ) {
-            headers.append(n, v);
-        }
-    }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    response
 }
 
 /// A reservation held while the handler runs. Dropped still armed (the
@@ -621,14 +615,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn retry_after_rounds_up() {
+    fn retry_after_is_the_configured_wait_capped_by_the_lease() {
         let t = |us: i64| {
             Utc.timestamp_opt(1_700_000_000, 0).unwrap() + chrono::Duration::microseconds(us)
         };
-        assert_eq!(retry_after(t(0), t(60_000_000)), 60);
-        assert_eq!(retry_after(t(0), t(59_000_001)), 60);
-        assert_eq!(retry_after(t(0), t(1)), 1);
-        assert_eq!(retry_after(t(0), t(0)), 1);
-        assert_eq!(retry_after(t(5), t(0)), 1);
+        let long = Duration::from_secs(3600);
+        assert_eq!(retry_after(t(0), t(60_000_000), long), 60);
+        assert_eq!(retry_after(t(0), t(59_000_001), long), 60);
+        assert_eq!(retry_after(t(0), t(1), long), 1);
+        assert_eq!(retry_after(t(0), t(0), long), 1);
+        assert_eq!(retry_after(t(5), t(0), long), 1);
+        // The configured value, capped by the lease left.
+        let three = Duration::from_secs(3);
+        assert_eq!(retry_after(t(0), t(60_000_000), three), 3);
+        assert_eq!(retry_after(t(0), t(2_000_000), three), 2);
+        assert_eq!(
+            retry_after(t(0), t(60_000_000), Duration::from_millis(1500)),
+            2
+        );
+        assert_eq!(retry_after(t(0), t(60_000_000), Duration::ZERO), 1);
     }
 }

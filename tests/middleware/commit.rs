@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idemstore::middleware::IdempotencyLayer;
+use idemstore::middleware::{IdempotencyLayer, to_response};
 use idemstore::{Begin, IdempotencyBackend as _, Reservation, fingerprint};
 use tower::{ServiceExt as _, service_fn};
 
@@ -42,6 +42,8 @@ const CHILD_DEADLINE: Duration = Duration::from_secs(60);
 enum Then {
     /// Answers this status with a body of its own (not the stored one).
     Answer(StatusCode),
+    /// Answers with the response it stored, through `to_response`.
+    Stored,
     Panic,
     /// Never answers (until the request is dropped).
     Hang,
@@ -75,12 +77,13 @@ async fn create_order<B: Backend>(
     app.runs.fetch_add(1, Ordering::SeqCst);
     let store = app.store.clone();
     let placed = tokio::task::spawn_blocking(move || store.place_order(&r, t(0))).await;
-    if !matches!(placed, Ok(Ok(_))) {
+    let Ok(Ok(stored)) = placed else {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
-    }
+    };
     app.committed.notify_one();
     match app.then {
         Then::Answer(status) => (status, "answered after the commit").into_response(),
+        Then::Stored => to_response(&stored).into_response(),
         Then::Panic => panic!("the handler panics after its commit"),
         Then::Hang => std::future::pending::<Response>().await,
         Then::Abort => {
@@ -228,6 +231,39 @@ pub(crate) async fn the_layer_stores_nothing_over_the_handlers_response<B: Backe
     assert_eq!((stats.completed, stats.fenced_out), (1, 0));
     // ...and retries get what the handler stored.
     assert_replayed(&store, "k-own", 0).await
+}
+
+pub(crate) async fn the_first_client_gets_the_response_retries_get<B: Backend>() -> TestResult {
+    let store = backend!(B);
+    let app = App::new(&store, Then::Stored);
+    let response = app.router(0).oneshot(order("k-same")?).await?;
+    let mut first_headers = response.headers().clone();
+    let first = reply(response).await?;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed);
+    assert_eq!(first.text(), "{\"order\":1}");
+    assert_eq!(first.location.as_deref(), Some("/orders/1"));
+
+    let retry = App::new(&store, Then::Stored)
+        .router(1)
+        .oneshot(order("k-same")?)
+        .await?;
+    let mut retry_headers = retry.headers().clone();
+    let retry = reply(retry).await?;
+    assert!(retry.replayed);
+    // The same answer, header for header, but for the replay's mark.
+    assert_eq!(
+        retry_headers
+            .remove("idempotent-replayed")
+            .as_ref()
+            .map(axum::http::HeaderValue::as_bytes),
+        Some(&b"true"[..])
+    );
+    first_headers.remove(header::CONTENT_LENGTH);
+    retry_headers.remove(header::CONTENT_LENGTH);
+    assert_eq!(retry_headers, first_headers);
+    assert_eq!((retry.status, &retry.body), (first.status, &first.body));
+    assert_replayed(&store, "k-same", 2).await
 }
 
 pub(crate) fn a_panic_after_the_commit_replays_the_stored_response_at_once<B: Backend>()
@@ -445,6 +481,7 @@ macro_rules! middleware_commit_suite {
         middleware_commit_suite!(@tokio $b;
             a_server_error_after_the_commit_replays_the_stored_response_at_once,
             the_layer_stores_nothing_over_the_handlers_response,
+            the_first_client_gets_the_response_retries_get,
             an_inner_error_after_the_commit_replays_the_stored_response_at_once,
             an_outer_error_after_the_commit_replays_the_stored_response_at_once
         );

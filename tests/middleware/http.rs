@@ -19,7 +19,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idemstore::middleware::{IdempotencyLayer, ResponseBody};
+use idemstore::middleware::{IdempotencyLayer, ResponseBody, json_fingerprint};
 use idemstore::{Begin, IdempotencyBackend, fingerprint};
 use tower::{ServiceExt as _, service_fn};
 
@@ -428,6 +428,63 @@ pub(crate) async fn cached_server_errors_are_replayed<B: Backend>() -> TestResul
     Ok(())
 }
 
+pub(crate) async fn retry_after_is_the_configured_wait_capped_by_the_lease<B: Backend>()
+-> TestResult {
+    let server = Server::start(backend!(B), |l| l.retry_after(Duration::from_secs(5))).await?;
+    let body = "{\"amount\":10}";
+    let fp = fingerprint("POST", "/payments", body.as_bytes());
+    // A holder that reserved the key at t(0), its lease ending at t(60).
+    let keys = server.keys.clone();
+    let begin = tokio::task::spawn_blocking(move || keys.begin("", "k-wait", &fp, t(0)));
+    let Begin::Proceed(_) = begin.await?? else {
+        panic!("expected to reserve");
+    };
+    for (now, want) in [(0, "5"), (50, "5"), (58, "2"), (59, "1")] {
+        server.set_clock(now);
+        let reply = server.post("k-wait", body).await?;
+        reply.assert_problem(409, Some("k-wait"));
+        assert_eq!(reply.header("retry-after"), Some(want), "at t({now})");
+        assert!(reply.text().contains(&format!("retry after {want} s")));
+    }
+    assert_eq!(server.hits(), 0);
+    Ok(())
+}
+
+pub(crate) async fn json_bodies_compare_as_documents_under_json_fingerprint<B: Backend>()
+-> TestResult {
+    let store = backend!(B);
+    let first = "{\"amount\":10,\"currency\":\"eur\"}";
+    let same = "{ \"currency\": \"eur\",\n  \"amount\": 10 }";
+    // By default the body's bytes are the request: another layout is 422.
+    let exact = Server::start(store.clone(), |l| l).await?;
+    assert_eq!(exact.post("k-json", first).await?.status, 201);
+    exact
+        .post("k-json", same)
+        .await?
+        .assert_problem(422, Some("k-json"));
+    assert_eq!(exact.hits(), 1);
+
+    let server = Server::start(store, |l| l.fingerprint_with(json_fingerprint)).await?;
+    let a = server.post("k-doc", first).await?;
+    assert_eq!((a.status, a.replayed()), (StatusCode::CREATED, false));
+    let b = server.post("k-doc", same).await?;
+    assert_eq!((b.status, b.replayed()), (StatusCode::CREATED, true));
+    assert_eq!(b.body, a.body);
+    let other = "{\"amount\":11,\"currency\":\"eur\"}";
+    server
+        .post("k-doc", other)
+        .await?
+        .assert_problem(422, Some("k-doc"));
+    // A body that is not JSON is refused before anything is reserved.
+    let rows = server.rows()?;
+    let bad = server.post("k-bad", "amount=10").await?;
+    bad.assert_problem(400, Some("k-bad"));
+    assert!(bad.text().contains("not JSON"), "{}", bad.text());
+    assert_eq!(server.rows()?, rows);
+    assert_eq!(server.hits(), 1);
+    Ok(())
+}
+
 pub(crate) async fn a_crashed_holder_is_taken_over_after_its_lease<B: Backend>() -> TestResult {
     let server = Server::start(backend!(B), |l| l).await?;
     let body = "{\"amount\":10}";
@@ -441,7 +498,8 @@ pub(crate) async fn a_crashed_holder_is_taken_over_after_its_lease<B: Backend>()
     server.set_clock(30);
     let reply = server.post("k-crash", body).await?;
     reply.assert_problem(409, Some("k-crash"));
-    assert_eq!(reply.header("retry-after"), Some("30"));
+    // The default wait, not the 30 s left on the lease.
+    assert_eq!(reply.header("retry-after"), Some("1"));
     assert_eq!(server.hits(), 0);
 
     server.set_clock(61);
@@ -666,6 +724,8 @@ macro_rules! middleware_http_suite {
             a_server_error_lets_the_retry_run,
             cached_server_errors_are_replayed,
             a_crashed_holder_is_taken_over_after_its_lease,
+            retry_after_is_the_configured_wait_capped_by_the_lease,
+            json_bodies_compare_as_documents_under_json_fingerprint,
             a_holder_past_its_lease_is_fenced_out_but_answers_its_client,
             tenants_never_see_each_others_responses,
             an_oversized_request_body_is_413_and_reserves_nothing,

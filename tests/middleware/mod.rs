@@ -102,10 +102,14 @@ pub(crate) trait Backend: Clone + Send + Sync + 'static {
     fn orders_for(&self, key: &str) -> Result<usize, Error>;
 }
 
-/// The 201 an order `id` stores.
+/// The 201 an order `id` stores: the record of the response the handler
+/// answers with.
 pub(crate) fn order_response(r: &Reservation, id: i64, now: DateTime<Utc>) -> ResponseRecord {
-    let mut response = r.response(201, format!("{{\"order\":{id}}}"), now);
-    response.content_type = Some("application/json".to_owned());
-    response.headers = vec![("location".to_owned(), format!("/orders/{id}"))];
-    response
+    let response = axum::http::Response::builder()
+        .status(201)
+        .header(axum::http::header::CONTENT_TYPE, "application/json")
+        .header(axum::http::header::LOCATION, format!("/orders/{id}"))
+        .body(format!("{{\"order\":{id}}}"))
+        .expect("a valid response");
+    idemstore::middleware::record_response(r, &response, now)
 }
