@@ -219,6 +219,10 @@
 //! - `console`: `console::Console`, the operator console's pages and
 //!   actions as an axum router over either backend (read-only unless
 //!   writes are allowed).
+//! - `testing`: `testing`, for the tests of an application built on the
+//!   store (enable it under `[dev-dependencies]`): a store in memory with a
+//!   manual clock, assertions on what was enqueued and claimed, `drain` to
+//!   run the outbox on the test's thread, and a disk that fails or panics.
 //!
 //! # Glossary
 //!
@@ -361,6 +365,9 @@ pub mod outbox;
 pub mod postgres;
 mod schema;
 mod store;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 // Crates whose types are part of the API, at the versions built against
 // (see the crate docs).

@@ -417,30 +417,49 @@ fn settle_for(
     outcome: std::thread::Result<Delivery>,
     rng: &mut Rng,
 ) -> Settlement {
-    let (reason, next_attempt_at) = match outcome {
-        Ok(Delivery::Delivered) => return Settlement::Completed,
-        Ok(Delivery::Failed { reason }) => {
+    if outcome.is_err() {
+        bump(&ctx.counters.panics, 1);
+    }
+    settlement(&ctx.retry, entry, outcome.ok(), ctx.clock.now(), || {
+        rng.unit()
+    })
+}
+
+/// How to settle `entry` after its send answered `delivery` (`None`: it
+/// panicked) at `now`, under `retry`; `unit` draws the back-off's jitter
+/// (in `[0, 1)`) when there is one. The dispatchers' rule, which
+/// `testing::drain` follows too.
+pub(crate) fn settlement(
+    retry: &RetryPolicy,
+    entry: &OutboxEntry,
+    delivery: Option<Delivery>,
+    now: DateTime<Utc>,
+    unit: impl FnOnce() -> f64,
+) -> Settlement {
+    let (reason, next_attempt_at) = match delivery {
+        Some(Delivery::Delivered) => return Settlement::Completed,
+        Some(Delivery::Failed { reason }) => {
             return Settlement::Failed {
                 reason: stored_reason(reason),
                 next_attempt_at: None,
             };
         }
-        Ok(Delivery::OutcomeUnknown { remote_ref }) => {
+        Some(Delivery::OutcomeUnknown { remote_ref }) => {
             return Settlement::OutcomeUnknown {
                 remote_ref: stored_remote_ref(remote_ref),
             };
         }
-        Ok(Delivery::Retry { reason }) => (stored_reason(reason), None),
-        Ok(Delivery::RetryAt {
+        Some(Delivery::Retry { reason }) => (stored_reason(reason), None),
+        Some(Delivery::RetryAt {
             next_attempt_at,
             reason,
         }) => (stored_reason(reason), Some(next_attempt_at)),
-        Ok(Delivery::Throttled {
+        Some(Delivery::Throttled {
             next_attempt_at,
             reason,
         }) => {
             let reason = stored_reason(reason);
-            return if entry.attempt_count >= ctx.retry.attempts() {
+            return if entry.attempt_count >= retry.attempts() {
                 out_of_attempts(reason)
             } else {
                 Settlement::Throttled {
@@ -449,13 +468,9 @@ fn settle_for(
                 }
             };
         }
-        Err(_) => {
-            bump(&ctx.counters.panics, 1);
-            (REASON_PANIC.to_owned(), None)
-        }
+        None => (REASON_PANIC.to_owned(), None),
     };
-    let now = ctx.clock.now();
-    match ctx.retry.next_attempt(entry.attempt_count, now, rng.unit()) {
+    match retry.next_attempt(entry.attempt_count, now, unit()) {
         None => out_of_attempts(reason),
         Some(backoff) => Settlement::Failed {
             reason,
