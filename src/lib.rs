@@ -346,6 +346,7 @@
 struct ReadmeDoctests;
 
 mod backend;
+mod backup;
 mod codec;
 #[cfg(feature = "console")]
 #[cfg_attr(docsrs, doc(cfg(feature = "console")))]

@@ -558,6 +558,12 @@ impl Store {
         self.engine.path()
     }
 
+    /// The engine, for what extends the store in modules of its own
+    /// ([`Store::backup`]).
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
     /// Commits made since the store was opened.
     pub fn commit_stats(&self) -> CommitStats {
         let (commits, durable_commits) = self.engine.commit_counts();

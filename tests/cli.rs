@@ -765,6 +765,78 @@ fn compact_reports_sizes() -> TestResult {
 }
 
 #[test]
+fn backup_copies_the_whole_file_beside_a_running_program() -> TestResult {
+    const ORDERS: TableDefinition<&str, u64> = TableDefinition::new("app.orders");
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("live.idem");
+    // The running program: claims with an order row each, until stopped.
+    let program = Store::builder().shared(true).open(&file)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = {
+        let (program, stop, answered) = (program.clone(), stop.clone(), answered.clone());
+        std::thread::spawn(move || -> Result<(), idemstore::Error> {
+            let inbox = program.inbox("orders")?;
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let key = format!("o-{n}");
+                let _ = inbox.claim_with(&key, Utc::now(), |tx| {
+                    tx.open_table(ORDERS)?.insert(key.as_str(), n)?;
+                    Ok::<_, idemstore::Error>(())
+                })?;
+                n += 1;
+                answered.store(n, Ordering::SeqCst);
+            }
+            Ok(())
+        })
+    };
+    while answered.load(Ordering::SeqCst) < 20 {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let before = answered.load(Ordering::SeqCst);
+    let copy = dir.path().join("copy.idem");
+    let v = json(&["backup", s(&file), "--to", s(&copy)])?;
+    stop.store(true, Ordering::SeqCst);
+    writer.join().expect("the writer thread")?;
+    assert_eq!(v["bytes"].as_u64(), Some(std::fs::metadata(&copy)?.len()));
+
+    // The copy holds the program's own table with the store's, one commit.
+    let backup = Store::open(&copy)?;
+    let claims = backup.inbox("orders")?.len()?;
+    let orders = backup.read(|tx| {
+        use idemstore::redb::ReadableTableMetadata as _;
+        Ok::<_, idemstore::Error>(
+            tx.open_table(ORDERS)
+                .map_err(idemstore::Error::from)?
+                .len()?,
+        )
+    })?;
+    assert_eq!(claims, orders);
+    assert!(
+        claims >= before,
+        "{claims} claims in the copy, {before} answered before"
+    );
+    drop(backup);
+    ok(&["check", s(&copy)])?;
+
+    // Never over an existing file; and a file held alone is refused.
+    let o = run(&["backup", s(&file), "--to", s(&copy)])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("exists"), "{}", stderr(&o));
+    drop(program);
+    let alone = Store::open(&file)?;
+    let o = run(&[
+        "backup",
+        s(&file),
+        "--to",
+        s(&dir.path().join("other.idem")),
+    ])?;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    drop(alone);
+    Ok(())
+}
+
+#[test]
 fn a_reader_that_stops_early_ends_the_command_quietly() -> TestResult {
     // `idemstore export … | head -1`: the reader goes away after a line.
     let dir = tempfile::tempdir()?;

@@ -13,15 +13,24 @@ use crate::output::{
     when_opt,
 };
 use crate::target::Target;
-use crate::{Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open_alone};
+use crate::{
+    Cli, Command, Failure, InboxCommand, KeysCommand, OutboxCommand, Outcome, open, open_alone,
+};
 
 /// Runs the command `cli` names.
 pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
     let json = cli.json;
     let schema = cli.schema.as_deref();
-    if schema.is_some() && matches!(cli.command, Command::Compact { .. }) {
+    if schema.is_some()
+        && matches!(
+            cli.command,
+            Command::Compact { .. } | Command::Backup { .. }
+        )
+    {
         return Err(Failure(
-            "--schema names a PostgreSQL store's schema: compact works on store files".into(),
+            "--schema names a PostgreSQL store's schema: compact and backup work on store files \
+             (back a PostgreSQL store up with pg_dump)"
+                .into(),
         ));
     }
     match &cli.command {
@@ -87,6 +96,7 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
             token_file: token_file.as_deref(),
         }),
         Command::Compact { file } => compact(file.file("compact")?, json),
+        Command::Backup { file, to } => backup(file.file("backup")?, to, json),
         Command::Check { store } => check(store, schema, json),
         Command::Export { store, .. } => crate::export::export(&open_store(store, schema)?),
         Command::Migrate {
@@ -624,6 +634,27 @@ fn keys_list(
     }
     out!("{} keys", rows.len());
     Ok(Outcome::Ok)
+}
+
+/// Copies the whole file, as one moment of it, beside the processes that
+/// have it open shared.
+fn backup(file: &Path, to: &Path, json: bool) -> Result<Outcome, Failure> {
+    let store = open(file)?;
+    let pb = spinner("copying");
+    let len = store.backup(to)?;
+    pb.finish_and_clear();
+    report(
+        json,
+        &json!({"file": file.display().to_string(), "to": to.display().to_string(), "bytes": len}),
+        || {
+            format!(
+                "copied {} to {} ({})",
+                file.display(),
+                to.display(),
+                bytes(len)
+            )
+        },
+    )
 }
 
 /// Compacts the file with no other process beside it: redb refuses to

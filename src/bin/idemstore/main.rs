@@ -128,6 +128,22 @@ pub(crate) enum Command {
         #[arg(long, value_name = "FILE")]
         token_file: Option<PathBuf>,
     },
+    /// Copy the whole store file, every table in it (the program's own
+    /// included), as one moment of the store, beside a running program that
+    /// opened it shared.
+    ///
+    /// The program's writes wait while the file is copied. The copy is
+    /// written under a temporary name and renamed to TO, which must not
+    /// exist. A program that holds the file alone (the default) makes its
+    /// own backups with `Store::backup`.
+    Backup {
+        /// The store file.
+        #[arg(value_name = "FILE", value_parser = Target::parse)]
+        file: Target,
+        /// Where the copy goes: a new file.
+        #[arg(long, value_name = "TO")]
+        to: PathBuf,
+    },
     /// Rewrite the file to return free space to the file system.
     ///
     /// Needs the file to itself: stop every program that has it open first.
@@ -143,12 +159,14 @@ pub(crate) enum Command {
         #[arg(value_name = "STORE", value_parser = Target::parse)]
         store: Target,
     },
-    /// Write every record as JSON lines on stdout (payloads and bodies in
-    /// base64), for backups and debugging.
+    /// Write the store's own records as JSON lines on stdout (inbox keys,
+    /// outbox entries, idempotency records; payloads and bodies in base64),
+    /// for inspection, debugging and moving data.
     ///
-    /// Records are read a thousand at a time: beside a running program, what
-    /// it writes meanwhile may or may not be in the export. For a backup
-    /// that is one moment of the store, stop the program first.
+    /// It holds the store's records only, not the program's own tables in
+    /// the same file (use `backup` for the whole file). Records are read a
+    /// thousand at a time: beside a running program, what it writes
+    /// meanwhile may or may not be in the export.
     Export {
         /// The store: a file, or a PostgreSQL connection string.
         #[arg(value_name = "STORE", value_parser = Target::parse)]
