@@ -215,6 +215,9 @@
 //!   facade crates (see [Observability](#observability)).
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
 //!   keys on a PostgreSQL server, for programs that outgrow one machine.
+//! - `postgres-tls`: TLS for `postgres`: the connection string's `sslmode`
+//!   (`disable` … `verify-full`) and `sslrootcert`, as libpq reads them,
+//!   through rustls (see `postgres`'s "TLS").
 //! - `cli`: the `idemstore` operator binary (the repository's `docs/cli.md`).
 //! - `console`: `console::Console`, the operator console's pages and
 //!   actions as an axum router over either backend (read-only unless

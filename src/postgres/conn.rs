@@ -69,6 +69,8 @@ use tokio::runtime::Handle;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Config, GenericClient, NoTls, Row, Statement};
 
+use super::tls::{Address, Tls};
+
 use crate::error::{Error, Result};
 
 /// How many times a call runs at most, the first time included.
@@ -284,35 +286,47 @@ pub(super) fn bounded_config(config: &Config) -> Config {
 /// connection outlives the runtime of the call that opened it.
 #[derive(Debug)]
 pub(super) struct Manager {
-    config: Config,
+    address: Address,
     rt: Handle,
     epoch: Arc<AtomicU64>,
 }
 
 impl Manager {
-    pub(super) fn new(config: &Config, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
+    pub(super) fn new(address: &Address, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
         Manager {
-            config: bounded_config(config),
+            address: Address {
+                config: bounded_config(&address.config),
+                tls: address.tls.clone(),
+            },
             rt,
             epoch,
         }
     }
 }
 
-/// Opens a connection to `config` on `rt`, which then drives it until it
+/// Opens a connection to `address` on `rt`, which then drives it until it
 /// closes (the client dropped, the server gone).
-pub(super) async fn connect(config: &Config, rt: &Handle) -> Result<Client> {
-    let config = config.clone();
+pub(super) async fn connect(address: &Address, rt: &Handle) -> Result<Client> {
+    let Address { config, tls } = address.clone();
     let opened = rt.spawn(async move {
-        let (client, connection) = config.connect(NoTls).await?;
-        tokio::spawn(async move {
-            // Its end is seen by the calls that use the client.
-            let _ = connection.await;
-        });
+        let client = match tls {
+            Tls::Plain => {
+                let (client, connection) = config.connect(NoTls).await?;
+                // Its end is seen by the calls that use the client.
+                tokio::spawn(async move { drop(connection.await) });
+                client
+            }
+            #[cfg(feature = "postgres-tls")]
+            Tls::Rustls(tls) => {
+                let (client, connection) = config.connect(tls).await?;
+                tokio::spawn(async move { drop(connection.await) });
+                client
+            }
+        };
         Ok::<_, tokio_postgres::Error>(client)
     });
     match opened.await {
-        Ok(client) => Ok(client?),
+        Ok(client) => client.map_err(|e| super::tls::explained(e.into())),
         // The store's runtime is shutting down: the store is closing.
         Err(_) => Err(Error::Closed),
     }
@@ -325,7 +339,7 @@ impl deadpool::managed::Manager for Manager {
     async fn create(&self) -> Result<PgConn> {
         let epoch = self.epoch.load(Ordering::Acquire);
         Ok(PgConn {
-            client: connect(&self.config, &self.rt).await?,
+            client: connect(&self.address, &self.rt).await?,
             stmts: Stmts::default(),
             epoch,
             committing: false,

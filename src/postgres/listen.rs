@@ -27,11 +27,13 @@ use std::sync::Weak;
 use std::task::Poll;
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{AsyncMessage, Config, Connection, NoTls};
+use tokio_postgres::{AsyncMessage, Connection, NoTls};
 
 use super::conn::bounded_config;
+use super::tls::{Address, Tls};
 use crate::outbox::Notifier;
 
 /// How long the listener waits for a notification before it checks that
@@ -41,8 +43,12 @@ const TICK: Duration = Duration::from_secs(1);
 const RETRY: Duration = Duration::from_secs(1);
 
 /// Starts the listening task for `channel` on the store's runtime `rt`.
-pub(super) fn start(rt: &Handle, config: Config, channel: String, notifier: Weak<Notifier>) {
-    rt.spawn(async move { run(&bounded_config(&config), &channel, &notifier).await });
+pub(super) fn start(rt: &Handle, address: &Address, channel: String, notifier: Weak<Notifier>) {
+    let address = Address {
+        config: bounded_config(&address.config),
+        tls: address.tls.clone(),
+    };
+    rt.spawn(async move { run(&address, &channel, &notifier).await });
 }
 
 /// What a listening session ended with.
@@ -55,9 +61,20 @@ enum Ended {
     Unsupported,
 }
 
-async fn run(config: &Config, channel: &str, notifier: &Weak<Notifier>) {
+async fn run(address: &Address, channel: &str, notifier: &Weak<Notifier>) {
     loop {
-        match session(config, channel, notifier).await {
+        let ended = match &address.tls {
+            Tls::Plain => match address.config.connect(NoTls).await {
+                Ok((client, connection)) => session(client, connection, channel, notifier).await,
+                Err(_) => Ended::Failed,
+            },
+            #[cfg(feature = "postgres-tls")]
+            Tls::Rustls(tls) => match address.config.connect(tls.clone()).await {
+                Ok((client, connection)) => session(client, connection, channel, notifier).await,
+                Err(_) => Ended::Failed,
+            },
+        };
+        match ended {
             Ended::StoreGone => return,
             Ended::Failed => {
                 if notifier.strong_count() == 0 {
@@ -87,15 +104,17 @@ async fn poll(notifier: &Weak<Notifier>) {
     }
 }
 
-/// The listening connection, as this task drives it.
-type Listening = Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>;
+/// The listening connection, as this task drives it: plain or TLS.
+type Listening<T> = Connection<tokio_postgres::Socket, T>;
 
-/// One connection: `LISTEN`, then relay notifications until it fails or
-/// the store is gone.
-async fn session(config: &Config, channel: &str, notifier: &Weak<Notifier>) -> Ended {
-    let Ok((client, mut connection)) = config.connect(NoTls).await else {
-        return Ended::Failed;
-    };
+/// One connection, just opened: `LISTEN`, then relay notifications until
+/// it fails or the store is gone.
+async fn session<T: AsyncRead + AsyncWrite + Unpin>(
+    client: tokio_postgres::Client,
+    mut connection: Listening<T>,
+    channel: &str,
+    notifier: &Weak<Notifier>,
+) -> Ended {
     // The channel is `<schema>_outbox`, a checked identifier.
     let listen = format!("LISTEN {channel}");
     match while_driving(&mut connection, client.batch_execute(&listen)).await {
@@ -117,8 +136,8 @@ async fn session(config: &Config, channel: &str, notifier: &Weak<Notifier>) -> E
 
 /// Awaits `request` while driving `connection`, which carries it to the
 /// server and its answer back; `None` if the connection ended first.
-async fn while_driving<T>(
-    connection: &mut Listening,
+async fn while_driving<S: AsyncRead + AsyncWrite + Unpin, T>(
+    connection: &mut Listening<S>,
     request: impl Future<Output = T>,
 ) -> Option<T> {
     let mut request = pin!(request);
@@ -143,7 +162,10 @@ async fn while_driving<T>(
 
 /// Relays the notifications `connection` receives, checking every
 /// [`TICK`] that the store is still there.
-async fn relay(connection: &mut Listening, notifier: &Weak<Notifier>) -> Ended {
+async fn relay<T: AsyncRead + AsyncWrite + Unpin>(
+    connection: &mut Listening<T>,
+    notifier: &Weak<Notifier>,
+) -> Ended {
     loop {
         let message = poll_fn(|cx| connection.poll_message(cx));
         match tokio::time::timeout(TICK, message).await {

@@ -133,6 +133,39 @@
 //!   proportional to the rows, for inspection and monitoring at a modest
 //!   rate.
 //!
+//! # TLS
+//!
+//! The connection string's `sslmode` and `sslrootcert` are honoured as
+//! libpq honours them, on every connection of the store (the pool's and
+//! the outbox's listening one), with the feature `postgres-tls` (rustls,
+//! pure Rust: nothing to install):
+//!
+//! | `sslmode` | TLS | the server's certificate |
+//! |---|---|---|
+//! | `disable` | never | — |
+//! | `allow`, `prefer` (the default) | when the server offers it, else plain | not checked |
+//! | `require` | always | not checked; with `sslrootcert`, checked as `verify-ca` |
+//! | `verify-ca` | always | signed by a root of `sslrootcert` |
+//! | `verify-full` | always | signed by a root, and naming the host |
+//!
+//! `sslrootcert` is a PEM file of one or more roots (a managed server's CA
+//! bundle); without it, or with `sslrootcert=system`, the roots are the
+//! Mozilla set compiled in (`webpki-roots`). A refused certificate fails
+//! the connect with [`Error::Postgres`] saying why (not signed by a root,
+//! or not naming the host). Client certificates (`sslcert`, `sslkey`) are
+//! refused as [`Error::InvalidInput`]; a unix-socket host is always plain.
+//! Without the feature, a connection string asking for TLS (`require`,
+//! `verify-*`, `sslrootcert`) is refused as [`Error::InvalidInput`] naming
+//! the feature, and `prefer` connects in plain.
+//!
+//! ```no_run
+//! # use idemstore::postgres::PgStore;
+//! let store = PgStore::connect(
+//!     "host=db.example.com user=app dbname=app sslmode=verify-full sslrootcert=/etc/app/db-ca.pem",
+//! )?;
+//! # Ok::<_, idemstore::Error>(())
+//! ```
+//!
 //! # Layout
 //!
 //! Everything lives in one schema (default [`DEFAULT_SCHEMA`]), created and
@@ -151,6 +184,7 @@ mod inbox;
 mod listen;
 mod outbox;
 mod schema;
+mod tls;
 mod transaction;
 
 use std::cell::{Cell, RefCell};
@@ -162,7 +196,6 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use tokio::runtime::{Handle, Runtime};
-use tokio_postgres::Config;
 
 use self::blocking::wait;
 use self::conn::{Conn, Manager, Mode, Params, PgConn, Pool};
@@ -241,8 +274,9 @@ pub(crate) struct Server {
     /// `Drop`, which shuts it down.
     _rt: OwnRuntime,
     handle: Handle,
-    /// The server's address, for the outbox's listening connection.
-    config: Config,
+    /// The server's address and TLS, for the outbox's listening
+    /// connection.
+    address: tls::Address,
     schema: String,
     max_body: usize,
     /// Longest wait for a pooled connection.
@@ -648,8 +682,10 @@ impl PgStoreBuilder {
     /// version of this crate is [`Error::IncompatibleFormat`]; an
     /// unreachable server is [`Error::Postgres`].
     ///
-    /// Connections are plain (no TLS): use a unix socket or a trusted
-    /// network. Starts the store's runtime (one thread, `idemstore-pg`),
+    /// `sslmode` and `sslrootcert` say how connections are secured (TLS
+    /// needs the feature `postgres-tls`; see [TLS](self#tls)); a connection
+    /// string that asks for TLS in a build without it, or that is malformed,
+    /// is [`Error::InvalidInput`]. Starts the store's runtime (one thread, `idemstore-pg`),
     /// which drives its connections until the store's last handle is
     /// dropped.
     pub fn connect(self, url: &str) -> Result<PgStore> {
@@ -659,24 +695,22 @@ impl PgStoreBuilder {
     /// [`PgStoreBuilder::connect`], awaited.
     pub async fn connect_async(self, url: &str) -> Result<PgStore> {
         schema::check_schema_name(&self.schema)?;
-        let mut config: Config = url.parse().map_err(|e: tokio_postgres::Error| {
-            Error::invalid("connection string", e.to_string())
-        })?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(self.connection_timeout);
+        let mut address = tls::address(url)?;
+        if address.config.get_connect_timeout().is_none() {
+            address.config.connect_timeout(self.connection_timeout);
         }
         let rt = OwnRuntime::start()?;
         let handle = rt.handle();
         // Migrations run on a connection of their own, so that an
         // unreachable server answers with its own error at once.
-        let mut client = conn::connect(&config, &handle).await?;
+        let mut client = conn::connect(&address, &handle).await?;
         schema::check_not_keyword(&client, &self.schema).await?;
         schema::migrate(&mut client, &self.schema).await?;
         drop(client);
         let epoch = Arc::new(AtomicU64::new(0));
         // No test on checkout: it would cost a round trip per call. A dead
         // connection is noticed by the call that uses it (`conn.rs`).
-        let pool = Pool::builder(Manager::new(&config, handle.clone(), epoch.clone()))
+        let pool = Pool::builder(Manager::new(&address, handle.clone(), epoch.clone()))
             .max_size(usize::try_from(self.pool_size).unwrap_or(usize::MAX))
             .build()
             .map_err(|e| errors::pool(&e.to_string()))?;
@@ -684,7 +718,7 @@ impl PgStoreBuilder {
             pool,
             _rt: rt,
             handle,
-            config,
+            address,
             schema: self.schema,
             max_body: self.max_body,
             timeout: self.connection_timeout,

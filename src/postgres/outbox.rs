@@ -542,7 +542,7 @@ impl PgOutbox {
         if !*listening {
             listen::start(
                 &self.server.handle,
-                self.server.config.clone(),
+                &self.server.address,
                 schema::channel(&self.server.schema),
                 Arc::downgrade(&self.wake.notifier),
             );
