@@ -257,16 +257,22 @@ mod verify {
             .with_safe_default_protocol_versions()
             .map_err(|e| tls_error(&e))?;
         let verifier: Arc<dyn ServerCertVerifier> = match check {
-            Check::Nothing => Arc::new(Unchecked(provider)),
+            Check::Nothing => Arc::new(Lenient {
+                chain: None,
+                provider,
+            }),
             Check::Chain | Check::ChainAndName => {
                 let roots = Arc::new(roots(root)?);
-                let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
+                let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
                     .build()
                     .map_err(|e| {
                         Error::invalid("connection string", format!("sslrootcert: {e}"))
                     })?;
                 if check == Check::Chain {
-                    Arc::new(AnyName(webpki))
+                    Arc::new(Lenient {
+                        chain: Some(webpki),
+                        provider,
+                    })
                 } else {
                     webpki
                 }
@@ -309,11 +315,17 @@ mod verify {
         Ok(store)
     }
 
-    /// Checks the chain and takes any name: `verify-ca`.
+    /// The certificate checks of `verify-ca` (`chain`: the chain, any
+    /// name) and of `prefer` and `require` without `sslrootcert` (`None`:
+    /// none, as in libpq). Either way the handshake's signatures are
+    /// checked, so the session is with the certificate's key holder.
     #[derive(Debug)]
-    struct AnyName(Arc<WebPkiServerVerifier>);
+    struct Lenient {
+        chain: Option<Arc<WebPkiServerVerifier>>,
+        provider: Arc<CryptoProvider>,
+    }
 
-    impl ServerCertVerifier for AnyName {
+    impl ServerCertVerifier for Lenient {
         fn verify_server_cert(
             &self,
             end_entity: &CertificateDer<'_>,
@@ -322,7 +334,10 @@ mod verify {
             ocsp_response: &[u8],
             now: UnixTime,
         ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-            match self.0.verify_server_cert(
+            let Some(chain) = &self.chain else {
+                return Ok(ServerCertVerified::assertion());
+            };
+            match chain.verify_server_cert(
                 end_entity,
                 intermediates,
                 server_name,
@@ -345,52 +360,11 @@ mod verify {
             cert: &CertificateDer<'_>,
             dss: &DigitallySignedStruct,
         ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            self.0.verify_tls12_signature(message, cert, dss)
-        }
-
-        fn verify_tls13_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            self.0.verify_tls13_signature(message, cert, dss)
-        }
-
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.0.supported_verify_schemes()
-        }
-    }
-
-    /// Takes any certificate (the handshake's signatures are still
-    /// checked, so the session is with the certificate's key holder):
-    /// `prefer` and `require` without `sslrootcert`, as in libpq.
-    #[derive(Debug)]
-    struct Unchecked(Arc<CryptoProvider>);
-
-    impl ServerCertVerifier for Unchecked {
-        fn verify_server_cert(
-            &self,
-            _end_entity: &CertificateDer<'_>,
-            _intermediates: &[CertificateDer<'_>],
-            _server_name: &ServerName<'_>,
-            _ocsp_response: &[u8],
-            _now: UnixTime,
-        ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-
-        fn verify_tls12_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
             verify_tls12_signature(
                 message,
                 cert,
                 dss,
-                &self.0.signature_verification_algorithms,
+                &self.provider.signature_verification_algorithms,
             )
         }
 
@@ -404,12 +378,14 @@ mod verify {
                 message,
                 cert,
                 dss,
-                &self.0.signature_verification_algorithms,
+                &self.provider.signature_verification_algorithms,
             )
         }
 
         fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.0.signature_verification_algorithms.supported_schemes()
+            self.provider
+                .signature_verification_algorithms
+                .supported_schemes()
         }
     }
 }
