@@ -294,10 +294,7 @@ pub(super) struct Manager {
 impl Manager {
     pub(super) fn new(address: &Address, rt: Handle, epoch: Arc<AtomicU64>) -> Manager {
         Manager {
-            address: Address {
-                config: bounded_config(&address.config),
-                tls: address.tls.clone(),
-            },
+            address: address.bounded(),
             rt,
             epoch,
         }

@@ -19,7 +19,7 @@
 //! half-open, for the operating system's default keepalive (about two
 //! hours) while no wake-up arrives. Like every connection of the store it
 //! therefore probes a silent peer and gives up on it within about a minute
-//! ([`bounded_config`]), and the task reconnects.
+//! ([`bounded_config`](super::conn::bounded_config)), and the task reconnects.
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
@@ -32,7 +32,6 @@ use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Connection, NoTls};
 
-use super::conn::bounded_config;
 use super::tls::{Address, Tls};
 use crate::outbox::Notifier;
 
@@ -44,10 +43,7 @@ const RETRY: Duration = Duration::from_secs(1);
 
 /// Starts the listening task for `channel` on the store's runtime `rt`.
 pub(super) fn start(rt: &Handle, address: &Address, channel: String, notifier: Weak<Notifier>) {
-    let address = Address {
-        config: bounded_config(&address.config),
-        tls: address.tls.clone(),
-    };
+    let address = address.bounded();
     rt.spawn(async move { run(&address, &channel, &notifier).await });
 }
 

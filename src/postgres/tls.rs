@@ -15,6 +15,7 @@
 
 use tokio_postgres::Config;
 
+use super::conn::bounded_config;
 use crate::error::{Error, Result};
 
 /// A server's address, with how to secure the connections to it.
@@ -23,6 +24,17 @@ pub(crate) struct Address {
     /// The connection string, less what `tokio-postgres` does not take.
     pub(super) config: Config,
     pub(super) tls: Tls,
+}
+
+impl Address {
+    /// The same address, its connections bounded as every connection of
+    /// the store is ([`bounded_config`]).
+    pub(super) fn bounded(&self) -> Address {
+        Address {
+            config: bounded_config(&self.config),
+            tls: self.tls.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Address {

@@ -210,14 +210,7 @@ fn listing(outbox: &Outbox) -> String {
 /// If it was not, or the store fails.
 #[track_caller]
 pub fn assert_claimed(inbox: &Inbox, event_key: &str) {
-    match inbox.seen(event_key) {
-        Ok(true) => {}
-        Ok(false) => panic!(
-            "event {event_key:?} was not claimed in inbox {:?}",
-            inbox.name()
-        ),
-        Err(e) => panic!("the inbox could not be read: {e}"),
-    }
+    assert_seen(inbox, event_key, true);
 }
 
 /// Panics if `event_key` was claimed in `inbox`.
@@ -227,10 +220,16 @@ pub fn assert_claimed(inbox: &Inbox, event_key: &str) {
 /// If it was, or the store fails.
 #[track_caller]
 pub fn assert_not_claimed(inbox: &Inbox, event_key: &str) {
+    assert_seen(inbox, event_key, false);
+}
+
+#[track_caller]
+fn assert_seen(inbox: &Inbox, event_key: &str, want: bool) {
     match inbox.seen(event_key) {
-        Ok(false) => {}
-        Ok(true) => panic!(
-            "event {event_key:?} was claimed in inbox {:?}",
+        Ok(seen) => assert!(
+            seen == want,
+            "event {event_key:?} was {}claimed in inbox {:?}",
+            if seen { "" } else { "not " },
             inbox.name()
         ),
         Err(e) => panic!("the inbox could not be read: {e}"),
