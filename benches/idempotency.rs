@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeZone, Utc};
 use criterion::{Criterion, criterion_group, criterion_main};
-use idemstore::redb::{self, ReadableDatabase as _, TableDefinition};
+use idemstore::redb::{self, ReadableDatabase as _, ReadableTable as _, TableDefinition};
 use idemstore::{Begin, IdempotencyKeys, ResponseRecord, Store, fingerprint};
 
 const RAW: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("raw");

@@ -537,8 +537,10 @@ impl Store {
     /// all other calls on this store to finish and blocks them meanwhile.
     /// Returns whether anything was compacted.
     pub fn compact(&self) -> Result<bool> {
-        self.engine
-            .exclusive(|db| db.compact().map_err(Error::from))
+        self.engine.exclusive(|db| {
+            db.compact(redb::CompactionMode::Balanced)
+                .map_err(Error::from)
+        })
     }
 
     /// Runs redb's integrity check over the whole file (checksums of every

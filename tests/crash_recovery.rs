@@ -17,7 +17,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::t;
-use idemstore::redb::TableDefinition;
+use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Begin, Error, Result, Store};
 
 const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");

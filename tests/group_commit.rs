@@ -8,7 +8,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Barrier};
 
 use common::{FaultyDisk, t};
-use idemstore::redb::TableDefinition;
+use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Claim, Durability, Error, Result, Store};
 use parking_lot::Mutex;
 

@@ -5,7 +5,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use idemstore::redb::TableDefinition;
+use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Begin, Error, IdempotencyKeys, Reservation, Result, Store, fingerprint};
 
 const APP: TableDefinition<&str, u64> = TableDefinition::new("app.orders");

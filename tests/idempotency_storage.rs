@@ -2,7 +2,9 @@
 //! first write wins, damaged records and the row/index invariant.
 
 use chrono::{DateTime, TimeZone, Utc};
-use idemstore::redb::{ReadableTableMetadata as _, TableDefinition, TableError};
+use idemstore::redb::{
+    ReadableTable as _, ReadableTableMetadata as _, TableDefinition, TableError,
+};
 use idemstore::{
     Begin, Error, IdempotencyKeys, KeyState, Reservation, ResponseRecord, Result, Store,
     fingerprint,

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::{FaultyDisk, eventually};
-use idemstore::redb::TableDefinition;
+use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Error, Result, Store};
 
 const ROWS: TableDefinition<&str, u64> = TableDefinition::new("app.rows");

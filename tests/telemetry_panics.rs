@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::t;
-use idemstore::redb::TableDefinition;
+use idemstore::redb::{ReadableTable as _, TableDefinition};
 use idemstore::{Begin, Claim, Enqueued, Error, NewEntry, OutboxId, OutboxStatus, Result, Store};
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,

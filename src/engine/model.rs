@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize
 use std::time::Duration;
 
 use redb::backends::InMemoryBackend;
-use redb::{ReadableTable, StorageBackend, TableDefinition};
+use redb::{BackendError, ReadableTable, StorageBackend, TableDefinition};
 
 use super::{Durability, Engine, EngineConfig, after_commit};
 use crate::error::{Error, Result};
@@ -74,23 +74,23 @@ struct Disk {
 }
 
 impl StorageBackend for Disk {
-    fn len(&self) -> io::Result<u64> {
+    fn len(&self) -> Result<u64, BackendError> {
         self.inner.len()
     }
-    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
         self.inner.read(offset, out)
     }
-    fn set_len(&self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> Result<(), BackendError> {
         self.inner.set_len(len)
     }
-    fn sync_data(&self) -> io::Result<()> {
+    fn sync_data(&self) -> Result<(), BackendError> {
         let n = self.syncs.fetch_add(1, Ordering::SeqCst) + 1;
         if n == self.fail_at.load(Ordering::SeqCst) {
             return Err(io::Error::other("injected sync failure"));
         }
         self.inner.sync_data()
     }
-    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
         self.inner.write(offset, data)
     }
 }

@@ -123,7 +123,7 @@ pub(super) fn list_after_in(
         None => Bound::Unbounded,
     };
     let mut out = Vec::new();
-    for entry in rows.range::<(&str, &str)>((start, Bound::Unbounded))? {
+    for entry in rows.range((start, Bound::Unbounded))? {
         if out.len() >= limit {
             break;
         }

@@ -170,7 +170,7 @@ mod tasks;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use redb::{ReadTransaction, TableHandle as _, WriteTransaction};
+use redb::{ReadTransaction, ReadableTable as _, TableHandle as _, WriteTransaction};
 
 use crate::codec::{from_micros, micros};
 use crate::engine::{Engine, after_commit};

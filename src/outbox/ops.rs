@@ -11,9 +11,7 @@
 //! which check everything before they write: their `Err` wrote nothing
 //! even if the caller goes on to commit.
 
-use std::ops::RangeBounds;
-
-use redb::{ReadableTable, TableHandle as _, WriteTransaction};
+use redb::{KeyRange, ReadableTable, TableHandle as _, WriteTransaction};
 
 use super::destinations::{Allowance, ClaimRequest, ONE_DESTINATION_LOOKS};
 use super::index::{Tables, TimeIndex, index_mismatch, next_id};
@@ -342,7 +340,7 @@ pub(super) fn purge_finished(
 /// and whether the range holds more.
 fn first_ids(
     index: &TimeIndex<'_>,
-    range: impl RangeBounds<(i64, u64)> + 'static,
+    range: impl KeyRange<(i64, u64)>,
     limit: usize,
 ) -> Result<(Vec<u64>, bool)> {
     let mut ids = index_ids(index, range, limit.saturating_add(1))?;
@@ -354,7 +352,7 @@ fn first_ids(
 /// The ids of the first `limit` rows of a `(time, id)` index in `range`.
 fn index_ids(
     index: &TimeIndex<'_>,
-    range: impl RangeBounds<(i64, u64)> + 'static,
+    range: impl KeyRange<(i64, u64)>,
     limit: usize,
 ) -> Result<Vec<u64>> {
     let ids = index

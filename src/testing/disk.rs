@@ -6,7 +6,7 @@ use std::io;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use redb::StorageBackend;
+use redb::{BackendError, StorageBackend};
 
 /// What goes wrong on a [`FaultyDisk`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -167,11 +167,11 @@ fn out_of_range(what: &str) -> io::Error {
 }
 
 impl StorageBackend for FaultyDisk {
-    fn len(&self) -> io::Result<u64> {
+    fn len(&self) -> Result<u64, BackendError> {
         Ok(self.inner.lock().bytes.len() as u64)
     }
 
-    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
         let d = self.inner.lock();
         let start = usize::try_from(offset).map_err(|_| out_of_range("offset"))?;
         let src = start
@@ -182,18 +182,18 @@ impl StorageBackend for FaultyDisk {
         Ok(())
     }
 
-    fn set_len(&self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> Result<(), BackendError> {
         self.count(false)?;
         let len = usize::try_from(len).map_err(|_| out_of_range("length"))?;
         self.inner.lock().bytes.resize(len, 0);
         Ok(())
     }
 
-    fn sync_data(&self) -> io::Result<()> {
-        self.count(true)
+    fn sync_data(&self) -> Result<(), BackendError> {
+        Ok(self.count(true)?)
     }
 
-    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
         self.count(false)?;
         let mut d = self.inner.lock();
         let start = usize::try_from(offset).map_err(|_| out_of_range("offset"))?;
@@ -209,7 +209,7 @@ impl StorageBackend for FaultyDisk {
         Ok(())
     }
 
-    fn close(&self) -> io::Result<()> {
+    fn close(&self) -> Result<(), BackendError> {
         Ok(())
     }
 }

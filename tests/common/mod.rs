@@ -380,35 +380,32 @@ fn power_lost() -> io::Error {
 }
 
 impl StorageBackend for FaultyBackend {
-    fn len(&self) -> io::Result<u64> {
+    fn len(&self) -> Result<u64, BackendError> {
         let d = self.0.0.lock();
         if d.dead {
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         Ok(d.live.len() as u64)
     }
 
-    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
         let d = self.0.0.lock();
         if d.dead {
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         let start = usize::try_from(offset).unwrap();
         let end = start + out.len();
         if end > d.live.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "read past end",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end").into());
         }
         out.copy_from_slice(&d.live[start..end]);
         Ok(())
     }
 
-    fn set_len(&self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> Result<(), BackendError> {
         let mut d = self.0.0.lock();
         if d.dead {
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         let len = usize::try_from(len).unwrap();
         d.live.resize(len, 0);
@@ -416,23 +413,23 @@ impl StorageBackend for FaultyBackend {
         Ok(())
     }
 
-    fn sync_data(&self) -> io::Result<()> {
+    fn sync_data(&self) -> Result<(), BackendError> {
         // Outside the disk's lock: reads and writes go on meanwhile.
         let gate = self.0.0.lock().gate.clone();
         gate.pass();
         let mut d = self.0.0.lock();
         if d.dead {
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         let n = d.syncs + 1;
         if d.lose_power_at_sync == Some(n) {
             d.dead = true;
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         if d.fail_sync == Some(n) {
             d.fail_sync = None;
             d.syncs = n;
-            return Err(io::Error::other("injected sync failure"));
+            return Err(io::Error::other("injected sync failure").into());
         }
         if d.panic_sync == Some(n) {
             d.panic_sync = None;
@@ -447,16 +444,16 @@ impl StorageBackend for FaultyBackend {
         Ok(())
     }
 
-    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
         let mut d = self.0.0.lock();
         if d.dead {
-            return Err(power_lost());
+            return Err(power_lost().into());
         }
         let n = d.writes + 1;
         d.writes = n;
         if d.fail_write == Some(n) {
             d.fail_write = None;
-            return Err(io::Error::other("injected write failure"));
+            return Err(io::Error::other("injected write failure").into());
         }
         let start = usize::try_from(offset).unwrap();
         let end = start + data.len();

@@ -6,7 +6,7 @@
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use idemstore::redb::StorageBackend;
+use idemstore::redb::{BackendError, StorageBackend};
 
 /// The file's bytes, shared by every clone.
 #[derive(Debug, Clone, Default)]
@@ -25,11 +25,11 @@ impl MemoryFile {
 }
 
 impl StorageBackend for MemoryFile {
-    fn len(&self) -> io::Result<u64> {
+    fn len(&self) -> Result<u64, BackendError> {
         Ok(self.bytes().len() as u64)
     }
 
-    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
         let bytes = self.bytes();
         let start = usize::try_from(offset).map_err(io::Error::other)?;
         let src = bytes
@@ -39,17 +39,17 @@ impl StorageBackend for MemoryFile {
         Ok(())
     }
 
-    fn set_len(&self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> Result<(), BackendError> {
         let len = usize::try_from(len).map_err(io::Error::other)?;
         self.bytes().resize(len, 0);
         Ok(())
     }
 
-    fn sync_data(&self) -> io::Result<()> {
+    fn sync_data(&self) -> Result<(), BackendError> {
         Ok(())
     }
 
-    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
         let mut bytes = self.bytes();
         let start = usize::try_from(offset).map_err(io::Error::other)?;
         if bytes.len() < start + data.len() {
@@ -59,7 +59,7 @@ impl StorageBackend for MemoryFile {
         Ok(())
     }
 
-    fn close(&self) -> io::Result<()> {
+    fn close(&self) -> Result<(), BackendError> {
         Ok(())
     }
 }
