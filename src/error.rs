@@ -155,7 +155,8 @@ pub enum Error {
 /// step, like [`std::io::ErrorKind`] for an I/O error. [`Error::kind`] gives
 /// it; [`Error::is_retryable`] answers the question most callers have.
 ///
-/// Every variant of [`Error`] has one kind, except [`Error::Postgres`],
+/// Every variant of [`Error`] has one kind, except
+/// [`Error::Postgres`](https://docs.rs/idemstore/latest/idemstore/enum.Error.html#variant.Postgres) (feature `postgres`),
 /// whose kind comes from what the server answered (its SQLSTATE) or from
 /// its silence: [`Unavailable`](ErrorKind::Unavailable),
 /// [`Transient`](ErrorKind::Transient),

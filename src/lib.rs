@@ -101,15 +101,15 @@
 //!
 //! With feature `tokio`, the calls a handler makes on the embedded store
 //! have an awaitable form of the same name with `_async`, the same
-//! arguments, answers and errors ([`Inbox::claim_async`],
-//! `claim_many_async`, `claim_with_async`; [`Outbox::enqueue_async`],
+//! arguments, answers and errors ([`Inbox::claim_async`](https://docs.rs/idemstore/latest/idemstore/inbox/struct.Inbox.html#method.claim_async),
+//! `claim_many_async`, `claim_with_async`; [`Outbox::enqueue_async`](https://docs.rs/idemstore/latest/idemstore/outbox/struct.Outbox.html#method.enqueue_async),
 //! `enqueue_many_async`, `claim_due_async`, `claim_async`,
 //! `settle_async`, `settle_many_async`, `settle_and_claim_async`,
 //! `settle_and_claim_with_async`, `get_async`, `next_due_async`, and the
 //! operator's `requeue_async`,
 //! `reschedule_async`, `cancel_async`, `mark_completed_async`,
-//! `mark_failed_async`; [`IdempotencyKeys::begin_async`], `complete_async`,
-//! `release_async`; [`Store::write_async`], [`Store::read_async`]). Their
+//! `mark_failed_async`; [`IdempotencyKeys::begin_async`](https://docs.rs/idemstore/latest/idemstore/idempotency/struct.IdempotencyKeys.html#method.begin_async), `complete_async`,
+//! `release_async`; [`Store::write_async`](https://docs.rs/idemstore/latest/idemstore/struct.Store.html#method.write_async), [`Store::read_async`](https://docs.rs/idemstore/latest/idemstore/struct.Store.html#method.read_async)). Their
 //! documentation is the blocking call's; what they add:
 //!
 //! - **No thread waits.** A task's operation joins the same group commit
@@ -127,51 +127,49 @@
 //! - The futures are `Send`; a panic of the store's own code (or of a
 //!   closure) resumes in the awaiting task.
 //!
-//! The other calls, and every call of the PostgreSQL backend, are
-//! blocking: run them on tokio's blocking pool with
-//! [`tokio::task::spawn_blocking`](https://docs.rs/tokio/1/tokio/task/fn.spawn_blocking.html)
-//! and `.await` the result. Every handle — [`Store`], [`Inbox`],
-//! [`Outbox`], [`IdempotencyKeys`] — is a cheap `Clone + Send + Sync +
-//! 'static` (an `Arc` inside), and the values the calls take and return
-//! ([`Reservation`], [`NewEntry`], …) are `Send + Sync + 'static` too: clone
-//! what the call needs and move it into the closure. The closure, and so every effect and
-//! [`Store::write`] closure run inside it, executes on a pool thread: what it
-//! captures must be `Send + 'static` (owned: a `String`, a `Bytes`, not a
-//! `&str` borrowed from the request). Handlers on the pool share fsyncs
-//! through group commit exactly as threads do; a panic in the closure rolls
-//! its transaction back and reaches the `.await` as a `JoinError`.
+//! The PostgreSQL backend (`postgres::PgStore`) has an `_async` form of
+//! every call as well, which awaits its connection pool on the caller's
+//! runtime. A blocking call made from async code anyway (a call with no
+//! `_async` form of your own, say) belongs on tokio's blocking pool, through
+//! [`tokio::task::spawn_blocking`](https://docs.rs/tokio/1/tokio/task/fn.spawn_blocking.html).
+//! Every handle — [`Store`], [`Inbox`], [`Outbox`], [`IdempotencyKeys`] —
+//! is a cheap `Clone + Send + Sync + 'static` (an `Arc` inside), and the
+//! values the calls take and return ([`Reservation`], [`NewEntry`], …) are
+//! `Send + Sync + 'static` too, so a task or a closure takes what it needs
+//! by value.
 //!
 //! ```
+//! # #[cfg(feature = "tokio")]
+//! # mod with_tokio {
 //! use idemstore::chrono::Utc;
 //! use idemstore::Inbox;
 //!
-//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
-//!
-//! /// `Ok(true)` the first time `event_id` is delivered.
-//! async fn on_delivery(inbox: &Inbox, event_id: String) -> Result<bool, BoxError> {
-//!     let inbox = inbox.clone();
-//!     // The outer `?`: the closure panicked (nothing was committed), or the
-//!     // runtime is shutting down. The inner one: the store's own error.
-//!     let first = tokio::task::spawn_blocking(move || inbox.claim(&event_id, Utc::now())).await??;
-//!     Ok(first)
+//! /// `Ok(true)` the first time `event_id` is delivered; the task waits for
+//! /// the fsync without holding a thread.
+//! pub async fn on_delivery(inbox: &Inbox, event_id: &str) -> idemstore::Result<bool> {
+//!     inbox.claim_async(event_id, Utc::now()).await
 //! }
-//!
-//! #[tokio::main(flavor = "current_thread")]
-//! async fn main() -> Result<(), BoxError> {
-//!     let inbox = idemstore::Store::in_memory()?.inbox("webhooks")?;
-//!     assert!(on_delivery(&inbox, "evt_1".to_owned()).await?);
-//!     assert!(!on_delivery(&inbox, "evt_1".to_owned()).await?);
-//!     Ok(())
-//! }
+//! # }
+//! # #[cfg(feature = "tokio")]
+//! # fn main() -> idemstore::Result<()> {
+//! # use with_tokio::on_delivery;
+//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+//! let inbox = idemstore::Store::in_memory()?.inbox("webhooks")?;
+//! assert!(rt.block_on(on_delivery(&inbox, "evt_1"))?);
+//! assert!(!rt.block_on(on_delivery(&inbox, "evt_1"))?);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "tokio"))]
+//! # fn main() {}
 //! ```
 //!
 //! The [`inbox`] chapter shows an axum handler that claims a webhook, applies
-//! its effect and enqueues an outbox entry in one commit this way. The
-//! [`Dispatcher`] needs none of this: it runs on threads of its own
+//! its effect and enqueues an outbox entry in one commit. The
+//! [`Dispatcher`] runs on threads of its own
 //! ([`DispatcherBuilder::start`]) or, with feature `tokio`, as tasks on your
 //! runtime (`DispatcherBuilder::start_async`), whose workers use the
-//! `_async` calls on the embedded store; the HTTP middleware makes its
-//! store calls on the blocking pool.
+//! `_async` calls; the HTTP middleware awaits the `_async` forms of the
+//! idempotency-key calls.
 //!
 //! # Re-exported crates
 //!

@@ -792,7 +792,6 @@ mod labels;
 
 /// The capturing subscriber and recorder of the integration tests.
 #[cfg(all(test, feature = "tracing", feature = "metrics"))]
-#[path = "../tests/common/capture.rs"]
 pub(crate) mod capture;
 
 #[cfg(all(test, feature = "tracing", feature = "metrics"))]

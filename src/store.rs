@@ -112,7 +112,7 @@ impl StoreBuilder {
     /// after a crash is almost instant instead of a full repair that reads
     /// the whole file (seconds per GiB). Each durable commit then costs
     /// more; with group commit that cost is shared by the batch. Default:
-    /// off. `docs/design.md` gives the measured trade.
+    /// off. The repository's `docs/performance.md` gives the measured trade.
     pub fn quick_repair(mut self, enabled: bool) -> Self {
         self.quick_repair = enabled;
         self

@@ -19,7 +19,7 @@ mod common;
 mod app;
 
 #[cfg(all(feature = "tracing", feature = "metrics"))]
-#[path = "common/capture.rs"]
+#[path = "../src/observe/capture.rs"]
 mod capture;
 
 mod fixture {

@@ -7,7 +7,7 @@
 //! from its own threads), so the tests take turns: each starts from empty
 //! captures and ends with its dispatchers shut down.
 
-#[path = "common/capture.rs"]
+#[path = "../src/observe/capture.rs"]
 mod capture;
 mod common;
 

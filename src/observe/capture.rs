@@ -5,8 +5,9 @@
 //! `metrics::set_global_recorder`) or for one thread
 //! (`tracing::subscriber::with_default`, `metrics::with_local_recorder`).
 //!
-//! Shared by `tests/observe.rs` and the crate's own unit tests (which
-//! include it by path).
+//! The crate's own unit tests use it as `observe::capture`; the
+//! integration tests (`tests/observe.rs`, `tests/contract_pg.rs`) include
+//! this file by path.
 // Each user reads a different part of it.
 #![allow(dead_code)]
 
