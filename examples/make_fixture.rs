@@ -43,14 +43,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     outbox.set_destination_policy("audit", DestinationPolicy::default().max_in_flight(2))?;
     outbox.pause_destination("audit")?;
     let mut ids = Vec::new();
-    for i in 0..5 {
+    for i in 0..5u8 {
         let e = NewEntry::new(
             format!("cmd-{i}"),
             "email",
             format!("email-{i}"),
-            vec![i as u8; 10],
+            vec![i; 10],
         );
-        ids.push(outbox.enqueue(e, t(20 + i))?.id());
+        ids.push(outbox.enqueue(e, t(20 + i64::from(i)))?.id());
     }
     let claimed = outbox.claim_due(t(30), 5, "worker-a")?;
     assert_eq!(claimed.len(), 5);

@@ -58,8 +58,13 @@ fn assert_as_written(store: &Store) -> Result<()> {
     let app =
         store.read(|tx| Ok::<_, Error>(tx.open_table(APP)?.get("orders")?.map(|v| v.value())))?;
     assert_eq!(app, Some(1));
+    assert_outbox_as_written(store)?;
+    assert_keys_as_written(store)
+}
 
-    // Outbox: each entry's status, attempts, claim and settlement details.
+/// The outbox's answers for the fixture: each entry's status, attempts,
+/// claim and settlement details, and the destinations.
+fn assert_outbox_as_written(store: &Store) -> Result<()> {
     let outbox = store.outbox();
     let status = |id: u64| -> Result<OutboxStatus> { Ok(outbox.get(OutboxId(id))?.entry.status) };
     assert_eq!(status(1)?, OutboxStatus::Completed);
@@ -121,8 +126,12 @@ fn assert_as_written(store: &Store) -> Result<()> {
         .unwrap();
     assert!(audit.paused);
     assert_eq!(audit.policy, DestinationPolicy::default().max_in_flight(2));
+    Ok(())
+}
 
-    // Idempotency keys: both stored responses as they were, the reservation.
+/// The idempotency keys' answers for the fixture: both stored responses as
+/// they were, the reservation.
+fn assert_keys_as_written(store: &Store) -> Result<()> {
     let keys = store.idempotency_keys();
     let fp = fingerprint("POST", "/payments", b"{\"amount\":10}");
     let stored = keys.get("", "key-1", t(0))?.expect("key-1 is stored");
