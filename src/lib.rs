@@ -362,6 +362,9 @@ pub mod inbox;
 #[cfg(feature = "middleware")]
 #[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod migrate;
 mod observe;
 pub mod outbox;
 #[cfg(feature = "postgres")]

@@ -120,10 +120,9 @@ impl Outbox {
     }
 
     /// The next id an enqueue will hand out (ids are never reused, even
-    /// once their entries are purged). For `idemstore migrate`, which
-    /// moves a server's sequence past it; not a stable API.
-    #[doc(hidden)]
-    pub fn next_id(&self) -> Result<u64> {
+    /// once their entries are purged). For the migration to PostgreSQL,
+    /// which moves the server's sequence past it.
+    pub(crate) fn next_id(&self) -> Result<u64> {
         self.engine.read(|tx| match open_read(tx, META)? {
             Some(meta) => index::next_id(&meta),
             None => Ok(1),
