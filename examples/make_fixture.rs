@@ -94,16 +94,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let Begin::Proceed(r) = keys.begin("", "key-1", &fp, t(60))? else {
         panic!()
     };
-    let mut response = ResponseRecord {
-        tenant: String::new(),
-        idempotency_key: "key-1".into(),
-        request_fingerprint: fp.clone(),
-        response_status: 201,
-        content_type: Some("application/json".into()),
-        headers: vec![("location".into(), "/payments/1".into())],
-        response_body: b"{\"id\":1}".to_vec(),
-        created_at: t(61),
-    };
+    let mut response =
+        ResponseRecord::new("", "key-1", fp.clone(), 201, b"{\"id\":1}".to_vec(), t(61))
+            .content_type("application/json")
+            .header("location", "/payments/1");
     assert!(keys.complete(&r, response.clone(), t(61))?);
     response.tenant = "acme".into();
     response.content_type = None;

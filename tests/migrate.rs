@@ -88,19 +88,10 @@ fn migrate(file: &Path, url: &str, schema: &str) -> Result<Value, Box<dyn std::e
 }
 
 fn response(tenant: &str, key: &str, fp: &str, at: DateTime<Utc>) -> ResponseRecord {
-    ResponseRecord {
-        tenant: tenant.into(),
-        idempotency_key: key.into(),
-        request_fingerprint: fp.into(),
-        response_status: 201,
-        content_type: Some("application/json".into()),
-        headers: vec![
-            ("x-request-id".into(), "r1".into()),
-            ("etag".into(), "\"1\"".into()),
-        ],
-        response_body: b"{\"ok\":true}".to_vec(),
-        created_at: at,
-    }
+    ResponseRecord::new(tenant, key, fp, 201, b"{\"ok\":true}".to_vec(), at)
+        .content_type("application/json")
+        .header("x-request-id", "r1")
+        .header("etag", "\"1\"")
 }
 
 /// A store file with rows of every kind: two inboxes, outbox entries in
