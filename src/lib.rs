@@ -297,7 +297,7 @@
 //! shows them) each time a store is opened (`Store::open`, `StoreBuilder`,
 //! `PgStore::connect`): install the recorder first, as usual, and there is
 //! nothing more to do. If your recorder is installed after the stores are
-//! open, call [`describe_metrics`] once it is; calling it again is
+//! open, call `idemstore::describe_metrics()` once it is; calling it again is
 //! harmless.
 //!
 //! | metric | type | labels | what it measures |
@@ -400,6 +400,8 @@ pub use idempotency::{
     ResponseRecord, fingerprint,
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,

@@ -309,7 +309,7 @@ impl StoreBuilder {
         }
         // A recorder installed before the store opens gets its `# HELP`
         // text and units.
-        crate::observe::describe_metrics();
+        crate::observe::describe_on_open();
         Ok(Store {
             outbox,
             engine,

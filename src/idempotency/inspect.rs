@@ -78,6 +78,7 @@ impl IdempotencyKeys {
     /// The next fence token a reservation will take (fences are never
     /// reused, even once their records are purged). For the migration to
     /// PostgreSQL, which moves the server's sequence past it.
+    #[cfg(feature = "postgres")]
     pub(crate) fn next_fence(&self) -> Result<u64> {
         self.engine.read(|tx| match open_read(tx, META)? {
             Some(meta) => stored_next_fence(&meta),
