@@ -214,7 +214,8 @@
 //! - `tracing`, `metrics`: events, counters and histograms, through the
 //!   facade crates (see [Observability](#observability)).
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
-//!   keys on a PostgreSQL server, for programs that outgrow one machine.
+//!   keys on a PostgreSQL server, for programs that outgrow one machine,
+//!   and `migrate::to_postgres`, which copies a store file there.
 //! - `postgres-tls`: TLS for `postgres`: the connection string's `sslmode`
 //!   (`disable` … `verify-full`) and `sslrootcert`, as libpq reads them,
 //!   through rustls (see `postgres`'s "TLS").
