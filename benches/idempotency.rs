@@ -29,16 +29,9 @@ fn now() -> DateTime<Utc> {
 }
 
 fn response(key: &str, fp: &str) -> ResponseRecord {
-    ResponseRecord {
-        tenant: "bench".into(),
-        idempotency_key: key.into(),
-        request_fingerprint: fp.into(),
-        response_status: 201,
-        content_type: Some("application/json".into()),
-        headers: vec![("location".into(), "/orders/123".into())],
-        response_body: vec![b'x'; 256],
-        created_at: now(),
-    }
+    ResponseRecord::new("bench", key, fp, 201, vec![b'x'; 256], now())
+        .content_type("application/json")
+        .header("location", "/orders/123")
 }
 
 fn raw_db(dir: &Path, name: &str) -> redb::Database {

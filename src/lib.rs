@@ -212,7 +212,8 @@
 //! - `tracing`, `metrics`: events, counters and histograms, through the
 //!   facade crates (see [Observability](#observability)).
 //! - `postgres`: `postgres::PgStore`, the same inbox, outbox and idempotency
-//!   keys on a PostgreSQL server, for programs that outgrow one machine.
+//!   keys on a PostgreSQL server, for programs that outgrow one machine,
+//!   and `migrate::to_postgres`, which copies a store file there.
 //! - `postgres-tls`: TLS for `postgres`: the connection string's `sslmode`
 //!   (`disable` … `verify-full`) and `sslrootcert`, as libpq reads them,
 //!   through rustls (see `postgres`'s "TLS").
@@ -295,7 +296,7 @@
 //! shows them) each time a store is opened (`Store::open`, `StoreBuilder`,
 //! `PgStore::connect`): install the recorder first, as usual, and there is
 //! nothing more to do. If your recorder is installed after the stores are
-//! open, call [`describe_metrics`] once it is; calling it again is
+//! open, call `idemstore::describe_metrics()` once it is; calling it again is
 //! harmless.
 //!
 //! | metric | type | labels | what it measures |
@@ -360,6 +361,9 @@ pub mod inbox;
 #[cfg(feature = "middleware")]
 #[cfg_attr(docsrs, doc(cfg(feature = "middleware")))]
 pub mod middleware;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod migrate;
 mod observe;
 pub mod outbox;
 #[cfg(feature = "postgres")]
@@ -395,6 +399,8 @@ pub use idempotency::{
     ResponseRecord, fingerprint,
 };
 pub use inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN, MAX_INBOX_NAME_LEN};
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use observe::describe_metrics;
 pub use outbox::{
     AttemptRecord, CircuitState, ClaimRequest, DestinationPolicy, DestinationState, Enqueued,

@@ -774,12 +774,18 @@ pub(crate) fn layer_without_runtime(key: &str) {
 /// that gets the descriptions with nothing more to do. A recorder
 /// installed later (after the stores are open) gets them when you call
 /// this once it is installed. Calling it again is harmless: a description
-/// replaces the same one. Without the `metrics` feature it does nothing.
+/// replaces the same one.
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub fn describe_metrics() {
-    guarded(|| {
-        #[cfg(feature = "metrics")]
-        describe::all();
-    });
+    guarded(describe::all);
+}
+
+/// What opening a store reports: with feature `metrics`, every metric's
+/// description ([`describe_metrics`]); nothing without it.
+pub(crate) fn describe_on_open() {
+    #[cfg(feature = "metrics")]
+    describe_metrics();
 }
 
 /// The description of every metric.

@@ -309,7 +309,7 @@ impl StoreBuilder {
         }
         // A recorder installed before the store opens gets its `# HELP`
         // text and units.
-        crate::observe::describe_metrics();
+        crate::observe::describe_on_open();
         Ok(Store {
             outbox,
             engine,
@@ -404,6 +404,7 @@ fn recorded_format(tx: &redb::ReadTransaction) -> Result<Recorded> {
 
 /// What a store file holds and how much of it is in use ([`Store::stats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct StoreStats {
     /// The file's size on disk in bytes (`None` for in-memory and custom
     /// backends).
@@ -427,6 +428,7 @@ pub struct StoreStats {
 
 /// Commit counters of a store since it was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct CommitStats {
     /// Write transactions committed, durable or not.
     pub commits: u64,

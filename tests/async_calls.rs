@@ -556,16 +556,8 @@ async fn the_inbox_and_the_keys_reads_and_maintenance_answer_as_blocking() -> Te
 
     let keys = store.idempotency_keys();
     let fp = fingerprint("POST", "/pay", b"{}");
-    let record = idemstore::ResponseRecord {
-        tenant: "t".into(),
-        idempotency_key: "put-1".into(),
-        request_fingerprint: fp.clone(),
-        response_status: 201,
-        content_type: None,
-        headers: Vec::new(),
-        response_body: b"ok".to_vec(),
-        created_at: t(0),
-    };
+    let record =
+        idemstore::ResponseRecord::new("t", "put-1", fp.clone(), 201, b"ok".to_vec(), t(0));
     assert!(keys.put_async(&record).await?);
     assert!(!keys.put_async(&record).await?, "first write wins");
     assert_eq!(

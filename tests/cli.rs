@@ -94,24 +94,22 @@ fn fixture(dir: &Path) -> Result<PathBuf, Box<dyn std::error::Error>> {
     outbox.mark_outcome_unknown(OutboxId(6), None)?;
 
     let keys = store.idempotency_keys();
-    let old = ResponseRecord {
-        tenant: "acme".into(),
-        idempotency_key: "order-1".into(),
-        request_fingerprint: idemstore::fingerprint("POST", "/orders", b"{}"),
-        response_status: 201,
-        content_type: Some("application/json".into()),
-        headers: vec![("location".into(), "/orders/1".into())],
-        response_body: vec![b'{', 0xfe, b'}'],
-        created_at: ago(3 * D),
-    };
+    let old = ResponseRecord::new(
+        "acme",
+        "order-1",
+        idemstore::fingerprint("POST", "/orders", b"{}"),
+        201,
+        vec![b'{', 0xfe, b'}'],
+        ago(3 * D),
+    )
+    .content_type("application/json")
+    .header("location", "/orders/1");
     assert!(keys.put(&old)?);
-    let new = ResponseRecord {
-        tenant: String::new(),
-        idempotency_key: "order-2".into(),
-        response_body: b"ok".to_vec(),
-        created_at: ago(H),
-        ..old
-    };
+    let mut new = old.clone();
+    new.tenant = String::new();
+    new.idempotency_key = "order-2".into();
+    new.response_body = b"ok".to_vec();
+    new.created_at = ago(H);
     assert!(keys.put(&new)?);
     let fp = idemstore::fingerprint("POST", "/orders", b"[]");
     assert!(matches!(

@@ -254,16 +254,16 @@ fn stats_inbox_keys_check_and_export_read_a_postgresql_store() -> TestResult {
         assert!(hooks.claim(key, t(i64::try_from(i)?))?);
     }
     for k in ["k1", "k2"] {
-        let r = idemstore::ResponseRecord {
-            tenant: "acme".into(),
-            idempotency_key: k.into(),
-            request_fingerprint: idemstore::fingerprint("POST", "/orders", b"{}"),
-            response_status: 201,
-            content_type: Some("application/json".into()),
-            headers: vec![("location".into(), "/orders/1".into())],
-            response_body: b"{\"id\":1}".to_vec(),
-            created_at: t(5),
-        };
+        let r = idemstore::ResponseRecord::new(
+            "acme",
+            k,
+            idemstore::fingerprint("POST", "/orders", b"{}"),
+            201,
+            b"{\"id\":1}".to_vec(),
+            t(5),
+        )
+        .content_type("application/json")
+        .header("location", "/orders/1");
         assert!(pg.idempotency_keys().put(&r)?);
     }
     populate!(pg.outbox());

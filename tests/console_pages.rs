@@ -106,9 +106,10 @@ fn listed(html: &str) -> Vec<u64> {
 }
 
 async fn overview(outbox: impl OutboxAdmin + Clone) -> TestResult {
-    let commits = || CommitStats {
-        commits: 41,
-        durable_commits: 40,
+    let commits = || {
+        let mut stats = CommitStats::default();
+        (stats.commits, stats.durable_commits) = (41, 40);
+        stats
     };
     let router = Console::new(outbox.clone()).commit_stats(commits).router();
     let (status, home) = get(&router, "/").await?;

@@ -274,16 +274,14 @@ mod server {
     fn get_inside_a_write_reads_an_expired_record_as_absent_and_leaves_it() -> TestResult {
         let f = fixture!();
         let keys = f.store.idempotency_keys();
-        let record = idemstore::ResponseRecord {
-            tenant: "t".into(),
-            idempotency_key: "old".into(),
-            request_fingerprint: idemstore::fingerprint("POST", "/r", b""),
-            response_status: 201,
-            content_type: None,
-            headers: Vec::new(),
-            response_body: b"o".to_vec(),
-            created_at: t(5),
-        };
+        let record = idemstore::ResponseRecord::new(
+            "t",
+            "old",
+            idemstore::fingerprint("POST", "/r", b""),
+            201,
+            b"o".to_vec(),
+            t(5),
+        );
         assert!(keys.put(&record)?);
         let inside = f.store.write(|_| {
             Ok::<_, Error>((keys.get("t", "old", t(6))?, keys.get("t", "old", t(5))?))

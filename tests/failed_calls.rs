@@ -265,16 +265,7 @@ fn a_failed_call_leaves_the_other_callers_writes_in_its_batch_standing() -> Resu
 }
 
 fn response(key: &str, at: i64) -> ResponseRecord {
-    ResponseRecord {
-        tenant: "acme".into(),
-        idempotency_key: key.into(),
-        request_fingerprint: "fp".into(),
-        response_status: 200,
-        content_type: None,
-        headers: Vec::new(),
-        response_body: b"ok".to_vec(),
-        created_at: t(at),
-    }
+    ResponseRecord::new("acme", key, "fp", 200, b"ok".to_vec(), t(at))
 }
 
 #[test]

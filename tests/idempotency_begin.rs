@@ -59,10 +59,8 @@ fn each_begin_outcome_follows_from_what_the_key_holds() -> Result<()> {
     response.content_type = Some("application/json".into());
     response.headers = vec![("location".into(), "/orders/7".into())];
     assert!(keys.complete(&r, response.clone(), t(20))?);
-    let stored = idemstore::ResponseRecord {
-        created_at: t(20),
-        ..response
-    };
+    let mut stored = response.clone();
+    stored.created_at = t(20);
 
     assert_eq!(
         keys.begin("", "k1", &fp, t(30))?,

@@ -21,16 +21,16 @@ fn t(secs: i64) -> DateTime<Utc> {
 }
 
 fn record(tenant: &str, key: &str, body: &[u8], at: DateTime<Utc>) -> ResponseRecord {
-    ResponseRecord {
-        tenant: tenant.into(),
-        idempotency_key: key.into(),
-        request_fingerprint: fingerprint("POST", "/r", body),
-        response_status: 200,
-        content_type: Some("text/plain".into()),
-        headers: vec![("x-request-id".into(), "abc".into())],
-        response_body: body.to_vec(),
-        created_at: at,
-    }
+    ResponseRecord::new(
+        tenant,
+        key,
+        fingerprint("POST", "/r", body),
+        200,
+        body.to_vec(),
+        at,
+    )
+    .content_type("text/plain")
+    .header("x-request-id", "abc")
 }
 
 fn proceed(b: Begin) -> Reservation {

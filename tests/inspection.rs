@@ -239,16 +239,8 @@ fn oldest_claim_follows_the_claims_index() -> TestResult {
 fn one_response_one_reservation(
     keys: &IdempotencyKeys,
 ) -> Result<ResponseRecord, idemstore::Error> {
-    let record = ResponseRecord {
-        tenant: "t".into(),
-        idempotency_key: "old".into(),
-        request_fingerprint: "fp".into(),
-        response_status: 200,
-        content_type: None,
-        headers: vec![("x-a".into(), "1".into())],
-        response_body: b"body".to_vec(),
-        created_at: t(5),
-    };
+    let record =
+        ResponseRecord::new("t", "old", "fp", 200, b"body".to_vec(), t(5)).header("x-a", "1");
     keys.put(&record)?;
     assert!(matches!(
         keys.begin("t", "new", "fp2", t(50))?,

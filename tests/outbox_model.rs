@@ -7,8 +7,7 @@
 use std::path::Path;
 
 use idemstore::{
-    Durability, Enqueued, Fence, NewEntry, Outbox, OutboxId, OutboxRecord, Result, Settlement,
-    Store,
+    Durability, Enqueued, Fence, NewEntry, Outbox, OutboxId, Result, Settlement, Store,
 };
 
 // The shared test code also holds the fuzz targets, which this test does not
@@ -16,7 +15,7 @@ use idemstore::{
 #[allow(dead_code, unused_imports)]
 mod fuzzing;
 
-use fuzzing::outbox_model::{Change, OutboxModel, outcome};
+use fuzzing::outbox_model::{Change, Entry, OutboxModel, Record, outcome};
 use fuzzing::{Rng, t};
 
 const COMMANDS: [&str; 3] = ["cmd-a", "cmd-b", "cmd-c"];
@@ -141,7 +140,11 @@ fn step(rng: &mut Rng, model: &mut OutboxModel, outbox: &Outbox, now: i64) -> Re
         25..=39 => {
             let limit = usize::try_from(rng.below(4)).unwrap();
             let worker = format!("w{}", rng.below(3));
-            let got = outbox.claim_due(t(now), limit, &worker)?;
+            let got: Vec<Entry> = outbox
+                .claim_due(t(now), limit, &worker)?
+                .iter()
+                .map(Entry::from)
+                .collect();
             assert_eq!(got, model.claim(now, limit, &worker), "claim_due");
             format!("claim_due {limit}")
         }
@@ -216,13 +219,17 @@ fn step(rng: &mut Rng, model: &mut OutboxModel, outbox: &Outbox, now: i64) -> Re
 
 fn verify(rng: &mut Rng, model: &OutboxModel, outbox: &Outbox, what: &str) -> Result<()> {
     for cmd in COMMANDS {
-        let mut want: Vec<&OutboxRecord> = model
+        let mut want: Vec<&Record> = model
             .records
             .values()
             .filter(|r| r.entry.command_id == cmd)
             .collect();
         want.sort_by_key(|r| (r.entry.created_at, r.entry.id));
-        let got = outbox.list_for_command(cmd)?;
+        let got: Vec<Record> = outbox
+            .list_for_command(cmd)?
+            .iter()
+            .map(Record::from)
+            .collect();
         assert_eq!(
             got.iter().collect::<Vec<_>>(),
             want,
@@ -241,7 +248,11 @@ fn verify(rng: &mut Rng, model: &OutboxModel, outbox: &Outbox, what: &str) -> Re
         .dedup
         .get(&(dest.to_owned(), key.clone()))
         .map(|id| model.records[id].clone());
-    assert_eq!(outbox.find(dest, &key)?, want, "after {what}: find");
+    assert_eq!(
+        outbox.find(dest, &key)?.as_ref().map(Record::from),
+        want,
+        "after {what}: find"
+    );
     assert_eq!(
         outbox.check_indexes()?,
         Vec::<String>::new(),

@@ -503,14 +503,9 @@ fn a_cancelled_entry_leaves_the_due_index_counts_as_failed_and_wakes_nobody() ->
         Some(t(50)),
         "only the other entry is due"
     );
-    assert_eq!(
-        outbox.counts()?,
-        OutboxCounts {
-            pending: 1,
-            failed: 1,
-            ..OutboxCounts::default()
-        }
-    );
+    let mut want = OutboxCounts::default();
+    (want.pending, want.failed) = (1, 1);
+    assert_eq!(outbox.counts()?, want);
     // However late, a claim never takes the cancelled entry.
     let claimed = outbox.claim_due(t(1_000), 10, "worker")?;
     assert_eq!(ids(&claimed), vec![later]);

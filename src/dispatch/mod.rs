@@ -207,7 +207,12 @@ pub use threads::DispatcherHandle;
 use worker::{Ctx, Rng};
 
 /// What one `send` did, as the `send` function reports it.
+///
+/// May gain variants (`#[non_exhaustive]`): a sender's outcome may gain
+/// kinds in a minor release. A `send` function builds these freely; code
+/// that matches on one needs a `_` arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Delivery {
     /// The remote accepted it: the entry is `Completed`.
     Delivered,

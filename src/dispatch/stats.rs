@@ -86,6 +86,7 @@ impl LastError {
 
 /// Percentiles of a latency distribution (about 12 % precision).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct LatencySummary {
     /// Samples recorded.
     pub count: u64,

@@ -23,11 +23,36 @@ impl IdempotencyKeys {
         self.engine.read(|tx| list_in(tx, tenant, limit))
     }
 
-    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
-    /// `after` (the `(tenant, key)` of a previous page's last row): every
-    /// row, a page per read transaction. For `idemstore export` and
-    /// `migrate` and the console's list of keys; not a stable API.
-    #[doc(hidden)]
+    /// One page of every row, for walking them all: up to `limit` rows,
+    /// completed responses and reservations alike (expired ones too: a
+    /// plain read that never deletes), in `(tenant, key)` order — by
+    /// tenant, then by key within a tenant, comparing their bytes —
+    /// starting strictly after `after`.
+    ///
+    /// `after` is the `(tenant, key)` of the last row of the previous page,
+    /// or `None` for the first page; it need not exist any more (a row
+    /// deleted between pages is simply passed). Each page is one read
+    /// transaction, so a walk sees each row once but not one snapshot of
+    /// the whole table: rows written meanwhile may or may not appear. A
+    /// page shorter than `limit` — empty, at the latest — is the last.
+    ///
+    /// ```
+    /// # use idemstore::chrono::Utc;
+    /// let keys = idemstore::Store::in_memory()?.idempotency_keys();
+    /// for key in ["a", "b", "c"] {
+    ///     let _ = keys.begin("tenant", key, "fp", Utc::now())?;
+    /// }
+    /// let mut seen = Vec::new();
+    /// let mut after: Option<(String, String)> = None;
+    /// loop {
+    ///     let page = keys.list_after(after.as_ref().map(|(t, k)| (t.as_str(), k.as_str())), 2)?;
+    ///     let Some(last) = page.last() else { break };
+    ///     after = Some((last.tenant.clone(), last.key.clone()));
+    ///     seen.extend(page.into_iter().map(|e| e.key));
+    /// }
+    /// assert_eq!(seen, ["a", "b", "c"]);
+    /// # Ok::<_, idemstore::Error>(())
+    /// ```
     pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
         self.engine.read(|tx| list_after_in(tx, after, limit))
     }
@@ -51,10 +76,10 @@ impl IdempotencyKeys {
     }
 
     /// The next fence token a reservation will take (fences are never
-    /// reused, even once their records are purged). For `idemstore
-    /// migrate`, which moves a server's sequence past it; not a stable API.
-    #[doc(hidden)]
-    pub fn next_fence(&self) -> Result<u64> {
+    /// reused, even once their records are purged). For the migration to
+    /// PostgreSQL, which moves the server's sequence past it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn next_fence(&self) -> Result<u64> {
         self.engine.read(|tx| match open_read(tx, META)? {
             Some(meta) => stored_next_fence(&meta),
             None => Ok(1),

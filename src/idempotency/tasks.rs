@@ -179,8 +179,7 @@ impl IdempotencyKeys {
             .await
     }
 
-    /// [`IdempotencyKeys::list_after`], awaited. Not a stable API.
-    #[doc(hidden)]
+    /// [`IdempotencyKeys::list_after`], awaited.
     pub async fn list_after_async(
         &self,
         after: Option<(&str, &str)>,

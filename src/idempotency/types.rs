@@ -11,7 +11,22 @@ use crate::observe::{self, Idempotency as Outcome};
 
 /// A stored HTTP response, as [`Begin::Replay`] and
 /// [`IdempotencyKeys::get`](crate::IdempotencyKeys::get) return it and [`IdempotencyKeys::put`](crate::IdempotencyKeys::put) stores it.
+///
+/// Built with [`ResponseRecord::new`] and its setters (the fields are
+/// readable, and set only through them, so that fields added later get
+/// their defaults):
+///
+/// ```
+/// # use idemstore::chrono::Utc;
+/// use idemstore::ResponseRecord;
+///
+/// let record = ResponseRecord::new("", "7c1f-key", "fp", 201, b"{\"id\":1}".to_vec(), Utc::now())
+///     .content_type("application/json")
+///     .header("location", "/payments/1");
+/// assert_eq!(record.headers, [("location".to_owned(), "/payments/1".to_owned())]);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ResponseRecord {
     /// The tenant (0–255 bytes; `""` is the default tenant).
     pub tenant: String,
@@ -33,8 +48,68 @@ pub struct ResponseRecord {
     pub created_at: DateTime<Utc>,
 }
 
+impl ResponseRecord {
+    /// A response of status `response_status` with body `response_body`,
+    /// stored at `created_at` under `(tenant, idempotency_key)` for the
+    /// request of fingerprint `request_fingerprint`; no `Content-Type` and
+    /// no other headers until set. The store checks the values when it
+    /// stores the record (see the fields).
+    pub fn new(
+        tenant: impl Into<String>,
+        idempotency_key: impl Into<String>,
+        request_fingerprint: impl Into<String>,
+        response_status: u16,
+        response_body: Vec<u8>,
+        created_at: DateTime<Utc>,
+    ) -> Self {
+        ResponseRecord {
+            tenant: tenant.into(),
+            idempotency_key: idempotency_key.into(),
+            request_fingerprint: request_fingerprint.into(),
+            response_status,
+            content_type: None,
+            headers: Vec::new(),
+            response_body,
+            created_at,
+        }
+    }
+
+    /// The `Content-Type` to replay. Default: none.
+    #[must_use]
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Adds a header to replay, after those already set. Default: no
+    /// headers.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// The headers to replay, in place of those already set, as `(name,
+    /// value)` pairs. Default: no headers.
+    #[must_use]
+    pub fn headers<N, V>(mut self, headers: impl IntoIterator<Item = (N, V)>) -> Self
+    where
+        N: Into<String>,
+        V: Into<String>,
+    {
+        self.headers = headers
+            .into_iter()
+            .map(|(n, v)| (n.into(), v.into()))
+            .collect();
+        self
+    }
+}
+
 /// The outcome of [`IdempotencyKeys::begin`](crate::IdempotencyKeys::begin). Each is an expected answer, not
 /// an error.
+///
+/// A closed set: the idempotency decision — run the handler, replay, wait
+/// (409) or refuse (422). Match it exhaustively.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub enum Begin {
@@ -153,6 +228,7 @@ impl Reservation {
 
 /// Rows of the idempotency-key store by kind ([`IdempotencyKeys::summary`](crate::IdempotencyKeys::summary)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct KeySummary {
     /// Stored responses.
     pub completed: u64,
@@ -242,6 +318,7 @@ pub(crate) fn bump(c: &AtomicU64, n: u64) {
 
 /// One row of [`IdempotencyKeys::list`](crate::IdempotencyKeys::list).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyEntry {
     /// The tenant.
     pub tenant: String,
@@ -256,6 +333,9 @@ pub struct KeyEntry {
 }
 
 /// The state of a key in [`KeyEntry`].
+///
+/// A closed set: a key holds a stored response or a reservation. Match it
+/// exhaustively.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyState {
     /// A stored response.

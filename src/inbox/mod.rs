@@ -190,6 +190,9 @@ pub const MAX_INBOX_NAME_LEN: usize = 64;
 pub(crate) const PRUNE_CHUNK: usize = 1024;
 
 /// The outcome of [`Inbox::claim_with`].
+///
+/// A closed set: a key is claimed now or was claimed before. Match it
+/// exhaustively.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub enum Claim<T> {

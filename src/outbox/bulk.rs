@@ -19,6 +19,7 @@ use crate::schema::{OUTBOX, OUTBOX_CLAIMED, OUTBOX_FLOWS, OUTBOX_STATE, open_wri
 /// What one step of an operator's change to the entries a filter matches
 /// did ([`Outbox::change_matching`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MatchingStep {
     /// The entries changed.
     pub changed: u64,

@@ -15,7 +15,7 @@ use super::{
 use crate::codec::from_micros;
 use crate::error::{Error, Result};
 use crate::schema::{
-    META, OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_DEDUP, OUTBOX_FLOWS,
+    OUTBOX, OUTBOX_ATTEMPTS, OUTBOX_BY_COMMAND, OUTBOX_CLAIMED, OUTBOX_DEDUP, OUTBOX_FLOWS,
     OUTBOX_STATE,
 };
 
@@ -120,14 +120,15 @@ impl Outbox {
     }
 
     /// The next id an enqueue will hand out (ids are never reused, even
-    /// once their entries are purged). For `idemstore migrate`, which
-    /// moves a server's sequence past it; not a stable API.
-    #[doc(hidden)]
-    pub fn next_id(&self) -> Result<u64> {
-        self.engine.read(|tx| match open_read(tx, META)? {
-            Some(meta) => index::next_id(&meta),
-            None => Ok(1),
-        })
+    /// once their entries are purged). For the migration to PostgreSQL,
+    /// which moves the server's sequence past it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn next_id(&self) -> Result<u64> {
+        self.engine
+            .read(|tx| match open_read(tx, crate::schema::META)? {
+                Some(meta) => index::next_id(&meta),
+                None => Ok(1),
+            })
     }
 
     /// The claim time of the longest-held `Dispatching` entry, or `None` if

@@ -57,6 +57,10 @@ impl fmt::Display for OutboxId {
 /// an entry of any other status, `OutcomeUnknown` included. On the edge to
 /// `OutcomeUnknown` the worker and time of the attempt stay on the record as
 /// [`OutboxRecord::attempt_in_doubt`], for reconciliation.
+///
+/// A closed set: the states of the status machine above. A new state
+/// would change the machine, and so the meaning of every match on it: it
+/// would come with a new major version. Match it exhaustively.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OutboxStatus {
     /// Waiting to be claimed once due.
@@ -196,8 +200,11 @@ impl From<ParseOutboxStatusError> for crate::error::Error {
     }
 }
 
-/// An effect to enqueue.
+/// An effect to enqueue: built with [`NewEntry::new`] and its setters
+/// (the fields are readable, and set only through them, so that fields
+/// added later get their defaults).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct NewEntry {
     /// The command (or business operation) the effect belongs to; entries
     /// are listed by it. 1–1024 bytes.
@@ -240,7 +247,8 @@ impl NewEntry {
         }
     }
 
-    /// Makes the entry due from `at` on (its `next_attempt_at`).
+    /// Makes the entry due from `at` on (its `next_attempt_at`). Default:
+    /// due at once.
     #[must_use]
     pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
         self.not_before = Some(at);
@@ -252,6 +260,7 @@ impl NewEntry {
     /// `Completed` or `Failed`. An earlier one left `OutcomeUnknown` holds
     /// the sequence until it is resolved (completed, failed, cancelled or
     /// requeued). A `Failed` entry requeued joins the end of its sequence.
+    /// Default: none, the entry waits for no other.
     #[must_use]
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
@@ -270,6 +279,7 @@ impl NewEntry {
 
 /// An outbox entry as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutboxEntry {
     /// Its id.
     pub id: OutboxId,
@@ -321,6 +331,7 @@ impl OutboxEntry {
 /// ([`OutboxRecord::claim`]), or the attempt an `OutcomeUnknown` entry is
 /// in doubt about ([`OutboxRecord::attempt_in_doubt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutboxClaim {
     /// The `worker_id` given to [`Outbox::claim_due`].
     pub worker_id: String,
@@ -378,6 +389,7 @@ pub(super) fn failure_code(reason: &str) -> &str {
 /// that changes nothing (a repeated final failure, a repeated cancel) adds
 /// nothing either.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AttemptRecord {
     /// The entry's `attempt_count` when it was recorded: the attempt that
     /// failed, was given back or is in doubt (for a cancel or a failure
@@ -396,6 +408,7 @@ pub struct AttemptRecord {
 
 /// An entry with its claim and settlement details.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutboxRecord {
     /// The entry.
     pub entry: OutboxEntry,
@@ -427,6 +440,9 @@ pub struct OutboxRecord {
 pub type SettledAndClaimed = (Vec<Result<()>>, Vec<OutboxEntry>);
 
 /// The outcome of an enqueue.
+///
+/// A closed set: the entry is new or was enqueued before. Match it
+/// exhaustively.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Enqueued {
     /// A new entry.
@@ -456,6 +472,9 @@ impl Enqueued {
 /// while the entry is at this attempt and `Dispatching` or
 /// `OutcomeUnknown`; after a release, a reschedule or a new claim it is
 /// stale and [`Outbox::settle`] refuses it.
+///
+/// A value, not a record: the id and the attempt are the whole of it, and
+/// a dispatcher that keeps them elsewhere may build it again from them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Fence {
     /// The entry.
@@ -471,7 +490,11 @@ impl fmt::Display for Fence {
 }
 
 /// How a dispatcher settles an attempt ([`Outbox::settle`]).
+///
+/// May gain variants (`#[non_exhaustive]`), as [`Delivery`](crate::Delivery)
+/// may: a match on one needs a `_` arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Settlement {
     /// The effect happened: `Completed`, `completed_at = now`.
     Completed,
@@ -648,6 +671,7 @@ impl OutboxFilter {
 
 /// Number of entries in each status ([`Outbox::counts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub struct OutboxCounts {
     /// `Pending` entries (due or not).
     pub pending: u64,

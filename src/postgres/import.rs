@@ -1,6 +1,8 @@
 //! Rows copied in from another store, as they are: the writes of the
-//! `idemstore migrate --to-postgres` command, which reads an embedded store
-//! through its public calls and hands its rows here in batches.
+//! library's migration to PostgreSQL (the crate's `migrate` module, and the
+//! `idemstore migrate --to-postgres` command through it), which reads an
+//! embedded store through its public calls and hands its rows here in
+//! batches.
 //!
 //! Each batch is one transaction of `INSERT … ON CONFLICT DO NOTHING`
 //! statements. A row the insert skips is looked up: the same entry (an
@@ -19,8 +21,7 @@
 //! transaction fail (PostgreSQL's sequences are not transactional): values
 //! are then skipped, never handed out twice.
 //!
-//! Not a stable API: these calls exist for the command and may change with
-//! it.
+//! Private to the crate: the migration is the documented call.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
@@ -40,14 +41,16 @@ use crate::outbox::{DestinationState, OutboxId, OutboxRecord, OutboxStatus};
 impl PgStore {
     /// Copies the keys of inbox `inbox` with their claim times; returns how
     /// many were not there yet.
-    #[doc(hidden)]
-    pub fn import_inbox(&self, inbox: &str, keys: &[(String, DateTime<Utc>)]) -> Result<u64> {
+    pub(crate) fn import_inbox(
+        &self,
+        inbox: &str,
+        keys: &[(String, DateTime<Utc>)],
+    ) -> Result<u64> {
         wait(self.import_inbox_async(inbox, keys))
     }
 
     /// [`PgStore::import_inbox`], awaited.
-    #[doc(hidden)]
-    pub async fn import_inbox_async(
+    pub(crate) async fn import_inbox_async(
         &self,
         inbox: &str,
         keys: &[(String, DateTime<Utc>)],
@@ -79,14 +82,12 @@ impl PgStore {
     /// their `(destination, idempotency_key)`), and the ids of those not
     /// copied because a different row holds their id or their
     /// `(destination, idempotency_key)`.
-    #[doc(hidden)]
-    pub fn import_outbox(&self, records: &[OutboxRecord]) -> Result<(u64, Vec<OutboxId>)> {
+    pub(crate) fn import_outbox(&self, records: &[OutboxRecord]) -> Result<(u64, Vec<OutboxId>)> {
         wait(self.import_outbox_async(records))
     }
 
     /// [`PgStore::import_outbox`], awaited.
-    #[doc(hidden)]
-    pub async fn import_outbox_async(
+    pub(crate) async fn import_outbox_async(
         &self,
         records: &[OutboxRecord],
     ) -> Result<(u64, Vec<OutboxId>)> {
@@ -126,14 +127,15 @@ impl PgStore {
     /// or a pause in `states` gets them, unless the server already holds a
     /// row for it (copied by an earlier run, or changed on the server since:
     /// left alone). Returns how many were copied.
-    #[doc(hidden)]
-    pub fn import_destinations(&self, states: &[DestinationState]) -> Result<u64> {
+    pub(crate) fn import_destinations(&self, states: &[DestinationState]) -> Result<u64> {
         wait(self.import_destinations_async(states))
     }
 
     /// [`PgStore::import_destinations`], awaited.
-    #[doc(hidden)]
-    pub async fn import_destinations_async(&self, states: &[DestinationState]) -> Result<u64> {
+    pub(crate) async fn import_destinations_async(
+        &self,
+        states: &[DestinationState],
+    ) -> Result<u64> {
         let states: Vec<&DestinationState> = states
             .iter()
             .filter(|d| d.paused || !d.policy.is_unlimited())
@@ -183,8 +185,7 @@ impl PgStore {
     /// many were not there yet, and the `(tenant, key)` of those not copied
     /// because a row with another fence or fingerprint holds their key. A
     /// completed entry without its response (purged meanwhile) is skipped.
-    #[doc(hidden)]
-    pub fn import_idempotency(
+    pub(crate) fn import_idempotency(
         &self,
         rows: &[(KeyEntry, Option<ResponseRecord>)],
     ) -> Result<(u64, Vec<(String, String)>)> {
@@ -192,8 +193,7 @@ impl PgStore {
     }
 
     /// [`PgStore::import_idempotency`], awaited.
-    #[doc(hidden)]
-    pub async fn import_idempotency_async(
+    pub(crate) async fn import_idempotency_async(
         &self,
         rows: &[(KeyEntry, Option<ResponseRecord>)],
     ) -> Result<(u64, Vec<(String, String)>)> {
@@ -242,14 +242,16 @@ impl PgStore {
     /// outbox ids below `next_outbox_id`, fences below `next_fence`, its
     /// purged records' included — never back, so that the server never
     /// hands out an id or fence again that the source store did.
-    #[doc(hidden)]
-    pub fn import_counters(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
+    pub(crate) fn import_counters(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
         wait(self.import_counters_async(next_outbox_id, next_fence))
     }
 
     /// [`PgStore::import_counters`], awaited.
-    #[doc(hidden)]
-    pub async fn import_counters_async(&self, next_outbox_id: u64, next_fence: u64) -> Result<()> {
+    pub(crate) async fn import_counters_async(
+        &self,
+        next_outbox_id: u64,
+        next_fence: u64,
+    ) -> Result<()> {
         let last = |field, next: u64| {
             i64::try_from(next.saturating_sub(1))
                 .map_err(|_| Error::invalid(field, format!("{next} is beyond PostgreSQL's bigint")))

@@ -724,7 +724,7 @@ impl PgStoreBuilder {
             timeout: self.connection_timeout,
             epoch,
         });
-        crate::observe::describe_metrics();
+        crate::observe::describe_on_open();
         Ok(PgStore {
             outbox: PgOutbox::new(server.clone()),
             idempotency_counters: Arc::default(),

@@ -9,7 +9,11 @@ use parking_lot::Mutex;
 use redb::{BackendError, StorageBackend};
 
 /// What goes wrong on a [`FaultyDisk`].
+///
+/// May gain variants (`#[non_exhaustive]`): new kinds of failure to
+/// inject. A match on one needs a `_` arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Fault {
     /// A write returns an I/O error.
     FailWrite,

@@ -341,6 +341,9 @@ macro_rules! outbox_contract {
                                     Settlement::OutcomeUnknown { .. } => {
                                         OutboxStatus::OutcomeUnknown
                                     }
+                                    other => panic!(
+                                        "{ctx}: a settlement this test does not know: {other:?}"
+                                    ),
                                 };
                                 assert_eq!(after.entry.status, to, "{ctx}");
                             } else if repeat {

@@ -223,16 +223,9 @@ fn reserve(store: &Store) -> Reservation {
 }
 
 fn record(tenant: &str, key: &str, at: i64) -> ResponseRecord {
-    ResponseRecord {
-        tenant: tenant.into(),
-        idempotency_key: key.into(),
-        request_fingerprint: FP.into(),
-        response_status: 200,
-        content_type: Some("text/plain".into()),
-        headers: vec![("x-a".into(), "b".into())],
-        response_body: b"ok".to_vec(),
-        created_at: t(at),
-    }
+    ResponseRecord::new(tenant, key, FP, 200, b"ok".to_vec(), t(at))
+        .content_type("text/plain")
+        .header("x-a", "b")
 }
 
 /// Every patch of `input`, in order, in one write transaction.

@@ -12,11 +12,10 @@ use chrono::{DateTime, Utc};
 use idemstore::redb::{ReadableTable as _, TableDefinition, TableError};
 use idemstore::{
     Begin, Claim, Durability, Enqueued, Error, Fence, IdempotencyKeys, Inbox, KeyEntry, KeyState,
-    NewEntry, Outbox, OutboxId, OutboxRecord, OutboxStatus, Reservation, ResponseRecord,
-    Settlement, Store,
+    NewEntry, Outbox, OutboxId, OutboxStatus, Reservation, ResponseRecord, Settlement, Store,
 };
 
-use super::outbox_model::{Change, OutboxModel, Outcome, outcome};
+use super::outbox_model::{Change, Entry as ModelEntry, OutboxModel, Outcome, Record, outcome};
 use super::{MemoryFile, t};
 
 /// Most operations decoded from one input.
@@ -598,7 +597,8 @@ impl KeysModel {
         (before - self.rows.len()) as u64
     }
 
-    fn entries(&self) -> Vec<KeyEntry> {
+    /// Every row as [`key_row`] reads a listed one.
+    fn entries(&self) -> Vec<KeyRow> {
         self.rows
             .iter()
             .map(|((tenant, key), row)| match row {
@@ -607,30 +607,45 @@ impl KeysModel {
                     fence,
                     reserved_at,
                     lease_until,
-                } => KeyEntry {
-                    tenant: tenant.clone(),
-                    key: key.clone(),
-                    fingerprint: fingerprint.clone(),
-                    fence: *fence,
-                    state: KeyState::Reserved {
+                } => (
+                    tenant.clone(),
+                    key.clone(),
+                    fingerprint.clone(),
+                    *fence,
+                    KeyState::Reserved {
                         reserved_at: t(*reserved_at),
                         lease_until: t(*lease_until),
                     },
-                },
-                Row::Completed { record, fence } => KeyEntry {
-                    tenant: tenant.clone(),
-                    key: key.clone(),
-                    fingerprint: record.request_fingerprint.clone(),
-                    fence: *fence,
-                    state: KeyState::Completed {
+                ),
+                Row::Completed { record, fence } => (
+                    tenant.clone(),
+                    key.clone(),
+                    record.request_fingerprint.clone(),
+                    *fence,
+                    KeyState::Completed {
                         status: record.response_status,
                         body_len: record.response_body.len(),
                         created_at: record.created_at,
                     },
-                },
+                ),
             })
             .collect()
     }
+}
+
+/// A listed key's tenant, key, fingerprint, fence and state: what the
+/// model knows of a [`KeyEntry`], which only the store builds.
+type KeyRow = (String, String, String, u64, KeyState);
+
+/// What the model compares of a listed key.
+fn key_row(k: &KeyEntry) -> KeyRow {
+    (
+        k.tenant.clone(),
+        k.key.clone(),
+        k.fingerprint.clone(),
+        k.fence,
+        k.state.clone(),
+    )
 }
 
 // ---------------------------------------------------------------- driver
@@ -803,7 +818,12 @@ fn apply_outbox(h: &Harness, m: &mut OutboxModel, now: i64, op: &Op, stats: &mut
         Op::ClaimDue { limit, worker } => {
             let limit = usize::from(limit % 5);
             let worker = pick(&WORKERS, *worker);
-            let got = outbox.claim_due(t(now), limit, worker).expect("claim_due");
+            let got: Vec<ModelEntry> = outbox
+                .claim_due(t(now), limit, worker)
+                .expect("claim_due")
+                .iter()
+                .map(ModelEntry::from)
+                .collect();
             let want = m.claim(now, limit, worker);
             stats.claimed += want.len() as u64;
             assert_eq!(got, want, "claim_due {limit}");
@@ -950,16 +970,16 @@ fn apply_keys(h: &Harness, m: &mut Model, op: &Op, stats: &mut ModelStats) {
             fp,
             at,
         } => {
-            let record = ResponseRecord {
-                tenant: pick(&TENANTS, *tenant).to_owned(),
-                idempotency_key: pick(&IDEM_KEYS, *key).to_owned(),
-                request_fingerprint: pick(&FINGERPRINTS, *fp).to_owned(),
-                response_status: 201,
-                content_type: Some("text/plain".into()),
-                headers: vec![("x-fuzz".into(), format!("{at}"))],
-                response_body: b"put".to_vec(),
-                created_at: t(now + offset(*at)),
-            };
+            let record = ResponseRecord::new(
+                pick(&TENANTS, *tenant).to_owned(),
+                pick(&IDEM_KEYS, *key).to_owned(),
+                pick(&FINGERPRINTS, *fp).to_owned(),
+                201,
+                b"put".to_vec(),
+                t(now + offset(*at)),
+            )
+            .content_type("text/plain")
+            .header("x-fuzz", format!("{at}"));
             let got = keys.put(&record).expect("put");
             assert_eq!(got, m.keys.put(&record), "put {record:?}");
         }
@@ -1007,14 +1027,19 @@ fn verify(h: &Harness, m: &Model, what: &str) {
     // Outbox: every record, by command; counters; the due front; dedup.
     let outbox = &h.outbox;
     for cmd in COMMANDS {
-        let mut want: Vec<&OutboxRecord> = m
+        let mut want: Vec<&Record> = m
             .outbox
             .records
             .values()
             .filter(|r| r.entry.command_id == cmd)
             .collect();
         want.sort_by_key(|r| (r.entry.created_at, r.entry.id));
-        let got = outbox.list_for_command(cmd).expect("list_for_command");
+        let got: Vec<Record> = outbox
+            .list_for_command(cmd)
+            .expect("list_for_command")
+            .iter()
+            .map(Record::from)
+            .collect();
         assert_eq!(got.iter().collect::<Vec<_>>(), want, "after {what}: {cmd}");
     }
     assert_eq!(
@@ -1036,7 +1061,11 @@ fn verify(h: &Harness, m: &Model, what: &str) {
                 .get(&(dest.to_owned(), key.to_owned()))
                 .map(|id| m.outbox.records[id].clone());
             assert_eq!(
-                outbox.find(dest, key).expect("find"),
+                outbox
+                    .find(dest, key)
+                    .expect("find")
+                    .as_ref()
+                    .map(Record::from),
                 want,
                 "after {what}: find"
             );
@@ -1050,7 +1079,12 @@ fn verify(h: &Harness, m: &Model, what: &str) {
 
     // Idempotency keys: every row, and the expiry index.
     assert_eq!(
-        h.keys.list(None, usize::MAX).expect("keys list"),
+        h.keys
+            .list(None, usize::MAX)
+            .expect("keys list")
+            .iter()
+            .map(key_row)
+            .collect::<Vec<_>>(),
         m.keys.entries(),
         "after {what}: keys"
     );

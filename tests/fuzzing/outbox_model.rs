@@ -14,6 +14,103 @@ use idemstore::{
 
 use super::t;
 
+/// The model's outbox record: the fields of an [`OutboxRecord`], which
+/// only the store builds; [`Record::from`] reads a stored one into it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) entry: Entry,
+    pub(crate) claim: Option<ClaimBy>,
+    pub(crate) attempt_in_doubt: Option<ClaimBy>,
+    pub(crate) last_failure: Option<String>,
+    pub(crate) remote_ref: Option<String>,
+    pub(crate) attempts: Vec<AttemptView>,
+}
+
+/// The model's [`OutboxEntry`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) id: OutboxId,
+    pub(crate) command_id: String,
+    pub(crate) destination: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) status: OutboxStatus,
+    pub(crate) attempt_count: u32,
+    pub(crate) next_attempt_at: Option<DateTime<Utc>>,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) completed_at: Option<DateTime<Utc>>,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) priority: u8,
+}
+
+/// The model's [`OutboxClaim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ClaimBy {
+    pub(crate) worker_id: String,
+    pub(crate) claimed_at: DateTime<Utc>,
+}
+
+/// The model's [`AttemptRecord`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AttemptView {
+    pub(crate) attempt: u32,
+    pub(crate) at: DateTime<Utc>,
+    pub(crate) reason: String,
+    pub(crate) remote_ref: Option<String>,
+}
+
+impl From<&OutboxEntry> for Entry {
+    fn from(e: &OutboxEntry) -> Self {
+        Entry {
+            id: e.id,
+            command_id: e.command_id.clone(),
+            destination: e.destination.clone(),
+            idempotency_key: e.idempotency_key.clone(),
+            payload: e.payload.clone(),
+            status: e.status,
+            attempt_count: e.attempt_count,
+            next_attempt_at: e.next_attempt_at,
+            created_at: e.created_at,
+            completed_at: e.completed_at,
+            ordering_key: e.ordering_key.clone(),
+            priority: e.priority,
+        }
+    }
+}
+
+impl From<&OutboxClaim> for ClaimBy {
+    fn from(c: &OutboxClaim) -> Self {
+        ClaimBy {
+            worker_id: c.worker_id.clone(),
+            claimed_at: c.claimed_at,
+        }
+    }
+}
+
+impl From<&AttemptRecord> for AttemptView {
+    fn from(a: &AttemptRecord) -> Self {
+        AttemptView {
+            attempt: a.attempt,
+            at: a.at,
+            reason: a.reason.clone(),
+            remote_ref: a.remote_ref.clone(),
+        }
+    }
+}
+
+impl From<&OutboxRecord> for Record {
+    fn from(r: &OutboxRecord) -> Self {
+        Record {
+            entry: Entry::from(&r.entry),
+            claim: r.claim.as_ref().map(ClaimBy::from),
+            attempt_in_doubt: r.attempt_in_doubt.as_ref().map(ClaimBy::from),
+            last_failure: r.last_failure.clone(),
+            remote_ref: r.remote_ref.clone(),
+            attempts: r.attempts.iter().map(AttemptView::from).collect(),
+        }
+    }
+}
+
 /// How a single-entry call ended, as the model predicts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -56,8 +153,8 @@ pub(crate) fn failure_code(reason: &str) -> &str {
 
 /// Adds an attempt record to `r`'s history, keeping the last
 /// `MAX_ATTEMPT_HISTORY`.
-fn push_attempt(r: &mut OutboxRecord, at: i64, reason: &str, remote_ref: Option<String>) {
-    r.attempts.push(AttemptRecord {
+fn push_attempt(r: &mut Record, at: i64, reason: &str, remote_ref: Option<String>) {
+    r.attempts.push(AttemptView {
         attempt: r.entry.attempt_count,
         at: t(at),
         reason: reason.to_owned(),
@@ -70,7 +167,7 @@ fn push_attempt(r: &mut OutboxRecord, at: i64, reason: &str, remote_ref: Option<
 /// Everything the outbox should hold.
 #[derive(Default)]
 pub(crate) struct OutboxModel {
-    pub(crate) records: BTreeMap<u64, OutboxRecord>,
+    pub(crate) records: BTreeMap<u64, Record>,
     pub(crate) dedup: BTreeMap<(String, String), u64>,
     pub(crate) next_id: u64,
     /// When a claim last took an entry of each destination (seconds),
@@ -79,7 +176,7 @@ pub(crate) struct OutboxModel {
 }
 
 /// When a pending entry becomes due.
-pub(crate) fn due(e: &OutboxEntry) -> DateTime<Utc> {
+pub(crate) fn due(e: &Entry) -> DateTime<Utc> {
     e.next_attempt_at.unwrap_or(e.created_at)
 }
 
@@ -94,8 +191,8 @@ impl OutboxModel {
         self.dedup.insert(key, id);
         self.records.insert(
             id,
-            OutboxRecord {
-                entry: OutboxEntry {
+            Record {
+                entry: Entry {
                     id: OutboxId(id),
                     command_id: n.command_id.clone(),
                     destination: n.destination.clone(),
@@ -151,7 +248,7 @@ impl OutboxModel {
     /// A claim: the destinations whose turn has come, at most `limit` of
     /// them, in line order, one entry each per round (earliest due, then
     /// id), until `limit` entries or none left due.
-    pub(crate) fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<OutboxEntry> {
+    pub(crate) fn claim(&mut self, now: i64, limit: usize, worker: &str) -> Vec<Entry> {
         let mut line: Vec<String> = self
             .line()
             .into_iter()
@@ -182,7 +279,7 @@ impl OutboxModel {
                 let r = self.records.get_mut(&id).unwrap();
                 r.entry.status = OutboxStatus::Dispatching;
                 r.entry.attempt_count += 1;
-                r.claim = Some(OutboxClaim {
+                r.claim = Some(ClaimBy {
                     worker_id: worker.to_owned(),
                     claimed_at: t(now),
                 });

@@ -1,5 +1,5 @@
-//! `export STORE --jsonl`, and the pagers that walk a whole store a page
-//! at a time (`export` and `migrate` read through them).
+//! `export STORE --jsonl`, and the pagers that walk a whole store, a file
+//! or a PostgreSQL server's schema, a page at a time.
 
 use std::io::BufWriter;
 
@@ -63,21 +63,21 @@ pub(crate) fn export(store: &StoreHandle) -> Result<Outcome, Failure> {
     Ok(Outcome::Ok)
 }
 
-/// What a store holds, by kind of row: the size of an export or a copy,
-/// for its progress bar and report.
-pub(crate) struct Holdings {
+/// What a store holds, by kind of row: the size of an export, for its
+/// progress bar.
+struct Holdings {
     /// The inboxes' names.
-    pub(crate) inbox_names: Vec<String>,
+    inbox_names: Vec<String>,
     /// Keys, across every inbox.
-    pub(crate) inbox_keys: u64,
+    inbox_keys: u64,
     /// Outbox records.
-    pub(crate) outbox: u64,
+    outbox: u64,
     /// Idempotency records, completed and reserved.
-    pub(crate) keys: u64,
+    keys: u64,
 }
 
 impl Holdings {
-    pub(crate) fn read(store: &StoreHandle) -> Result<Holdings, Failure> {
+    fn read(store: &StoreHandle) -> Result<Holdings, Failure> {
         let inbox_names = store.inbox_names()?;
         let mut inbox_keys = 0;
         for name in &inbox_names {
@@ -92,7 +92,7 @@ impl Holdings {
         })
     }
 
-    pub(crate) fn total(&self) -> u64 {
+    fn total(&self) -> u64 {
         self.inbox_keys + self.outbox + self.keys
     }
 }
@@ -124,7 +124,7 @@ fn pages<T: Clone>(
 }
 
 /// An inbox's keys with their claim times, oldest first, `batch` a page.
-pub(crate) fn inbox_pages(
+fn inbox_pages(
     inbox: &InboxHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<(String, DateTime<Utc>)>, Failure>> + '_ {
@@ -134,7 +134,7 @@ pub(crate) fn inbox_pages(
 }
 
 /// Every outbox record by id, `batch` a page.
-pub(crate) fn outbox_pages(
+fn outbox_pages(
     outbox: &OutboxHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<OutboxRecord>, Failure>> + '_ {
@@ -149,7 +149,7 @@ pub(crate) fn outbox_pages(
 
 /// Every idempotency record in `(tenant, key)` order, each completed one
 /// with its stored response, `batch` a page.
-pub(crate) fn key_pages(
+fn key_pages(
     keys: &KeysHandle,
     batch: usize,
 ) -> impl Iterator<Item = Result<Vec<(KeyEntry, Option<ResponseRecord>)>, Failure>> + '_ {

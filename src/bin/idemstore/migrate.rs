@@ -1,15 +1,13 @@
 //! `idemstore migrate FILE --to-postgres URL`: a store file's rows into
 //! PostgreSQL.
 //!
-//! Reads the file through its public calls, page by page as `export` does
-//! (the same pagers, `commands::*_pages`), and writes each page in one
-//! transaction through the PostgreSQL store's import calls, which insert
-//! with `ON CONFLICT DO NOTHING` and keep outbox ids and fences as they
-//! are. A row already there from an
-//! earlier run is left alone; a record whose id or key a different row
-//! holds is a conflict: not copied, named on stderr, and the command
-//! exits 1. The server's id and fence sequences are first moved past every
-//! one the file handed out. Then counts both sides.
+//! The copy is the library's, `idemstore::migrate::to_postgres`: it reads
+//! the file page by page and writes each page in one transaction,
+//! inserting with `ON CONFLICT DO NOTHING` and keeping outbox ids and
+//! fences as they are, then counts both sides. This command opens the file
+//! and the server, shows the progress, and prints the report: a record
+//! whose id or key a different row holds is a conflict, named on stderr,
+//! and the command exits 1.
 
 use std::path::Path;
 
@@ -38,150 +36,114 @@ mod with_postgres {
     use super::{Failure, Outcome, Path};
 
     use idemstore::Error;
+    use idemstore::migrate::{self, MigrateOptions, MigrationReport, Tally};
     use idemstore::postgres::PgStore;
     use serde_json::json;
-
-    use crate::export::{Holdings, inbox_pages, key_pages, outbox_pages};
-    use crate::handle::StoreHandle;
 
     use crate::open_or;
     use crate::output::{bar, out, print_json};
 
-    /// How many conflicting records of a kind stderr names.
-    const NAMED: usize = 10;
-
-    /// One kind of row: how many the file holds, how many the server holds
-    /// afterwards, how many this run copied, how many it did not copy
-    /// because a different row holds their id or key (and the first few of
-    /// them, named).
-    #[derive(Default)]
-    struct Tally {
-        source: u64,
-        target: u64,
-        copied: u64,
-        conflicts: u64,
-        named: Vec<String>,
+    /// A kind's counts, in `--json`.
+    fn tally_json<C>(t: &Tally<C>) -> serde_json::Value {
+        json!({
+            "source": t.source,
+            "target": t.target,
+            "copied": t.copied,
+            "conflicts": t.conflicts,
+        })
     }
 
-    impl Tally {
-        fn json(&self) -> serde_json::Value {
-            json!({
-                "source": self.source,
-                "target": self.target,
-                "copied": self.copied,
-                "conflicts": self.conflicts,
-            })
+    /// `(N copied)`, with the conflicts when there are any.
+    fn copied_text<C>(t: &Tally<C>) -> String {
+        if t.conflicts == 0 {
+            format!("({} copied)", t.copied)
+        } else {
+            format!(
+                "({} copied, {} conflicting rows not copied)",
+                t.copied, t.conflicts
+            )
         }
+    }
 
-        /// Counts a batch's copies and conflicts.
-        fn add<T>(&mut self, (copied, conflicts): (u64, Vec<T>), name: impl Fn(&T) -> String) {
-            self.copied += copied;
-            self.conflicts += conflicts.len() as u64;
-            let room = NAMED.saturating_sub(self.named.len());
-            self.named.extend(conflicts.iter().take(room).map(name));
+    /// Names the conflicting records of kind `what` on stderr, each as
+    /// `name` writes it.
+    fn tell_conflicts<C>(t: &Tally<C>, what: &str, schema: &str, name: impl Fn(&C) -> String) {
+        if t.conflicts == 0 {
+            return;
         }
+        let more = if t.conflicts > t.conflicting.len() as u64 {
+            ", …"
+        } else {
+            ""
+        };
+        let named: Vec<String> = t.conflicting.iter().map(name).collect();
+        eprintln!(
+            "idemstore: error: {} {what} not copied: schema {schema} holds different rows \
+             with their ids or keys ({}{more})",
+            t.conflicts,
+            named.join(", ")
+        );
+    }
 
-        /// `(N copied)`, with the conflicts when there are any.
-        fn copied_text(&self) -> String {
-            if self.conflicts == 0 {
-                format!("({} copied)", self.copied)
-            } else {
-                format!(
-                    "({} copied, {} conflicting rows not copied)",
-                    self.copied, self.conflicts
-                )
-            }
-        }
-
-        /// Names the conflicting records of kind `what` on stderr.
-        fn tell_conflicts(&self, what: &str, schema: &str) {
-            if self.conflicts == 0 {
-                return;
-            }
-            let more = if self.conflicts > self.named.len() as u64 {
-                ", …"
-            } else {
-                ""
-            };
-            eprintln!(
-                "idemstore: error: {} {what} not copied: schema {schema} holds different rows \
-                 with their ids or keys ({}{more})",
-                self.conflicts,
-                self.named.join(", ")
+    /// Prints the report on stdout and the conflicts on stderr; `Findings`
+    /// if there were any.
+    fn print(report: &MigrationReport, file: &Path, schema: &str, json: bool) -> Outcome {
+        let MigrationReport {
+            inboxes,
+            outbox,
+            idempotency_keys: keys,
+            destinations,
+            ..
+        } = report;
+        if json {
+            print_json(&json!({
+                "file": file.display().to_string(),
+                "schema": schema,
+                "inboxes": {
+                    "names": inboxes.inboxes,
+                    "source": inboxes.source,
+                    "target": inboxes.target,
+                    "copied": inboxes.copied,
+                },
+                "outbox": tally_json(outbox),
+                "idempotency_keys": tally_json(keys),
+                "destinations": { "copied": destinations },
+            }));
+        } else {
+            out!("{} → PostgreSQL schema {schema}", file.display());
+            out!(
+                "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
+                inboxes.source,
+                inboxes.inboxes,
+                inboxes.target,
+                inboxes.copied
             );
+            out!(
+                "outbox: {} records → {} rows {}",
+                outbox.source,
+                outbox.target,
+                copied_text(outbox)
+            );
+            out!(
+                "idempotency keys: {} records → {} rows {}",
+                keys.source,
+                keys.target,
+                copied_text(keys)
+            );
+            out!("destinations: {destinations} policies or pauses copied");
         }
-    }
-
-    /// What a run copied, by kind of row.
-    struct Report {
-        /// How many inboxes the file holds.
-        names: usize,
-        inboxes: Tally,
-        outbox: Tally,
-        keys: Tally,
-        /// Destinations whose policy or pause was copied.
-        destinations: u64,
-    }
-
-    impl Report {
-        /// Prints the report on stdout and the conflicts on stderr; `Findings`
-        /// if there were any.
-        fn print(&self, file: &Path, schema: &str, json: bool) -> Outcome {
-            let Report {
-                names,
-                inboxes,
-                outbox,
-                keys,
-                destinations,
-            } = self;
-            if json {
-                print_json(&json!({
-                    "file": file.display().to_string(),
-                    "schema": schema,
-                    "inboxes": {
-                        "names": names,
-                        "source": inboxes.source,
-                        "target": inboxes.target,
-                        "copied": inboxes.copied,
-                    },
-                    "outbox": outbox.json(),
-                    "idempotency_keys": keys.json(),
-                    "destinations": { "copied": destinations },
-                }));
-            } else {
-                out!("{} → PostgreSQL schema {schema}", file.display());
-                out!(
-                    "inboxes: {} keys in {} inboxes → {} rows ({} copied)",
-                    inboxes.source,
-                    names,
-                    inboxes.target,
-                    inboxes.copied
-                );
-                out!(
-                    "outbox: {} records → {} rows {}",
-                    outbox.source,
-                    outbox.target,
-                    outbox.copied_text()
-                );
-                out!(
-                    "idempotency keys: {} records → {} rows {}",
-                    keys.source,
-                    keys.target,
-                    keys.copied_text()
-                );
-                out!("destinations: {destinations} policies or pauses copied");
-            }
-            outbox.tell_conflicts("outbox records", schema);
-            keys.tell_conflicts("idempotency records", schema);
-            if outbox.conflicts + keys.conflicts > 0 {
-                eprintln!(
-                    "idemstore: error: migrate into a new schema, or one that holds only \
-                     rows copied from this file"
-                );
-                return Outcome::Findings;
-            }
-            Outcome::Ok
+        tell_conflicts(outbox, "outbox records", schema, |id| format!("id {id}"));
+        tell_conflicts(keys, "idempotency records", schema, |(t, k)| {
+            format!("{t:?}/{k:?}")
+        });
+        if report.has_conflicts() {
+            eprintln!(
+                "idemstore: error: migrate into a new schema, or one that holds only \
+                 rows copied from this file"
+            );
+            return Outcome::Findings;
         }
+        Outcome::Ok
     }
 
     pub(crate) fn run(
@@ -207,66 +169,15 @@ mod with_postgres {
             builder = builder.schema(s);
         }
         let pg = builder.connect(url).map_err(|e| unusable(url, e))?;
-        let batch = usize::try_from(batch).unwrap_or(1000);
-        let source = StoreHandle::File(store.clone());
-        let holds = Holdings::read(&source)?;
-        // Ids and fences are never reused: the server's sequences go past
-        // every one the file handed out, its purged records' too.
-        pg.import_counters(
-            store.outbox().next_id()?,
-            store.idempotency_keys().next_fence()?,
-        )?;
-        let pb = bar(holds.total(), "copying");
-
-        let mut inboxes = Tally {
-            source: holds.inbox_keys,
-            ..Tally::default()
-        };
-        for name in &holds.inbox_names {
-            for page in inbox_pages(&source.inbox(name)?, batch) {
-                let page = page?;
-                inboxes.copied += pg.import_inbox(name, &page)?;
-                pb.inc(page.len() as u64);
-            }
-            inboxes.target += pg.inbox(name)?.len()?;
-        }
-
-        let mut outbox = Tally {
-            source: holds.outbox,
-            ..Tally::default()
-        };
-        for page in outbox_pages(&source.outbox(), batch) {
-            let page = page?;
-            outbox.add(pg.import_outbox(&page)?, |id| format!("id {id}"));
-            pb.inc(page.len() as u64);
-        }
-        outbox.target = pg.outbox().counts()?.total();
-        // Policies and pauses, which the entries' claims obey from then on.
-        let destinations = pg.import_destinations(&store.outbox().destinations()?)?;
-
-        let mut keys = Tally {
-            source: holds.keys,
-            ..Tally::default()
-        };
-        for page in key_pages(&source.keys(), batch) {
-            let page = page?;
-            keys.add(pg.import_idempotency(&page)?, |(t, k)| {
-                format!("{t:?}/{k:?}")
-            });
-            pb.inc(page.len() as u64);
-        }
-        let s = pg.idempotency_keys().summary()?;
-        keys.target = s.completed + s.reserved;
+        let options = MigrateOptions::new()
+            .batch_size(usize::try_from(batch).unwrap_or(migrate::DEFAULT_MIGRATE_BATCH));
+        let pb = bar(0, "copying");
+        let report = migrate::to_postgres(&store, &pg, &options, |p| {
+            pb.set_length(p.total);
+            pb.set_position(p.done);
+        })?;
         pb.finish_and_clear();
-
-        Ok(Report {
-            names: holds.inbox_names.len(),
-            inboxes,
-            outbox,
-            keys,
-            destinations,
-        }
-        .print(file, pg.schema(), json))
+        Ok(print(&report, file, pg.schema(), json))
     }
 
     /// Why the server at `url` could not be used, as told: a bad schema

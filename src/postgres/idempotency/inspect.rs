@@ -65,17 +65,20 @@ impl PgIdempotencyKeys {
         key_entries(&rows)
     }
 
-    /// Up to `limit` rows in `(tenant, key)` order, starting strictly after
-    /// `after` (the `(tenant, key)` of a previous page's last row): every
-    /// row, a page per statement, as the embedded store's `list_after`. For
-    /// `idemstore export` and the console's list of keys; not a stable API.
-    #[doc(hidden)]
+    /// One page of every row, for walking them all, as the embedded
+    /// store's [`IdempotencyKeys::list_after`](crate::IdempotencyKeys::list_after):
+    /// up to `limit` rows, completed responses and reservations alike
+    /// (expired ones too: a plain read that never deletes), in `(tenant,
+    /// key)` order — by tenant, then by key, comparing their bytes —
+    /// starting strictly after `after`, the `(tenant, key)` of the previous
+    /// page's last row (`None` for the first page; it need not exist any
+    /// more). Each page is one statement: rows written between pages may
+    /// or may not appear. A page shorter than `limit` is the last.
     pub fn list_after(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>> {
         wait(self.list_after_async(after, limit))
     }
 
     /// [`PgIdempotencyKeys::list_after`], awaited.
-    #[doc(hidden)]
     pub async fn list_after_async(
         &self,
         after: Option<(&str, &str)>,
