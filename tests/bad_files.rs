@@ -90,7 +90,13 @@ fn a_newer_format_version_is_incompatible() -> Result<()> {
             .insert("format_version", 99)?;
         tx.commit().map_err(idemstore::redb::Error::from)?;
     }
+    let before = std::fs::read(&path).map_err(Error::Io)?;
     let err = Store::open(&path).expect_err("format 99 must be refused");
+    assert_eq!(
+        std::fs::read(&path).map_err(Error::Io)?,
+        before,
+        "a refused newer file is not modified"
+    );
     match &err {
         Error::IncompatibleFormat { found, supported } => {
             assert!(found.contains("99"), "{found}");
@@ -321,8 +327,22 @@ fn a_store_in_use_by_another_process_is_refused() -> Result<()> {
         .unwrap()
         .contains("holding")
     {}
+    let before = std::fs::read(&path).unwrap();
     let err = Store::open(&path).expect_err("the file is held by the child");
     assert!(matches!(err, Error::AlreadyOpen { .. }), "{err:?}");
+    let shared_err = Store::builder()
+        .shared(true)
+        .open(&path)
+        .expect_err("a shared open of a file held alone is refused too");
+    assert!(
+        matches!(shared_err, Error::AlreadyOpen { shared: true, .. }),
+        "{shared_err:?}"
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "refused opens write nothing"
+    );
     assert!(err.to_string().contains("already open"), "{err}");
     child.kill().unwrap();
     child.wait().unwrap();
