@@ -397,6 +397,7 @@ impl DispatcherBuilder {
             lease: self.lease,
             stopping: AtomicBool::new(false),
             counters: Counters::new(self.janitor.is_some()),
+            send_time: worker::SendTime::default(),
         };
         Ok(Parts {
             ctx,

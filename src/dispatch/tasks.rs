@@ -572,11 +572,13 @@ impl Claimer {
             .is_some_and(|only| only.iter().all(|d| crowded.contains(d)))
     }
 
-    /// How many entries a claim may take: up to `workers + batch_size`
-    /// claimed, sends in flight included, not counting the waiting entries
-    /// of crowded destinations while they may not take a free slot (they
-    /// wait for their destination's share, and must not crowd out the
-    /// entries claimed ahead for the others).
+    /// How many entries a claim may take: up to `workers` plus what the
+    /// slots start within [`CLAIM_AHEAD`](worker::CLAIM_AHEAD) at the
+    /// measured send time (at most `batch_size`; as many as the slots
+    /// before the first send is timed) claimed, sends in flight included,
+    /// not counting the waiting entries of crowded destinations while they
+    /// may not take a free slot (they wait for their destination's share,
+    /// and must not crowd out the entries claimed ahead for the others).
     fn room(&self) -> usize {
         let crowded = self.busy.crowded(self.slots);
         let stuck = if self.others_idle(&crowded) {
@@ -588,7 +590,19 @@ impl Claimer {
                 .count()
         };
         let claimed = self.waiting.len() - stuck + self.sends.len();
-        (self.slots + self.ctx.batch_size).saturating_sub(claimed)
+        let ahead = self
+            .ctx
+            .send_time
+            .ahead(self.slots, self.ctx.batch_size, self.slots);
+        (self.slots + ahead).saturating_sub(claimed)
+    }
+
+    /// The slots no send and no waiting entry will take: the most entries
+    /// of a destination whose flow limits claims (a cap, a rate) a claim
+    /// may take, so that none of its slots waits here unstarted.
+    fn free_slots(&self) -> usize {
+        self.slots
+            .saturating_sub(self.sends.len() + self.waiting.len())
     }
 
     /// Starts a commit unless one runs or the claimer backs off: when sends
@@ -607,7 +621,9 @@ impl Claimer {
         let mut settlements = std::mem::take(&mut self.settlements);
         let limit = room;
         let avoided = self.busy.crowded(self.slots);
-        let request = ClaimRequest::new(limit, &*worker_id).avoid(avoided.clone());
+        let request = ClaimRequest::new(limit, &*worker_id)
+            .avoid(avoided.clone())
+            .limited(self.free_slots());
         // The step holds no thread while it waits for its commit.
         self.commit = Some(tokio::spawn(async move {
             let now = ctx.clock.now();

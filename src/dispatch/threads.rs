@@ -229,12 +229,15 @@ impl Share<'_> {
     /// The next claim of a worker busy with nothing: up to `limit`
     /// entries of one destination, avoiding those that hold their share of
     /// the workers (the store takes from them only if no other destination
-    /// has any entry to give).
+    /// has any entry to give), and one entry of a destination whose flow
+    /// limits claims (a cap, a rate): the worker sends its batch one entry
+    /// after the other, so a cap of N is N workers sending at once.
     fn request(&self, limit: usize, worker_id: &str) -> ClaimRequest {
         let crowded = self.busy.lock().crowded(self.workers);
         ClaimRequest::new(limit, worker_id)
             .one_destination()
             .avoid(crowded)
+            .limited(1)
     }
 }
 
@@ -254,7 +257,11 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, mut share: Share<'_>, stop:
     let mut settlements: Vec<(Fence, Settlement)> = Vec::new();
     while !ctx.stopping() {
         share.release();
-        let request = share.request(ctx.batch_size, worker_id);
+        // As many as this worker sends in about `CLAIM_AHEAD` (one before
+        // the first send is timed): what it holds unsent, another worker
+        // could not have started much sooner.
+        let limit = ctx.send_time.ahead(1, ctx.batch_size, 1).max(1);
+        let request = share.request(limit, worker_id);
         let Ok(entries) = claim_cycle(ctx, &mut settlements, &request) else {
             if !back_off(ctx, stop) {
                 break;

@@ -632,6 +632,7 @@ pub struct ClaimRequest {
     pub(crate) worker_id: String,
     pub(crate) avoid: Vec<String>,
     pub(crate) one_destination: bool,
+    pub(crate) limited: usize,
 }
 
 impl ClaimRequest {
@@ -642,6 +643,7 @@ impl ClaimRequest {
             worker_id: worker_id.into(),
             avoid: Vec::new(),
             one_destination: false,
+            limited: usize::MAX,
         }
     }
 
@@ -657,6 +659,20 @@ impl ClaimRequest {
     /// entries).
     pub fn one_destination(mut self) -> Self {
         self.one_destination = true;
+        self
+    }
+
+    /// Takes at most `n` entries of each destination whose flow limits
+    /// what a claim may take — a cap ([`DestinationPolicy::max_in_flight`]),
+    /// a rate ([`DestinationPolicy::rate_limit`]) or a circuit's probe —
+    /// however many it could take: the most sends of one destination the
+    /// claiming worker can start at once. A worker that sends its batch one
+    /// entry after the other asks for 1, so that a cap of N is N workers
+    /// sending at once, not one worker holding N claims and sending them in
+    /// turn. Destinations without a limit still give up to the whole
+    /// [`limit`](Self::limit). Default: no bound.
+    pub fn limited(mut self, n: usize) -> Self {
+        self.limited = n;
         self
     }
 

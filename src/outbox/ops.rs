@@ -119,7 +119,15 @@ fn claim_from(
     let mut out = Vec::new();
     if request.one_destination {
         for destination in t.flows.ready_at(now, ONE_DESTINATION_LOOKS, take)? {
-            take_from(t, &destination, limit, now, &change, &mut out)?;
+            take_from(
+                t,
+                &destination,
+                limit,
+                request.limited,
+                now,
+                &change,
+                &mut out,
+            )?;
             if !out.is_empty() {
                 break;
             }
@@ -133,7 +141,7 @@ fn claim_from(
             if out.len() >= limit {
                 break;
             }
-            if take_from(t, &destination, 1, now, &change, &mut out)? == 1 {
+            if take_from(t, &destination, 1, request.limited, now, &change, &mut out)? == 1 {
                 still.push(destination);
             }
         }
@@ -143,11 +151,13 @@ fn claim_from(
 }
 
 /// Claims up to `n` of `destination`'s entries due at `now`, within what
-/// its flow allows, into `out`; returns how many.
+/// its flow allows (and at most `limited` if its flow limits claims: see
+/// [`ClaimRequest::limited`]), into `out`; returns how many.
 fn take_from(
     t: &mut Tables<'_>,
     destination: &str,
-    n: usize,
+    mut n: usize,
+    limited: usize,
     now: i64,
     change: &Change,
     out: &mut Vec<OutboxEntry>,
@@ -157,6 +167,12 @@ fn take_from(
         let Allowance::Take { max, probe } = t.flows.rec(destination)?.flow.allowance(now) else {
             break;
         };
+        if max != u32::MAX || probe {
+            n = n.min(limited);
+            if taken >= n {
+                break;
+            }
+        }
         // Claiming an entry never queues another (the next of a sequence
         // waits for this one to finish), so the first `want` due now are
         // the ones a claim of one at a time would take.

@@ -107,8 +107,9 @@ struct Candidate {
 
 /// How many entries `flow` lets a claim at `now` take one after the
 /// other, at most `limit` (its allowance asked again after each, as the
-/// claim takes them).
-fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
+/// claim takes them), and at most `limited` if the flow limits what a
+/// claim takes ([`ClaimRequest::limited`]).
+fn capacity(flow: &Flow, now: i64, limit: usize, limited: usize) -> usize {
     let mut f = flow.clone();
     let mut n = 0;
     while n < limit {
@@ -118,7 +119,7 @@ fn capacity(flow: &Flow, now: i64, limit: usize) -> usize {
                 max: u32::MAX,
                 probe: false,
             } => return limit,
-            Allowance::Take { max, probe } if max > 0 => {
+            Allowance::Take { max, probe } if max > 0 && n < limited => {
                 f.claimed(1, 0, probe, now);
                 f.in_flight += 1;
                 n += 1;
@@ -364,7 +365,7 @@ impl PgOutbox {
             .iter()
             .filter_map(|c| {
                 let r = locked.get(&c.destination)?;
-                let n = capacity(&r.flow, now, limit);
+                let n = capacity(&r.flow, now, limit, request.limited);
                 (n > 0).then_some((c.destination.as_str(), n, c.priorities.as_slice()))
             })
             .collect();
