@@ -1,225 +1,45 @@
-//! A cap of N is N sends at once: with enough workers and N or more entries
-//! due, N sends of a capped destination are in flight together, and never
-//! N+1 — on worker threads and on tokio tasks, with several dispatchers on
-//! one store. And a dispatcher claims only what it can start: a slow
-//! dispatcher beside a fast one sends its share, not a batch it hoarded.
+//! A cap of N is N sends at once, on the embedded store: with enough
+//! workers and N or more entries due, N sends of a capped destination are
+//! in flight together, and never N+1 — on worker threads and on tokio
+//! tasks, with several dispatchers on one store. And a dispatcher claims
+//! only what it can start: a slow dispatcher beside a fast one sends its
+//! share, not a batch it hoarded. (`tests/dispatch_caps_pg.rs`: the same on
+//! PostgreSQL.)
 //!
 //! The sends sleep (they stand for a remote that takes that long); the
 //! assertions are on what the remote saw — how many sends were in flight
 //! at once, who sent what — never on how long anything took.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use idemstore::{DestinationPolicy, Outbox, Store};
 
-use chrono::Utc;
-use idemstore::{Delivery, DestinationPolicy, Dispatcher, NewEntry, Outbox, Result, Store};
+/// The store's folder, kept while a test runs.
+type Guard = tempfile::TempDir;
 
-/// A remote that counts the sends in flight and the most it saw at once.
-#[derive(Default)]
-struct Remote {
-    in_flight: AtomicUsize,
-    most: AtomicUsize,
-    sent: AtomicUsize,
-}
-
-impl Remote {
-    /// One send that takes `took`.
-    fn send(&self, took: Duration) -> Delivery {
-        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        self.most.fetch_max(now, Ordering::SeqCst);
-        std::thread::sleep(took);
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        Delivery::Delivered
-    }
-
-    fn most(&self) -> usize {
-        self.most.load(Ordering::SeqCst)
-    }
-}
-
-fn enqueue(outbox: &Outbox, destination: &str, n: usize) -> Result<()> {
-    outbox.enqueue_many(
-        (0..n).map(|i| NewEntry::new("cmd", destination, format!("{destination}-{i}"), vec![])),
-        Utc::now(),
-    )?;
-    Ok(())
-}
-
-/// Waits (polling the store, at most a minute) until `n` entries are
-/// completed.
-fn drained(outbox: &Outbox, n: u64) -> Result<()> {
-    for _ in 0..6000 {
-        if outbox.counts()?.completed >= n {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the outbox did not drain: {:?}", outbox.counts()?);
-}
-
-fn capped_store(cap: u32) -> Result<(tempfile::TempDir, Store)> {
+/// A fresh store file with no policy.
+fn fresh() -> idemstore::Result<Option<(Guard, Outbox)>> {
     let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
     let store = Store::open(dir.path().join("caps.idem"))?;
-    store
-        .outbox()
-        .set_destination_policy("api", DestinationPolicy::default().max_in_flight(cap))?;
-    Ok((dir, store))
+    Ok(Some((dir, store.outbox())))
 }
 
-#[test]
-fn two_thread_dispatchers_keep_a_cap_of_two_full_and_never_exceed_it() -> Result<()> {
-    let (_dir, store) = capped_store(2)?;
-    let outbox = store.outbox();
-    enqueue(&outbox, "api", 60)?;
-    let remote = Arc::new(Remote::default());
-    let start = |name: &str| {
-        let remote = remote.clone();
-        Dispatcher::builder(outbox.clone())
-            .workers(4)
-            .worker_id(name)
-            .start(move |_| remote.send(Duration::from_millis(15)))
+/// A fresh store file whose destination `api` has a cap of `cap`.
+fn capped(cap: u32) -> idemstore::Result<Option<(Guard, Outbox)>> {
+    let Some((dir, outbox)) = fresh()? else {
+        return Ok(None);
     };
-    let (a, b) = (start("a")?, start("b")?);
-    drained(&outbox, 60)?;
-    a.shutdown()?;
-    b.shutdown()?;
-    assert_eq!(
-        remote.most(),
-        2,
-        "a cap of 2 is two sends at once, never three"
-    );
-    assert_eq!(remote.sent.load(Ordering::SeqCst), 60);
-    Ok(())
+    outbox.set_destination_policy("api", DestinationPolicy::default().max_in_flight(cap))?;
+    Ok(Some((dir, outbox)))
 }
 
-#[test]
-fn one_thread_dispatcher_reaches_a_cap_of_four_with_eight_workers() -> Result<()> {
-    let (_dir, store) = capped_store(4)?;
-    let outbox = store.outbox();
-    enqueue(&outbox, "api", 200)?;
-    let remote = Arc::new(Remote::default());
-    let r = remote.clone();
-    let dispatcher = Dispatcher::builder(outbox.clone())
-        .workers(8)
-        .start(move |_| r.send(Duration::from_millis(10)))?;
-    drained(&outbox, 200)?;
-    dispatcher.shutdown()?;
-    assert_eq!(remote.most(), 4);
-    Ok(())
-}
+include!("dispatch_caps/cases.rs");
 
 #[test]
-fn a_slow_thread_dispatcher_beside_a_fast_one_sends_only_what_it_can_start() -> Result<()> {
-    let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
-    let store = Store::open(dir.path().join("hoard.idem"))?;
-    let outbox = store.outbox();
-    let (slow_sent, fast_sent) = (Arc::new(Remote::default()), Arc::new(Remote::default()));
-    let s = slow_sent.clone();
-    // The slow one first: it has the whole backlog to itself for a moment.
-    let slow = Dispatcher::builder(outbox.clone())
-        .workers(1)
-        .worker_id("slow")
-        .start(move |_| s.send(Duration::from_millis(100)))?;
-    // Its first send teaches it how long a send takes.
-    enqueue(&outbox, "warm", 1)?;
-    drained(&outbox, 1)?;
-    let f = fast_sent.clone();
-    let fast = Dispatcher::builder(outbox.clone())
-        .workers(4)
-        .worker_id("fast")
-        .start(move |_| f.send(Duration::ZERO))?;
-    enqueue(&outbox, "api", 200)?;
-    drained(&outbox, 201)?;
-    slow.shutdown()?;
-    fast.shutdown()?;
-    let slow = slow_sent.sent.load(Ordering::SeqCst) - 1;
-    assert!(
-        slow <= 20,
-        "the slow dispatcher sent {slow} of 200: it held claims the fast one could have sent"
-    );
-    assert_eq!(slow + fast_sent.sent.load(Ordering::SeqCst), 200);
-    Ok(())
+fn one_thread_dispatcher_of_eight_reaches_a_cap_of_four() -> Result<()> {
+    one_thread_dispatcher_reaches_a_cap_of_four_with_eight_workers()
 }
 
 #[cfg(feature = "tokio")]
-mod on_tokio {
-    use super::*;
-
-    /// An async send that takes `took` (on tokio's timer), counted by
-    /// `remote`.
-    async fn send(remote: Arc<Remote>, took: Duration) -> Delivery {
-        let now = remote.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        remote.most.fetch_max(now, Ordering::SeqCst);
-        tokio::time::sleep(took).await;
-        remote.in_flight.fetch_sub(1, Ordering::SeqCst);
-        remote.sent.fetch_add(1, Ordering::SeqCst);
-        Delivery::Delivered
-    }
-
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
-    #[test]
-    fn two_async_dispatchers_keep_a_cap_of_two_full_and_never_exceed_it() -> Result<()> {
-        let (_dir, store) = capped_store(2)?;
-        let outbox = store.outbox();
-        enqueue(&outbox, "api", 60)?;
-        let remote = Arc::new(Remote::default());
-        let rt = runtime();
-        let _guard = rt.enter();
-        let start = |name: &str| {
-            let remote = remote.clone();
-            Dispatcher::builder(outbox.clone())
-                .workers(4)
-                .worker_id(name)
-                .start_async(move |_| send(remote.clone(), Duration::from_millis(15)))
-        };
-        let (a, b) = (start("a")?, start("b")?);
-        drained(&outbox, 60)?;
-        rt.block_on(async {
-            a.shutdown().await?;
-            b.shutdown().await
-        })?;
-        assert_eq!(remote.most(), 2);
-        Ok(())
-    }
-
-    #[test]
-    fn a_slow_async_dispatcher_beside_a_fast_one_sends_only_what_it_can_start() -> Result<()> {
-        let dir = tempfile::tempdir().map_err(idemstore::Error::Io)?;
-        let store = Store::open(dir.path().join("hoard.idem"))?;
-        let outbox = store.outbox();
-        let (slow_sent, fast_sent) = (Arc::new(Remote::default()), Arc::new(Remote::default()));
-        let rt = runtime();
-        let _guard = rt.enter();
-        let s = slow_sent.clone();
-        let slow = Dispatcher::builder(outbox.clone())
-            .workers(1)
-            .worker_id("slow")
-            .start_async(move |_| send(s.clone(), Duration::from_millis(100)))?;
-        enqueue(&outbox, "warm", 1)?;
-        drained(&outbox, 1)?;
-        let f = fast_sent.clone();
-        let fast = Dispatcher::builder(outbox.clone())
-            .workers(4)
-            .worker_id("fast")
-            .start_async(move |_| send(f.clone(), Duration::ZERO))?;
-        enqueue(&outbox, "api", 200)?;
-        drained(&outbox, 201)?;
-        rt.block_on(async {
-            slow.shutdown().await?;
-            fast.shutdown().await
-        })?;
-        let slow = slow_sent.sent.load(Ordering::SeqCst) - 1;
-        assert!(slow <= 20, "the slow dispatcher sent {slow} of 200");
-        assert_eq!(slow + fast_sent.sent.load(Ordering::SeqCst), 200);
-        Ok(())
-    }
+#[test]
+fn one_async_dispatcher_of_eight_reaches_a_cap_of_three() -> Result<()> {
+    on_tokio::one_async_dispatcher_reaches_a_cap_of_three()
 }
