@@ -25,6 +25,14 @@
 //!   the drain's store work without the disk; a batch across destinations,
 //!   and a batch of one destination (what the dispatcher's workers claim
 //!   once it shares them fairly).
+//! - `caps`: flow control at full speed, on the embedded store. For caps
+//!   of 1, 4 and 16 and sends of 10 ms, the thread dispatcher (twice as
+//!   many workers as the cap, at least 4) and the async one (the same
+//!   number of slots) drain `50 × cap` entries of the capped destination:
+//!   the most sends seen in flight at once (the goal: the cap, never more)
+//!   and the drain rate as a fraction of `cap / 10 ms` (the goal: ≥ 0.9).
+//!   Then a rate limit of 200/s with bursts of 10, instant sends, 8
+//!   workers, 1,000 entries: the drain rate as a fraction of 200/s.
 //! - `hol`: head of line. Destination A's send takes 300 ms (a backlog of
 //!   400, enqueued first), B's 1 ms (1,500 entries), 8 workers: B's
 //!   delivery rate while A still has a backlog, beside B's rate with A
@@ -72,7 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let parts: Vec<&str> = args
         .iter()
         .map(String::as_str)
-        .filter(|a| ["drain", "claim", "cycle", "hol"].contains(a))
+        .filter(|a| ["drain", "claim", "cycle", "caps", "hol"].contains(a))
         .collect();
     let wants = |part: &str| parts.is_empty() || parts.contains(&part);
     println!(
@@ -105,10 +113,153 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if wants("cycle") {
         cycle()?;
     }
+    #[cfg(feature = "destinations")]
+    if wants("caps") {
+        caps::run()?;
+    }
     if wants("hol") {
         head_of_line(runs)?;
     }
     Ok(())
+}
+
+/// `caps`: see the file's docs.
+#[cfg(feature = "destinations")]
+mod caps {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use chrono::Utc;
+    use idemstore::{Delivery, DestinationPolicy, Dispatcher, NewEntry, Outbox, Store};
+
+    const SEND: Duration = Duration::from_millis(10);
+
+    /// Sends in flight now, and the most at once.
+    #[derive(Default)]
+    struct Gauge {
+        now: AtomicUsize,
+        most: AtomicUsize,
+    }
+
+    impl Gauge {
+        fn start(&self) {
+            let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(n, Ordering::SeqCst);
+        }
+
+        fn end(&self) {
+            self.now.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn fill(outbox: &Outbox, n: usize) -> Result<(), idemstore::Error> {
+        outbox.enqueue_many(
+            (0..n).map(|i| NewEntry::new("cmd", "api", format!("k{i}"), Vec::new())),
+            Utc::now(),
+        )?;
+        Ok(())
+    }
+
+    /// Blocks until `n` entries are completed; returns when.
+    fn drained(outbox: &Outbox, n: u64) -> Result<Instant, idemstore::Error> {
+        while outbox.counts()?.completed < n {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(Instant::now())
+    }
+
+    fn store(
+        dir: &std::path::Path,
+        name: &str,
+        policy: DestinationPolicy,
+    ) -> Result<Outbox, idemstore::Error> {
+        let outbox = Store::open(dir.join(name))?.outbox();
+        outbox.set_destination_policy("api", policy)?;
+        Ok(outbox)
+    }
+
+    pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        println!(
+            "\ncaps: sends of 10 ms, 50 × cap entries; goal: most = cap, rate ≥ 0.9 of cap/10 ms"
+        );
+        println!(
+            "{:>5} | {:>7} | {:>8} | {:>6} | {:>12}",
+            "cap", "runtime", "workers", "most", "rate / ideal"
+        );
+        for cap in [1usize, 4, 16] {
+            let workers = (2 * cap).max(4);
+            let n = 50 * cap;
+            let ideal = cap as f64 / SEND.as_secs_f64();
+            for runtime in ["threads", "tokio"] {
+                let name = format!("cap{cap}-{runtime}.idem");
+                let cap32 = u32::try_from(cap)?;
+                let outbox = store(
+                    dir.path(),
+                    &name,
+                    DestinationPolicy::default().max_in_flight(cap32),
+                )?;
+                fill(&outbox, n)?;
+                let gauge = Arc::new(Gauge::default());
+                let started = Instant::now();
+                let g = gauge.clone();
+                let builder = Dispatcher::builder(outbox.clone()).workers(workers);
+                let done = if runtime == "threads" {
+                    let d = builder.start(move |_| {
+                        g.start();
+                        std::thread::sleep(SEND);
+                        g.end();
+                        Delivery::Delivered
+                    })?;
+                    let done = drained(&outbox, n as u64)?;
+                    d.shutdown()?;
+                    done
+                } else {
+                    let rt = tokio::runtime::Runtime::new()?;
+                    let d = rt.block_on(async {
+                        builder.start_async(move |_| {
+                            let g = g.clone();
+                            async move {
+                                g.start();
+                                tokio::time::sleep(SEND).await;
+                                g.end();
+                                Delivery::Delivered
+                            }
+                        })
+                    })?;
+                    let done = drained(&outbox, n as u64)?;
+                    rt.block_on(d.shutdown())?;
+                    done
+                };
+                let rate = n as f64 / (done - started).as_secs_f64();
+                println!(
+                    "{cap:>5} | {runtime:>7} | {workers:>8} | {:>6} | {:>12.2}",
+                    gauge.most.load(Ordering::SeqCst),
+                    rate / ideal
+                );
+            }
+        }
+        let outbox = store(
+            dir.path(),
+            "rate.idem",
+            DestinationPolicy::default().rate_limit(200.0, 10),
+        )?;
+        fill(&outbox, 1000)?;
+        let started = Instant::now();
+        let d = Dispatcher::builder(outbox.clone())
+            .workers(8)
+            .start(|_| Delivery::Delivered)?;
+        let done = drained(&outbox, 1000)?;
+        d.shutdown()?;
+        // The burst is free: 990 entries at 200/s.
+        let rate = 990.0 / (done - started).as_secs_f64();
+        println!(
+            "rate limit 200/s, bursts of 10, 8 workers: {rate:.0}/s, {:.2} of the rate",
+            rate / 200.0
+        );
+        Ok(())
+    }
 }
 
 /// The number after `name` in `args`.
