@@ -337,9 +337,13 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Entries a worker claims at once (all of one destination: see [fair
-    /// sharing](crate::dispatch#fair-sharing)). With `start_async`: the
-    /// most entries claimed ahead of a free send slot. Default: 16.
+    /// The most entries a worker claims at once (all of one destination:
+    /// see [fair sharing](crate::dispatch#fair-sharing)). With
+    /// `start_async`: the most entries claimed ahead of a free send slot.
+    /// Within it, a claim takes about 2 ms of sends at the send time the
+    /// dispatcher measures (all of it when sends are fast; one entry when
+    /// a send takes 2 ms or more), and at most what the worker can start of
+    /// a destination with a cap or a rate. Default: 16.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self

@@ -140,7 +140,15 @@
 //!
 //! - **Concurrency cap** (`max_in_flight(n)`): at most `n` of its entries
 //!   `Dispatching` at once, counted from what the file holds, so a crashed
-//!   dispatcher's claims count until the reaper releases them.
+//!   dispatcher's claims count until the reaper releases them. A cap is a
+//!   promise of up to `n` sends *at once*, not only of at most `n`: a
+//!   claim takes no more of a destination whose flow limits claims (a cap,
+//!   a rate, a probe) than its worker can start
+//!   ([`ClaimRequest::limited`]) — one for a dispatcher's worker thread,
+//!   which sends its batch in turn; the free send slots for the async
+//!   dispatcher — so with `n` workers or more in all and `n` entries due,
+//!   `n` are in flight. Destinations without a limit are still claimed in
+//!   batches.
 //! - **Rate limit** (`rate_limit(per_second, burst)`): a token bucket kept
 //!   in the file; a claim takes only whole tokens, and
 //!   [`Outbox::next_due`] says when the next one comes, so an idle
