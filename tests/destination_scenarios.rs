@@ -619,6 +619,65 @@ fn each_keys_events_stay_in_order_across_a_kill_of_the_dispatching_process() -> 
 }
 
 #[test]
+fn a_killed_dispatchers_slots_come_back_at_the_reapers_pass_and_the_cap_fills_again() -> Result<()>
+{
+    const ENTRIES: u64 = 60;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("reaped.idem");
+    let store = shared().open(&path)?;
+    store
+        .outbox()
+        .set_destination_policy("capped", DestinationPolicy::default().max_in_flight(2))?;
+    store.outbox().enqueue_many(
+        (0..ENTRIES).map(|i| entry("capped", &format!("c{i}"))),
+        Utc::now(),
+    )?;
+    let remote = Remote::failing(0);
+    // The 10th send gets no answer: its process is killed holding both slots.
+    remote.lock().hang_at = Some(10);
+    let addr = serve(&remote);
+    let setup = Setup {
+        workers: 4,
+        batch_size: 16,
+        lease_ms: 10_000,
+        send_us: 20_000,
+        ahead_ms: 0,
+    };
+    let first = Dispatching::start(&path, &addr, "first", setup);
+    eventually("the 10th send hangs", || remote.lock().hung.is_some());
+    first.kill();
+    assert_eq!(
+        store.outbox().destination("capped")?.in_flight,
+        2,
+        "the dead one's claims hold the cap"
+    );
+    // The restarted process's clock is past the dead one's leases: its
+    // reaper releases them on its first pass.
+    let second = Dispatching::start(
+        &path,
+        &addr,
+        "second",
+        Setup {
+            ahead_ms: 11_000,
+            ..setup
+        },
+    );
+    all_completed(&store, ENTRIES);
+    second.stop();
+    let remote = remote.lock();
+    let most = |process: &str| remote.max_in_flight_by[&("capped".to_owned(), process.to_owned())];
+    assert_eq!(most("first"), 2, "the first process filled the cap");
+    assert_eq!(
+        most("second"),
+        2,
+        "the cap filled again once the reaper freed the slots"
+    );
+    assert_eq!(remote.max_in_flight["capped"], 2, "never three at once");
+    assert_eq!(store.outbox().destination("capped")?.in_flight, 0);
+    assert_indexes(&store)
+}
+
+#[test]
 fn a_pause_survives_a_restart_and_holds_in_every_process_until_resumed() -> Result<()> {
     const PAUSED: u64 = 50;
     const OTHER: u64 = 20;

@@ -41,6 +41,9 @@ pub(crate) struct Remote {
     begins: u64,
     in_flight: BTreeMap<String, u32>,
     pub(crate) max_in_flight: BTreeMap<String, u32>,
+    /// Sends in flight per `(destination, process)`, and the most at once.
+    in_flight_by: BTreeMap<(String, String), u32>,
+    pub(crate) max_in_flight_by: BTreeMap<(String, String), u32>,
     keys_in_flight: BTreeSet<String>,
     /// Per ordering key, how many of its events were delivered in order
     /// (the place of the next one).
@@ -81,6 +84,12 @@ impl Remote {
             .entry(send.destination.clone())
             .or_default();
         *max = (*max).max(flight);
+        let by = (send.destination.clone(), send.process.clone());
+        let mine = self.in_flight_by.entry(by.clone()).or_default();
+        *mine += 1;
+        let mine = *mine;
+        let most = self.max_in_flight_by.entry(by).or_default();
+        *most = (*most).max(mine);
         *self
             .sends
             .entry((send.destination.clone(), send.process.clone()))
@@ -133,6 +142,10 @@ impl Remote {
     /// The send ended without an answer (its process died).
     fn abandon(&mut self, send: &Send) {
         if let Some(n) = self.in_flight.get_mut(&send.destination) {
+            *n -= 1;
+        }
+        let by = (send.destination.clone(), send.process.clone());
+        if let Some(n) = self.in_flight_by.get_mut(&by) {
             *n -= 1;
         }
         if let Some((key, _)) = &send.ordered {
