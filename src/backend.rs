@@ -21,6 +21,15 @@
 //!
 //! The traits are sealed (implemented by this crate's handles only), so
 //! that a later version can add a call without breaking anyone.
+//!
+//! This module names only the value types of the calls: each backend
+//! implements the traits beside its handles (`store/backend.rs`,
+//! `postgres/backend.rs`), through the macros here, so that the dispatcher
+//! and the console, which use the traits, depend on neither backend.
+//!
+//! [`Outbox`]: crate::Outbox
+//! [`Inbox`]: crate::Inbox
+//! [`IdempotencyKeys`]: crate::IdempotencyKeys
 
 use std::fmt::Debug;
 
@@ -28,24 +37,20 @@ use chrono::{DateTime, Utc};
 use crossbeam_channel::Receiver;
 
 use crate::error::Result;
-use crate::idempotency::{
-    Begin, IdempotencyKeys, KeyEntry, KeySummary, Reservation, ResponseRecord,
-};
-use crate::inbox::Inbox;
+use crate::idempotency::{Begin, KeyEntry, KeySummary, Reservation, ResponseRecord};
 use crate::outbox::{
-    ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingChange, MatchingStep, Outbox,
+    ClaimRequest, DestinationPolicy, DestinationState, Fence, MatchingChange, MatchingStep,
     OutboxCounts, OutboxEntry, OutboxFilter, OutboxId, OutboxRecord, SettledAndClaimed, Settlement,
 };
-use crate::store::Store;
 
 /// An outbox a [`Dispatcher`](crate::Dispatcher) drives: its workers claim
 /// and settle, its reaper releases expired claims, its idle workers wait
 /// for [`next_due`](Self::next_due) or a [`subscribe`](Self::subscribe)
 /// signal, and a [`Janitor`](crate::Janitor) purges finished entries.
-/// Implemented by [`Outbox`] and `postgres::PgOutbox`; sealed.
+/// Implemented by [`Outbox`](crate::Outbox) and `postgres::PgOutbox`; sealed.
 ///
-/// Each call is the handle's method of the same name ([`Outbox::claim_due`],
-/// [`Outbox::settle`], …; `PgOutbox`'s on PostgreSQL), with the same
+/// Each call is the handle's method of the same name ([`Outbox::claim_due`](crate::Outbox::claim_due),
+/// [`Outbox::settle`](crate::Outbox::settle), …; `PgOutbox`'s on PostgreSQL), with the same
 /// guarantees. On PostgreSQL, [`subscribe`](Self::subscribe) hears the
 /// commits of every process (`LISTEN`), so a dispatcher in one process wakes
 /// when another enqueues.
@@ -105,21 +110,21 @@ pub trait OutboxBackend: Debug + Send + Sync + 'static + sealed::Outbox {
     fn subscribe(&self) -> Receiver<()>;
 }
 
-/// An inbox a [`Janitor`](crate::Janitor) prunes. Implemented by [`Inbox`]
+/// An inbox a [`Janitor`](crate::Janitor) prunes. Implemented by [`Inbox`](crate::Inbox)
 /// and `postgres::PgInbox`; sealed.
 pub trait InboxBackend: Debug + Send + Sync + 'static + sealed::Inbox {
     /// Removes the keys claimed strictly before `seen_before`
-    /// ([`Inbox::prune`]); returns how many.
+    /// ([`Inbox::prune`](crate::Inbox::prune)); returns how many.
     fn prune(&self, seen_before: DateTime<Utc>) -> Result<u64>;
 }
 
 /// Idempotency-key records the HTTP `IdempotencyLayer` (feature
 /// `middleware`) decides with, and a [`Janitor`](crate::Janitor) purges.
-/// Implemented by [`IdempotencyKeys`] and `postgres::PgIdempotencyKeys`;
+/// Implemented by [`IdempotencyKeys`](crate::IdempotencyKeys) and `postgres::PgIdempotencyKeys`;
 /// sealed.
 ///
 /// Each call is the handle's method of the same name
-/// ([`IdempotencyKeys::begin`], …), with the same guarantees, under the TTL
+/// ([`IdempotencyKeys::begin`](crate::IdempotencyKeys::begin), …), with the same guarantees, under the TTL
 /// and lease set on the handle.
 pub trait IdempotencyBackend: Debug + Send + Sync + 'static + sealed::Keys {
     /// Decides a request: proceed (reserved), replay, mismatch or in flight.
@@ -497,17 +502,14 @@ macro_rules! forward_to_handles {
         }
     };
 }
-#[cfg(feature = "postgres")]
 pub(crate) use forward_to_handles;
 
-forward_to_handles!(outbox: Outbox, inbox: Inbox, keys: IdempotencyKeys);
-
 /// What an operator reads and changes in an outbox, whatever the store: the
-/// operator console's view (feature `console`) and the CLI's. Implemented by [`Outbox`]
+/// operator console's view (feature `console`) and the CLI's. Implemented by [`Outbox`](crate::Outbox)
 /// and `postgres::PgOutbox`; sealed, as the traits above.
 ///
-/// Each call is the handle's method of the same name ([`Outbox::list`],
-/// [`Outbox::requeue`], …), with the same guarantees and errors.
+/// Each call is the handle's method of the same name ([`Outbox::list`](crate::Outbox::list),
+/// [`Outbox::requeue`](crate::Outbox::requeue), …), with the same guarantees and errors.
 pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     /// How many entries are in each status.
     fn counts(&self) -> Result<OutboxCounts>;
@@ -684,14 +686,11 @@ macro_rules! forward_admin {
         }
     };
 }
-#[cfg(feature = "postgres")]
 pub(crate) use forward_admin;
-
-forward_admin!(Outbox);
 
 /// What an operator reads and changes of a store's inboxes and
 /// idempotency keys, whatever the store: the operator console's view
-/// (feature `console`). Implemented by [`Store`] and `postgres::PgStore`;
+/// (feature `console`). Implemented by [`Store`](crate::Store) and `postgres::PgStore`;
 /// sealed, as the traits above.
 ///
 /// Each call is the method of the same name of the store's own handle,
@@ -699,38 +698,38 @@ forward_admin!(Outbox);
 /// [`Error::InvalidInput`](crate::Error::InvalidInput) or
 /// [`Error::TooLarge`](crate::Error::TooLarge), and writes nothing): the
 /// inbox calls are those of the handle
-/// [`Store::inbox`]`(name)` returns ([`Inbox::len`], [`Inbox::seen_at`]),
-/// the key calls those of [`Store::idempotency_keys`]'s handle
-/// ([`IdempotencyKeys::entry`], [`IdempotencyKeys::response`],
-/// [`IdempotencyKeys::summary`], [`IdempotencyKeys::release_key`], and
+/// [`Store::inbox`](crate::Store::inbox)`(name)` returns ([`Inbox::len`](crate::Inbox::len), [`Inbox::seen_at`](crate::Inbox::seen_at)),
+/// the key calls those of [`Store::idempotency_keys`](crate::Store::idempotency_keys)'s handle
+/// ([`IdempotencyKeys::entry`](crate::IdempotencyKeys::entry), [`IdempotencyKeys::response`](crate::IdempotencyKeys::response),
+/// [`IdempotencyKeys::summary`](crate::IdempotencyKeys::summary), [`IdempotencyKeys::release_key`](crate::IdempotencyKeys::release_key), and
 /// `list_after` for [`list_keys`](Self::list_keys)); on PostgreSQL,
 /// `PgStore`'s, `PgInbox`'s and `PgIdempotencyKeys`'s.
 pub trait StoreAdmin: Debug + Send + Sync + 'static + sealed::StoreAdmin {
     /// The names of the inboxes that hold at least one key, in name order
-    /// ([`Store::inbox_names`]).
+    /// ([`Store::inbox_names`](crate::Store::inbox_names)).
     fn inbox_names(&self) -> Result<Vec<String>>;
-    /// How many keys the inbox `name` holds ([`Inbox::len`]).
+    /// How many keys the inbox `name` holds ([`Inbox::len`](crate::Inbox::len)).
     fn inbox_len(&self, name: &str) -> Result<u64>;
     /// When `key` was claimed in the inbox `name`, if it was and was not
-    /// pruned since ([`Inbox::seen_at`]).
+    /// pruned since ([`Inbox::seen_at`](crate::Inbox::seen_at)).
     fn inbox_seen_at(&self, name: &str, key: &str) -> Result<Option<DateTime<Utc>>>;
     /// The idempotency record at `(tenant, key)`, completed or reserved,
-    /// whatever its age ([`IdempotencyKeys::entry`]).
+    /// whatever its age ([`IdempotencyKeys::entry`](crate::IdempotencyKeys::entry)).
     fn key(&self, tenant: &str, key: &str) -> Result<Option<KeyEntry>>;
     /// Up to `limit` idempotency records in `(tenant, key)` order, strictly
     /// after `after` (the `(tenant, key)` of a previous page's last row),
     /// from the first if `None` (the key handle's `list_after`).
     fn list_keys(&self, after: Option<(&str, &str)>, limit: usize) -> Result<Vec<KeyEntry>>;
     /// The completed response stored at `(tenant, key)`, whatever its age;
-    /// `None` for no record or a reservation ([`IdempotencyKeys::response`]).
+    /// `None` for no record or a reservation ([`IdempotencyKeys::response`](crate::IdempotencyKeys::response)).
     fn key_response(&self, tenant: &str, key: &str) -> Result<Option<ResponseRecord>>;
     /// How many records are completed and how many reserved, and the
-    /// oldest one's creation time ([`IdempotencyKeys::summary`]).
+    /// oldest one's creation time ([`IdempotencyKeys::summary`](crate::IdempotencyKeys::summary)).
     fn key_summary(&self) -> Result<KeySummary>;
     /// Gives up the reservation of `(tenant, key)` if it still holds fence
     /// token `fence`; whether it did. Never deletes a stored response nor
     /// frees another holder's reservation
-    /// ([`IdempotencyKeys::release_key`]).
+    /// ([`IdempotencyKeys::release_key`](crate::IdempotencyKeys::release_key)).
     fn release_key(&self, tenant: &str, key: &str, fence: u64) -> Result<bool>;
 }
 
@@ -780,7 +779,4 @@ macro_rules! forward_store_admin {
         }
     };
 }
-#[cfg(feature = "postgres")]
 pub(crate) use forward_store_admin;
-
-forward_store_admin!(Store);

@@ -533,7 +533,7 @@ fn postgres_kind(code: Option<&str>, source: &(dyn std::error::Error + 'static))
     // No answer: no pooled connection before the pool's timeout, a closed
     // connection, or an I/O error anywhere in the chain (the socket failed
     // underneath).
-    if source.is::<crate::postgres::NoConnection>() {
+    if source.is::<NoConnection>() {
         return ErrorKind::Unavailable;
     }
     if let Some(pg) = source.downcast_ref::<tokio_postgres::Error>()
@@ -599,6 +599,22 @@ impl From<redb::TableError> for Error {
         Error::Storage(e.into())
     }
 }
+
+/// The source of an [`Error::Postgres`] for no pooled connection in time
+/// (the pool's timeout), which [`ErrorKind`] reads as `Unavailable`.
+#[cfg(feature = "postgres")]
+#[derive(Debug)]
+pub(crate) struct NoConnection(pub(crate) String);
+
+#[cfg(feature = "postgres")]
+impl fmt::Display for NoConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl std::error::Error for NoConnection {}
 
 impl From<redb::Error> for Error {
     fn from(e: redb::Error) -> Self {

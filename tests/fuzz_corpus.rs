@@ -1,8 +1,13 @@
 //! The fuzz targets' logic under `cargo test`, on stable: every file of the
-//! committed seed corpus (`fuzz/seeds/{model,codec}/`) and of the committed
-//! corpus the fuzzer found (`fuzz/corpus-min/{model,codec}/`, minimised),
-//! and a batch of pseudo-random inputs, run through both targets.
+//! committed seed corpus (`fuzz/seeds/{model,codec}/`), files of the
+//! committed corpus the fuzzer found (`fuzz/corpus-min/{model,codec}/`,
+//! minimised), and a batch of pseudo-random inputs, run through both
+//! targets.
 //!
+//! `IDEMSTORE_FUZZ_CORPUS` says which files of the found corpus are
+//! replayed: by default a fixed sample, every [`DEFAULT_CORPUS_STEP`]th file
+//! by name (the whole corpus takes minutes in a debug build); `all` replays
+//! every file (CI does, in a release build), a number `n` every `n`th.
 //! `FUZZ_CORPUS_RANDOM` sets the number of pseudo-random inputs per target
 //! (default 60). `cargo test --test fuzz_corpus -- --ignored` rewrites the
 //! generated part of the seed corpus.
@@ -18,27 +23,89 @@ use fuzzing::{ModelStats, Rng, run_codec, run_model};
 
 const DEFAULT_RANDOM: usize = 60;
 
+/// One file in this many of the found corpus is replayed by default.
+const DEFAULT_CORPUS_STEP: usize = 16;
+
 fn seeds_dir(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fuzz/seeds")
         .join(target)
 }
 
-/// The inputs replayed for `target`: the seeds, and the corpus the fuzzer
-/// found and `cargo fuzz cmin` minimised (`fuzz/corpus-min/`, committed;
-/// absent for a target not fuzzed yet).
-fn seed_files(target: &str) -> Vec<PathBuf> {
-    let found = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus-min")
-        .join(target);
-    let mut files: Vec<PathBuf> = fs::read_dir(seeds_dir(target))
-        .expect("the seed corpus directory")
-        .chain(fs::read_dir(found).into_iter().flatten())
+/// Every `step`th file of the found corpus is replayed: `IDEMSTORE_FUZZ_CORPUS`
+/// (`all` is 1), [`DEFAULT_CORPUS_STEP`] by default.
+fn corpus_step() -> usize {
+    match std::env::var("IDEMSTORE_FUZZ_CORPUS") {
+        Ok(v) if v == "all" => 1,
+        Ok(v) => v.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| {
+            panic!("IDEMSTORE_FUZZ_CORPUS is `all` or a step above 0, not {v:?}")
+        }),
+        Err(_) => DEFAULT_CORPUS_STEP,
+    }
+}
+
+/// The files of `dir`, by name (none if it is absent).
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
         .map(|e| e.expect("a directory entry").path())
         .filter(|p| p.is_file())
         .collect();
     files.sort();
     files
+}
+
+/// The inputs replayed for `target`: every seed, and every
+/// [`corpus_step`]th file, by name, of the corpus the fuzzer found and
+/// `cargo fuzz cmin` minimised (`fuzz/corpus-min/`, committed; absent for a
+/// target not fuzzed yet).
+struct Inputs {
+    files: Vec<PathBuf>,
+    seeds: usize,
+    corpus: usize,
+    step: usize,
+}
+
+impl Inputs {
+    fn describe(&self) -> String {
+        format!(
+            "{} inputs ({} seeds, {} of the {} files of the found corpus: every {})",
+            self.files.len(),
+            self.seeds,
+            self.files.len() - self.seeds,
+            self.corpus,
+            match self.step {
+                1 => "file".to_owned(),
+                n => format!("{n}th by name"),
+            }
+        )
+    }
+}
+
+fn seed_files(target: &str) -> Inputs {
+    let seeds = seeds_dir(target);
+    assert!(
+        seeds.is_dir(),
+        "the seed corpus directory {}",
+        seeds.display()
+    );
+    let mut files = files_in(&seeds);
+    let seed_count = files.len();
+    let found = files_in(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fuzz/corpus-min")
+            .join(target),
+    );
+    let step = corpus_step();
+    let corpus = found.len();
+    files.extend(found.into_iter().step_by(step));
+    Inputs {
+        files,
+        seeds: seed_count,
+        corpus,
+        step,
+    }
 }
 
 fn random_inputs() -> usize {
@@ -67,20 +134,20 @@ fn print_stats(label: &str, stats: &ModelStats) {
 #[test]
 fn the_store_agrees_with_the_model_on_every_seed_and_the_seeds_reach_every_path() {
     let started = Instant::now();
-    let files = seed_files("model");
+    let inputs = seed_files("model");
     assert!(
-        files.len() >= 20,
+        inputs.seeds >= 20,
         "the model seed corpus has {} files",
-        files.len()
+        inputs.seeds
     );
     let mut total = ModelStats::default();
-    for f in &files {
+    for f in &inputs.files {
         println!("model seed {}", f.display());
         total.add(&run_model(&fs::read(f).expect("a seed file")));
     }
     common::report(&format!(
-        "fuzz model: {} seed executions in {:.2?}",
-        files.len(),
+        "fuzz model: {} replayed in {:.2?}",
+        inputs.describe(),
         started.elapsed()
     ));
     print_stats("model seeds reached", &total);
@@ -93,19 +160,19 @@ fn the_store_agrees_with_the_model_on_every_seed_and_the_seeds_reach_every_path(
 #[test]
 fn damaged_records_from_every_codec_seed_are_errors_not_panics() {
     let started = Instant::now();
-    let files = seed_files("codec");
+    let inputs = seed_files("codec");
     assert!(
-        files.len() >= 20,
+        inputs.seeds >= 20,
         "the codec seed corpus has {} files",
-        files.len()
+        inputs.seeds
     );
-    for f in &files {
+    for f in &inputs.files {
         println!("codec seed {}", f.display());
         run_codec(&fs::read(f).expect("a seed file"));
     }
     common::report(&format!(
-        "fuzz codec: {} seed executions in {:.2?}",
-        files.len(),
+        "fuzz codec: {} replayed in {:.2?}",
+        inputs.describe(),
         started.elapsed()
     ));
 }

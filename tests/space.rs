@@ -14,7 +14,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use idemstore::{Durability, NewEntry, Result, Settlement, Store};
 
 /// Entries (and inbox keys) cycled through by default.
-const DEFAULT_CYCLES: u64 = 20_000;
+const DEFAULT_CYCLES: u64 = 5_000;
 /// Entries or keys per commit.
 const BATCH: u64 = 250;
 /// The final size may be at most this many times the size after warm-up.

@@ -17,6 +17,10 @@ use crate::error::{Error, Result, check_len};
 /// The name errors give the idempotency rows (the embedded store's table).
 pub(crate) const RECORDS: &str = "idemstore.v1.idempotency";
 
+/// Default largest stored response body (and outbox payload): 1 MiB. Both
+/// backends' builders start from it (`max_body`).
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
 /// Longest idempotency key accepted, in bytes (keys are 1–255 bytes).
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 /// Longest tenant accepted, in bytes (tenants are 0–255 bytes; `""` is the

@@ -8,7 +8,7 @@
 use std::fmt::{Display, Write as _};
 use std::sync::Arc;
 
-use crate::error::Error;
+use crate::error::{Error, NoConnection};
 
 /// A server or client error, with the SQLSTATE the server answered with
 /// and its message (severity, message, detail and hint), so that the
@@ -47,18 +47,6 @@ pub(super) fn pool(reason: &str) -> Error {
         source: Arc::new(NoConnection(reason.to_owned())),
     }
 }
-
-/// The source of [`pool`]'s error: no connection in time.
-#[derive(Debug)]
-pub(crate) struct NoConnection(String);
-
-impl Display for NoConnection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for NoConnection {}
 
 /// `e`'s message followed by its sources' (the client's own messages say
 /// little without them: "error connecting to server: No such file or

@@ -202,13 +202,12 @@ use self::conn::{Conn, Manager, Mode, Params, PgConn, Pool};
 
 use crate::error::{Error, Result};
 use crate::idempotency::Counters;
-use crate::store::DEFAULT_MAX_BODY;
+use crate::idempotency::rules::DEFAULT_MAX_BODY;
 
 /// The PostgreSQL client this backend is built with, for the statements of
 /// your own (`idemstore::postgres::tokio_postgres::Transaction`, its
 /// `ToSql` types, …) at the version the store uses.
 pub use ::tokio_postgres;
-pub(crate) use errors::NoConnection;
 pub use idempotency::PgIdempotencyKeys;
 pub use inbox::PgInbox;
 pub use outbox::PgOutbox;

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use redb::{ReadableTable, StorageBackend};
 
+mod backend;
+
 use crate::engine::{Durability, Engine, EngineConfig};
 use crate::error::{Error, Result, panic_message};
 use crate::idempotency::IdempotencyKeys;
@@ -25,8 +27,7 @@ pub const DEFAULT_MAX_BATCH: usize = 1024;
 pub const DEFAULT_JOURNAL_SIZE: u64 = 4096;
 /// Default flush interval under [`Durability::None`]: 100 ms.
 pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
-/// Default largest stored response body (and outbox payload): 1 MiB.
-pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+pub use crate::idempotency::rules::DEFAULT_MAX_BODY;
 /// Default interval at which a shared store looks for other processes'
 /// commits: 5 ms.
 pub const DEFAULT_SHARED_POLL_INTERVAL: Duration = Duration::from_millis(5);
