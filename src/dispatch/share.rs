@@ -3,22 +3,18 @@
 //! with `start_async` its sends in flight).
 //!
 //! A dispatcher counts, per destination, the workers busy with it
-//! ([`Busy`]). A destination of weight `w` (its policy's
-//! [`weight`](crate::DestinationPolicy::weight), 1 by default) has a share
-//! of `workers` of `ceil(workers × w / max(W, w + 1))`, `W` the weights of
-//! the destinations busy now: its part among them in proportion to the
-//! weights, and while it is the only one busy, its part beside a newcomer
-//! of weight 1, so that the newcomer finds a worker free (and among
-//! several busy ones, each worker a fast destination hands back may go to
-//! a newcomer first in line). With every weight 1 that is
-//! `ceil(workers / max(busy destinations, 2))`. The destinations that hold
-//! their share are *crowded*; a claim asks the store to
-//! [avoid](crate::ClaimRequest::avoid) them, which it does only while
-//! another destination has something to give: a lone destination still
-//! gets every worker. When every busy destination is crowded and they hold
-//! unequal numbers of workers for their weights, the least loaded of them
-//! (workers per weight) are not crowded (among the busy ones, the next
-//! worker goes to the one that has the fewest for its weight).
+//! ([`Busy`]). A destination's share of `workers` is
+//! `ceil(workers / max(busy destinations, 2))`: an even part among the
+//! destinations busy now, and half while only one is, so that a newcomer
+//! finds a worker free (and among several busy ones, each worker a fast
+//! destination hands back may go to a newcomer first in line). The
+//! destinations that hold their share are *crowded*; a claim asks the
+//! store to [avoid](crate::ClaimRequest::avoid) them, which it does only
+//! while another destination has something to give: a lone destination
+//! still gets every worker. When every busy destination is crowded and
+//! they hold unequal numbers of workers, the least loaded of them are not
+//! crowded (among the busy ones, the next worker goes to the one that has
+//! the fewest).
 //!
 //! A slow destination's workers stay busy with it, a fast one's come back
 //! soon and claim again; the counts are of this dispatcher only (the store
@@ -26,12 +22,10 @@
 
 use std::collections::HashMap;
 
-/// Per destination, how many of a dispatcher's workers are busy with it,
-/// and the weights of the destinations that have one other than 1.
+/// Per destination, how many of a dispatcher's workers are busy with it.
 #[derive(Debug, Default)]
 pub(super) struct Busy {
     counts: HashMap<String, usize>,
-    weights: HashMap<String, u32>,
 }
 
 impl Busy {
@@ -61,16 +55,6 @@ impl Busy {
         self.counts.get(destination).copied().unwrap_or(0)
     }
 
-    /// Replaces the destinations' weights (those not named weigh 1).
-    pub(super) fn set_weights(&mut self, weights: impl IntoIterator<Item = (String, u32)>) {
-        self.weights = weights.into_iter().filter(|(_, w)| *w != 1).collect();
-    }
-
-    /// The weight of `destination` (1 unless set).
-    fn weight(&self, destination: &str) -> u64 {
-        u64::from(self.weights.get(destination).copied().unwrap_or(1).max(1))
-    }
-
     /// The destinations that hold their share of `workers` (see the
     /// module's docs), in no particular order.
     pub(super) fn crowded(&self, workers: usize) -> Vec<String> {
@@ -78,30 +62,21 @@ impl Busy {
         if busy == 0 {
             return Vec::new();
         }
-        let all: u64 = self.counts.keys().map(|d| self.weight(d)).sum();
-        let workers = workers as u64;
-        let share = |w: u64| -> u64 { (workers * w).div_ceil(all.max(w + 1)).max(1) };
-        // Each crowded one with its load: workers per weight, as a
-        // fraction `n / w` compared by cross-multiplying.
-        let mut crowded: Vec<(&String, u64, u64)> = self
+        let share = workers.div_ceil(busy.max(2)).max(1);
+        let mut crowded: Vec<(&String, usize)> = self
             .counts
             .iter()
-            .map(|(d, n)| (d, *n as u64, self.weight(d)))
-            .filter(|(_, n, w)| *n >= share(*w))
+            .filter(|(_, n)| **n >= share)
+            .map(|(d, n)| (d, *n))
             .collect();
         if crowded.len() == busy {
-            let lighter = |a: &(&String, u64, u64), b: &(&String, u64, u64)| a.1 * b.2 < b.1 * a.2;
-            let least = crowded
-                .iter()
-                .copied()
-                .reduce(|a, b| if lighter(&b, &a) { b } else { a });
-            if let Some(least) = least
-                && crowded.iter().any(|c| lighter(&least, c))
-            {
-                crowded.retain(|c| lighter(&least, c));
+            let least = crowded.iter().map(|(_, n)| *n).min().unwrap_or(0);
+            let most = crowded.iter().map(|(_, n)| *n).max().unwrap_or(0);
+            if least < most {
+                crowded.retain(|(_, n)| *n > least);
             }
         }
-        crowded.into_iter().map(|(d, ..)| d.clone()).collect()
+        crowded.into_iter().map(|(d, _)| d.clone()).collect()
     }
 }
 
@@ -145,32 +120,6 @@ mod tests {
         );
         // One worker: its share is always 1.
         assert_eq!(crowded(&busy(&[("a", 1)]), 1), ["a"]);
-    }
-
-    #[test]
-    fn weights_share_the_workers_in_proportion() {
-        let weighted = |counts: &[(&str, usize)], weights: &[(&str, u32)], workers| {
-            let mut b = busy(counts);
-            b.set_weights(weights.iter().map(|(d, w)| ((*d).to_owned(), *w)));
-            crowded(&b, workers)
-        };
-        // 3:1 over 8 workers: shares of 6 and 2.
-        let w = [("a", 3), ("b", 1)];
-        assert!(weighted(&[("a", 5), ("b", 1)], &w, 8).is_empty());
-        assert_eq!(weighted(&[("a", 6), ("b", 1)], &w, 8), ["a"]);
-        assert_eq!(weighted(&[("a", 5), ("b", 2)], &w, 8), ["b"]);
-        // Both at their shares: both crowded (loads 6/3 and 2/1 are equal).
-        assert_eq!(weighted(&[("a", 6), ("b", 2)], &w, 8), ["a", "b"]);
-        // Both past them unequally for their weights: the lighter is not.
-        assert_eq!(weighted(&[("a", 7), ("b", 3)], &w, 8), ["b"]);
-        // Alone, a destination of weight 3 leaves a quarter for a newcomer.
-        assert!(weighted(&[("a", 5)], &w, 8).is_empty());
-        assert_eq!(weighted(&[("a", 6)], &w, 8), ["a"]);
-        // Weights of 1 are the unweighted rule.
-        assert_eq!(
-            weighted(&[("a", 4), ("b", 3)], &[("a", 1), ("b", 1)], 8),
-            crowded(&busy(&[("a", 4), ("b", 3)]), 8)
-        );
     }
 
     #[test]
