@@ -59,9 +59,11 @@
 //!
 //! An axum handler that claims a webhook, applies its effect and enqueues
 //! an outbox entry in one commit, without blocking the runtime: the store
-//! call runs on tokio's blocking pool (see [the crate
-//! docs](crate#calls-block-from-async-code-use-the-blocking-pool)). It needs
-//! no feature of idemstore, only `axum`, `tokio` and `tower` of your own.
+//! call runs on tokio's blocking pool. It needs no feature of idemstore,
+//! only `axum`, `tokio` and `tower` of your own. (With the feature `tokio`,
+//! [`Store::write_async`](https://docs.rs/idemstore/latest/idemstore/struct.Store.html#method.write_async)
+//! runs the same closure and waits for its fsync without holding a pool
+//! thread: see [the crate docs](crate).)
 //!
 //! ```
 //! use axum::body::{Body, Bytes};
