@@ -86,7 +86,7 @@ impl StorageBackend for Disk {
     fn sync_data(&self) -> Result<(), BackendError> {
         let n = self.syncs.fetch_add(1, Ordering::SeqCst) + 1;
         if n == self.fail_at.load(Ordering::SeqCst) {
-            return Err(io::Error::other("injected sync failure"));
+            return Err(io::Error::other("injected sync failure").into());
         }
         self.inner.sync_data()
     }
