@@ -174,11 +174,14 @@ fn a_rate_limit_holds_across_two_dispatching_processes() -> Result<()> {
         "200 sends took {took:.3} s, expected 9.75 s ± 10%"
     );
     // No stretch of time saw more than the bucket allows, give or take
-    // four sends: a send begins after its claim's commit, which may wait
-    // for the file's writer (the bucket counts by the claim's own `now`).
+    // eight sends: a send begins after its claim's commit, which may wait
+    // for the file's writer (the bucket counts by the claim's own `now`),
+    // and each of the four workers claims one token per commit, so under a
+    // loaded machine a send may begin up to ~400 ms (8 tokens) after its
+    // token was taken.
     for (i, &from) in begun.iter().enumerate() {
         for (j, &to) in begun.iter().enumerate().skip(i) {
-            let allowed = 5.0 + 20.0 * (to - from) as f64 / 1e6 + 4.0;
+            let allowed = 5.0 + 20.0 * (to - from) as f64 / 1e6 + 8.0;
             assert!(
                 (j - i + 1) as f64 <= allowed,
                 "{} sends in {} µs",
