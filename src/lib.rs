@@ -153,7 +153,7 @@
 //! # #[cfg(feature = "tokio")]
 //! # fn main() -> idemstore::Result<()> {
 //! # use with_tokio::on_delivery;
-//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(idemstore::Error::Io)?;
 //! let inbox = idemstore::Store::in_memory()?.inbox("webhooks")?;
 //! assert!(rt.block_on(on_delivery(&inbox, "evt_1"))?);
 //! assert!(!rt.block_on(on_delivery(&inbox, "evt_1"))?);
