@@ -769,10 +769,7 @@ mod tests {
         /// The pool's error when no connection came free before its
         /// timeout.
         fn pool_timeout() -> Source {
-            let Error::Postgres { source, .. } = crate::postgres::no_connection("timed out") else {
-                unreachable!()
-            };
-            source
+            Arc::new(super::super::NoConnection("timed out".into()))
         }
 
         /// An error with an I/O error under it.

@@ -522,13 +522,6 @@ impl Server {
     }
 }
 
-/// [`Error::Postgres`] for no pooled connection in time, as the pool
-/// reports it (for the error's own tests).
-#[cfg(test)]
-pub(crate) fn no_connection(reason: &str) -> Error {
-    errors::pool(reason)
-}
-
 /// How a [`Server::write_once`] closure ends its transaction.
 pub(crate) enum Finish<T> {
     /// Commit, then answer `T`.
