@@ -24,7 +24,7 @@ use fuzzing::{ModelStats, Rng, run_codec, run_model};
 const DEFAULT_RANDOM: usize = 60;
 
 /// One file in this many of the found corpus is replayed by default.
-const DEFAULT_CORPUS_STEP: usize = 16;
+const DEFAULT_CORPUS_STEP: usize = 32;
 
 fn seeds_dir(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -70,14 +70,14 @@ struct Inputs {
 impl Inputs {
     fn describe(&self) -> String {
         format!(
-            "{} inputs ({} seeds, {} of the {} files of the found corpus: every {})",
+            "{} inputs ({} seeds, {} of the {} files of the found corpus: {})",
             self.files.len(),
             self.seeds,
             self.files.len() - self.seeds,
             self.corpus,
             match self.step {
-                1 => "file".to_owned(),
-                n => format!("{n}th by name"),
+                1 => "every file".to_owned(),
+                n => format!("one in {n}, by name"),
             }
         )
     }
