@@ -621,6 +621,100 @@ mod destinations_pg {
         Ok(())
     }
 
+    /// Two capped destinations, `a` and `b`, two entries due in each.
+    fn two_capped(f: &Fixture) -> Result<Ob, idemstore::Error> {
+        let outbox = f.store.outbox();
+        for d in ["a", "b"] {
+            outbox.set_destination_policy(d, DestinationPolicy::default().max_in_flight(5))?;
+            for i in 0..2 {
+                outbox.enqueue(NewEntry::new("c", d, format!("{d}{i}"), vec![0]), t(0))?;
+            }
+        }
+        Ok(outbox)
+    }
+
+    /// Locks the flow rows of `destinations` in a transaction of `client`
+    /// (as a claim or a settlement in another process does).
+    fn hold_flows<'c>(
+        f: &Fixture,
+        client: &'c mut postgres::Client,
+        destinations: &[&str],
+    ) -> Result<postgres::Transaction<'c>, idemstore::Error> {
+        let mut tx = client.transaction()?;
+        let names: Vec<&[u8]> = destinations.iter().map(|d| d.as_bytes()).collect();
+        let held = tx.query(
+            &format!(
+                "SELECT destination FROM {}.destinations WHERE destination = ANY($1) FOR UPDATE",
+                f.schema
+            ),
+            &[&names],
+        )?;
+        assert_eq!(held.len(), destinations.len());
+        Ok(tx)
+    }
+
+    /// The claim's keys, sorted.
+    fn keys(entries: &[idemstore::OutboxEntry]) -> Vec<String> {
+        let mut keys: Vec<String> = entries.iter().map(|e| e.idempotency_key.clone()).collect();
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn a_claim_leaves_a_flow_another_transaction_holds_when_another_gives() -> TestResult {
+        let f = fixture!();
+        let outbox = two_capped(&f)?;
+        let mut client = f.client();
+        let held = hold_flows(&f, &mut client, &["a"])?;
+        // `a` is another's for now: `b` gives, without waiting for `a`.
+        let got = outbox.claim_due(t(1), 8, "w")?;
+        assert_eq!(keys(&got), ["b0", "b1"]);
+        held.commit()?;
+        assert_eq!(keys(&outbox.claim_due(t(1), 8, "w")?), ["a0", "a1"]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_claim_that_would_take_nothing_waits_for_the_flows_another_transaction_holds() -> TestResult
+    {
+        let f = fixture!();
+        let outbox = two_capped(&f)?;
+        let mut client = f.client();
+        let held = hold_flows(&f, &mut client, &["a", "b"])?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| -> TestResult {
+            let outbox = &outbox;
+            s.spawn(move || tx.send(outbox.claim_due(t(1), 8, "w")));
+            // The claim waits for the rows' holder, on the server.
+            let mut watcher = f.client();
+            let mut waiting = 0;
+            // (This schema's statements only: other tests share the server.)
+            let waiting_here = format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND position('{}.' in query) > 0",
+                f.schema
+            );
+            for _ in 0..500 {
+                waiting = watcher.query_one(&waiting_here, &[])?.get::<_, i64>(0);
+                if waiting > 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert_eq!(waiting, 1, "the claim waits for the held flows");
+            assert!(
+                rx.try_recv().is_err(),
+                "the claim answered while both flows were held"
+            );
+            held.commit()?;
+            let got = rx.recv().expect("the claim answers")?;
+            assert_eq!(keys(&got), ["a0", "a1", "b0", "b1"]);
+            Ok(())
+        })?;
+        assert_eq!(outbox.destination("a")?.counts.dispatching, 2);
+        Ok(())
+    }
+
     #[test]
     fn a_freed_slot_or_the_next_of_a_sequence_wakes_another_processs_dispatchers() -> TestResult {
         let f = fixture!();

@@ -31,15 +31,7 @@ fn capped(cap: u32) -> idemstore::Result<Option<(Guard, Outbox)>> {
     Ok(Some((dir, outbox)))
 }
 
+/// A send of the cases with more workers than the cap.
+const SEND: std::time::Duration = std::time::Duration::from_millis(10);
+
 include!("dispatch_caps/cases.rs");
-
-#[test]
-fn one_thread_dispatcher_of_eight_reaches_a_cap_of_four() -> Result<()> {
-    one_thread_dispatcher_reaches_a_cap_of_four_with_eight_workers()
-}
-
-#[cfg(feature = "tokio")]
-#[test]
-fn one_async_dispatcher_of_eight_reaches_a_cap_of_three() -> Result<()> {
-    on_tokio::one_async_dispatcher_reaches_a_cap_of_three()
-}

@@ -2,8 +2,9 @@
 // `tests/dispatch_caps_pg.rs` (PostgreSQL): each test binary defines
 // `capped(cap) -> Option<(Guard, Outbox)>`, a fresh store whose destination
 // `api` has a cap of `cap` (`None`: skip), and `fresh()`, one with no
-// policy, then includes this file. The cases of one dispatcher with more
-// workers than the cap are plain functions, each binary's tests.
+// policy, and `SEND`, how long a send of the cases with more workers than
+// the cap takes: long beside a claim's commit, so that every slot is
+// sending at some moment. Then it includes this file.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -84,8 +85,8 @@ fn two_thread_dispatchers_keep_a_cap_of_two_full_and_never_exceed_it() -> Result
 }
 
 /// One thread dispatcher of eight workers, a cap of four: four at once.
-/// (Each test binary declares the test: see its docs.)
-fn one_thread_dispatcher_reaches_a_cap_of_four_with_eight_workers() -> Result<()> {
+#[test]
+fn one_thread_dispatcher_of_eight_reaches_a_cap_of_four() -> Result<()> {
     let Some((_guard, outbox)) = capped(4)? else {
         return Ok(());
     };
@@ -94,7 +95,7 @@ fn one_thread_dispatcher_reaches_a_cap_of_four_with_eight_workers() -> Result<()
     let r = remote.clone();
     let dispatcher = Dispatcher::builder(outbox.clone())
         .workers(8)
-        .start(move |_| r.send(Duration::from_millis(10)))?;
+        .start(move |_| r.send(SEND))?;
     drained(&outbox, 200)?;
     dispatcher.shutdown()?;
     assert_eq!(remote.most(), 4);
@@ -184,8 +185,9 @@ mod on_tokio {
     }
 
     /// One async dispatcher of eight workers, a cap of three: three at
-    /// once. (Each test binary declares the test: see its docs.)
-    pub(super) fn one_async_dispatcher_reaches_a_cap_of_three() -> Result<()> {
+    /// once.
+    #[test]
+    fn one_async_dispatcher_of_eight_reaches_a_cap_of_three() -> Result<()> {
         let Some((_guard, outbox)) = capped(3)? else {
             return Ok(());
         };
@@ -196,7 +198,7 @@ mod on_tokio {
         let r = remote.clone();
         let dispatcher = Dispatcher::builder(outbox.clone())
             .workers(8)
-            .start_async(move |_| send(r.clone(), Duration::from_millis(10)))?;
+            .start_async(move |_| send(r.clone(), SEND))?;
         drained(&outbox, 90)?;
         rt.block_on(dispatcher.shutdown())?;
         assert_eq!(remote.most(), 3);

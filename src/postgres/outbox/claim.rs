@@ -15,9 +15,13 @@
 //!    `limit`, or one at a time for a one-destination claim) are created
 //!    if missing and locked `FOR UPDATE SKIP LOCKED` in name order: a
 //!    destination another claimer is taking from (or a settlement is
-//!    changing) is left to it. Their in-flight counts are counted again
-//!    under the lock, so that every claim committed before is in them:
-//!    caps, tokens and probes hold exactly across processes.
+//!    changing) is left to it. If that leaves the claim empty-handed, it
+//!    lets its locks go (a savepoint) and locks the same rows again, this
+//!    time waiting for their holders' commits, in name order: many workers
+//!    on one capped destination fill its cap, one claim after the other.
+//!    Their in-flight counts are counted again under the lock, so that
+//!    every claim committed before is in them: caps, tokens and probes hold
+//!    exactly across processes.
 //! 3. **The entries.** Each destination gives what its flow allows at
 //!    `now` (`Flow::allowance`, taken one by one as the embedded store
 //!    does), highest priority first, then earliest due, then id (one
@@ -26,7 +30,7 @@
 //!    `limit`, in one `UPDATE`, and writes each flow back
 //!    (`Flow::claimed`, `served_at`).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
@@ -247,7 +251,8 @@ impl PgOutbox {
     /// Concurrent claimers, in any process, never get the same entry, and
     /// every limit holds across all of them: each destination's row is
     /// locked for the claim, and a destination another claimer holds is
-    /// left to it. Costs one index descent per destination with claimable
+    /// left to it, unless the claim would otherwise take nothing: then it
+    /// waits for that claimer's commit and takes what is left. Costs one index descent per destination with claimable
     /// entries plus O(limit · log n), whatever the backlog. A call that
     /// returns `Err` claimed nothing, unless the connection was lost once
     /// its `COMMIT` was sent: then the entries may have been claimed, and
@@ -350,27 +355,31 @@ impl PgOutbox {
         let mut names: Vec<String> = visit.iter().map(|c| c.destination.clone()).collect();
         names.sort_unstable();
         names.dedup();
-        let mut locked = self.lock_flows(db, &names, true).await?;
-        let capped: Vec<&str> = locked
-            .iter()
-            .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
-            .map(|(d, _)| d.as_str())
-            .collect();
-        let counts = self.count_in_flight(db, &capped).await?;
-        for (d, r) in &mut locked {
-            r.flow.in_flight = counts.get(d).copied().unwrap_or(0);
+        // Rows locked by a pass that then gives up must be let go before
+        // the rows are locked again in name order (else two claimers could
+        // each hold one the other waits for): a savepoint to go back to,
+        // needed only where the first pass can lock some rows and skip
+        // others.
+        let several = names.len() > 1;
+        if several {
+            db.execute("SAVEPOINT idemstore_flows", &[]).await?;
         }
-        // What each may give, and its entries that could be taken.
-        let wants: Vec<(&str, usize, &[i16])> = visit
-            .iter()
-            .filter_map(|c| {
-                let r = locked.get(&c.destination)?;
-                let n = capacity(&r.flow, now, limit, request.limited);
-                (n > 0).then_some((c.destination.as_str(), n, c.priorities.as_slice()))
-            })
-            .collect();
-        let available = self.first_entries(db, &wants, now).await?;
-        let chosen = rounds(&wants, &available, limit);
+        let (mut locked, mut chosen) = self
+            .plan(db, visit, &names, true, limit, now, request)
+            .await?;
+        if chosen.is_empty() && locked.len() < names.len() {
+            // Another claimer holds a flow this claim could take from, and
+            // nothing else gave: wait for its commit rather than come back
+            // empty (a dispatcher with more workers than a cap would
+            // otherwise fill it one claim at a time).
+            if several {
+                db.execute("ROLLBACK TO SAVEPOINT idemstore_flows", &[])
+                    .await?;
+            }
+            (locked, chosen) = self
+                .plan(db, visit, &names, false, limit, now, request)
+                .await?;
+        }
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
@@ -420,6 +429,47 @@ impl PgOutbox {
             .collect();
         self.write_flows(db, &writes).await?;
         Ok(out)
+    }
+
+    /// Locks the flow rows of `names` (sorted, distinct; with
+    /// `skip_locked`, those another transaction holds are left out),
+    /// counts their in-flight entries again under the lock, and chooses the
+    /// entries of `visit` a claim of `limit` at `now` takes from them:
+    /// `(the locked flows, the chosen destination and id of each entry, in
+    /// claim order)`.
+    #[allow(clippy::too_many_arguments)]
+    async fn plan(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        visit: &[Candidate],
+        names: &[String],
+        skip_locked: bool,
+        limit: usize,
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<(BTreeMap<String, Stored>, Vec<(String, u64)>)> {
+        let mut locked = self.lock_flows(db, names, skip_locked).await?;
+        let capped: Vec<&str> = locked
+            .iter()
+            .filter(|(_, r)| r.flow.policy.max_in_flight.is_some())
+            .map(|(d, _)| d.as_str())
+            .collect();
+        let counts = self.count_in_flight(db, &capped).await?;
+        for (d, r) in &mut locked {
+            r.flow.in_flight = counts.get(d).copied().unwrap_or(0);
+        }
+        // What each may give, and its entries that could be taken.
+        let wants: Vec<(&str, usize, &[i16])> = visit
+            .iter()
+            .filter_map(|c| {
+                let r = locked.get(&c.destination)?;
+                let n = capacity(&r.flow, now, limit, request.limited);
+                (n > 0).then_some((c.destination.as_str(), n, c.priorities.as_slice()))
+            })
+            .collect();
+        let available = self.first_entries(db, &wants, now).await?;
+        let chosen = rounds(&wants, &available, limit);
+        Ok((locked, chosen))
     }
 
     /// [`PgOutbox::take_rounds`] of destinations that are all
