@@ -166,6 +166,13 @@ pub(crate) type BoxFuture<'a, T> =
 pub(crate) mod sealed {
     /// The seal of [`OutboxBackend`](super::OutboxBackend).
     pub trait Outbox {
+        /// The destinations whose policy sets a
+        /// [`weight`](crate::DestinationPolicy::weight), with it: what a
+        /// dispatcher shares its workers out by.
+        fn weights(&self) -> crate::Result<Vec<(String, u32)>>;
+        /// [`weights`](Outbox::weights) as a future.
+        #[cfg(feature = "tokio")]
+        fn weights_async(&self) -> super::BoxFuture<'_, crate::Result<Vec<(String, u32)>>>;
         /// [`subscribe`](super::OutboxBackend::subscribe) for async waiters:
         /// signalled after the same commits.
         #[cfg(feature = "tokio")]
@@ -279,6 +286,15 @@ pub(crate) mod sealed {
 macro_rules! forward_to_handles {
     (outbox: $outbox:ty, inbox: $inbox:ty, keys: $keys:ty $(,)?) => {
         impl $crate::backend::sealed::Outbox for $outbox {
+            fn weights(&self) -> $crate::Result<Vec<(String, u32)>> {
+                <$outbox>::weights(self)
+            }
+            #[cfg(feature = "tokio")]
+            fn weights_async(
+                &self,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<Vec<(String, u32)>>> {
+                <$outbox>::weights_boxed(self)
+            }
             #[cfg(feature = "tokio")]
             fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {
                 <$outbox>::subscribe_async(self)

@@ -1332,7 +1332,8 @@ fn destinations_shows_each_destinations_policy_state_and_entries() -> TestResult
             idemstore::DestinationPolicy::default()
                 .max_in_flight(4)
                 .rate_limit(10.0, 5)
-                .circuit_breaker(3, std::time::Duration::from_secs(30)),
+                .circuit_breaker(3, std::time::Duration::from_secs(30))
+                .weight(3),
         )?;
         outbox.pause_destination("mail")?;
     }
@@ -1347,6 +1348,7 @@ fn destinations_shows_each_destinations_policy_state_and_entries() -> TestResult
             "max_in_flight": 4,
             "rate_limit": {"per_second": 10.0, "burst": 5},
             "circuit_breaker": {"consecutive_failures": 3, "cool_down_ms": 30_000},
+            "weight": 3,
         })
     );
     assert_eq!(bank["paused"], false);
@@ -1367,7 +1369,7 @@ fn destinations_shows_each_destinations_policy_state_and_entries() -> TestResult
     assert_eq!(mail["paused"], true);
     assert_eq!(
         mail["policy"],
-        serde_json::json!({"max_in_flight": null, "rate_limit": null, "circuit_breaker": null})
+        serde_json::json!({"max_in_flight": null, "rate_limit": null, "circuit_breaker": null, "weight": null})
     );
     assert_eq!(mail["tokens"], Value::Null);
     assert_eq!(mail["counts"]["pending"], 1);
@@ -1375,7 +1377,7 @@ fn destinations_shows_each_destinations_policy_state_and_entries() -> TestResult
     let text = ok(&["destinations", s(&file)])?;
     for line in [
         "bank\n",
-        "  policy     at most 4 in flight; 10/s, bursts of 5; circuit opens after 3 failures in a row, cool-down 30s\n",
+        "  policy     at most 4 in flight; 10/s, bursts of 5; circuit opens after 3 failures in a row, cool-down 30s; weight 3\n",
         "  circuit    closed (0 failures in a row)\n",
         "  tokens     5.0 of 5 (as last stored)\n",
         "  in flight  1\n",
@@ -1453,6 +1455,12 @@ fn destination_pause_resume_and_set_change_what_every_dispatcher_sees() -> TestR
         state("mail")?.policy,
         idemstore::DestinationPolicy::default().max_in_flight(7)
     );
+    let text = ok(&["destination", "set", s(&file), "mail", "--weight", "3"])?;
+    assert!(text.contains("mail: weight 3"), "{text}");
+    assert_eq!(
+        state("mail")?.policy,
+        idemstore::DestinationPolicy::default().weight(3)
+    );
     let text = ok(&["destination", "set", s(&file), "mail", "--clear"])?;
     assert!(text.contains("mail: no limits"), "{text}");
     assert!(state("mail")?.policy.is_unlimited());
@@ -1503,6 +1511,9 @@ fn destination_set_refuses_bad_usage_and_settings_the_store_refuses() -> TestRes
     ])?;
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("max_in_flight"), "{}", stderr(&o));
+    let o = run(&["destination", "set", s(&file), "mail", "--weight", "0"])?;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("weight"), "{}", stderr(&o));
     let o = run(&[
         "destination",
         "set",

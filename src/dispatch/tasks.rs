@@ -61,6 +61,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tokio::time::Instant;
@@ -171,6 +172,9 @@ impl DispatcherBuilder {
         // One claimer where commits go one after the other; where they
         // run side by side (PostgreSQL), several, the slots shared out.
         let claimers = ctx.outbox.commit_parallelism().clamp(1, workers.max(1));
+        // Per destination, the sends in flight of every claimer: the shares
+        // are of the dispatcher's `workers`, whichever claimer starts them.
+        let busy = Arc::new(Mutex::new(Busy::default()));
         for i in 0..claimers {
             let slots = workers / claimers + usize::from(i < workers % claimers);
             let id = if claimers == 1 {
@@ -178,7 +182,14 @@ impl DispatcherBuilder {
             } else {
                 format!("{worker_id}-async-{i}")
             };
-            let claimer = Claimer::new(ctx.clone(), send.clone(), id, slots, stopped.clone());
+            let claimer = Claimer::new(
+                ctx.clone(),
+                send.clone(),
+                id,
+                (slots, workers),
+                busy.clone(),
+                stopped.clone(),
+            );
             tasks.push(spawn(&runtime, &ctx, CLAIMER_TASK, claimer.run()));
         }
         if let Some(janitor) = janitor {
@@ -411,6 +422,8 @@ struct Commit {
     avoided: Vec<String>,
     /// When it claimed fewer than it asked for: when the next entry is due.
     next_due: Option<Result<Option<chrono::DateTime<Utc>>, BackOff>>,
+    /// The destinations' weights, if it read them (and when it started).
+    weights: Option<(Vec<(String, u32)>, std::time::Instant)>,
 }
 
 /// What the claimer waits for.
@@ -438,8 +451,11 @@ struct Claimer {
     /// besides those of crowded destinations: see [`Claimer::room`]).
     waiting: VecDeque<OutboxEntry>,
     sends: JoinSet<Sent>,
-    /// The sends in flight, per destination.
-    busy: Busy,
+    /// The sends in flight, per destination, of every claimer of the
+    /// dispatcher.
+    busy: Arc<Mutex<Busy>>,
+    /// The dispatcher's slots, every claimer's.
+    workers: usize,
     /// What the last claim showed of the store: `Some(destinations)`
     /// when no destination but these had entries due (empty: none at all);
     /// `None` when others may have. Forgotten (`None`) on a wake-up, a
@@ -467,7 +483,8 @@ impl Claimer {
         ctx: Arc<Ctx>,
         send: Arc<SendFn>,
         worker_id: String,
-        slots: usize,
+        (slots, workers): (usize, usize),
+        busy: Arc<Mutex<Busy>>,
         stop: watch::Receiver<bool>,
     ) -> Claimer {
         Claimer {
@@ -480,7 +497,8 @@ impl Claimer {
             slots,
             waiting: VecDeque::new(),
             sends: JoinSet::new(),
-            busy: Busy::default(),
+            busy,
+            workers,
             due_only: None,
             settlements: Vec::new(),
             commit: None,
@@ -525,7 +543,7 @@ impl Claimer {
             let Some(entry) = self.next_waiting() else {
                 break;
             };
-            self.busy.add(&entry.destination);
+            self.busy.lock().add(&entry.destination);
             let started = worker::sending(&self.ctx, &entry);
             let send = self.send.clone();
             let copy = entry.clone();
@@ -542,7 +560,7 @@ impl Claimer {
     /// has entries due, the first one of the least loaded destination.
     /// `None` leaves the free slots for a claim (see the module's docs).
     fn next_waiting(&mut self) -> Option<OutboxEntry> {
-        let crowded = self.busy.crowded(self.slots);
+        let crowded = self.busy.lock().crowded(self.workers);
         let fair = self
             .waiting
             .iter()
@@ -553,14 +571,9 @@ impl Claimer {
                 self.look |= !self.waiting.is_empty();
                 return None;
             }
-            let least = self
-                .waiting
-                .iter()
-                .map(|e| self.busy.get(&e.destination))
-                .min()?;
-            self.waiting
-                .iter()
-                .position(|e| self.busy.get(&e.destination) == least)
+            let busy = self.busy.lock();
+            let least = busy.least_loaded(self.waiting.iter().map(|e| e.destination.as_str()))?;
+            self.waiting.iter().position(|e| e.destination == least)
         })?;
         self.waiting.remove(index)
     }
@@ -582,7 +595,7 @@ impl Claimer {
     /// may not take a free slot (they wait for their destination's share,
     /// and must not crowd out the entries claimed ahead for the others).
     fn room(&self) -> usize {
-        let crowded = self.busy.crowded(self.slots);
+        let crowded = self.busy.lock().crowded(self.workers);
         let stuck = if self.others_idle(&crowded) {
             0
         } else {
@@ -622,12 +635,29 @@ impl Claimer {
         let (ctx, worker_id) = (self.ctx.clone(), self.worker_id.clone());
         let mut settlements = std::mem::take(&mut self.settlements);
         let limit = room;
-        let avoided = self.busy.crowded(self.slots);
+        let avoided = self.busy.lock().crowded(self.workers);
         let request = ClaimRequest::new(limit, &*worker_id)
             .avoid(avoided.clone())
             .limited(self.free_slots());
+        // The weights, read again along with the commit once they are old.
+        let weigh_at = std::time::Instant::now();
+        let weigh = {
+            let mut busy = self.busy.lock();
+            let stale = busy.weights_stale(weigh_at);
+            if stale {
+                busy.keep_weights(weigh_at);
+            }
+            stale
+        };
         // The step holds no thread while it waits for its commit.
         self.commit = Some(tokio::spawn(async move {
+            let weights = if weigh {
+                // A failed read keeps the old weights (the claim meets the
+                // same failure and backs off).
+                ctx.outbox.weights_async().await.ok().map(|w| (w, weigh_at))
+            } else {
+                None
+            };
             let now = ctx.clock.now();
             let step = ctx
                 .outbox
@@ -644,6 +674,7 @@ impl Claimer {
                 limit,
                 avoided,
                 next_due,
+                weights,
             }
         }));
     }
@@ -712,7 +743,7 @@ impl Claimer {
                 self.committed(commit);
             }
             Event::Sent(Ok((entry, started, outcome))) => {
-                self.busy.remove(&entry.destination);
+                self.busy.lock().remove(&entry.destination);
                 let settlement = worker::sent(&self.ctx, &entry, started, outcome, &mut self.rng);
                 self.settlements.push(settlement);
             }
@@ -743,6 +774,9 @@ impl Claimer {
     }
 
     fn committed(&mut self, commit: Commit) {
+        if let Some((weights, at)) = commit.weights {
+            self.busy.lock().set_weights(weights, at);
+        }
         // Those to offer again go first, before the sends that ended since.
         let mut settlements = commit.settlements;
         settlements.append(&mut self.settlements);

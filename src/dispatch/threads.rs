@@ -13,14 +13,14 @@
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use crossbeam_channel::{Receiver, Sender, select};
 
 use parking_lot::Mutex;
 
-use super::share::Busy;
+use super::share::{Busy, Target};
 use super::stats::{DispatchStats, LastError};
 use super::worker::{self, BACK_OFF, Ctx, IDLE_CAP, Rng, claim_cycle, give_back, sending, sent};
 use super::{Delivery, DispatcherBuilder, Parts};
@@ -219,25 +219,50 @@ impl Share<'_> {
         }
     }
 
-    /// Busy with `destination` (the claimed batch's).
-    fn hold(&mut self, destination: &str) {
-        self.release();
-        self.busy.lock().add(destination);
-        self.holding = Some(destination.to_owned());
+    /// Reads the destinations' weights again if the dispatcher's are older
+    /// than [`WEIGHTS_FOR`](super::share::WEIGHTS_FOR): one worker reads
+    /// them, the others go on with the old ones meanwhile.
+    fn refresh_weights(&self, ctx: &Ctx) {
+        let now = Instant::now();
+        {
+            let mut busy = self.busy.lock();
+            if !busy.weights_stale(now) {
+                return;
+            }
+            busy.keep_weights(now);
+        }
+        // A failed read keeps the old weights; the claim that follows
+        // meets the same failure and backs off.
+        if let Ok(weights) = ctx.outbox.weights() {
+            self.busy.lock().set_weights(weights, now);
+        }
     }
 
     /// The next claim of a worker busy with nothing: up to `limit`
-    /// entries of one destination, avoiding those that hold their share of
-    /// the workers (the store takes from them only if no other destination
-    /// has any entry to give), and one entry of a destination whose flow
-    /// limits claims (a cap, a rate): the worker sends its batch one entry
-    /// after the other, so a cap of N is N workers sending at once.
-    fn request(&self, limit: usize, worker_id: &str) -> ClaimRequest {
-        let crowded = self.busy.lock().crowded(self.workers);
-        ClaimRequest::new(limit, worker_id)
+    /// entries of one destination — the least loaded active one below its
+    /// share, which this worker counts as busy with from now on (see the
+    /// [`share`](super::share) module) — avoiding the others that are
+    /// active or hold their share of the workers (the store takes from
+    /// them only if neither the target nor a destination new to this
+    /// dispatcher has any entry to give), and one entry of a destination
+    /// whose flow limits claims (a cap, a rate): the worker sends its batch
+    /// one entry after the other, so a cap of N is N workers sending at
+    /// once.
+    fn request(&mut self, limit: usize, worker_id: &str) -> (ClaimRequest, Target) {
+        let target = self.busy.lock().target(self.workers);
+        self.holding.clone_from(&target.destination);
+        let request = ClaimRequest::new(limit, worker_id)
             .one_destination()
-            .avoid(crowded)
-            .limited(1)
+            .avoid(target.avoid.clone())
+            .limited(1);
+        (request, target)
+    }
+
+    /// The claim for `target` gave entries of `got` (`None`: none): busy
+    /// with that one now.
+    fn claimed(&mut self, target: &Target, got: Option<&str>) {
+        self.busy.lock().claimed(target, got);
+        self.holding = got.map(str::to_owned);
     }
 }
 
@@ -261,13 +286,15 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, mut share: Share<'_>, stop:
         // the first send is timed): what it holds unsent, another worker
         // could not have started much sooner.
         let limit = ctx.send_time.ahead(1, ctx.batch_size, 1).max(1);
-        let request = share.request(limit, worker_id);
+        share.refresh_weights(ctx);
+        let (request, target) = share.request(limit, worker_id);
         let Ok(entries) = claim_cycle(ctx, &mut settlements, &request) else {
             if !back_off(ctx, stop) {
                 break;
             }
             continue;
         };
+        share.claimed(&target, entries.first().map(|e| e.destination.as_str()));
         if entries.is_empty() {
             let Ok(next) = worker::next_due(ctx) else {
                 if !back_off(ctx, stop) {
@@ -279,9 +306,6 @@ fn worker(ctx: &Ctx, send: &SendFn, worker_id: &str, mut share: Share<'_>, stop:
                 break;
             }
             continue;
-        }
-        if let Some(first) = entries.first() {
-            share.hold(&first.destination);
         }
         settlements = deliver_batch(ctx, send, &entries, &mut rng);
     }

@@ -49,6 +49,13 @@ impl Outbox {
         self.engine.read(destinations_in)
     }
 
+    /// The destinations whose policy sets a
+    /// [`weight`](DestinationPolicy::weight), with it: what a dispatcher
+    /// shares its workers out by.
+    pub(crate) fn weights(&self) -> Result<Vec<(String, u32)>> {
+        self.engine.read(weights_in)
+    }
+
     /// The state of `destination` as [`Outbox::destinations`] reports it
     /// (a destination the store has nothing of is reported without limits
     /// or entries). Reads its one flow record.
@@ -115,6 +122,14 @@ pub(super) fn flow_op(
         change(&mut flows)?;
         flows.finish()
     }
+}
+
+/// [`Outbox::weights`] in `tx`.
+pub(super) fn weights_in(tx: &ReadTransaction) -> Result<Vec<(String, u32)>> {
+    Ok(destinations_in(tx)?
+        .into_iter()
+        .filter_map(|d| Some((d.destination, d.policy.limits().weight?)))
+        .collect())
 }
 
 /// Every destination's state, as `tx` sees it.

@@ -42,6 +42,7 @@ pub struct DestinationPolicy {
     max_in_flight: Option<u32>,
     rate: Option<(f64, u32)>,
     circuit: Option<(u32, Duration)>,
+    weight: Option<u32>,
 }
 
 /// A [`DestinationPolicy`]'s settings, to read.
@@ -54,6 +55,9 @@ pub struct PolicyLimits {
     pub rate_limit: Option<(f64, u32)>,
     /// `(consecutive_failures, cool_down)`.
     pub circuit_breaker: Option<(u32, Duration)>,
+    /// Its share of a dispatcher's workers while busy, against the other
+    /// busy destinations' (`None`: the default, 1).
+    pub weight: Option<u32>,
 }
 
 /// For people: `at most 4 in flight; 10/s, bursts of 5; circuit opens
@@ -72,6 +76,9 @@ impl std::fmt::Display for DestinationPolicy {
                 "circuit opens after {k} failures in a row, cool-down {}",
                 span(cool_down)
             ));
+        }
+        if let Some(w) = self.weight {
+            parts.push(format!("weight {w}"));
         }
         if parts.is_empty() {
             f.write_str("no limits")
@@ -129,12 +136,24 @@ impl DestinationPolicy {
         self
     }
 
+    /// While several destinations are busy, a dispatcher's workers go to
+    /// them in proportion to their weights: a destination of weight 3
+    /// beside one of weight 1 gets three of every four workers (with no
+    /// policy, every destination weighs 1 and they share evenly). Stored
+    /// with the policy, so every dispatcher and process shares out its own
+    /// workers by the same weights. `w ≥ 1`; default: 1.
+    pub fn weight(mut self, w: u32) -> Self {
+        self.weight = Some(w);
+        self
+    }
+
     /// Its settings.
     pub fn limits(&self) -> PolicyLimits {
         PolicyLimits {
             max_in_flight: self.max_in_flight,
             rate_limit: self.rate,
             circuit_breaker: self.circuit,
+            weight: self.weight,
         }
     }
 
@@ -149,6 +168,12 @@ impl DestinationPolicy {
         if self.max_in_flight == Some(0) {
             return bad(
                 "max_in_flight",
+                "must be at least 1 (pause the destination to stop it)".into(),
+            );
+        }
+        if self.weight == Some(0) {
+            return bad(
+                "weight",
                 "must be at least 1 (pause the destination to stop it)".into(),
             );
         }
@@ -189,6 +214,7 @@ impl DestinationPolicy {
             circuit: self
                 .circuit
                 .map(|(k, d)| (k, i64::try_from(d.as_micros()).unwrap_or(i64::MAX))),
+            weight: self.weight,
         }
     }
 
@@ -200,6 +226,7 @@ impl DestinationPolicy {
             circuit: parts
                 .circuit
                 .map(|(k, us)| (k, Duration::from_micros(u64::try_from(us).unwrap_or(0)))),
+            weight: parts.weight,
         }
     }
 }
@@ -215,6 +242,17 @@ pub(crate) struct PolicyParts {
     pub(crate) max_in_flight: Option<u32>,
     pub(crate) rate: Option<(f64, u32)>,
     pub(crate) circuit: Option<(u32, i64)>,
+    /// The share of workers (`None`: 1); no limit on claims.
+    pub(crate) weight: Option<u32>,
+}
+
+impl PolicyParts {
+    /// Whether it limits nothing a claim takes: no cap, rate or circuit
+    /// (a weight only shares out workers).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn limits_nothing(&self) -> bool {
+        self.max_in_flight.is_none() && self.rate.is_none() && self.circuit.is_none()
+    }
 }
 
 /// A destination's circuit breaker, as [`DestinationState`] shows it.

@@ -153,6 +153,12 @@ impl Outbox {
         })
     }
 
+    /// The weights a dispatcher shares its workers out by, boxed for the
+    /// backend trait.
+    pub(crate) fn weights_boxed(&self) -> Boxed<'_, Result<Vec<(String, u32)>>> {
+        Box::pin(self.engine.read_async(super::control::weights_in))
+    }
+
     /// The dispatcher's idle look, boxed for the backend trait.
     pub(crate) fn next_due_boxed(&self) -> Boxed<'_, Result<Option<DateTime<Utc>>>> {
         Box::pin(self.next_due_async())

@@ -150,8 +150,8 @@ impl PgStore {
         let s = self.schema().to_owned();
         let sql = format!(
             "INSERT INTO {s}.destinations (destination, max_in_flight, rate_per_second, \
-                 rate_burst, circuit_failures, circuit_cool_down, paused) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                 rate_burst, circuit_failures, circuit_cool_down, paused, weight) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (destination) DO NOTHING"
         );
         run!(self.server, Mode::Tx, |conn| {
@@ -170,6 +170,7 @@ impl PgStore {
                                 &p.circuit.map(|c| i64::from(c.0)),
                                 &p.circuit.map(|c| c.1),
                                 &d.paused,
+                                &p.weight.map(i64::from),
                             ],
                         )
                         .await?;

@@ -47,7 +47,7 @@ use tokio_postgres::{Client, GenericClient};
 use crate::error::{Error, Result};
 
 /// The schema version this build creates and reads.
-pub const SCHEMA_VERSION: u64 = 3;
+pub const SCHEMA_VERSION: u64 = 4;
 
 /// Longest schema name accepted: the notification channel `<schema>_outbox`
 /// must fit PostgreSQL's 63-byte identifiers.
@@ -55,7 +55,7 @@ const MAX_SCHEMA_LEN: usize = 48;
 
 /// The migrations, in order: migration `i + 1` is `MIGRATIONS[i]`, with
 /// `{s}` standing for the schema.
-const MIGRATIONS: &[&str] = &[V1, V2, V3];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
 
 const V1: &str = r"
 CREATE TABLE {s}.inbox (
@@ -184,6 +184,13 @@ CREATE TABLE {s}.destinations (
 const V3: &str = r"
 CREATE INDEX outbox_held ON {s}.outbox (status, id)
     WHERE status IN ('failed', 'outcome_unknown');
+";
+
+/// A destination's weight: its share of a dispatcher's workers while busy
+/// (`NULL`: 1).
+const V4: &str = r"
+ALTER TABLE {s}.destinations
+    ADD COLUMN weight bigint CHECK (weight BETWEEN 1 AND 4294967295);
 ";
 
 /// The channel the outbox's trigger notifies: `<schema>_outbox`.

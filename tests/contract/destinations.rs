@@ -384,7 +384,34 @@ macro_rules! destinations_contract {
                         ..
                     })
                 ));
+                for (bad, field) in [
+                    (DestinationPolicy::default().weight(0), "weight"),
+                    (
+                        DestinationPolicy::default().rate_limit(f64::NAN, 1),
+                        "rate_limit",
+                    ),
+                    (
+                        DestinationPolicy::default().rate_limit(-1.0, 1),
+                        "rate_limit",
+                    ),
+                    (
+                        DestinationPolicy::default().weight(2).max_in_flight(0),
+                        "max_in_flight",
+                    ),
+                ] {
+                    match outbox.set_destination_policy("a", bad) {
+                        Err(idemstore::Error::InvalidInput { field: f, .. }) => {
+                            assert_eq!(f, field)
+                        }
+                        other => panic!("{bad:?}: {other:?}"),
+                    }
+                }
                 assert_eq!(outbox.destination("a")?.policy, capped, "unchanged");
+                // A weight is stored with the policy, as every limit is.
+                let weighted = capped.weight(3);
+                outbox.set_destination_policy("a", weighted)?;
+                assert_eq!(outbox.destination("a")?.policy, weighted);
+                assert_eq!(outbox.destination("a")?.policy.limits().weight, Some(3));
                 Ok(())
             }
 

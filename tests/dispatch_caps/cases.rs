@@ -135,6 +135,101 @@ fn a_slow_thread_dispatcher_beside_a_fast_one_sends_only_what_it_can_start() -> 
     Ok(())
 }
 
+/// Sends of the weight cases: each destination's started sends.
+#[derive(Default)]
+struct Tally {
+    started: std::sync::Mutex<std::collections::BTreeMap<String, usize>>,
+}
+
+impl Tally {
+    /// Counts a send of `destination` as started if fewer than [`WEIGHED`]
+    /// were: whether it counted. (Later ones may find one destination
+    /// drained while the dispatcher stops.)
+    fn start(&self, destination: &str) -> bool {
+        let mut started = self.started.lock().unwrap();
+        if started.values().sum::<usize>() >= WEIGHED {
+            return false;
+        }
+        *started.entry(destination.to_owned()).or_default() += 1;
+        true
+    }
+
+    fn of(&self, destination: &str) -> usize {
+        self.started
+            .lock()
+            .unwrap()
+            .get(destination)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn all(&self) -> usize {
+        self.started.lock().unwrap().values().sum()
+    }
+}
+
+/// Sends counted in the weight cases: fewer than either destination's
+/// backlog, so both have entries due throughout.
+const WEIGHED: usize = 240;
+/// A send of the weight cases: long beside a commit, so that what is
+/// measured is how the workers are shared out, not how soon a claim
+/// refills them.
+const WEIGHED_SEND: Duration = Duration::from_millis(40);
+const BACKLOG: usize = 400;
+
+/// `heavy` of weight 3 and `light` of weight 1, a backlog each.
+fn weighted() -> Result<Option<(Guard, Outbox)>> {
+    let Some((guard, outbox)) = fresh()? else {
+        return Ok(None);
+    };
+    outbox.set_destination_policy("heavy", DestinationPolicy::default().weight(3))?;
+    enqueue(&outbox, "heavy", BACKLOG)?;
+    enqueue(&outbox, "light", BACKLOG)?;
+    Ok(Some((guard, outbox)))
+}
+
+/// Waits (at most a minute) until `n` sends started.
+fn started(tally: &Tally, n: usize) {
+    for _ in 0..6000 {
+        if tally.all() >= n {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("only {} sends started", tally.all());
+}
+
+/// The first [`WEIGHED`] sends went 3:1 to `heavy`, within 20%.
+fn assert_three_to_one(tally: &Tally, what: &str) {
+    let (heavy, light) = (tally.of("heavy"), tally.of("light"));
+    let ratio = heavy as f64 / light.max(1) as f64;
+    assert!(
+        (2.4..=3.6).contains(&ratio),
+        "{what}: weights 3:1 sent {heavy}:{light} ({ratio:.2}:1)"
+    );
+}
+
+#[test]
+fn weights_of_three_to_one_share_a_thread_dispatchers_workers_three_to_one() -> Result<()> {
+    let Some((_guard, outbox)) = weighted()? else {
+        return Ok(());
+    };
+    let tally = Arc::new(Tally::default());
+    let t = tally.clone();
+    let dispatcher = Dispatcher::builder(outbox.clone())
+        .workers(8)
+        .start(move |e| {
+            if t.start(&e.destination) {
+                std::thread::sleep(WEIGHED_SEND);
+            }
+            Delivery::Delivered
+        })?;
+    started(&tally, WEIGHED);
+    dispatcher.shutdown()?;
+    assert_three_to_one(&tally, "threads");
+    Ok(())
+}
+
 #[cfg(feature = "tokio")]
 mod on_tokio {
     use super::*;
@@ -234,6 +329,32 @@ mod on_tokio {
         let slow = slow_sent.sent() - 1;
         assert!(slow <= 20, "the slow dispatcher sent {slow} of 200");
         assert_eq!(slow + fast_sent.sent(), 200);
+        Ok(())
+    }
+
+    #[test]
+    fn weights_of_three_to_one_share_an_async_dispatchers_slots_three_to_one() -> Result<()> {
+        let Some((_guard, outbox)) = weighted()? else {
+            return Ok(());
+        };
+        let tally = Arc::new(Tally::default());
+        let rt = runtime();
+        let _enter = rt.enter();
+        let t = tally.clone();
+        let dispatcher = Dispatcher::builder(outbox.clone())
+            .workers(8)
+            .start_async(move |e| {
+                let first = t.start(&e.destination);
+                async move {
+                    if first {
+                        tokio::time::sleep(WEIGHED_SEND).await;
+                    }
+                    Delivery::Delivered
+                }
+            })?;
+        started(&tally, WEIGHED);
+        rt.block_on(dispatcher.shutdown())?;
+        assert_three_to_one(&tally, "tokio");
         Ok(())
     }
 }

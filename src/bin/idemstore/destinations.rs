@@ -90,6 +90,7 @@ pub(crate) fn run(
             burst,
             circuit,
             cool_down,
+            weight,
             clear: _,
         } => {
             let mut policy = DestinationPolicy::default();
@@ -101,6 +102,9 @@ pub(crate) fn run(
             }
             if let (Some(k), Some(cool_down)) = (circuit, cool_down) {
                 policy = policy.circuit_breaker(*k, *cool_down);
+            }
+            if let Some(w) = weight {
+                policy = policy.weight(*w);
             }
             open_outbox(store, schema)?.set_destination_policy(name, policy)?;
             report(
@@ -124,6 +128,7 @@ fn policy_json(policy: &DestinationPolicy) -> Value {
             "consecutive_failures": k,
             "cool_down_ms": u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX),
         })),
+        "weight": limits.weight,
     })
 }
 

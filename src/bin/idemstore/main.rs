@@ -365,7 +365,7 @@ pub(crate) enum DestinationCommand {
         ArgGroup::new("limits")
             .required(true)
             .multiple(true)
-            .args(["max_in_flight", "rate", "circuit", "clear"])
+            .args(["max_in_flight", "rate", "circuit", "weight", "clear"])
     ))]
     Set {
         /// The store: a file, or a PostgreSQL connection string.
@@ -390,8 +390,12 @@ pub(crate) enum DestinationCommand {
         /// after each failed probe).
         #[arg(long, value_name = "DURATION", requires = "circuit", value_parser = time::parse_duration)]
         cool_down: Option<std::time::Duration>,
+        /// Its share of each dispatcher's workers while other destinations
+        /// are busy too, against their weights (default 1).
+        #[arg(long, value_name = "W")]
+        weight: Option<u32>,
         /// No limits at all.
-        #[arg(long, conflicts_with_all = ["max_in_flight", "rate", "burst", "circuit", "cool_down"])]
+        #[arg(long, conflicts_with_all = ["max_in_flight", "rate", "burst", "circuit", "cool_down", "weight"])]
         clear: bool,
     },
 }

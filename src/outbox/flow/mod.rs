@@ -178,6 +178,55 @@ struct StoredDest {
     served_at: i64,
     ready: Option<(i64, i64)>,
     earliest: Option<i64>,
+    /// Appended with weights: a row written before has none (see
+    /// [`DestRec::decode`]).
+    weight: Option<u32>,
+}
+
+/// A [`StoredDest`] as written before weights: the same fields but the
+/// last. Read when a row is one field short.
+#[derive(Deserialize)]
+struct StoredDestBeforeWeights {
+    max_in_flight: Option<u32>,
+    rate: Option<(f64, u32)>,
+    circuit: Option<(u32, i64)>,
+    paused: bool,
+    tokens: Option<f64>,
+    tokens_at: i64,
+    failures: u32,
+    trips: u32,
+    open_until: Option<i64>,
+    probe: Option<u64>,
+    held_until: Option<i64>,
+    counts: [u64; 5],
+    queued: [u64; RANKS],
+    served_at: i64,
+    ready: Option<(i64, i64)>,
+    earliest: Option<i64>,
+}
+
+impl From<StoredDestBeforeWeights> for StoredDest {
+    fn from(s: StoredDestBeforeWeights) -> StoredDest {
+        StoredDest {
+            max_in_flight: s.max_in_flight,
+            rate: s.rate,
+            circuit: s.circuit,
+            paused: s.paused,
+            tokens: s.tokens,
+            tokens_at: s.tokens_at,
+            failures: s.failures,
+            trips: s.trips,
+            open_until: s.open_until,
+            probe: s.probe,
+            held_until: s.held_until,
+            counts: s.counts,
+            queued: s.queued,
+            served_at: s.served_at,
+            ready: s.ready,
+            earliest: s.earliest,
+            weight: None,
+        }
+    }
 }
 
 impl DestRec {
@@ -200,17 +249,29 @@ impl DestRec {
             served_at: self.served_at,
             ready: self.ready,
             earliest: self.earliest,
+            weight: f.policy.weight,
         })
     }
 
     pub(super) fn decode(destination: &str, bytes: &[u8]) -> Result<DestRec> {
-        let s: StoredDest = decode(OUTBOX_FLOWS.name(), &destination, bytes)?;
+        // A row of a file written before weights is one field short: the
+        // new layout fails on it, the old one reads all of it.
+        let s: StoredDest = match decode(OUTBOX_FLOWS.name(), &destination, bytes) {
+            Ok(s) => s,
+            Err(new) => {
+                match decode::<StoredDestBeforeWeights>(OUTBOX_FLOWS.name(), &destination, bytes) {
+                    Ok(old) => old.into(),
+                    Err(_) => return Err(new),
+                }
+            }
+        };
         let rec = DestRec {
             flow: Flow {
                 policy: PolicyParts {
                     max_in_flight: s.max_in_flight,
                     rate: s.rate,
                     circuit: s.circuit,
+                    weight: s.weight,
                 },
                 paused: s.paused,
                 in_flight: at(&s.counts, OutboxStatus::Dispatching.code()),
@@ -241,6 +302,9 @@ impl DestRec {
         }
         if rec.flow.tokens.is_some_and(|t| !t.is_finite()) {
             return Err(bad("a token count out of range"));
+        }
+        if rec.flow.policy.weight == Some(0) {
+            return Err(bad("a weight of 0"));
         }
         Ok(rec)
     }

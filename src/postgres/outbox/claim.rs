@@ -40,7 +40,7 @@ use super::{COLS, PgOutbox, TABLE, read_entry};
 use crate::codec::{from_micros, micros};
 use crate::error::Result;
 use crate::outbox::destinations::ONE_DESTINATION_LOOKS;
-use crate::outbox::destinations::{Allowance, Flow, PolicyParts};
+use crate::outbox::destinations::{Allowance, Flow};
 use crate::outbox::{ClaimRequest, OutboxEntry};
 use crate::postgres::blocking::wait;
 use crate::postgres::conn::{Db, Mode, in_transaction};
@@ -177,7 +177,7 @@ impl PgOutbox {
             stored.flow.in_flight = u64::try_from(in_flight).unwrap_or(0);
             let from = stored.flow.open_from().map(|open| open.max(due));
             let f = &stored.flow;
-            let free = f.policy == PolicyParts::default()
+            let free = f.policy.limits_nothing()
                 && !f.paused
                 && f.probe.is_none()
                 && f.open_until.is_none()

@@ -16,7 +16,7 @@ use crate::outbox::destinations::{DestinationPolicy, DestinationState, Flow, che
 use crate::outbox::{OutboxCounts, OutboxStatus};
 use crate::postgres::blocking::wait;
 use crate::postgres::conn::{Db, Mode, in_transaction};
-use crate::postgres::errors::utf8;
+use crate::postgres::errors::{corrupted, utf8};
 use crate::postgres::{refuse_reentrant, run, schema};
 
 impl PgOutbox {
@@ -87,6 +87,43 @@ impl PgOutbox {
     /// [`PgOutbox::destinations`], awaited.
     pub async fn destinations_async(&self) -> Result<Vec<DestinationState>> {
         self.states(None).await
+    }
+
+    /// The destinations whose policy sets a
+    /// [`weight`](DestinationPolicy::weight), with it: what a dispatcher
+    /// shares its workers out by.
+    pub(crate) fn weights(&self) -> Result<Vec<(String, u32)>> {
+        wait(self.weights_async())
+    }
+
+    /// [`PgOutbox::weights`], awaited.
+    pub(crate) async fn weights_async(&self) -> Result<Vec<(String, u32)>> {
+        let sql = format!(
+            "SELECT destination, weight FROM {}.destinations WHERE weight IS NOT NULL",
+            self.s()
+        );
+        let rows = run!(self.server, Mode::Read, |conn| conn
+            .db()
+            .query(&sql, &[])
+            .await)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let dest = utf8(DESTINATIONS, &"weights", r.try_get(0)?)?;
+            let weight: i64 = r.try_get(1)?;
+            match u32::try_from(weight) {
+                Ok(w) if w > 0 => out.push((dest, w)),
+                _ => return Err(corrupted(DESTINATIONS, &dest, "a weight out of range")),
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`PgOutbox::weights`], boxed for the backend trait.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn weights_boxed(
+        &self,
+    ) -> crate::backend::BoxFuture<'_, Result<Vec<(String, u32)>>> {
+        Box::pin(self.weights_async())
     }
 
     /// The states of every destination, or of `only` that one.

@@ -31,7 +31,7 @@ pub(super) const DESTINATIONS: &str = "destinations";
 /// them.
 pub(super) const FLOW_COLS: &str = "max_in_flight, rate_per_second, rate_burst, \
     circuit_failures, circuit_cool_down, paused, tokens, tokens_at, failures, trips, \
-    open_until, probe, held_until, served_at";
+    open_until, probe, held_until, served_at, weight";
 
 /// A destination's stored row: its flow (its in-flight count as the caller
 /// sets it) and when it was last served.
@@ -82,6 +82,10 @@ pub(super) fn read_flow(r: &tokio_postgres::Row, at: usize, dest: &str) -> Resul
             max_in_flight: u32_col(dest, "max_in_flight", r.try_get(at)?)?,
             rate,
             circuit,
+            weight: match u32_col(dest, "weight", r.try_get(at + 14)?)? {
+                Some(0) => return Err(corrupted(DESTINATIONS, &dest, "a weight of 0")),
+                w => w,
+            },
         },
         paused: r.try_get(at + 5)?,
         in_flight: 0,
@@ -265,7 +269,8 @@ impl PgOutbox {
         let s = self.s();
         let f = &stored.flow;
         let p = &f.policy;
-        let params: [&(dyn ToSql + Sync); 15] = [
+        let weight = p.weight.map(i64::from);
+        let params: [&(dyn ToSql + Sync); 16] = [
             &dest.as_bytes(),
             &p.max_in_flight.map(i64::from),
             &p.rate.map(|r| r.0),
@@ -281,13 +286,15 @@ impl PgOutbox {
             &f.probe.map(|id| i64::try_from(id).unwrap_or(i64::MAX)),
             &f.held_until,
             &stored.served_at,
+            &weight,
         ];
         db.execute(
             &format!(
                 "UPDATE {s}.destinations SET max_in_flight = $2, rate_per_second = $3, \
                  rate_burst = $4, circuit_failures = $5, circuit_cool_down = $6, paused = $7, \
                  tokens = $8, tokens_at = $9, failures = $10, trips = $11, open_until = $12, \
-                 probe = $13, held_until = $14, served_at = $15 WHERE destination = $1"
+                 probe = $13, held_until = $14, served_at = $15, weight = $16 \
+                 WHERE destination = $1"
             ),
             &params,
         )
@@ -330,7 +337,8 @@ impl PgOutbox {
         let probe = col(&|r| r.flow.probe.map(|id| i64::try_from(id).unwrap_or(i64::MAX)));
         let held_until = col(&|r| r.flow.held_until);
         let served_at = col(&|r| Some(r.served_at));
-        let params: [&(dyn ToSql + Sync); 15] = [
+        let weight = col(&|r| r.flow.policy.weight.map(i64::from));
+        let params: [&(dyn ToSql + Sync); 16] = [
             &names,
             &cap,
             &per_second,
@@ -346,6 +354,7 @@ impl PgOutbox {
             &probe,
             &held_until,
             &served_at,
+            &weight,
         ];
         db.execute(
             &format!(
@@ -354,13 +363,14 @@ impl PgOutbox {
                  circuit_failures = u.k, circuit_cool_down = u.cool_down, paused = u.paused, \
                  tokens = u.tokens, tokens_at = u.tokens_at, failures = u.failures, \
                  trips = u.trips, open_until = u.open_until, probe = u.probe, \
-                 held_until = u.held_until, served_at = u.served_at \
+                 held_until = u.held_until, served_at = u.served_at, weight = u.weight \
                  FROM unnest($1::bytea[], $2::bigint[], $3::float8[], $4::bigint[], \
                      $5::bigint[], $6::bigint[], $7::boolean[], $8::float8[], $9::bigint[], \
                      $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[], \
-                     $14::bigint[], $15::bigint[]) \
+                     $14::bigint[], $15::bigint[], $16::bigint[]) \
                      AS u(destination, cap, per_second, burst, k, cool_down, paused, tokens, \
-                          tokens_at, failures, trips, open_until, probe, held_until, served_at) \
+                          tokens_at, failures, trips, open_until, probe, held_until, served_at, \
+                          weight) \
                  WHERE d.destination = u.destination"
             ),
             &params,
