@@ -175,6 +175,21 @@
 //! skips them until its clock gets there.) A dispatcher also keeps any
 //! one destination from holding more than its share of its workers
 //! ([`ClaimRequest::avoid`]), so a slow remote delays only its own entries.
+//! The shares follow the destinations' weights
+//! ([`DestinationPolicy::weight`], 1 by default): while destinations of
+//! weights 3 and 1 both have entries due, a dispatcher's workers go to them
+//! three to one, and so does what they send when their sends take alike.
+//! Each dispatcher shares out its own workers by the stored weights, so
+//! several dispatchers together keep the same proportion.
+//!
+//! A cap of N is **N sends at once**, not only never more: a claim takes at
+//! most what its worker can start of a destination whose flow limits claims
+//! ([`ClaimRequest::limited`]: one entry for a worker thread, which sends
+//! its batch one after the other; the free send slots for the async
+//! dispatcher), so with N workers or more in all, N sends of a capped
+//! destination are in flight while N of its entries are due. A destination
+//! without a cap, a rate or a circuit is claimed in whole batches, as
+//! before.
 //!
 //! Within a destination, entries go **by priority** ([`NewEntry::priority`],
 //! `0..=`[`MAX_PRIORITY`], higher first), then earliest due, then id. Entries
