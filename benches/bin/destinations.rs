@@ -25,7 +25,9 @@
 //!   the drain's store work without the disk; a batch across destinations,
 //!   and a batch of one destination (what the dispatcher's workers claim
 //!   once it shares them fairly).
-//! - `caps`: flow control at full speed, on the embedded store. For caps
+//! - `caps`: flow control at full speed, on the embedded store, and on
+//!   PostgreSQL too when built with the package's `postgres` feature and
+//!   IDEMSTORE_TEST_POSTGRES names a server (`.ci/postgres run -- …`). For caps
 //!   of 1, 4 and 16 and sends of 10 ms, the thread dispatcher (twice as
 //!   many workers as the cap, at least 4) and the async one (the same
 //!   number of slots) drain `50 × cap` entries of the capped destination:
@@ -131,7 +133,11 @@ mod caps {
     use std::time::{Duration, Instant};
 
     use chrono::Utc;
-    use idemstore::{Delivery, DestinationPolicy, Dispatcher, NewEntry, Outbox, Store};
+    use idemstore::{
+        Delivery, DestinationPolicy, Dispatcher, DispatcherBuilder, NewEntry, Outbox, Store,
+    };
+
+    type R<T> = Result<T, Box<dyn std::error::Error>>;
 
     const SEND: Duration = Duration::from_millis(10);
 
@@ -153,36 +159,117 @@ mod caps {
         }
     }
 
-    fn fill(outbox: &Outbox, n: usize) -> Result<(), idemstore::Error> {
-        outbox.enqueue_many(
-            (0..n).map(|i| NewEntry::new("cmd", "api", format!("k{i}"), Vec::new())),
-            Utc::now(),
-        )?;
+    /// Either backend's outbox, with what the cases ask of it.
+    #[derive(Clone)]
+    enum Backend {
+        File(Outbox),
+        #[cfg(feature = "postgres")]
+        Server(idemstore::postgres::PgOutbox),
+    }
+
+    impl Backend {
+        fn fill(&self, n: usize) -> R<()> {
+            let entries = (0..n).map(|i| NewEntry::new("cmd", "api", format!("k{i}"), Vec::new()));
+            match self {
+                Backend::File(o) => drop(o.enqueue_many(entries, Utc::now())?),
+                #[cfg(feature = "postgres")]
+                Backend::Server(o) => drop(o.enqueue_many(entries, Utc::now())?),
+            }
+            Ok(())
+        }
+
+        fn completed(&self) -> R<u64> {
+            Ok(match self {
+                Backend::File(o) => o.counts()?.completed,
+                #[cfg(feature = "postgres")]
+                Backend::Server(o) => o.counts()?.completed,
+            })
+        }
+
+        fn builder(&self) -> DispatcherBuilder {
+            match self {
+                Backend::File(o) => Dispatcher::builder(o.clone()),
+                #[cfg(feature = "postgres")]
+                Backend::Server(o) => Dispatcher::builder(o.clone()),
+            }
+        }
+
+        /// Blocks until `n` entries are completed; returns when.
+        fn drained(&self, n: u64) -> R<Instant> {
+            while self.completed()? < n {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(Instant::now())
+        }
+    }
+
+    /// Where each case's fresh outbox is made.
+    enum Place {
+        Dir(tempfile::TempDir),
+        #[cfg(feature = "postgres")]
+        Server {
+            url: String,
+            schemas: Vec<String>,
+        },
+    }
+
+    impl Place {
+        /// A fresh outbox named `name` whose destination `api` has `policy`.
+        fn outbox(&mut self, name: &str, policy: DestinationPolicy) -> R<Backend> {
+            let outbox = match self {
+                Place::Dir(dir) => Backend::File(Store::open(dir.path().join(name))?.outbox()),
+                #[cfg(feature = "postgres")]
+                Place::Server { url, schemas } => {
+                    let schema = format!("bench_caps_{}_{}", std::process::id(), schemas.len());
+                    let store = idemstore::postgres::PgStore::builder()
+                        .schema(&schema)
+                        .pool_size(16)
+                        .connect(url)?;
+                    schemas.push(schema);
+                    Backend::Server(store.outbox())
+                }
+            };
+            match &outbox {
+                Backend::File(o) => o.set_destination_policy("api", policy)?,
+                #[cfg(feature = "postgres")]
+                Backend::Server(o) => o.set_destination_policy("api", policy)?,
+            }
+            Ok(outbox)
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    impl Drop for Place {
+        fn drop(&mut self) {
+            if let Place::Server { url, schemas } = self
+                && let Ok(mut c) = postgres::Client::connect(url, postgres::NoTls)
+            {
+                for s in schemas.iter() {
+                    let _ = c.batch_execute(&format!("DROP SCHEMA {s} CASCADE"));
+                }
+            }
+        }
+    }
+
+    pub(super) fn run() -> R<()> {
+        run_on("embedded", Place::Dir(tempfile::tempdir()?))?;
+        #[cfg(feature = "postgres")]
+        match std::env::var("IDEMSTORE_TEST_POSTGRES") {
+            Ok(url) => run_on(
+                "PostgreSQL",
+                Place::Server {
+                    url,
+                    schemas: Vec::new(),
+                },
+            )?,
+            Err(_) => println!("\n(PostgreSQL: set IDEMSTORE_TEST_POSTGRES to run it too)"),
+        }
         Ok(())
     }
 
-    /// Blocks until `n` entries are completed; returns when.
-    fn drained(outbox: &Outbox, n: u64) -> Result<Instant, idemstore::Error> {
-        while outbox.counts()?.completed < n {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(Instant::now())
-    }
-
-    fn store(
-        dir: &std::path::Path,
-        name: &str,
-        policy: DestinationPolicy,
-    ) -> Result<Outbox, idemstore::Error> {
-        let outbox = Store::open(dir.join(name))?.outbox();
-        outbox.set_destination_policy("api", policy)?;
-        Ok(outbox)
-    }
-
-    pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
-        let dir = tempfile::tempdir()?;
+    fn run_on(backend: &str, mut place: Place) -> R<()> {
         println!(
-            "\ncaps: sends of 10 ms, 50 × cap entries; goal: most = cap, rate ≥ 0.9 of cap/10 ms"
+            "\ncaps, {backend}: sends of 10 ms, 50 × cap entries; goal: most = cap, rate ≥ 0.9 of cap/10 ms"
         );
         println!(
             "{:>5} | {:>7} | {:>8} | {:>6} | {:>12}",
@@ -195,16 +282,13 @@ mod caps {
             for runtime in ["threads", "tokio"] {
                 let name = format!("cap{cap}-{runtime}.idem");
                 let cap32 = u32::try_from(cap)?;
-                let outbox = store(
-                    dir.path(),
-                    &name,
-                    DestinationPolicy::default().max_in_flight(cap32),
-                )?;
-                fill(&outbox, n)?;
+                let outbox =
+                    place.outbox(&name, DestinationPolicy::default().max_in_flight(cap32))?;
+                outbox.fill(n)?;
                 let gauge = Arc::new(Gauge::default());
                 let started = Instant::now();
                 let g = gauge.clone();
-                let builder = Dispatcher::builder(outbox.clone()).workers(workers);
+                let builder = outbox.builder().workers(workers);
                 let done = if runtime == "threads" {
                     let d = builder.start(move |_| {
                         g.start();
@@ -212,7 +296,7 @@ mod caps {
                         g.end();
                         Delivery::Delivered
                     })?;
-                    let done = drained(&outbox, n as u64)?;
+                    let done = outbox.drained(n as u64)?;
                     d.shutdown()?;
                     done
                 } else {
@@ -228,7 +312,7 @@ mod caps {
                             }
                         })
                     })?;
-                    let done = drained(&outbox, n as u64)?;
+                    let done = outbox.drained(n as u64)?;
                     rt.block_on(d.shutdown())?;
                     done
                 };
@@ -240,17 +324,14 @@ mod caps {
                 );
             }
         }
-        let outbox = store(
-            dir.path(),
+        let outbox = place.outbox(
             "rate.idem",
             DestinationPolicy::default().rate_limit(200.0, 10),
         )?;
-        fill(&outbox, 1000)?;
+        outbox.fill(1000)?;
         let started = Instant::now();
-        let d = Dispatcher::builder(outbox.clone())
-            .workers(8)
-            .start(|_| Delivery::Delivered)?;
-        let done = drained(&outbox, 1000)?;
+        let d = outbox.builder().workers(8).start(|_| Delivery::Delivered)?;
+        let done = outbox.drained(1000)?;
         d.shutdown()?;
         // The burst is free: 990 entries at 200/s.
         let rate = 990.0 / (done - started).as_secs_f64();

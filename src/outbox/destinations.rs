@@ -468,7 +468,11 @@ impl Flow {
         }
         if let Some(tokens) = self.tokens_at_now(now) {
             self.tokens = Some(tokens - f64::from(n));
-            self.tokens_at = now;
+            // A claim whose clock is behind the last one's (it read the
+            // clock, then waited for the flow) takes from the bucket as it
+            // stands and leaves its time where it was: moved back, the
+            // next claim would refill the same stretch of time twice.
+            self.tokens_at = self.tokens_at.max(now);
         }
         if probe {
             self.probe = Some(first);
@@ -777,6 +781,28 @@ mod tests {
                 probe: false
             }
         );
+    }
+
+    #[test]
+    fn a_claim_whose_clock_is_behind_refills_no_stretch_of_time_twice() {
+        let mut f = flow(DestinationPolicy::default().rate_limit(10.0, 1));
+        f.claimed(1, 1, false, 1_000_000);
+        // A claim that read its clock half a second earlier, then waited
+        // for the flow: the bucket is empty as it stands at 1 s.
+        assert!(matches!(f.allowance(500_000), Allowance::Until(_)));
+        // 100 ms after the first claim, one token: no more.
+        assert_eq!(
+            f.allowance(1_100_000),
+            Allowance::Take {
+                max: 1,
+                probe: false
+            }
+        );
+        f.claimed(1, 2, false, 1_100_000);
+        // Taken by a claim behind the clock (one token in debt), the bucket
+        // gives the next token 200 ms after the last claim, not 100.
+        f.claimed(1, 3, false, 600_000);
+        assert_eq!(f.allowance(1_200_000), Allowance::Until(1_300_000));
     }
 
     #[test]
