@@ -27,7 +27,7 @@
 //!   once it shares them fairly).
 //! - `caps`: flow control at full speed, on the embedded store, and on
 //!   PostgreSQL too when built with the package's `postgres` feature and
-//!   IDEMSTORE_TEST_POSTGRES names a server (`.ci/postgres run -- …`). For caps
+//!   `IDEMSTORE_TEST_POSTGRES` names a server (`.ci/postgres run -- …`). For caps
 //!   of 1, 4 and 16 and sends of 10 ms, the thread dispatcher (twice as
 //!   many workers as the cap, at least 4) and the async one (the same
 //!   number of slots) drain `50 × cap` entries of the capped destination:
