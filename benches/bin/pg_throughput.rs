@@ -51,6 +51,21 @@ fn main() -> R<()> {
         println!("{secs}");
         return Ok(());
     }
+    // One drain of a filled schema, for a profiler: `--drain-one ours|tasks|lean|fenced
+    // SCHEMA` (the hand-rolled ones need the `raw_due` index the drain
+    // figures create).
+    if args.get(1).map(String::as_str) == Some("--drain-one") {
+        let schema = &args[3];
+        let secs = match args[2].as_str() {
+            "ours" => drain_ours(&url, schema, 4)?,
+            "tasks" => drain_tasks(&url, schema, 4)?,
+            "lean" => drain_raw(&url, schema, 4, Shape::Lean)?,
+            "fenced" => drain_raw(&url, schema, 4, Shape::Fenced)?,
+            other => return Err(format!("no drain {other:?}").into()),
+        };
+        println!("{:.0} entries/s", DRAIN as f64 / secs);
+        return Ok(());
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let run_for = Duration::from_millis(if quick { 500 } else { 2000 });
     let tag = format!("{}", std::process::id());
