@@ -264,7 +264,9 @@ impl Model {
             }
             if let Some(tokens) = tokens {
                 f.tokens = Some(tokens - 1.0);
-                f.tokens_at = now;
+                // A claim behind the last one's clock leaves the bucket's
+                // time where it was (no stretch refills twice).
+                f.tokens_at = f.tokens_at.max(now);
             }
             if probe {
                 f.probe = Some(id);

@@ -394,11 +394,29 @@ fn clocked_dispatcher(
     workers: usize,
     name: &'static str,
 ) -> Result<idemstore::DispatcherHandle> {
+    clocked_dispatcher_leasing(store, remote, clock, workers, name, LEASE)
+}
+
+/// The lease of [`clocked_dispatcher`]'s claims.
+const LEASE: Duration = Duration::from_secs(30);
+
+/// [`clocked_dispatcher`] with claims leased for `lease`: longer than any
+/// step of the clock in a test where sends may be in flight as it steps
+/// (a claim read at the time before a step and committed after it is
+/// older than a shorter lease at once, and the reaper hands it back).
+fn clocked_dispatcher_leasing(
+    store: &Store,
+    remote: &SharedRemote,
+    clock: &ManualClock,
+    workers: usize,
+    name: &'static str,
+    lease: Duration,
+) -> Result<idemstore::DispatcherHandle> {
     let link = Link::Local(remote.clone());
     Dispatcher::builder(store.outbox())
         .workers(workers)
         .batch_size(1)
-        .lease(Duration::from_secs(30))
+        .lease(lease)
         .retry(RetryPolicy::exponential(
             Duration::from_secs(1),
             Duration::from_secs(1),
@@ -424,8 +442,10 @@ fn a_circuit_shared_by_two_stores_sends_one_probe_at_a_time() -> Result<()> {
     let clock = ManualClock::new(common::t(0));
     let remote = Remote::failing(0);
     remote.lock().down = true;
-    let da = clocked_dispatcher(&a, &remote, &clock, 2, "a")?;
-    let db = clocked_dispatcher(&b, &remote, &clock, 2, "b")?;
+    // The clock steps 150 s in all while sends may be in flight.
+    let lease = Duration::from_secs(600);
+    let da = clocked_dispatcher_leasing(&a, &remote, &clock, 2, "a", lease)?;
+    let db = clocked_dispatcher_leasing(&b, &remote, &clock, 2, "b", lease)?;
     let opened = common::eventually_some("the circuit opens", || open_circuit(&a, "dead"));
     // Three failures open it; the other workers' sends already in flight
     // fail too, and count for nothing.

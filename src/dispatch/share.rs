@@ -55,7 +55,7 @@ pub(super) struct Target {
     /// The destination the worker now counts as busy with, if any.
     pub(super) destination: Option<String>,
     /// The destinations the claim avoids: the crowded ones, and with a
-    /// target, the other active ones.
+    /// target, the other busy ones.
     pub(super) avoid: Vec<String>,
 }
 
@@ -176,32 +176,36 @@ impl Busy {
     /// A worker's next claim: of the active destinations that are not
     /// crowded, the least loaded (the first by name of equals), counted as
     /// busy with this worker at once; the claim avoids the crowded ones and
-    /// the other active ones, so the store gives the target's entries, or
-    /// a destination it has not seen yet, or, only if neither has any, an
-    /// avoided one's.
+    /// the other busy ones, so the store gives the target's entries, or
+    /// those of a destination no worker is busy with, or, only if none of
+    /// those has any, an avoided one's. Costs O(workers), however many
+    /// destinations are active: the busy ones are at most the workers, and
+    /// an active one with no worker is as light as any.
     pub(super) fn target(&mut self, workers: usize) -> Target {
         let crowded = self.crowded(workers);
-        let chosen = self
-            .active
-            .iter()
-            .filter(|d| !crowded.contains(d))
-            .map(String::as_str)
-            .reduce(|a, b| {
-                if Self::lighter(self.load(b), self.load(a)) {
-                    b
-                } else {
-                    a
-                }
-            })
-            .map(str::to_owned);
+        let mut chosen: Option<&str> = None;
+        for d in &self.active {
+            if crowded.contains(d) {
+                continue;
+            }
+            let load = self.load(d);
+            if chosen.is_none_or(|c| Self::lighter(load, self.load(c))) {
+                chosen = Some(d);
+            }
+            if load.0 == 0 {
+                // Nothing is lighter than a destination no worker has.
+                break;
+            }
+        }
+        let chosen = chosen.map(str::to_owned);
         let mut avoid = crowded;
         if let Some(t) = &chosen {
-            self.add(t);
-            for d in &self.active {
+            for d in self.counts.keys() {
                 if d != t && !avoid.contains(d) {
                     avoid.push(d.clone());
                 }
             }
+            self.add(t);
         }
         Target {
             destination: chosen,
@@ -333,7 +337,7 @@ mod tests {
     }
 
     #[test]
-    fn a_target_avoids_the_other_active_destinations_and_a_miss_makes_it_inactive() {
+    fn a_target_avoids_the_other_busy_destinations_and_a_miss_makes_it_inactive() {
         let mut b = busy(&[]);
         // Nothing known: no target, nothing avoided.
         assert_eq!(b.target(8), Target::default());
@@ -361,6 +365,18 @@ mod tests {
         b.claimed(&t, None);
         assert!(b.active.is_empty());
         assert_eq!((b.get("b"), b.get("c")), (2, 1));
+    }
+
+    #[test]
+    fn a_claim_avoids_only_busy_destinations_however_many_are_active() {
+        let mut b = busy(&[("busy", 1)]);
+        b.active.insert("busy".into());
+        for i in 0..1000 {
+            b.active.insert(format!("idle-{i:04}"));
+        }
+        let t = b.target(8);
+        assert_eq!(t.destination.as_deref(), Some("idle-0000"));
+        assert_eq!(t.avoid, ["busy"]);
     }
 
     #[test]

@@ -242,9 +242,9 @@ impl Share<'_> {
     /// entries of one destination — the least loaded active one below its
     /// share, which this worker counts as busy with from now on (see the
     /// [`share`](super::share) module) — avoiding the others that are
-    /// active or hold their share of the workers (the store takes from
-    /// them only if neither the target nor a destination new to this
-    /// dispatcher has any entry to give), and one entry of a destination
+    /// busy or hold their share of the workers (the store takes from them
+    /// only if neither the target nor a destination no worker is busy with
+    /// has any entry to give), and one entry of a destination
     /// whose flow limits claims (a cap, a rate): the worker sends its batch
     /// one entry after the other, so a cap of N is N workers sending at
     /// once.
