@@ -4,6 +4,7 @@
 //! cargo run --release -p idemstore-benches --bin throughput            # the full table (~1 min)
 //! cargo run --release -p idemstore-benches --bin throughput -- --quick # shorter runs
 //! cargo run --release -p idemstore-benches --bin throughput -- --shared # only the table of shared stores
+//! cargo run --release -p idemstore-benches --bin throughput -- --effects # claims with an effect only
 //! ```
 //!
 //! Every figure is measured in this run, on this machine, so the ratios are
@@ -41,6 +42,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     if args.iter().any(|a| a == "--shared") {
         return shared_table(dir.path(), &cfg);
+    }
+    if args.iter().any(|a| a == "--effects") {
+        return effects_table(dir.path(), &cfg);
     }
     println!(
         "durable claims per second ({} s per cell, median of 3 where noted)\n",
@@ -104,6 +108,54 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     quick_repair_table(dir.path(), &cfg)?;
     shared_table(dir.path(), &cfg)
+}
+
+/// The application's table a claim's effect writes to.
+const EFFECTS: TableDefinition<&str, u64> = TableDefinition::new("app.effects");
+
+/// Claims with a one-row effect (`Inbox::claim_with`) beside plain claims
+/// and raw redb's one commit per claim, from 1 and 64 threads.
+fn effects_table(dir: &Path, cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "durable claims with a one-row effect, per second ({} s per cell, medians of 3)\n",
+        cfg.run_for.as_secs_f64()
+    );
+    println!(
+        "{:>8} | {:>12} | {:>12} | {:>12} | {:>9} | {:>9}",
+        "threads", "with effect", "plain", "raw redb", "vs plain", "vs redb"
+    );
+    println!("{}", "-".repeat(78));
+    for threads in [1usize, 64] {
+        let effect = median3(|| idemstore_effects(dir, threads, cfg.run_for))?;
+        let plain =
+            median3(|| idemstore_claims(dir, threads, cfg.run_for, Durability::Immediate, false))?;
+        let redb = median3(|| raw_redb_claims(dir, threads, cfg.run_for))?;
+        println!(
+            "{threads:>8} | {effect:>12.0} | {plain:>12.0} | {redb:>12.0} | {:>8.2}x | {:>8.2}x",
+            effect / plain,
+            effect / redb
+        );
+    }
+    Ok(())
+}
+
+fn idemstore_effects(
+    dir: &Path,
+    threads: usize,
+    run_for: Duration,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let store = Store::open(fresh(dir, "effects.idem"))?;
+    let inbox = store.inbox("bench")?;
+    Ok(drive(threads, run_for, move |t, n| {
+        let key = format!("evt-{t}-{n}");
+        let claim = inbox
+            .claim_with(&key, Utc::now(), |tx| {
+                tx.open_table(EFFECTS)?.insert(key.as_str(), n)?;
+                Ok::<_, idemstore::Error>(())
+            })
+            .expect("claim with effect");
+        assert!(claim.is_applied());
+    }))
 }
 
 /// Several processes, one file: a store held alone against a shared one,

@@ -410,6 +410,9 @@ fn run_batch(inner: &Inner, batch: &mut Batch) {
         batch.fail_rest(&refusal);
         return;
     }
+    if open.is_none() {
+        inner.let_own_writers_first();
+    }
     let Some(work) = begin_or_resume(inner, &db, open.take(), batch) else {
         return;
     };

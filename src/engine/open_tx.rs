@@ -47,6 +47,13 @@ use super::scope::Hook;
 use super::sync::{Receiver, RecvTimeoutError, Sender, bounded, thread};
 use crate::error::{Error, Result};
 
+/// The longest a batch lets caller closures waiting for redb's writer go
+/// first ([`Inner::let_own_writers_first`]): about what a few dozen of them
+/// take (each begins, writes and commits without fsync in tens of µs), and
+/// a small part of a durable commit's fsync.
+#[cfg(not(shuttle))]
+const OWN_WRITERS_FIRST: std::time::Duration = std::time::Duration::from_micros(500);
+
 /// A batch's write transaction, with what it holds from earlier batches:
 /// under `Durability::None`, the transaction kept open across batches, with
 /// the operations it holds (already answered) so that they can be run again
@@ -119,6 +126,30 @@ impl Inner {
         let out = self.commit_pending().and_then(|()| f());
         self.writers_waiting.fetch_sub(1, Ordering::SeqCst);
         out
+    }
+
+    /// Before a batch begins a write transaction: lets the callers already
+    /// waiting to begin one of their own (caller closures: effects,
+    /// `Store::write`) take redb's writer first, for at most
+    /// [`OWN_WRITERS_FIRST`]. Their commits are not durable; the batch's
+    /// durable commit, after them, covers them all. Otherwise a leader
+    /// takes the writer first and holds it through its fsync while they
+    /// wait, and the next leader takes it again: one or two closures per
+    /// fsync.
+    pub(super) fn let_own_writers_first(&self) {
+        #[cfg(not(shuttle))]
+        {
+            let start = std::time::Instant::now();
+            while self.writers_waiting.load(Ordering::SeqCst) > 0
+                && start.elapsed() < OWN_WRITERS_FIRST
+            {
+                thread::yield_now();
+            }
+        }
+        #[cfg(shuttle)]
+        if self.writers_waiting.load(Ordering::SeqCst) > 0 {
+            thread::yield_now();
+        }
     }
 
     /// Begins a write transaction for this thread's own use, once no batch
