@@ -136,6 +136,10 @@ fn effects_table(dir: &Path, cfg: &Config) -> Result<(), Box<dyn std::error::Err
             effect / redb
         );
     }
+    let (rate, per_fsync) = effects_run(dir, 64, cfg.run_for)?;
+    println!(
+        "\n64 threads with an effect, one more run: {rate:.0}/s, {per_fsync:.1} claims per fsync"
+    );
     Ok(())
 }
 
@@ -144,9 +148,20 @@ fn idemstore_effects(
     threads: usize,
     run_for: Duration,
 ) -> Result<f64, Box<dyn std::error::Error>> {
+    Ok(effects_run(dir, threads, run_for)?.0)
+}
+
+/// One run of claims with an effect: claims per second, and claims per
+/// durable commit (per fsync).
+fn effects_run(
+    dir: &Path,
+    threads: usize,
+    run_for: Duration,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let store = Store::open(fresh(dir, "effects.idem"))?;
     let inbox = store.inbox("bench")?;
-    Ok(drive(threads, run_for, move |t, n| {
+    let before = store.commit_stats();
+    let rate = drive(threads, run_for, move |t, n| {
         let key = format!("evt-{t}-{n}");
         let claim = inbox
             .claim_with(&key, Utc::now(), |tx| {
@@ -155,7 +170,14 @@ fn idemstore_effects(
             })
             .expect("claim with effect");
         assert!(claim.is_applied());
-    }))
+    });
+    let after = store.commit_stats();
+    let fsyncs = after
+        .durable_commits
+        .saturating_sub(before.durable_commits)
+        .max(1);
+    let claims = rate * run_for.as_secs_f64();
+    Ok((rate, claims / fsyncs as f64))
 }
 
 /// Several processes, one file: a store held alone against a shared one,
