@@ -103,6 +103,89 @@ fn a_failing_and_a_panicking_closure_do_not_undo_the_others() -> Result<()> {
     Ok(())
 }
 
+/// What a call of [`effects_of_64_threads_fail_and_panic_alone`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Applied,
+    Failed,
+    Panicked,
+}
+
+#[test]
+fn effects_of_64_threads_fail_and_panic_alone() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s.idem"))?;
+    let inbox = store.inbox("fx")?;
+    let (threads, rounds) = (64, 10);
+    let barrier = Arc::new(Barrier::new(threads));
+    let before = store.commit_stats();
+    let handles: Vec<_> = (0..threads)
+        .map(|i| {
+            let inbox = inbox.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut answers = Vec::new();
+                for r in 0..rounds {
+                    let n = i * rounds + r;
+                    let key = format!("e{n}");
+                    let out = catch_unwind(AssertUnwindSafe(|| {
+                        inbox.claim_with(&key, t(0), |tx| {
+                            // Every closure writes before it decides.
+                            tx.open_table(ROWS)?.insert(key.as_str(), n as u64)?;
+                            match n % 17 {
+                                3 => Err(Error::InvalidInput {
+                                    field: "test",
+                                    reason: "fails after writing".into(),
+                                }),
+                                11 => panic!("panics after writing"),
+                                _ => Ok(n),
+                            }
+                        })
+                    }));
+                    let outcome = match out {
+                        Ok(Ok(Claim::Applied(v))) => {
+                            assert_eq!(v, n, "{key}: another caller's answer");
+                            Outcome::Applied
+                        }
+                        Ok(Err(Error::InvalidInput { .. })) => Outcome::Failed,
+                        Err(_) => Outcome::Panicked,
+                        other => panic!("{key}: {other:?}"),
+                    };
+                    answers.push((key, n, outcome));
+                }
+                answers
+            })
+        })
+        .collect();
+    let mut applied = 0;
+    for h in handles {
+        let answers = h.join().unwrap();
+        assert_eq!(answers.len(), rounds, "one answer per call");
+        for (key, n, outcome) in answers {
+            let expected = match n % 17 {
+                3 => Outcome::Failed,
+                11 => Outcome::Panicked,
+                _ => Outcome::Applied,
+            };
+            assert_eq!(outcome, expected, "{key}");
+            if outcome == Outcome::Applied {
+                applied += 1;
+                assert!(inbox.seen(&key)?, "{key} claimed");
+                assert_eq!(row(&store, &key)?, Some(n as u64), "{key}'s effect");
+            } else {
+                assert!(!inbox.seen(&key)?, "{key} left unclaimed");
+                assert_eq!(row(&store, &key)?, None, "{key} wrote nothing");
+            }
+        }
+    }
+    assert_eq!(inbox.len()?, applied);
+    // The effects shared their fsyncs.
+    let fsyncs = store.commit_stats().durable_commits - before.durable_commits;
+    assert!(fsyncs < applied, "{fsyncs} fsyncs for {applied} effects");
+    Ok(())
+}
+
 #[test]
 fn results_reach_the_right_callers_under_64_threads() -> Result<()> {
     let dir = tempfile::tempdir().unwrap();
