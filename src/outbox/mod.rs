@@ -219,6 +219,7 @@
 //! transaction that reads every entry once.
 
 mod bulk;
+pub(crate) mod claim_request;
 mod control;
 mod depth;
 pub(crate) mod destinations;
@@ -247,9 +248,10 @@ use crate::engine::Engine;
 use crate::error::Error;
 use crate::error::Result;
 pub use bulk::{MatchingChange, MatchingStep};
+pub use claim_request::ClaimRequest;
 pub use destinations::{
-    CircuitState, ClaimRequest, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR,
-    MAX_PRIORITY, PolicyLimits, REASON_MAX_ATTEMPTS,
+    CircuitState, DestinationPolicy, DestinationState, MAX_COOL_DOWN_FACTOR, MAX_PRIORITY,
+    PolicyLimits, REASON_MAX_ATTEMPTS,
 };
 pub(crate) use notifier::Notifier;
 use rules::{

@@ -13,7 +13,8 @@
 
 use redb::{KeyRange, ReadableTable, TableHandle as _, WriteTransaction};
 
-use super::destinations::{Allowance, ClaimRequest, ONE_DESTINATION_LOOKS};
+use super::claim_request::{ClaimRequest, ONE_DESTINATION_LOOKS};
+use super::destinations::Allowance;
 use super::index::{Tables, TimeIndex, index_mismatch, next_id};
 use super::rules::{Change, Row, plan};
 use super::{Enqueued, NewEntry, OutboxEntry, OutboxId, OutboxStatus};

@@ -39,7 +39,7 @@ use super::flows::{DESTINATIONS, FLOW_COLS, Stored, read_flow};
 use super::{COLS, PgOutbox, TABLE, read_entry};
 use crate::codec::{from_micros, micros};
 use crate::error::Result;
-use crate::outbox::destinations::ONE_DESTINATION_LOOKS;
+use crate::outbox::claim_request::ONE_DESTINATION_LOOKS;
 use crate::outbox::destinations::{Allowance, Flow};
 use crate::outbox::{ClaimRequest, OutboxEntry};
 use crate::postgres::blocking::wait;
