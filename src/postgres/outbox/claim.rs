@@ -15,10 +15,11 @@
 //!    `limit`, or one at a time for a one-destination claim) are created
 //!    if missing and locked `FOR UPDATE SKIP LOCKED` in name order: a
 //!    destination another claimer is taking from (or a settlement is
-//!    changing) is left to it. If that leaves the claim empty-handed, it
-//!    lets its locks go (a savepoint) and locks the same rows again, this
-//!    time waiting for their holders' commits, in name order: many workers
-//!    on one capped destination fill its cap, one claim after the other.
+//!    changing) is left to it. If other claimers hold every one of them,
+//!    the claim locks the same rows again, this time waiting for their
+//!    holders' commits, in name order (holding none, it joins no cycle of
+//!    waits): many workers on one capped destination fill its cap, one
+//!    claim after the other.
 //!    Their in-flight counts are counted again under the lock, so that
 //!    every claim committed before is in them: caps, tokens and probes hold
 //!    exactly across processes.
@@ -251,8 +252,9 @@ impl PgOutbox {
     /// Concurrent claimers, in any process, never get the same entry, and
     /// every limit holds across all of them: each destination's row is
     /// locked for the claim, and a destination another claimer holds is
-    /// left to it, unless the claim would otherwise take nothing: then it
-    /// waits for that claimer's commit and takes what is left. Costs one index descent per destination with claimable
+    /// left to it, unless other claimers hold every destination the claim
+    /// could take from: then it waits for their commits and takes what is
+    /// left. Costs one index descent per destination with claimable
     /// entries plus O(limit · log n), whatever the backlog. A call that
     /// returns `Err` claimed nothing, unless the connection was lost once
     /// its `COMMIT` was sent: then the entries may have been claimed, and
@@ -355,27 +357,17 @@ impl PgOutbox {
         let mut names: Vec<String> = visit.iter().map(|c| c.destination.clone()).collect();
         names.sort_unstable();
         names.dedup();
-        // Rows locked by a pass that then gives up must be let go before
-        // the rows are locked again in name order (else two claimers could
-        // each hold one the other waits for): a savepoint to go back to,
-        // needed only where the first pass can lock some rows and skip
-        // others.
-        let several = names.len() > 1;
-        if several {
-            db.execute("SAVEPOINT idemstore_flows", &[]).await?;
-        }
         let (mut locked, mut chosen) = self
             .plan(db, visit, &names, true, limit, now, request)
             .await?;
-        if chosen.is_empty() && locked.len() < names.len() {
-            // Another claimer holds a flow this claim could take from, and
-            // nothing else gave: wait for its commit rather than come back
-            // empty (a dispatcher with more workers than a cap would
-            // otherwise fill it one claim at a time).
-            if several {
-                db.execute("ROLLBACK TO SAVEPOINT idemstore_flows", &[])
-                    .await?;
-            }
+        if locked.is_empty() {
+            // Other claimers hold every flow this claim could take from:
+            // wait for their commits rather than come back empty (a
+            // dispatcher with more workers than a cap would otherwise fill
+            // it one claim at a time). Holding no flow row, this claim
+            // cannot be part of a cycle of waits. (A claim that locked some
+            // rows and got nothing from them leaves the others to their
+            // holders, as before.)
             (locked, chosen) = self
                 .plan(db, visit, &names, false, limit, now, request)
                 .await?;
