@@ -51,11 +51,17 @@ fn main() -> R<()> {
         println!("{secs}");
         return Ok(());
     }
-    // One drain of a filled schema, for a profiler: `--drain-one ours|tasks|lean|fenced
-    // SCHEMA` (the hand-rolled ones need the `raw_due` index the drain
-    // figures create).
+    // One drain, for a profiler: `--drain-one ours|tasks|lean|fenced
+    // SCHEMA` creates SCHEMA if it is missing (with the `raw_due` index the
+    // hand-rolled loops need), fills it, and drains it once.
     if args.get(1).map(String::as_str) == Some("--drain-one") {
         let schema = &args[3];
+        PgStore::builder().schema(schema).connect(&url)?;
+        Client::connect(&url, NoTls)?.batch_execute(&format!(
+            "CREATE INDEX IF NOT EXISTS raw_due ON {schema}.outbox \
+             ((coalesce(next_attempt_at, created_at)), id) WHERE status = 'pending'"
+        ))?;
+        fill(&url, schema, DRAIN)?;
         let secs = match args[2].as_str() {
             "ours" => drain_ours(&url, schema, 4)?,
             "tasks" => drain_tasks(&url, schema, 4)?,

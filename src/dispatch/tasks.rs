@@ -595,21 +595,25 @@ impl Claimer {
     /// may not take a free slot (they wait for their destination's share,
     /// and must not crowd out the entries claimed ahead for the others).
     fn room(&self) -> usize {
-        let crowded = self.busy.lock().crowded(self.workers);
-        let stuck = if self.others_idle(&crowded) {
-            0
-        } else {
-            self.waiting
-                .iter()
-                .filter(|e| crowded.contains(&e.destination))
-                .count()
-        };
-        let claimed = self.waiting.len() - stuck + self.sends.len();
+        let claimed = self.startable() + self.sends.len();
         let ahead = self
             .ctx
             .send_time
             .ahead(self.slots, self.ctx.batch_size, self.slots);
         (self.slots + ahead).saturating_sub(claimed)
+    }
+
+    /// The waiting entries that may take a free slot: all of them, but
+    /// those of crowded destinations while they wait for their share.
+    fn startable(&self) -> usize {
+        let crowded = self.busy.lock().crowded(self.workers);
+        if self.others_idle(&crowded) {
+            return self.waiting.len();
+        }
+        self.waiting
+            .iter()
+            .filter(|e| !crowded.contains(&e.destination))
+            .count()
     }
 
     /// The slots no send and no waiting entry will take: the most entries
@@ -620,15 +624,24 @@ impl Claimer {
             .saturating_sub(self.sends.len() + self.waiting.len())
     }
 
-    /// Starts a commit unless one runs or the claimer backs off: when sends
-    /// finished (their settlements are due), or when there is room to claim
-    /// into and work may be due.
+    /// Starts a commit unless one runs or the claimer backs off, once the
+    /// entries waiting to start run low (no more than one per slot): when
+    /// sends finished (their settlements are due), or when there is room to
+    /// claim into and work may be due; and whatever waits, once a batch of
+    /// settlements is due. Waiting for the queue to run low, a commit
+    /// settles and claims a batch where committing at every finished send
+    /// would make one small commit after the other (half the size and
+    /// twice as many, on PostgreSQL, whose drain they bound), and the sends
+    /// still never wait for a claim while one entry per slot is left.
     fn start_commit(&mut self) {
         if self.commit.is_some() || self.backing_off.is_some() {
             return;
         }
+        let low = self.startable() <= self.slots;
         let room = self.room();
-        if self.settlements.is_empty() && !(self.look && room > 0) {
+        let settle =
+            !self.settlements.is_empty() && (low || self.settlements.len() >= self.ctx.batch_size);
+        if !settle && !(low && self.look && room > 0) {
             return;
         }
         self.look = false;

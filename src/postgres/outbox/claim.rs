@@ -87,7 +87,8 @@ fn rounds(
 }
 
 /// The column of a free claim's round (`k`) after [`COLS`], the line
-/// position after it.
+/// position after it (in a claim of one destination and priority: the
+/// entry's due time).
 const FREE_K: usize = 17;
 
 /// A destination with a claimable entry.
@@ -481,6 +482,14 @@ impl PgOutbox {
         now: i64,
         request: &ClaimRequest,
     ) -> Result<Vec<OutboxEntry>> {
+        if let [c] = visit
+            && let [priority] = c.priorities[..]
+            && c.has_row
+        {
+            return self
+                .take_free_one(db, c, priority, limit, now, request)
+                .await;
+        }
         let s = self.s();
         let due = "coalesce(o.next_attempt_at, o.created_at)";
         let names: Vec<&[u8]> = visit.iter().map(|c| c.destination.as_bytes()).collect();
@@ -549,6 +558,63 @@ impl PgOutbox {
             let k: i64 = r.try_get(FREE_K)?;
             let pos: i32 = r.try_get(FREE_K + 1)?;
             taken.push(((k, pos), read_entry(r)?));
+        }
+        taken.sort_by_key(|(order, _)| *order);
+        Ok(taken.into_iter().map(|(_, e)| e).collect())
+    }
+
+    /// [`PgOutbox::take_free`] of one destination `c` whose claimable
+    /// entries all have `priority` and that has a flow row: the common
+    /// claim (one destination, one priority), in a statement the server
+    /// plans in about half the time of the general one.
+    async fn take_free_one(
+        &self,
+        db: &mut Db<'_, impl GenericClient + Sync>,
+        c: &Candidate,
+        priority: i16,
+        limit: usize,
+        now: i64,
+        request: &ClaimRequest,
+    ) -> Result<Vec<OutboxEntry>> {
+        let s = self.s();
+        let due = "coalesce(o.next_attempt_at, o.created_at)";
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = db
+            .query(
+                &format!(
+                    "WITH pick AS (SELECT o.id FROM {s}.outbox o \
+                         WHERE o.destination = $1 AND o.priority = $2 AND o.status = 'pending' \
+                         AND NOT o.waiting AND {due} <= $3 \
+                         AND NOT EXISTS (SELECT 1 FROM {s}.destinations f \
+                             WHERE f.destination = $1 AND (f.paused \
+                             OR f.max_in_flight IS NOT NULL OR f.rate_per_second IS NOT NULL \
+                             OR f.circuit_failures IS NOT NULL OR f.held_until IS NOT NULL)) \
+                         ORDER BY o.destination, o.priority, {due}, o.id \
+                         LIMIT $4 FOR UPDATE SKIP LOCKED), \
+                     served AS (UPDATE {s}.destinations f \
+                         SET served_at = GREATEST(f.served_at, $3) \
+                         WHERE f.destination IN (SELECT l.destination FROM {s}.destinations l \
+                             WHERE l.destination = $1 FOR UPDATE SKIP LOCKED)) \
+                     UPDATE {s}.outbox o SET status = 'dispatching', \
+                         attempt_count = LEAST(o.attempt_count + 1, 4294967295), \
+                         worker_id = $5, claimed_at = $3 \
+                     WHERE o.id IN (SELECT id FROM pick) \
+                     RETURNING {COLS}, {due}"
+                ),
+                &[
+                    &c.destination.as_bytes(),
+                    &priority,
+                    &now,
+                    &limit,
+                    &request.worker_id().as_bytes(),
+                ],
+            )
+            .await?;
+        let mut taken = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let due: i64 = r.try_get(FREE_K)?;
+            let e = read_entry(r)?;
+            taken.push(((due, e.id.0), e));
         }
         taken.sort_by_key(|(order, _)| *order);
         Ok(taken.into_iter().map(|(_, e)| e).collect())
