@@ -5,6 +5,7 @@
 //! cargo run --release -p idemstore-benches --bin throughput -- --quick # shorter runs
 //! cargo run --release -p idemstore-benches --bin throughput -- --shared # only the table of shared stores
 //! cargo run --release -p idemstore-benches --bin throughput -- --effects # claims with an effect only
+//! cargo run --release -p idemstore-benches --bin throughput -- --effects-once # one 64-thread run of them, for a profiler
 //! ```
 //!
 //! Every figure is measured in this run, on this machine, so the ratios are
@@ -42,6 +43,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     if args.iter().any(|a| a == "--shared") {
         return shared_table(dir.path(), &cfg);
+    }
+    // One 64-thread run of claims with an effect, for a profiler.
+    if args.iter().any(|a| a == "--effects-once") {
+        let (rate, per_fsync) = effects_run(dir.path(), 64, Duration::from_secs(3))?;
+        println!("{rate:.0}/s, {per_fsync:.1} claims per fsync");
+        return Ok(());
     }
     if args.iter().any(|a| a == "--effects") {
         return effects_table(dir.path(), &cfg);

@@ -11,11 +11,15 @@
 //! that ends is followed at once by the next one, without waiting for a
 //! commit; of a destination with a cap or a rate it claims no more than
 //! its free slots. It commits (one `settle_and_claim`: the
-//! finished sends' settlements and the next claim together) whenever it
-//! has something to settle or room to claim into while work may be due,
-//! and never two commits at once: the settlements of every send that ended
-//! during one commit go into the next, so commits batch themselves under
-//! load, as the group commit of the store does.
+//! finished sends' settlements and the next claim together) once the
+//! entries waiting to start run low (one per slot or fewer) and it has
+//! something to settle or room to claim into while work may be due — or,
+//! whatever waits, once a batch of settlements is due — and never two
+//! commits at once: the settlements of every send that ended during one
+//! commit go into the next, so commits batch themselves under load, as the
+//! group commit of the store does. (Committing at every finished send
+//! instead made claims of half a batch, twice as many commits, and a
+//! PostgreSQL drain 0.6–0.7× the thread dispatcher's.)
 //!
 //! One claimer rather than `workers` claiming tasks: a wake-up makes one
 //! claim (not `workers` claims racing for the same entry), the number of
@@ -641,7 +645,7 @@ impl Claimer {
         let room = self.room();
         let settle =
             !self.settlements.is_empty() && (low || self.settlements.len() >= self.ctx.batch_size);
-        if !settle && !(low && self.look && room > 0) {
+        if !(settle || low && self.look && room > 0) {
             return;
         }
         self.look = false;
