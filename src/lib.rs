@@ -225,6 +225,9 @@
 //!   store (enable it under `[dev-dependencies]`): a store in memory with a
 //!   manual clock, assertions on what was enqueued and claimed, `drain` to
 //!   run the outbox on the test's thread, and a disk that fails or panics.
+//! - `webhooks`: `webhooks::Verifier`, which checks Standard Webhooks,
+//!   Stripe and GitHub signatures on a delivery's raw body before anything
+//!   reads it, and `webhooks::sign` for the Standard Webhooks header.
 //!
 //! # Glossary
 //!
@@ -374,6 +377,9 @@ mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+#[cfg(feature = "webhooks")]
+#[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
+pub mod webhooks;
 
 // Crates whose types are part of the API, at the versions built against
 // (see the crate docs).
@@ -475,6 +481,17 @@ const _: () = {
     send_sync::<postgres::PgInbox>();
     send_sync::<postgres::PgOutbox>();
     send_sync::<postgres::PgIdempotencyKeys>();
+};
+
+// A verifier is built once and shared by every request's task; its
+// answers cross to whatever handles the delivery.
+#[cfg(feature = "webhooks")]
+const _: () = {
+    const fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<webhooks::Secret>();
+    send_sync::<webhooks::Verifier>();
+    send_sync::<webhooks::Verified>();
+    send_sync::<webhooks::VerifyError>();
 };
 
 // The layer and its service cross threads with the server that runs them; the
