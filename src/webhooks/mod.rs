@@ -1,7 +1,31 @@
-//! Webhook signatures (feature `webhooks`): check that a delivery comes
-//! from its sender and is current before anything reads it
-//! ([`Verifier`]), and sign the ones you send the Standard Webhooks way
-//! ([`sign`]).
+//! Webhooks (feature `webhooks`): check that a delivery comes from its
+//! sender and is current before anything reads it ([`Verifier`]), sign
+//! the ones you send the Standard Webhooks way ([`sign`]), and send outbox
+//! entries as signed webhooks from a dispatcher ([`Sender`]: its module
+//! docs give the request and how each answer becomes a
+//! [`Delivery`](crate::Delivery)).
+//!
+//! ```no_run
+//! use idemstore::webhooks::{Endpoint, Secret, Sender};
+//! use idemstore::{Dispatcher, Store};
+//!
+//! # fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = Store::open("shop.idem")?;
+//! let sender = Sender::builder()
+//!     .endpoint(
+//!         "billing",
+//!         Endpoint::new("https://billing.example.com/hooks")?
+//!             .secret(Secret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")?),
+//!     )
+//!     .build()?;
+//! // Every entry of destination "billing" is POSTed there, signed; a
+//! // timeout once the request left is `OutcomeUnknown`, and the retry
+//! // carries the same `webhook-id`.
+//! let dispatcher = Dispatcher::builder(store.outbox()).start(sender.blocking())?;
+//! # dispatcher.shutdown()?;
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! ```
 //! use http::HeaderMap;
@@ -105,9 +129,11 @@
 //! store.
 
 mod secret;
+mod sender;
 mod verify;
 mod verify_error;
 
 pub use secret::{Secret, sign};
+pub use sender::{CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Endpoint, MAX_ANSWER, Sender, SenderBuilder};
 pub use verify::{DEFAULT_TOLERANCE, Verified, Verifier};
 pub use verify_error::VerifyError;
