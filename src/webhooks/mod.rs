@@ -1,9 +1,11 @@
 //! Webhooks (feature `webhooks`): check that a delivery comes from its
 //! sender and is current before anything reads it ([`Verifier`]), sign
 //! the ones you send the Standard Webhooks way ([`sign`]), and send outbox
-//! entries as signed webhooks from a dispatcher ([`Sender`]: its module
-//! docs give the request and how each answer becomes a
-//! [`Delivery`](crate::Delivery)).
+//! entries as signed webhooks from a dispatcher ([`Sender`]: its docs give
+//! the request and how each answer becomes a
+//! [`Delivery`](crate::Delivery)), and receive them exactly once
+//! ([`Receiver`]: verify, then claim the delivery's id in an inbox in the
+//! effect's own write transaction).
 //!
 //! ```no_run
 //! use idemstore::webhooks::{Endpoint, Secret, Sender};
@@ -128,11 +130,13 @@
 //! one anywhere: keep them in the application's configuration, not in the
 //! store.
 
+mod receiver;
 mod secret;
 mod sender;
 mod verify;
 mod verify_error;
 
+pub use receiver::{DEFAULT_BODY_LIMIT, Received, Receiver, Refusal};
 pub use secret::{Secret, sign};
 pub use sender::{CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Endpoint, MAX_ANSWER, Sender, SenderBuilder};
 pub use verify::{DEFAULT_TOLERANCE, Verified, Verifier};

@@ -1,40 +1,6 @@
 //! The sending half: [`Sender`] POSTs outbox entries to their destinations'
 //! endpoints, signed as Standard Webhooks, and tells the dispatcher what
 //! became of each attempt.
-//!
-//! # The request
-//!
-//! `POST` to the destination's [`Endpoint`], the body the entry's payload
-//! bytes as stored (never re-encoded), with these headers:
-//!
-//! | header | value |
-//! |---|---|
-//! | `webhook-id` | [`Sender::webhook_id`]: the same for every attempt of the entry |
-//! | `webhook-timestamp` | this attempt's time, Unix seconds |
-//! | `webhook-signature` | [`sign`](super::sign) with the endpoint's secrets (one `v1,` signature each, for rotation) |
-//! | `idempotency-key` | the `webhook-id` again, for receivers that deduplicate on it |
-//! | `content-type` | the endpoint's (default `application/json`) |
-//! | `user-agent` | `idemstore/<version>` |
-//!
-//! plus the endpoint's own headers. Redirects are never followed.
-//!
-//! # The answer
-//!
-//! | answer | [`Delivery`] |
-//! |---|---|
-//! | 2xx | `Delivered` |
-//! | 3xx | `Failed` (`http_3xx`: a moved endpoint is a configuration to fix, and following it would send the body where nobody asked) |
-//! | 429 or 503 with a `Retry-After` (seconds or an HTTP date) | `Throttled` until then: the whole destination waits |
-//! | 408, 425, 429, 5xx with a `Retry-After` | `RetryAt` then |
-//! | 408, 425, 429, 5xx otherwise | `Retry` (the retry policy's back-off) |
-//! | 410, and the statuses of [`Endpoint::fail_for_good`] | `Failed` |
-//! | any other 4xx | `Retry` |
-//! | no connection (DNS, refused, TLS handshake, the connect timeout) | `Retry` (`connect`): nothing was sent |
-//! | a timeout or a broken connection once the connection was made | `OutcomeUnknown`, its remote reference the `webhook-id`: the remote may have acted, and a retry carries the same id |
-//!
-//! Failure reasons are stable codes: `http_<status>`, `connect`.
-//! The answer's body is read (at most [`MAX_ANSWER`] bytes, so that the
-//! connection goes back to the pool) and dropped.
 
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
@@ -314,8 +280,41 @@ impl SenderBuilder {
 /// the endpoints and the connection pool).
 ///
 /// On the thread dispatcher: `.start(sender.blocking())`; on tokio:
-/// `.start_async(sender.async_send())`. See the [module docs](self) for
-/// the request and how answers become [`Delivery`]s.
+/// `.start_async(sender.async_send())`.
+///
+/// # The request
+///
+/// `POST` to the destination's [`Endpoint`], the body the entry's payload
+/// bytes as stored (never re-encoded), with these headers:
+///
+/// | header | value |
+/// |---|---|
+/// | `webhook-id` | [`Sender::webhook_id`]: the same for every attempt of the entry |
+/// | `webhook-timestamp` | this attempt's time, Unix seconds |
+/// | `webhook-signature` | [`sign`](super::sign) with the endpoint's secrets (one `v1,` signature each, for rotation) |
+/// | `idempotency-key` | the `webhook-id` again, for receivers that deduplicate on it |
+/// | `content-type` | the endpoint's (default `application/json`) |
+/// | `user-agent` | `idemstore/<version>` |
+///
+/// plus the endpoint's own headers. Redirects are never followed.
+///
+/// # The answer
+///
+/// | answer | [`Delivery`] |
+/// |---|---|
+/// | 2xx | `Delivered` |
+/// | 3xx | `Failed` (`http_3xx`: a moved endpoint is a configuration to fix, and following it would send the body where nobody asked) |
+/// | 429 or 503 with a `Retry-After` (seconds or an HTTP date) | `Throttled` until then: the whole destination waits |
+/// | 408, 425, 429, 5xx with a `Retry-After` | `RetryAt` then |
+/// | 408, 425, 429, 5xx otherwise | `Retry` (the retry policy's back-off) |
+/// | 410, and the statuses of [`Endpoint::fail_for_good`] | `Failed` |
+/// | any other 4xx | `Retry` |
+/// | no connection (DNS, refused, TLS handshake, the connect timeout) | `Retry` (`connect`): nothing was sent |
+/// | a timeout or a broken connection once the connection was made | `OutcomeUnknown`, its remote reference the `webhook-id`: the remote may have acted, and a retry carries the same id |
+///
+/// Failure reasons are stable codes: `http_<status>`, `connect`.
+/// The answer's body is read (at most [`MAX_ANSWER`] bytes, so that the
+/// connection goes back to the pool) and dropped.
 #[derive(Clone)]
 pub struct Sender {
     inner: Arc<Inner>,
@@ -433,7 +432,7 @@ impl Sender {
         self.inner.runtime.get().ok_or_else(|| "runtime".to_owned())
     }
 
-    /// Sends `entry` (see the [module docs](self)). An entry whose
+    /// Sends `entry` (see [`Sender`]). An entry whose
     /// destination has no endpoint fails for good (`no_endpoint`).
     pub async fn send(&self, entry: OutboxEntry) -> Delivery {
         let Some(endpoint) = self.inner.endpoints.get(&entry.destination) else {
