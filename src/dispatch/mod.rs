@@ -198,7 +198,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use janitor::{
     DEFAULT_JANITOR_INTERVAL, DEFAULT_RETENTION, Janitor, JanitorReport, JanitorStats,
 };
-pub use retry::RetryPolicy;
+pub use retry::{RetryPolicy, WEBHOOK_RETRY_DELAYS};
 use stats::{Counters, bump};
 pub use stats::{DispatchStats, LastError, LatencySummary};
 #[cfg(feature = "tokio")]

@@ -4,10 +4,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-/// Exponential back-off with jitter, capped, with a limit on attempts.
+/// Exponential back-off with jitter, capped, with a limit on attempts; or
+/// a fixed schedule of delays ([`RetryPolicy::schedule`],
+/// [`RetryPolicy::webhooks`]).
 ///
 /// The delay before attempt `n + 1` (after `n` failed attempts) is
-/// `initial · 2^(n-1)`, capped at `max`, then spread by `± jitter` of itself.
+/// `initial · 2^(n-1)`, capped at `max` (on a schedule: its `n`-th delay,
+/// its last one past its end), then spread by `± jitter` of itself.
 /// After `max_attempts` attempts the entry fails for good with the reason
 /// `max_attempts`.
 ///
@@ -19,9 +22,23 @@ use chrono::{DateTime, Utc};
 pub struct RetryPolicy {
     initial: Duration,
     max: Duration,
+    /// Fixed delays instead of doubling ones.
+    schedule: Option<&'static [Duration]>,
     max_attempts: u32,
     jitter: f64,
 }
+
+/// The delays of [`RetryPolicy::webhooks`]: 5 s, 5 min, 30 min, 2 h, 5 h,
+/// 10 h and 10 h after the first, second, … failed attempt.
+pub const WEBHOOK_RETRY_DELAYS: [Duration; 7] = [
+    Duration::from_secs(5),
+    Duration::from_secs(5 * 60),
+    Duration::from_secs(30 * 60),
+    Duration::from_secs(2 * 3600),
+    Duration::from_secs(5 * 3600),
+    Duration::from_secs(10 * 3600),
+    Duration::from_secs(10 * 3600),
+];
 
 impl Default for RetryPolicy {
     fn default() -> Self {
@@ -36,9 +53,34 @@ impl RetryPolicy {
         RetryPolicy {
             initial,
             max: max.max(initial),
+            schedule: None,
             max_attempts: 20,
             jitter: 0.2,
         }
+    }
+
+    /// Fixed delays: after the `n`-th failed attempt, `delays[n - 1]` (the
+    /// last one again past the end); `delays.len() + 1` attempts in all
+    /// and a jitter of 0.2 until changed. An empty schedule allows one
+    /// attempt.
+    pub fn schedule(delays: &'static [Duration]) -> Self {
+        RetryPolicy {
+            initial: Duration::ZERO,
+            max: Duration::ZERO,
+            schedule: Some(delays),
+            max_attempts: u32::try_from(delays.len())
+                .unwrap_or(u32::MAX)
+                .saturating_add(1),
+            jitter: 0.2,
+        }
+    }
+
+    /// The webhook services' schedule (Svix's, and Standard Webhooks'
+    /// guidance): the first attempt, then again after 5 s, 5 min, 30 min,
+    /// 2 h, 5 h, 10 h and 10 h ([`WEBHOOK_RETRY_DELAYS`]): 8 attempts over
+    /// about 27.6 hours before the entry fails for good.
+    pub fn webhooks() -> Self {
+        RetryPolicy::schedule(&WEBHOOK_RETRY_DELAYS)
     }
 
     /// Attempts allowed in all (the first one included); at least 1.
@@ -67,6 +109,14 @@ impl RetryPolicy {
 
     /// The delay after `attempt` failed attempts, before jitter.
     pub fn base_delay(&self, attempt: u32) -> Duration {
+        if let Some(delays) = self.schedule {
+            let i = usize::try_from(attempt.saturating_sub(1)).unwrap_or(usize::MAX);
+            return delays
+                .get(i)
+                .or_else(|| delays.last())
+                .copied()
+                .unwrap_or(Duration::ZERO);
+        }
         let doublings = attempt.saturating_sub(1).min(63);
         let factor = 1u64 << doublings;
         let nanos = self.initial.as_nanos().saturating_mul(u128::from(factor));
@@ -115,6 +165,23 @@ mod tests {
         );
         assert_eq!(p.next_attempt(6, now, 0.5), None);
         assert_eq!(p.base_delay(1000), Duration::from_secs(10), "no overflow");
+    }
+
+    #[test]
+    fn the_webhook_schedule_is_eight_attempts_at_the_services_delays() {
+        let p = RetryPolicy::webhooks().jitter(0.0);
+        assert_eq!(p.attempts(), 8);
+        let now = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let waits: Vec<i64> = (1..8)
+            .map(|a| (p.next_attempt(a, now, 0.5).unwrap() - now).num_seconds())
+            .collect();
+        assert_eq!(waits, vec![5, 300, 1800, 7200, 18_000, 36_000, 36_000]);
+        assert_eq!(p.next_attempt(8, now, 0.5), None, "used up");
+        // More attempts than delays: the last delay again.
+        let longer = RetryPolicy::webhooks().max_attempts(10).jitter(0.0);
+        assert_eq!(longer.base_delay(9), Duration::from_secs(36_000));
+        assert_eq!(RetryPolicy::schedule(&[]).attempts(), 1);
+        assert_eq!(RetryPolicy::schedule(&[]).base_delay(3), Duration::ZERO);
     }
 
     #[test]

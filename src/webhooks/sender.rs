@@ -312,7 +312,11 @@ impl SenderBuilder {
 /// | no connection (DNS, refused, TLS handshake, the connect timeout) | `Retry` (`connect`): nothing was sent |
 /// | a timeout or a broken connection once the connection was made | `OutcomeUnknown`, its remote reference the `webhook-id`: the remote may have acted, and a retry carries the same id |
 ///
-/// Failure reasons are stable codes: `http_<status>`, `connect`.
+/// Failure reasons are stable codes, `http_<status>` and `connect`, each
+/// followed by a detail in parentheses that the entry's attempt history
+/// keeps (the code alone is its `last_failure`): the attempt's time and the
+/// first bytes of the answer (`http_503 (412 ms: {"error":"busy"})`), or
+/// the connection's error (`connect (Connection refused, 2 ms)`).
 /// The answer's body is read (at most [`MAX_ANSWER`] bytes, so that the
 /// connection goes back to the pool) and dropped.
 #[derive(Clone)]
@@ -446,22 +450,39 @@ impl Sender {
             Ok(r) => r,
             Err(reason) => return Delivery::Failed { reason },
         };
+        let started = std::time::Instant::now();
         let attempt = async {
             let answer = self.inner.client.request(request).await?;
             let status = answer.status();
             let retry_after = answer.headers().get(RETRY_AFTER).cloned();
             // Read the answer (bounded) so that the connection is kept.
-            let _ = Limited::new(answer.into_body(), MAX_ANSWER).collect().await;
-            Ok::<_, hyper_util::client::legacy::Error>((status, retry_after))
+            let body = Limited::new(answer.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map(http_body_util::Collected::to_bytes)
+                .unwrap_or_default();
+            Ok::<_, hyper_util::client::legacy::Error>((status, retry_after, body))
         };
         match tokio::time::timeout(endpoint.timeout, attempt).await {
-            Ok(Ok((status, retry_after))) => {
+            Ok(Ok((status, retry_after, body))) => {
                 let after = retry_after.as_ref().and_then(|v| retry_at(v, Utc::now()));
-                delivery(status, after, &endpoint.fail_for_good)
+                let detail = detail(started.elapsed(), Some(&body));
+                delivery(status, after, &endpoint.fail_for_good, &detail)
             }
-            Ok(Err(e)) if e.is_connect() => Delivery::Retry {
-                reason: "connect".to_owned(),
-            },
+            Ok(Err(e)) if e.is_connect() => {
+                // The innermost cause: "Connection refused", a TLS alert…
+                let mut cause: &dyn std::error::Error = &e;
+                while let Some(next) = cause.source() {
+                    cause = next;
+                }
+                Delivery::Retry {
+                    reason: format!(
+                        "connect ({}, {})",
+                        printable(cause.to_string().as_bytes()),
+                        detail(started.elapsed(), None)
+                    ),
+                }
+            }
             // Timed out, or the connection broke once it was made: the
             // request may have reached the remote.
             Ok(Err(_)) | Err(_) => Delivery::OutcomeUnknown {
@@ -507,11 +528,43 @@ fn retry_at(value: &HeaderValue, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
     Some(DateTime::<Utc>::from(at).max(now))
 }
 
+/// The most bytes of an answer's body a failure reason shows.
+const SHOWN: usize = 200;
+
+/// A failure's detail: how long the attempt took, and the first bytes of
+/// the answer's body, if any.
+fn detail(took: Duration, body: Option<&[u8]>) -> String {
+    let ms = took.as_millis();
+    match body {
+        Some(b) if !b.is_empty() => {
+            let shown = b.get(..SHOWN).unwrap_or(b);
+            let more = if shown.len() < b.len() { "…" } else { "" };
+            format!("{ms} ms: {}{more}", printable(shown))
+        }
+        _ => format!("{ms} ms"),
+    }
+}
+
+/// `bytes` as one line of text: invalid UTF-8 replaced, control
+/// characters as spaces.
+fn printable(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
 /// What an answer of `status` (with the time its `Retry-After` asked for)
-/// makes of the attempt.
-fn delivery(status: StatusCode, after: Option<DateTime<Utc>>, fail_for_good: &[u16]) -> Delivery {
+/// makes of the attempt; a failure's reason is `http_<status>` and, in
+/// parentheses, `detail`.
+fn delivery(
+    status: StatusCode,
+    after: Option<DateTime<Utc>>,
+    fail_for_good: &[u16],
+    detail: &str,
+) -> Delivery {
     let code = status.as_u16();
-    let reason = format!("http_{code}");
+    let reason = format!("http_{code} ({detail})");
     match code {
         200..=299 => Delivery::Delivered,
         // A redirect, 410 Gone and the endpoint's own: failed for good.
@@ -544,24 +597,41 @@ mod tests {
     fn statuses_map_to_deliveries() {
         let now = at("2026-01-01T00:00:00Z");
         let later = Some(at("2026-01-01T00:01:00Z"));
-        let d = |code: u16, after| delivery(StatusCode::from_u16(code).unwrap(), after, &[422]);
+        let d =
+            |code: u16, after| delivery(StatusCode::from_u16(code).unwrap(), after, &[422], "3 ms");
         assert_eq!(d(200, None), Delivery::Delivered);
         assert_eq!(d(204, later), Delivery::Delivered);
-        assert!(matches!(d(301, None), Delivery::Failed { reason } if reason == "http_301"));
+        assert!(matches!(d(301, None), Delivery::Failed { reason } if reason == "http_301 (3 ms)"));
         assert!(
             matches!(d(429, later), Delivery::Throttled { next_attempt_at, .. } if Some(next_attempt_at) == later)
         );
         assert!(matches!(d(503, later), Delivery::Throttled { .. }));
-        assert!(matches!(d(429, None), Delivery::Retry { reason } if reason == "http_429"));
+        assert!(matches!(d(429, None), Delivery::Retry { reason } if reason == "http_429 (3 ms)"));
         assert!(
             matches!(d(500, later), Delivery::RetryAt { next_attempt_at, .. } if Some(next_attempt_at) == later)
         );
         assert!(matches!(d(408, None), Delivery::Retry { .. }));
         assert!(matches!(d(425, None), Delivery::Retry { .. }));
-        assert!(matches!(d(410, None), Delivery::Failed { reason } if reason == "http_410"));
+        assert!(matches!(d(410, None), Delivery::Failed { reason } if reason == "http_410 (3 ms)"));
         assert!(matches!(d(422, None), Delivery::Failed { .. }));
-        assert!(matches!(d(404, None), Delivery::Retry { reason } if reason == "http_404"));
+        assert!(matches!(d(404, None), Delivery::Retry { reason } if reason == "http_404 (3 ms)"));
         let _ = now;
+    }
+
+    #[test]
+    fn a_failure_shows_the_time_and_the_first_bytes_of_the_answer() {
+        let took = Duration::from_millis(412);
+        assert_eq!(detail(took, None), "412 ms");
+        assert_eq!(detail(took, Some(b"")), "412 ms");
+        assert_eq!(
+            detail(took, Some(b"{\"error\":\n\"busy\"}\xff")),
+            "412 ms: {\"error\": \"busy\"}\u{fffd}"
+        );
+        let long = vec![b'x'; SHOWN + 1];
+        assert_eq!(
+            detail(took, Some(&long)),
+            format!("412 ms: {}…", "x".repeat(SHOWN))
+        );
     }
 
     #[test]
