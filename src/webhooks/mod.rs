@@ -136,6 +136,8 @@ mod sender;
 mod verify;
 mod verify_error;
 
+#[cfg(feature = "postgres")]
+pub use receiver::PgReceiver;
 pub use receiver::{DEFAULT_BODY_LIMIT, Received, Receiver, Refusal};
 pub use secret::{Secret, sign};
 pub use sender::{CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Endpoint, MAX_ANSWER, Sender, SenderBuilder};

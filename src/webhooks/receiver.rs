@@ -11,6 +11,8 @@ use redb::WriteTransaction;
 use super::{Verified, Verifier, VerifyError};
 use crate::error::Error;
 use crate::inbox::{Claim, Inbox, MAX_EVENT_KEY_LEN};
+#[cfg(feature = "postgres")]
+use crate::postgres::{BoxFuture, PgInbox, Transaction, tokio_postgres};
 
 /// The default largest body a [`Receiver`] reads: 1 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
@@ -40,8 +42,57 @@ pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
 #[derive(Clone, Debug)]
 pub struct Receiver {
     inbox: Inbox,
+    checks: Checks,
+}
+
+/// What a delivery is checked for before any claim: its body's size, the
+/// verifier's checks, its id's length.
+#[derive(Clone, Debug)]
+struct Checks {
     verifier: Verifier,
     body_limit: usize,
+}
+
+impl Checks {
+    fn new(verifier: Verifier) -> Checks {
+        Checks {
+            verifier,
+            body_limit: DEFAULT_BODY_LIMIT,
+        }
+    }
+
+    fn check(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: DateTime<Utc>,
+    ) -> Result<Verified, Refusal> {
+        if body.len() > self.body_limit {
+            return Err(Refusal::TooLarge {
+                limit: self.body_limit,
+            });
+        }
+        let verified = self
+            .verifier
+            .verify(headers, body, now)
+            .map_err(Refusal::Unverified)?;
+        if verified.id().len() > MAX_EVENT_KEY_LEN {
+            return Err(Refusal::IdTooLong {
+                len: verified.id().len(),
+            });
+        }
+        Ok(verified)
+    }
+}
+
+impl<T, E> From<Result<Claim<T>, E>> for Received<T, E> {
+    fn from(claimed: Result<Claim<T>, E>) -> Self {
+        match claimed {
+            Ok(Claim::Applied(value)) => Received::Applied(value),
+            Ok(Claim::Duplicate) => Received::Duplicate,
+            Err(e) => Received::Failed(e),
+        }
+    }
 }
 
 /// Why a delivery was refused before anything ran.
@@ -154,8 +205,7 @@ impl Receiver {
     pub fn new(inbox: Inbox, verifier: Verifier) -> Receiver {
         Receiver {
             inbox,
-            verifier,
-            body_limit: DEFAULT_BODY_LIMIT,
+            checks: Checks::new(verifier),
         }
     }
 
@@ -164,38 +214,13 @@ impl Receiver {
     /// limit, so that a larger one is never held in memory whole.
     #[must_use]
     pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.body_limit = bytes;
+        self.checks.body_limit = bytes;
         self
     }
 
-    /// The checks before any claim: the body's size, the verifier's, the
-    /// id's length.
-    fn check(
-        &self,
-        headers: &HeaderMap,
-        body: &[u8],
-        now: DateTime<Utc>,
-    ) -> Result<Verified, Refusal> {
-        if body.len() > self.body_limit {
-            return Err(Refusal::TooLarge {
-                limit: self.body_limit,
-            });
-        }
-        let verified = self
-            .verifier
-            .verify(headers, body, now)
-            .map_err(Refusal::Unverified)?;
-        if verified.id().len() > MAX_EVENT_KEY_LEN {
-            return Err(Refusal::IdTooLong {
-                len: verified.id().len(),
-            });
-        }
-        Ok(verified)
-    }
-
-    /// Receives one delivery at `now` (see [`Receiver`]):
-    /// `effect` runs, at most once per id, in the claim's write
-    /// transaction, given the verified delivery.
+    /// Receives one delivery at `now` (see [`Receiver`]): `effect` runs, at
+    /// most once per id, in the claim's write transaction, given the
+    /// verified delivery.
     pub fn receive<T, E, F>(
         &self,
         headers: &HeaderMap,
@@ -207,24 +232,18 @@ impl Receiver {
         F: FnOnce(&WriteTransaction, &Verified) -> Result<T, E>,
         E: From<Error>,
     {
-        let verified = match self.check(headers, body, now) {
-            Ok(v) => v,
-            Err(refusal) => return Received::Refused(refusal),
-        };
-        match self
-            .inbox
-            .claim_with(verified.id(), now, |tx| effect(tx, &verified))
-        {
-            Ok(Claim::Applied(value)) => Received::Applied(value),
-            Ok(Claim::Duplicate) => Received::Duplicate,
-            Err(e) => Received::Failed(e),
+        match self.checks.check(headers, body, now) {
+            Ok(verified) => self
+                .inbox
+                .claim_with(verified.id(), now, |tx| effect(tx, &verified))
+                .into(),
+            Err(refusal) => Received::Refused(refusal),
         }
     }
 
-    /// [`Receiver::receive`] for an async task (feature `tokio`): the
-    /// effect runs on tokio's blocking pool, and the task waits for the
-    /// durable commit without holding a thread
-    /// ([`Inbox::claim_with_async`]).
+    /// [`Receiver::receive`] for an async task: the effect runs on tokio's
+    /// blocking pool, and the task waits for the durable commit without
+    /// holding a thread ([`Inbox::claim_with_async`]).
     pub async fn receive_async<T, E, F>(
         &self,
         headers: &HeaderMap,
@@ -237,19 +256,96 @@ impl Receiver {
         F: FnOnce(&WriteTransaction, &Verified) -> Result<T, E> + Send + 'static,
         E: From<Error> + Send + 'static,
     {
-        let verified = match self.check(headers, body, now) {
+        let verified = match self.checks.check(headers, body, now) {
             Ok(v) => v,
             Err(refusal) => return Received::Refused(refusal),
         };
         let id = verified.id().to_owned();
-        match self
-            .inbox
+        self.inbox
             .claim_with_async(&id, now, move |tx| effect(tx, &verified))
             .await
-        {
-            Ok(Claim::Applied(value)) => Received::Applied(value),
-            Ok(Claim::Duplicate) => Received::Duplicate,
-            Err(e) => Received::Failed(e),
+            .into()
+    }
+}
+
+/// [`Receiver`] on a PostgreSQL inbox (features `webhooks` and
+/// `postgres`): the same checks, then the claim and the effect in one
+/// server transaction ([`PgInbox::claim_with`]); cheap to clone.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[derive(Clone, Debug)]
+pub struct PgReceiver {
+    inbox: PgInbox,
+    checks: Checks,
+}
+
+#[cfg(feature = "postgres")]
+impl PgReceiver {
+    /// Deliveries checked by `verifier`, claimed in `inbox`.
+    #[must_use]
+    pub fn new(inbox: PgInbox, verifier: Verifier) -> PgReceiver {
+        PgReceiver {
+            inbox,
+            checks: Checks::new(verifier),
         }
+    }
+
+    /// [`Receiver::body_limit`].
+    #[must_use]
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.checks.body_limit = bytes;
+        self
+    }
+
+    /// [`Receiver::receive`]: `effect` writes through the server
+    /// transaction the claim is in.
+    pub fn receive<T, E, F>(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: DateTime<Utc>,
+        effect: F,
+    ) -> Received<T, E>
+    where
+        F: FnOnce(&mut Transaction<'_>, &Verified) -> Result<T, E>,
+        E: From<Error>,
+    {
+        match self.checks.check(headers, body, now) {
+            Ok(verified) => self
+                .inbox
+                .claim_with(verified.id(), now, |tx| effect(tx, &verified))
+                .into(),
+            Err(refusal) => Received::Refused(refusal),
+        }
+    }
+
+    /// [`PgReceiver::receive`], awaited, with an async effect given the
+    /// client's transaction and the verified delivery:
+    /// `|tx, delivery| Box::pin(async move { … })`
+    /// ([`PgInbox::claim_with_async`]).
+    pub async fn receive_async<T, E, F>(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: DateTime<Utc>,
+        effect: F,
+    ) -> Received<T, E>
+    where
+        F: for<'t, 'c> FnOnce(
+            &'t mut tokio_postgres::Transaction<'c>,
+            Verified,
+        ) -> BoxFuture<'t, Result<T, E>>,
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+    {
+        let verified = match self.checks.check(headers, body, now) {
+            Ok(v) => v,
+            Err(refusal) => return Received::Refused(refusal),
+        };
+        let id = verified.id().to_owned();
+        self.inbox
+            .claim_with_async(&id, now, move |tx| effect(tx, verified))
+            .await
+            .into()
     }
 }
