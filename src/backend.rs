@@ -173,6 +173,22 @@ pub(crate) mod sealed {
         /// [`weights`](Outbox::weights) as a future.
         #[cfg(feature = "tokio")]
         fn weights_async(&self) -> super::BoxFuture<'_, crate::Result<Vec<(String, u32)>>>;
+        /// Fires the schedules due at `now` (the dispatcher's scheduler):
+        /// the number of entries enqueued.
+        fn fire_schedules(&self, now: chrono::DateTime<chrono::Utc>) -> crate::Result<u64>;
+        /// When the next schedule is due, if one is.
+        fn next_schedule_slot(&self) -> crate::Result<Option<chrono::DateTime<chrono::Utc>>>;
+        /// [`fire_schedules`](Outbox::fire_schedules) as a future.
+        #[cfg(feature = "tokio")]
+        fn fire_schedules_async(
+            &self,
+            now: chrono::DateTime<chrono::Utc>,
+        ) -> super::BoxFuture<'_, crate::Result<u64>>;
+        /// [`next_schedule_slot`](Outbox::next_schedule_slot) as a future.
+        #[cfg(feature = "tokio")]
+        fn next_schedule_slot_async(
+            &self,
+        ) -> super::BoxFuture<'_, crate::Result<Option<chrono::DateTime<chrono::Utc>>>>;
         /// [`subscribe`](super::OutboxBackend::subscribe) for async waiters:
         /// signalled after the same commits.
         #[cfg(feature = "tokio")]
@@ -294,6 +310,28 @@ macro_rules! forward_to_handles {
                 &self,
             ) -> $crate::backend::BoxFuture<'_, $crate::Result<Vec<(String, u32)>>> {
                 <$outbox>::weights_boxed(self)
+            }
+            fn fire_schedules(&self, now: chrono::DateTime<chrono::Utc>) -> $crate::Result<u64> {
+                <$outbox>::fire_schedules(self, now)
+            }
+            fn next_schedule_slot(
+                &self,
+            ) -> $crate::Result<Option<chrono::DateTime<chrono::Utc>>> {
+                <$outbox>::next_schedule_slot(self)
+            }
+            #[cfg(feature = "tokio")]
+            fn fire_schedules_async(
+                &self,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<u64>> {
+                <$outbox>::fire_schedules_boxed(self, now)
+            }
+            #[cfg(feature = "tokio")]
+            fn next_schedule_slot_async(
+                &self,
+            ) -> $crate::backend::BoxFuture<'_, $crate::Result<Option<chrono::DateTime<chrono::Utc>>>>
+            {
+                <$outbox>::next_schedule_slot_boxed(self)
             }
             #[cfg(feature = "tokio")]
             fn subscribe_async(&self) -> tokio::sync::watch::Receiver<()> {

@@ -227,7 +227,12 @@
 //!   run the outbox on the test's thread, and a disk that fails or panics.
 //! - `webhooks`: `webhooks::Verifier`, which checks Standard Webhooks,
 //!   Stripe and GitHub signatures on a delivery's raw body before anything
-//!   reads it, and `webhooks::sign` for the Standard Webhooks header.
+//!   reads it, and `webhooks::sign` for the Standard Webhooks header;
+//!   `webhooks::Sender`, a dispatcher's `send` that POSTs each entry signed;
+//!   `webhooks::Receiver` (and `PgReceiver`), which verifies a delivery and
+//!   claims it in an inbox in its effect's own transaction.
+//! - `cron`: `Schedule::cron`, periodic entries at the instants of a cron
+//!   expression (interval schedules need no feature).
 //!
 //! # Glossary
 //!
@@ -414,6 +419,10 @@ pub use outbox::{
     MatchingChange, MatchingStep, NewEntry, Outbox, OutboxClaim, OutboxCounts, OutboxEntry,
     OutboxFilter, OutboxId, OutboxRecord, OutboxStatus, ParseOutboxStatusError, PolicyLimits,
     REASON_CANCELLED, REASON_OUTCOME_UNKNOWN, REASON_RESCHEDULED, SettledAndClaimed, Settlement,
+};
+pub use outbox::{
+    MAX_MISSED_SLOTS, MAX_SCHEDULE_NAME_LEN, Missed, ON_TIME, SLOT_KEY_PREFIX, Schedule,
+    ScheduleInfo,
 };
 pub use store::{
     CommitStats, DEFAULT_CACHE_SIZE, DEFAULT_FLUSH_INTERVAL, DEFAULT_JOURNAL_SIZE,

@@ -130,6 +130,16 @@ pub(crate) const META_OUTBOX_NEXT_ID: &str = "outbox.next_id";
 // ---------- idempotency keys ----------
 
 /// `(tenant, key) → record` (postcard): a completed response or a reservation.
+/// Outbox schedules by name: the postcard-encoded record (destination,
+/// payload, cron expression or interval, missed-slot policy, pause, the
+/// last slot dealt with and the last one fired).
+pub(crate) const OUTBOX_SCHEDULES: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("idemstore.v1.outbox.schedules");
+/// The unpaused schedules by next slot (µs; `i64::MIN` until one starts):
+/// what a firing reads.
+pub(crate) const OUTBOX_SCHEDULE_DUE: TableDefinition<(i64, &str), ()> =
+    TableDefinition::new("idemstore.v1.outbox.schedules.due");
+
 pub(crate) const IDEM: TableDefinition<(&str, &str), &[u8]> =
     TableDefinition::new("idemstore.v1.idempotency");
 /// `(created_at µs, tenant, key) → ()`: the expiry index.

@@ -86,6 +86,8 @@ type SendFn = dyn Fn(OutboxEntry) -> SendFuture + Send + Sync;
 const CLAIMER_TASK: &str = "the async dispatcher's claimer task";
 /// What the reaper task was when it panicked.
 const REAPER_TASK: &str = "the async dispatcher's reaper task";
+/// What the scheduler task was when it panicked.
+const SCHEDULER_TASK: &str = "the async dispatcher's scheduler task";
 /// What the janitor task was when it panicked.
 const JANITOR_TASK: &str = "the async dispatcher's janitor task";
 
@@ -173,6 +175,8 @@ impl DispatcherBuilder {
         // before the claimer looks for work.
         let reaper = reaper(ctx.clone(), stopped.clone());
         tasks.push(spawn(&runtime, &ctx, REAPER_TASK, reaper));
+        let scheduler = scheduler(ctx.clone(), stopped.clone());
+        tasks.push(spawn(&runtime, &ctx, SCHEDULER_TASK, scheduler));
         // One claimer where commits go one after the other; where they
         // run side by side (PostgreSQL), several, the slots shared out.
         let claimers = ctx.outbox.commit_parallelism().clamp(1, workers.max(1));
@@ -380,6 +384,63 @@ async fn unwind<T>(error: JoinError) -> T {
     match error.try_into_panic() {
         Ok(payload) => resume_unwind(payload),
         Err(_) => pending().await,
+    }
+}
+
+/// Fires the outbox's schedules as their slots come (see the thread
+/// dispatcher's scheduler): sleeps until the next one is due, a commit
+/// wakes it, or the clock jumps.
+async fn scheduler(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    let mut changes = ctx.clock.changes_async();
+    let mut wake = Some(ctx.outbox.subscribe_async());
+    while !ctx.stopping() {
+        let timeout = match worker::fire_schedules_async(&ctx).await {
+            Ok(next) => ctx.timeout(next, IDLE_CAP),
+            Err(worker::BackOff) => BACK_OFF,
+        };
+        if !pause_or_wake(timeout, &mut wake, &mut changes, &mut stop).await {
+            break;
+        }
+    }
+}
+
+/// [`pause`], ended early by a `wake` signal too.
+async fn pause_or_wake(
+    timeout: Duration,
+    wake: &mut Option<watch::Receiver<()>>,
+    changes: &mut Option<watch::Receiver<()>>,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    let ended = {
+        let mut stop = pin!(stopped(stop));
+        let mut change = pin!(signalled(changes));
+        let mut signal = pin!(signalled(wake));
+        let mut timer = pin!(tokio::time::sleep(timeout));
+        poll_fn(|cx| {
+            if stop.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+            if let Poll::Ready(alive) = change.as_mut().poll(cx) {
+                return Poll::Ready(Some((alive, true)));
+            }
+            if let Poll::Ready(alive) = signal.as_mut().poll(cx) {
+                return Poll::Ready(Some((true, alive)));
+            }
+            timer.as_mut().poll(cx).map(|()| Some((true, true)))
+        })
+        .await
+    };
+    match ended {
+        None => false,
+        Some((changes_alive, wake_alive)) => {
+            if !changes_alive {
+                *changes = None;
+            }
+            if !wake_alive {
+                *wake = None;
+            }
+            true
+        }
     }
 }
 

@@ -55,6 +55,8 @@ impl DispatcherBuilder {
         // The reaper first, so a restart releases a crashed run's claims
         // before the workers look for work.
         handle.start_thread("idemstore-reaper".into(), REAPER_THREAD, &stop_rx, reaper)?;
+        let name = "idemstore-scheduler".into();
+        handle.start_thread(name, SCHEDULER_THREAD, &stop_rx, scheduler)?;
         // Per destination, the workers busy with it: for fair sharing.
         let busy = Arc::new(Mutex::new(Busy::default()));
         for i in 0..workers {
@@ -86,6 +88,8 @@ impl DispatcherBuilder {
 const WORKER_THREAD: &str = "a dispatcher worker thread";
 /// What the reaper thread was when it panicked.
 const REAPER_THREAD: &str = "the dispatcher's reaper thread";
+/// What the scheduler thread was when it panicked.
+const SCHEDULER_THREAD: &str = "the dispatcher's scheduler thread";
 /// What the janitor thread was when it panicked.
 const JANITOR_THREAD: &str = "the dispatcher's janitor thread";
 
@@ -340,6 +344,25 @@ fn deliver_batch(
 
 /// Releases claims older than the lease, every half lease (and at once on
 /// start).
+/// Fires the outbox's schedules as their slots come: sleeps until the next
+/// one is due, a commit wakes it (a schedule set, resumed or changed: in
+/// any process on the file), or the clock jumps.
+fn scheduler(ctx: &Ctx, stop: &Receiver<()>) {
+    let wake = ctx.outbox.subscribe();
+    let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);
+    while !ctx.stopping() {
+        let Ok(next) = worker::fire_schedules(ctx) else {
+            if !back_off(ctx, stop) {
+                break;
+            }
+            continue;
+        };
+        if !wait(ctx, next, IDLE_CAP, &wake, &changes, stop) {
+            break;
+        }
+    }
+}
+
 fn reaper(ctx: &Ctx, stop: &Receiver<()>) {
     let never = crossbeam_channel::never();
     let changes = ctx.clock.changes().unwrap_or_else(crossbeam_channel::never);

@@ -185,6 +185,33 @@ pub(super) async fn claimed_async(
     }
 }
 
+/// The scheduler's step: fires the schedules due at the clock's now
+/// (enqueueing one entry per due slot: see
+/// [`Outbox::set_schedule`](crate::Outbox::set_schedule)) and tells when
+/// the next one is due. A failure is counted as `"schedules"`.
+pub(super) fn fire_schedules(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
+    ctx.outbox
+        .fire_schedules(ctx.clock.now())
+        .and_then(|_| ctx.outbox.next_schedule_slot())
+        .map_err(|e| {
+            ctx.store_error("schedules", &e);
+            BackOff
+        })
+}
+
+/// [`fire_schedules`] through the backend's async calls.
+#[cfg(feature = "tokio")]
+pub(super) async fn fire_schedules_async(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
+    let fired = match ctx.outbox.fire_schedules_async(ctx.clock.now()).await {
+        Ok(_) => ctx.outbox.next_schedule_slot_async().await,
+        Err(e) => Err(e),
+    };
+    fired.map_err(|e| {
+        ctx.store_error("schedules", &e);
+        BackOff
+    })
+}
+
 /// When the next entry is due ([`OutboxBackend::next_due`]), for an idle worker's
 /// sleep; a failure is counted as `"next_due"`.
 pub(super) fn next_due(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {

@@ -230,6 +230,8 @@ mod notifier;
 mod ops;
 mod record;
 pub(crate) mod rules;
+mod schedule;
+mod schedules;
 #[cfg(feature = "tokio")]
 mod tasks;
 mod types;
@@ -258,6 +260,8 @@ use rules::{
     Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,
     plan_settlements,
 };
+pub use schedule::{MAX_MISSED_SLOTS, Missed, ON_TIME, SLOT_KEY_PREFIX, Schedule};
+pub use schedules::{MAX_SCHEDULE_NAME_LEN, ScheduleInfo};
 pub(crate) use types::check_field;
 pub use types::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,

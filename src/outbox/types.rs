@@ -310,6 +310,17 @@ pub struct OutboxEntry {
 }
 
 impl OutboxEntry {
+    /// The slot of the schedule that enqueued this entry, read from its
+    /// key (`idemstore:schedule:<name>:<slot>`: see
+    /// [`Outbox::set_schedule`](super::Outbox::set_schedule)); `None` for
+    /// an entry of another key.
+    #[must_use]
+    pub fn slot(&self) -> Option<DateTime<Utc>> {
+        super::schedule::slot_of_key(&self.idempotency_key)
+    }
+}
+
+impl OutboxEntry {
     /// The fence of the entry's current attempt, to settle it with
     /// [`Outbox::settle`]. Take it from an entry [`Outbox::claim_due`]
     /// returned.

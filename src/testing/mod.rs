@@ -240,7 +240,9 @@ fn assert_seen(inbox: &Inbox, event_key: &str, want: bool) {
 /// outbox empty.
 pub const DRAIN_LIMIT: usize = 100_000;
 
-/// Runs the outbox now, on this thread: every due entry goes through
+/// Runs the outbox now, on this thread: the schedules due fire by the
+/// clock (a schedule not started yet starts now: see
+/// [`Outbox::set_schedule`]), then every due entry goes through
 /// `send` and is settled by the dispatchers' rules under the default
 /// [`RetryPolicy`], until none is due; when the only entries left are
 /// waiting out a retry's back-off, the clock moves to the first of them
@@ -287,6 +289,8 @@ pub fn drain_with(
     let mut sent = Vec::new();
     loop {
         let now = crate::Clock::now(clock);
+        // The schedules' slots up to now, as a dispatcher fires them.
+        outbox.fire_schedules(now)?;
         let claimed = outbox.claim_due(now, 64, WORKER)?;
         if claimed.is_empty() {
             match next_retry(outbox)? {
