@@ -230,7 +230,7 @@ mod notifier;
 mod ops;
 mod record;
 pub(crate) mod rules;
-mod schedule;
+pub(crate) mod schedule;
 mod schedules;
 #[cfg(feature = "tokio")]
 mod tasks;

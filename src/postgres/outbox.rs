@@ -79,6 +79,7 @@ mod control;
 mod flows;
 mod inspect;
 mod maintenance;
+mod schedules;
 mod settle;
 
 const TABLE: &str = "outbox";
@@ -511,36 +512,6 @@ impl PgOutbox {
 
     /// [`PgOutbox::next_due`] likewise.
     #[cfg(feature = "tokio")]
-    /// The dispatcher's scheduler on a PostgreSQL outbox: schedules are
-    /// kept by the embedded store only so far, so there is nothing to
-    /// fire.
-    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
-    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
-    pub(crate) fn fire_schedules(&self, _now: DateTime<Utc>) -> Result<u64> {
-        Ok(0)
-    }
-
-    /// No schedule is ever due on a PostgreSQL outbox (see
-    /// [`fire_schedules`](Self::fire_schedules)).
-    #[expect(clippy::unused_self, reason = "the backend trait's shape")]
-    #[expect(clippy::unnecessary_wraps, reason = "the backend trait's shape")]
-    pub(crate) fn next_schedule_slot(&self) -> Result<Option<DateTime<Utc>>> {
-        Ok(None)
-    }
-
-    pub(crate) fn fire_schedules_boxed(
-        &self,
-        now: DateTime<Utc>,
-    ) -> crate::backend::BoxFuture<'_, Result<u64>> {
-        Box::pin(std::future::ready(self.fire_schedules(now)))
-    }
-
-    pub(crate) fn next_schedule_slot_boxed(
-        &self,
-    ) -> crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>> {
-        Box::pin(std::future::ready(self.next_schedule_slot()))
-    }
-
     pub(super) fn next_due_boxed(
         &self,
     ) -> crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>> {

@@ -21,6 +21,7 @@
 //! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
 //! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
 //! | `S.idempotency_fence` | the sequence of fence tokens, store-wide, never reused          | — |
+//! | `S.schedules`         | `name →` destination, payload, cron or interval, missed-slot policy, pause, the last slot dealt with and fired, the next slot | `(next_slot) WHERE next_slot IS NOT NULL` (firings) |
 //!
 //! The outbox's row invariants are `CHECK` constraints: the attempt
 //! (`worker_id`, `claimed_at`) is set iff the entry is `dispatching` or
@@ -47,7 +48,7 @@ use tokio_postgres::{Client, GenericClient};
 use crate::error::{Error, Result};
 
 /// The schema version this build creates and reads.
-pub const SCHEMA_VERSION: u64 = 4;
+pub const SCHEMA_VERSION: u64 = 5;
 
 /// Longest schema name accepted: the notification channel `<schema>_outbox`
 /// must fit PostgreSQL's 63-byte identifiers.
@@ -55,7 +56,7 @@ const MAX_SCHEMA_LEN: usize = 48;
 
 /// The migrations, in order: migration `i + 1` is `MIGRATIONS[i]`, with
 /// `{s}` standing for the schema.
-const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
 
 const V1: &str = r"
 CREATE TABLE {s}.inbox (
@@ -191,6 +192,26 @@ CREATE INDEX outbox_held ON {s}.outbox (status, id)
 const V4: &str = r"
 ALTER TABLE {s}.destinations
     ADD COLUMN weight bigint CHECK (weight BETWEEN 1 AND 4294967295);
+";
+
+/// Outbox schedules: one row per name, with its next slot (`NULL` while
+/// paused or with no slot left; the smallest `bigint` until it starts),
+/// indexed for the firings.
+const V5: &str = r"
+CREATE TABLE {s}.schedules (
+    name bytea PRIMARY KEY,
+    destination bytea NOT NULL,
+    payload bytea NOT NULL,
+    cron text,
+    every_us bigint CHECK (every_us > 0),
+    missed text NOT NULL CHECK (missed IN ('latest', 'all', 'none')),
+    paused boolean NOT NULL,
+    after_us bigint,
+    last_fired bigint,
+    next_slot bigint,
+    CHECK ((cron IS NULL) <> (every_us IS NULL))
+);
+CREATE INDEX schedules_due ON {s}.schedules (next_slot) WHERE next_slot IS NOT NULL;
 ";
 
 /// The channel the outbox's trigger notifies: `<schema>_outbox`.
