@@ -1013,7 +1013,7 @@ mod destinations_pg {
             "DROP INDEX {s}.outbox_in_flight; DROP INDEX {s}.outbox_held; \
              ALTER TABLE {s}.outbox DROP COLUMN ordering_key, DROP COLUMN priority, \
                  DROP COLUMN seq, DROP COLUMN waiting; \
-             DROP TABLE {s}.destinations; \
+             DROP TABLE {s}.destinations; DROP TABLE {s}.schedules; \
              CREATE INDEX outbox_due ON {s}.outbox ((coalesce(next_attempt_at, created_at)), id) \
                  WHERE status = 'pending'; \
              UPDATE {s}.schema_version SET version = 1;",

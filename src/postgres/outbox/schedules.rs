@@ -98,7 +98,10 @@ fn check_name(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > MAX_SCHEDULE_NAME_LEN {
         return Err(Error::invalid(
             "schedule",
-            format!("a name of 1 to {MAX_SCHEDULE_NAME_LEN} bytes, not {}", name.len()),
+            format!(
+                "a name of 1 to {MAX_SCHEDULE_NAME_LEN} bytes, not {}",
+                name.len()
+            ),
         ));
     }
     Ok(())
@@ -118,7 +121,12 @@ impl PgOutbox {
 
     /// [`Outbox::set_schedule_at`](crate::Outbox::set_schedule_at) on the
     /// server.
-    pub fn set_schedule_at(&self, name: &str, schedule: Schedule, now: DateTime<Utc>) -> Result<()> {
+    pub fn set_schedule_at(
+        &self,
+        name: &str,
+        schedule: Schedule,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         wait(self.put_schedule(name, schedule, Some(micros(now))))
     }
 
@@ -221,7 +229,10 @@ impl PgOutbox {
         let s = self.s();
         let rows = run!(self.server, Mode::Read, |conn| {
             conn.db()
-                .query(&format!("SELECT {COLS} FROM {s}.schedules ORDER BY name"), &[])
+                .query(
+                    &format!("SELECT {COLS} FROM {s}.schedules ORDER BY name"),
+                    &[],
+                )
                 .await
         })?;
         let at = |name: &str, us: i64| from_micros(TABLE, &name, us);
