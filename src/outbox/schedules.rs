@@ -350,7 +350,7 @@ impl Outbox {
     pub(crate) fn fire_schedules_boxed(
         &self,
         now: DateTime<Utc>,
-    ) -> crate::backend::BoxFuture<'_, Result<u64>> {
+    ) -> super::tasks::Boxed<'_, Result<u64>> {
         Box::pin(async move {
             let now = micros(now);
             if self
@@ -373,7 +373,7 @@ impl Outbox {
     #[cfg(feature = "tokio")]
     pub(crate) fn next_schedule_slot_boxed(
         &self,
-    ) -> crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>> {
+    ) -> super::tasks::Boxed<'_, Result<Option<DateTime<Utc>>>> {
         Box::pin(async move { slot_time(self.engine.read_async(next_slot).await?) })
     }
 }

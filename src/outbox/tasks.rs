@@ -38,7 +38,7 @@ use crate::codec::micros;
 use crate::error::Result;
 
 /// A boxed future, as the dispatcher awaits it.
-type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(super) type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 impl Outbox {
     /// [`Outbox::enqueue`], awaited.

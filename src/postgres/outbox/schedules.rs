@@ -66,7 +66,7 @@ fn read(r: &Row) -> Result<Stored> {
             return Err(corrupted(
                 TABLE,
                 &name,
-                &format!("missed-slot policy {other:?}"),
+                format!("missed-slot policy {other:?}"),
             ));
         }
     };
