@@ -221,11 +221,57 @@ impl StoreBuilder {
     }
 
     /// Opens the store file at `path`, creating it if it does not exist.
+    ///
+    /// A new file appears at `path` whole: it is made under a temporary
+    /// name in the same directory (`.<name>.new-<pid>`) and linked into
+    /// place once redb has written it, so a process killed while creating
+    /// it leaves no file at `path` (at worst the temporary one, which
+    /// nothing reads), never a half-made one that could not be opened
+    /// again. Two processes creating the same file at once both end up
+    /// with the one that was linked first.
     pub fn open(self, path: impl AsRef<Path>) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
         self.check_settings()?;
+        if !path.exists() {
+            self.create_whole(&path)?;
+        }
         let db = self.create_db(&path, |b| b.create(&path))?;
         self.finish(db, Some(path))
+    }
+
+    /// Makes a new store file at `path` under a temporary name, then links
+    /// it into place unless another process got there first (see
+    /// [`StoreBuilder::open`]).
+    fn create_whole(&self, path: &Path) -> Result<()> {
+        let name = path
+            .file_name()
+            .ok_or_else(|| Error::invalid("path", format!("{} names no file", path.display())))?;
+        let mut temp_name = std::ffi::OsString::from(".");
+        temp_name.push(name);
+        temp_name.push(format!(".new-{}", std::process::id()));
+        let temp = path.with_file_name(temp_name);
+        // A leftover of this process id, from a run killed while creating.
+        let _ = std::fs::remove_file(&temp);
+        drop(self.create_db(&temp, |b| b.create(&temp))?);
+        let linked = match std::fs::hard_link(&temp, path) {
+            // A file system without hard links: moved into place instead
+            // (a second creator racing this one may then replace it while
+            // it is still empty).
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists && !path.exists() => {
+                std::fs::rename(&temp, path)
+            }
+            // Linked, or another process created it first: theirs is used.
+            _ => Ok(()),
+        };
+        let _ = std::fs::remove_file(&temp);
+        linked.map_err(Error::Io)?;
+        // The new name is durable before the store is used.
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(Error::Io)?;
+        }
+        Ok(())
     }
 
     /// Opens a store in memory (redb's in-memory backend): nothing reaches a
