@@ -599,6 +599,14 @@ pub trait OutboxAdmin: Debug + Send + Sync + 'static + sealed::Admin {
     fn pause_destination(&self, destination: &str) -> Result<()>;
     /// Lets a paused `destination`'s entries be claimed again.
     fn resume_destination(&self, destination: &str) -> Result<()>;
+    /// Every schedule, by name, with its next slot and the last one fired.
+    fn schedules(&self) -> Result<Vec<crate::ScheduleInfo>>;
+    /// Stops the schedule `name` from firing.
+    fn pause_schedule(&self, name: &str) -> Result<()>;
+    /// Lets a paused schedule fire again (its missed slots by its policy).
+    fn resume_schedule(&self, name: &str) -> Result<()>;
+    /// Removes the schedule `name` (its entries stay).
+    fn remove_schedule(&self, name: &str) -> Result<()>;
     /// Replaces `destination`'s policy.
     fn set_destination_policy(&self, destination: &str, policy: DestinationPolicy) -> Result<()>;
     /// Moves the entries claimed before `claimed_before` back to `Pending`.
@@ -686,6 +694,18 @@ macro_rules! forward_admin {
             }
             fn resume_destination(&self, destination: &str) -> $crate::Result<()> {
                 <$outbox>::resume_destination(self, destination)
+            }
+            fn schedules(&self) -> $crate::Result<Vec<$crate::ScheduleInfo>> {
+                <$outbox>::schedules(self)
+            }
+            fn pause_schedule(&self, name: &str) -> $crate::Result<()> {
+                <$outbox>::pause_schedule(self, name)
+            }
+            fn resume_schedule(&self, name: &str) -> $crate::Result<()> {
+                <$outbox>::resume_schedule(self, name)
+            }
+            fn remove_schedule(&self, name: &str) -> $crate::Result<()> {
+                <$outbox>::remove_schedule(self, name)
             }
             fn set_destination_policy(
                 &self,

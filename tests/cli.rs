@@ -1654,3 +1654,45 @@ mod console {
         Ok(())
     }
 }
+
+#[test]
+fn schedules_lists_each_schedule_and_schedule_pauses_resumes_and_removes_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = fixture(dir.path())?;
+    let start = chrono::DateTime::parse_from_rfc3339("2026-03-01T00:00:00Z")?.with_timezone(&Utc);
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        let every = idemstore::Schedule::every("reports", std::time::Duration::from_secs(300))?;
+        outbox.set_schedule_at("five", every.missed(idemstore::Missed::All), start)?;
+        outbox.fire_schedules(start + chrono::TimeDelta::minutes(12))?;
+    }
+    let v = json(&["schedules", s(&file)])?;
+    assert_eq!(
+        v,
+        serde_json::json!([{
+            "name": "five",
+            "destination": "reports",
+            "spec": "every 300s",
+            "missed": "all",
+            "paused": false,
+            "next_slot": "2026-03-01T00:15:00.000000Z",
+            "last_fired": "2026-03-01T00:10:00.000000Z",
+        }])
+    );
+    let text = ok(&["schedules", s(&file)])?;
+    assert!(text.contains("every 300s (missed slots: all)"), "{text}");
+    assert!(text.contains("1 schedules"), "{text}");
+
+    let v = json(&["schedule", "pause", s(&file), "five"])?;
+    assert_eq!(v, serde_json::json!({"schedule": "five", "paused": true}));
+    assert!(Store::open(&file)?.outbox().schedules()?[0].paused);
+    json(&["schedule", "resume", s(&file), "five"])?;
+    assert!(!Store::open(&file)?.outbox().schedules()?[0].paused);
+    // A schedule that is not there: exit 1, with a message.
+    let missing = run(&["schedule", "pause", s(&file), "nope"])?;
+    assert_eq!(missing.status.code(), Some(1));
+    json(&["schedule", "remove", s(&file), "five"])?;
+    assert!(Store::open(&file)?.outbox().schedules()?.is_empty());
+    Ok(())
+}

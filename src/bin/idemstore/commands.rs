@@ -83,6 +83,8 @@ pub(crate) fn run(cli: &Cli) -> Result<Outcome, Failure> {
         }
         Command::Destinations { store } => crate::destinations::list(store, schema, json),
         Command::Destination(c) => crate::destinations::run(c, schema, json),
+        Command::Schedules { store } => crate::schedules::list(store, schema, json),
+        Command::Schedule(c) => crate::schedules::run(c, schema, json),
         Command::Console {
             store,
             listen,

@@ -31,6 +31,7 @@ mod export;
 mod handle;
 mod migrate;
 mod output;
+mod schedules;
 mod serve;
 mod target;
 mod time;
@@ -104,6 +105,16 @@ pub(crate) enum Command {
     /// dispatcher on the file follows it from its next claim).
     #[command(subcommand)]
     Destination(DestinationCommand),
+    /// Every schedule of the outbox: its destination, expression, missed-
+    /// slot policy, pause, next slot and the last slot fired.
+    Schedules {
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
+    },
+    /// Pause, resume or remove one schedule (every dispatcher follows it).
+    #[command(subcommand)]
+    Schedule(ScheduleCommand),
     /// Serve the operator console of a store on HTTP until interrupted
     /// (Ctrl-C): its outbox by status and destination, each entry, its
     /// inboxes and idempotency keys, and, with --allow-writes, retry,
@@ -338,6 +349,35 @@ pub(crate) enum KeysCommand {
         /// Delete records created strictly before this TIME.
         #[arg(long, value_parser = time::parse_time)]
         before: DateTime<Utc>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ScheduleCommand {
+    /// Stop the schedule from firing (its slots meanwhile are dealt with
+    /// by its missed-slot policy once it is resumed).
+    Pause {
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
+        /// The schedule's name.
+        name: String,
+    },
+    /// Let a paused schedule fire again.
+    Resume {
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
+        /// The schedule's name.
+        name: String,
+    },
+    /// Remove the schedule; the entries it enqueued stay.
+    Remove {
+        /// The store: a file, or a PostgreSQL connection string.
+        #[arg(value_name = "STORE", value_parser = Target::parse)]
+        store: Target,
+        /// The schedule's name.
+        name: String,
     },
 }
 
