@@ -396,6 +396,60 @@ async fn the_destinations_of_a_store_file_are_shown_and_paused_from_the_console(
     destinations_are_shown_and_paused_from_the_console(outbox).await
 }
 
+#[tokio::test]
+async fn schedules_are_shown_and_paused_from_the_console() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(dir.path().join("c.idem"))?;
+    let outbox = store.outbox();
+    let every = idemstore::Schedule::every("reports", std::time::Duration::from_secs(300))?;
+    outbox.set_schedule_at("nightly & co", every, t(0))?;
+    let read_only = Console::new(outbox.clone()).router();
+    let (code, _, page) = get(&read_only, "/schedules").await?;
+    assert_eq!(code, StatusCode::OK, "{page}");
+    assert!(
+        page.contains(">nightly &amp; co<")
+            && page.contains("every 300s")
+            && !page.contains("<form"),
+        "{page}"
+    );
+    let (code, _, _) = post(
+        &read_only,
+        "/schedules/pause",
+        &[("token", "x"), ("schedule", "nightly & co")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::FORBIDDEN);
+    assert!(!outbox.schedules()?[0].paused, "refused: nothing changed");
+    let router = Console::new(outbox.clone()).allow_writes(true).router();
+    let (_, _, page) = get(&router, "/schedules").await?;
+    let token = token_of(&page).ok_or("a token")?;
+    let (code, headers, _) = post(
+        &router,
+        "/schedules/pause",
+        &[("token", &token), ("schedule", "nightly & co")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::SEE_OTHER);
+    assert_eq!(headers[header::LOCATION], "/schedules");
+    assert!(outbox.schedules()?[0].paused);
+    let (_, _, page) = get(&router, "/schedules").await?;
+    assert!(page.contains("action=\"/schedules/resume\""), "{page}");
+    let (code, _, _) = post(
+        &router,
+        "/schedules/resume",
+        &[("token", &token), ("schedule", "nightly & co")],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, StatusCode::SEE_OTHER);
+    assert!(!outbox.schedules()?[0].paused);
+    let (code, _, _) = post(&router, "/schedules/pause", &[("token", &token)], &[]).await?;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    Ok(())
+}
+
 /// The fingerprint of the requests of the key pages' tests.
 fn request() -> String {
     fingerprint("POST", "/pay", b"{}")

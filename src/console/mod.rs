@@ -42,7 +42,10 @@
 //!   of it ([`Console::redact_payloads`], [`Console::hide_payloads`]);
 //! - `/destinations`: each destination's policy, pause, circuit, hold,
 //!   entries in flight and entries by status (with writes allowed, a pause
-//!   or resume button each).
+//!   or resume button each);
+//! - `/schedules`: each schedule's destination, expression, missed-slot
+//!   policy, pause, next slot and last slot fired (with writes allowed, a
+//!   pause or resume button each).
 //!
 //! Given the store ([`Console::store`]), also (else these answer 404, with
 //! a page saying the console was not given the store):
@@ -117,6 +120,7 @@ mod keys;
 mod list;
 mod overview;
 mod pages;
+mod schedules;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -274,6 +278,9 @@ impl Console {
             .route("/destinations", get(destinations::list))
             .route("/destinations/pause", post(destinations::pause))
             .route("/destinations/resume", post(destinations::resume))
+            .route("/schedules", get(schedules::list))
+            .route("/schedules/pause", post(schedules::pause))
+            .route("/schedules/resume", post(schedules::resume))
             .route("/inboxes", get(inbox::list))
             .route("/inboxes/lookup", get(inbox::lookup))
             .route("/keys", get(keys::list))

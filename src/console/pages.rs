@@ -50,6 +50,7 @@ pub(super) fn page(inner: &Inner, status: StatusCode, title: &str, body: &Markup
                     a href=(home) { "Overview" }
                     a href={ (base) "/outbox" } { "Outbox" }
                     a href={ (base) "/destinations" } { "Destinations" }
+                    a href={ (base) "/schedules" } { "Schedules" }
                     @if inner.store.is_some() {
                         a href={ (base) "/inboxes" } { "Inboxes" }
                         a href={ (base) "/keys" } { "Idempotency keys" }
