@@ -141,3 +141,58 @@ fn missed_slots_pauses_and_the_start_follow_the_embedded_rules() {
         assert!(outbox.set_schedule("", every_5_minutes()).is_err());
     });
 }
+
+/// Two dispatchers on the server, driven by one manual clock through two
+/// hours of a per-minute schedule: one entry per slot, each sent once.
+#[test]
+fn two_dispatchers_fire_each_slot_once() {
+    use std::sync::{Arc, Mutex};
+
+    use idemstore::{Delivery, Dispatcher, ManualClock, OutboxStatus};
+
+    with_store(|store| {
+        let outbox = store.outbox();
+        let clock = ManualClock::new(t0());
+        let every = Schedule::every("minutes", Duration::from_secs(60))
+            .unwrap()
+            .missed(Missed::All);
+        outbox.set_schedule_at("m", every, t0()).unwrap();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let dispatchers: Vec<_> = (0..2)
+            .map(|i| {
+                let sent = sent.clone();
+                Dispatcher::builder(outbox.clone())
+                    .clock(clock.clone())
+                    .worker_id(format!("pg{i}"))
+                    .start(move |e| {
+                        sent.lock().unwrap().push(e.idempotency_key.clone());
+                        Delivery::Delivered
+                    })
+                    .unwrap()
+            })
+            .collect();
+        for _ in 0..120 {
+            clock.advance(Duration::from_secs(60));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let done = || {
+            outbox
+                .list(&OutboxFilter::default().destination("minutes"), 1000)
+                .unwrap()
+                .iter()
+                .filter(|r| r.entry.status == OutboxStatus::Completed)
+                .count()
+        };
+        while done() < 120 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for d in dispatchers {
+            d.shutdown().unwrap();
+        }
+        let got = slots(&outbox, "minutes");
+        assert_eq!(got.len(), 120);
+        assert_eq!(got.iter().collect::<BTreeSet<_>>().len(), 120);
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.len(), 120, "each sent once");
+    });
+}
