@@ -233,6 +233,8 @@
 //!   claims it in an inbox in its effect's own transaction.
 //! - `cron`: `Schedule::cron`, periodic entries at the instants of a cron
 //!   expression (interval schedules need no feature).
+//! - `tz`: `Schedule::time_zone`, cron schedules in a named time zone
+//!   (jiff's bundled database and its daylight-saving rules).
 //!
 //! # Glossary
 //!

@@ -315,3 +315,66 @@ fn three_dispatchers_through_a_day_yield_one_entry_per_slot() {
     assert_eq!(sent.len(), 288, "each sent once");
     assert_eq!(sent.iter().collect::<BTreeSet<_>>().len(), 288);
 }
+
+/// A daily 02:30 in Europe/Berlin through 2026, both daylight-saving
+/// changes included: 365 slots, one a day; on the spring day (02:30 does
+/// not exist) at the first valid time after it, on the autumn day (02:30
+/// happens twice) once.
+#[cfg(feature = "tz")]
+#[test]
+fn a_daily_schedule_in_berlin_fires_once_a_day_across_both_daylight_saving_changes() {
+    let (_dir, store) = store();
+    let outbox = store.outbox();
+    assert!(matches!(
+        Schedule::cron("d", "30 2 * * *")
+            .unwrap()
+            .time_zone("Mars/Olympus"),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        every_5_minutes().time_zone("Europe/Berlin"),
+        Err(Error::InvalidInput { .. })
+    ));
+    let daily = Schedule::cron("berlin", "30 2 * * *")
+        .unwrap()
+        .time_zone("Europe/Berlin")
+        .unwrap()
+        .missed(Missed::All);
+    let new_year = DateTime::parse_from_rfc3339("2026-01-01T00:00:00+01:00")
+        .unwrap()
+        .with_timezone(&Utc);
+    outbox.set_schedule_at("daily", daily, new_year).unwrap();
+    // A firing a day, as a dispatcher would at least do.
+    for day in 1..=365 {
+        outbox
+            .fire_schedules(new_year + TimeDelta::days(day))
+            .unwrap();
+    }
+    let slots: Vec<_> = entries(&store, "berlin")
+        .iter()
+        .map(|e| e.slot().unwrap())
+        .collect();
+    assert_eq!(slots.len(), 365);
+    let utc = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
+    // Winter: 02:30 CET is 01:30 UTC; summer: 02:30 CEST is 00:30 UTC.
+    assert!(slots.contains(&utc("2026-01-15T01:30:00Z")));
+    assert!(slots.contains(&utc("2026-07-15T00:30:00Z")));
+    // 2026-03-29: 02:00 CET jumps to 03:00 CEST; the slot is at 03:00 CEST.
+    let march_29: Vec<_> = slots
+        .iter()
+        .filter(|s| s.date_naive().to_string() == "2026-03-29")
+        .collect();
+    assert_eq!(march_29, vec![&utc("2026-03-29T01:00:00Z")]);
+    // 2026-10-25: 03:00 CEST falls back to 02:00 CET; 02:30 once, the
+    // first time (CEST).
+    let october_25: Vec<_> = slots
+        .iter()
+        .filter(|s| s.date_naive().to_string() == "2026-10-25")
+        .collect();
+    assert_eq!(october_25, vec![&utc("2026-10-25T00:30:00Z")]);
+    assert!(
+        outbox.schedules().unwrap()[0]
+            .spec
+            .contains("Europe/Berlin")
+    );
+}

@@ -61,10 +61,12 @@ pub enum Missed {
 /// When a schedule fires.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum When {
-    /// A cron expression (five fields, or six with seconds first).
+    /// A cron expression (five fields, or six with seconds first), in UTC.
     Cron(String),
     /// A fixed interval, in µs.
     Every(u64),
+    /// A cron expression in a named time zone: `(expression, zone)`.
+    CronIn(String, String),
 }
 
 /// A schedule: which destination gets an entry, with which payload, at
@@ -127,6 +129,30 @@ impl Schedule {
         self
     }
 
+    /// A cron schedule's instants in the time zone `name` (`Europe/Berlin`;
+    /// jiff's bundled database) instead of UTC. Across daylight-saving
+    /// changes, a slot whose wall-clock time does not exist that day (in
+    /// the hour skipped in spring) fires once at the first valid time after
+    /// it, and one whose wall-clock time happens twice (in the hour repeated
+    /// in autumn) fires once, at its first occurrence. Fails with
+    /// [`Error::InvalidInput`] for an unknown zone, or for an interval
+    /// schedule (whose slots are instants, the same in every zone).
+    #[cfg(feature = "tz")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tz")))]
+    pub fn time_zone(mut self, name: &str) -> Result<Schedule> {
+        time_zone(name)?;
+        self.when = match self.when {
+            When::Cron(expr) | When::CronIn(expr, _) => When::CronIn(expr, name.to_owned()),
+            When::Every(_) => {
+                return Err(Error::invalid(
+                    "time_zone",
+                    "an interval schedule's slots are instants: it has no time zone",
+                ));
+            }
+        };
+        Ok(self)
+    }
+
     /// What a firing does with missed slots (default [`Missed::Latest`]).
     pub fn missed(mut self, missed: Missed) -> Self {
         self.missed = missed;
@@ -151,6 +177,7 @@ impl When {
         match self {
             When::Cron(expr) => expr.clone(),
             When::Every(us) => format!("every {:?}", Duration::from_micros(*us)),
+            When::CronIn(expr, zone) => format!("{expr} ({zone})"),
         }
     }
 
@@ -164,10 +191,10 @@ impl When {
                 let k = after.div_euclid(us);
                 Ok(k.checked_add(1).and_then(|k| k.checked_mul(us)))
             }
-            When::Cron(expr) => {
+            When::Cron(expr) | When::CronIn(expr, _) => {
                 let cron = parse(expr)?;
                 // Cron has whole seconds: from the second `after` is in.
-                let Some(from) = zoned(whole_second(after)) else {
+                let Some(from) = zoned(whole_second(after), self.zone())? else {
                     return Ok(None);
                 };
                 Ok(cron
@@ -188,12 +215,12 @@ impl When {
                 let t = if inclusive { at } else { at.saturating_sub(1) };
                 Ok(Some(t.div_euclid(us).saturating_mul(us)))
             }
-            When::Cron(expr) => {
+            When::Cron(expr) | When::CronIn(expr, _) => {
                 let cron = parse(expr)?;
                 // Cron has whole seconds: a time within a second counts as
                 // that second, so the second itself is included.
                 let second = whole_second(at);
-                let Some(from) = zoned(second) else {
+                let Some(from) = zoned(second, self.zone())? else {
                     return Ok(None);
                 };
                 Ok(cron
@@ -205,15 +232,42 @@ impl When {
     }
 }
 
-/// `us` (µs since the epoch) as a UTC time of jiff's, which croner
-/// reads; `None` out of its range.
+impl When {
+    /// The time zone of a cron schedule's wall clock; `None`: UTC.
+    fn zone(&self) -> Option<&str> {
+        match self {
+            When::CronIn(_, zone) => Some(zone),
+            _ => None,
+        }
+    }
+}
+
+/// `us` (µs since the epoch) as a time of jiff's in `zone` (`None`: UTC),
+/// which croner reads; `None` out of its range. An unknown zone (a record
+/// written by a build with a newer database) is an error.
 #[cfg(feature = "cron")]
-fn zoned(us: i64) -> Option<jiff::Zoned> {
-    Some(
-        jiff::Timestamp::from_microsecond(us)
-            .ok()?
-            .to_zoned(jiff::tz::TimeZone::UTC),
-    )
+fn zoned(us: i64, zone: Option<&str>) -> Result<Option<jiff::Zoned>> {
+    let tz = match zone {
+        None => jiff::tz::TimeZone::UTC,
+        Some(name) => time_zone(name)?,
+    };
+    Ok(jiff::Timestamp::from_microsecond(us)
+        .ok()
+        .map(|t| t.to_zoned(tz)))
+}
+
+#[cfg(feature = "tz")]
+fn time_zone(name: &str) -> Result<jiff::tz::TimeZone> {
+    jiff::tz::TimeZone::get(name).map_err(|e| Error::invalid("time_zone", format!("{name:?}: {e}")))
+}
+
+/// Without feature `tz` a stored time zone cannot be read.
+#[cfg(all(feature = "cron", not(feature = "tz")))]
+fn time_zone(name: &str) -> Result<jiff::tz::TimeZone> {
+    Err(Error::invalid(
+        "time_zone",
+        format!("{name:?}: this build has no time zones (feature `tz`)"),
+    ))
 }
 
 /// A time croner found, back in µs since the epoch, in whole seconds.
@@ -223,8 +277,9 @@ fn unzoned(at: &jiff::Zoned) -> i64 {
 }
 
 #[cfg(not(feature = "cron"))]
-fn zoned(_: i64) -> Option<Never> {
-    None
+#[expect(clippy::unnecessary_wraps, reason = "the shape of the build with cron")]
+fn zoned(_: i64, _: Option<&str>) -> Result<Option<Never>> {
+    Ok(None)
 }
 
 #[cfg(not(feature = "cron"))]

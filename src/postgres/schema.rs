@@ -21,7 +21,7 @@
 //! | `S.outbox_attempts`   | `(id, seq) → attempt record`, at most 20 per entry, deleted with it | — |
 //! | `S.idempotency`       | `(tenant, idem_key) →` a reservation (`lease_until` set) or a response (`status` set) | `(created_at, tenant, idem_key)` (expiry) |
 //! | `S.idempotency_fence` | the sequence of fence tokens, store-wide, never reused          | — |
-//! | `S.schedules`         | `name →` destination, payload, cron or interval, missed-slot policy, pause, the last slot dealt with and fired, the next slot | `(next_slot) WHERE next_slot IS NOT NULL` (firings) |
+//! | `S.schedules`         | `name →` destination, payload, cron (and its time zone) or interval, missed-slot policy, pause, the last slot dealt with and fired, the next slot | `(next_slot) WHERE next_slot IS NOT NULL` (firings) |
 //!
 //! The outbox's row invariants are `CHECK` constraints: the attempt
 //! (`worker_id`, `claimed_at`) is set iff the entry is `dispatching` or
@@ -203,6 +203,7 @@ CREATE TABLE {s}.schedules (
     destination bytea NOT NULL,
     payload bytea NOT NULL,
     cron text,
+    time_zone text CHECK (time_zone IS NULL OR cron IS NOT NULL),
     every_us bigint CHECK (every_us > 0),
     missed text NOT NULL CHECK (missed IN ('latest', 'all', 'none')),
     paused boolean NOT NULL,

@@ -27,7 +27,7 @@ const TABLE: &str = "schedules";
 
 /// The columns a schedule is read by.
 const COLS: &str = "name, destination, payload, cron, every_us, missed, paused, after_us, \
-                    last_fired";
+                    last_fired, time_zone";
 
 /// A stored schedule.
 struct Stored {
@@ -53,8 +53,12 @@ fn read(r: &Row) -> Result<Stored> {
     let name = utf8(TABLE, &"?", r.try_get(0)?)?;
     let cron: Option<String> = r.try_get(3)?;
     let every: Option<i64> = r.try_get(4)?;
+    let zone: Option<String> = r.try_get(9)?;
     let when = match (cron, every) {
-        (Some(expr), None) => When::Cron(expr),
+        (Some(expr), None) => match zone {
+            Some(zone) => When::CronIn(expr, zone),
+            None => When::Cron(expr),
+        },
         (None, Some(us)) if us > 0 => When::Every(us.unsigned_abs()),
         _ => return Err(corrupted(TABLE, &name, "neither a cron nor an interval")),
     };
@@ -375,18 +379,19 @@ impl PgOutbox {
         st: &Stored,
     ) -> Result<()> {
         let s = self.s();
-        let (cron, every): (Option<&str>, Option<i64>) = match &st.when {
-            When::Cron(expr) => (Some(expr.as_str()), None),
-            When::Every(us) => (None, Some(i64::try_from(*us).unwrap_or(i64::MAX))),
+        let (cron, zone, every): (Option<&str>, Option<&str>, Option<i64>) = match &st.when {
+            When::Cron(expr) => (Some(expr.as_str()), None, None),
+            When::CronIn(expr, zone) => (Some(expr.as_str()), Some(zone.as_str()), None),
+            When::Every(us) => (None, None, Some(i64::try_from(*us).unwrap_or(i64::MAX))),
         };
         db.execute(
             &format!(
                 "INSERT INTO {s}.schedules (name, destination, payload, cron, every_us, missed, \
-                 paused, after_us, last_fired, next_slot) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                 paused, after_us, last_fired, next_slot, time_zone) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
                  ON CONFLICT (name) DO UPDATE SET destination = $2, payload = $3, cron = $4, \
                  every_us = $5, missed = $6, paused = $7, after_us = $8, last_fired = $9, \
-                 next_slot = $10"
+                 next_slot = $10, time_zone = $11"
             ),
             &[
                 &st.name.as_bytes(),
@@ -399,6 +404,7 @@ impl PgOutbox {
                 &st.after,
                 &st.last_fired,
                 &next_slot(st)?,
+                &zone,
             ],
         )
         .await?;
