@@ -70,7 +70,7 @@ pub(crate) enum When {
 }
 
 /// A schedule: which destination gets an entry, with which payload, at
-/// which instants. Build one with [`Schedule::cron`] or
+/// which instants. Build one with `Schedule::cron` (feature `cron`) or
 /// [`Schedule::every`] and store it with
 /// [`Outbox::set_schedule`](super::Outbox::set_schedule).
 #[derive(Debug, Clone, PartialEq, Eq)]
