@@ -39,7 +39,10 @@ fn store_with(dir: &std::path::Path, n: u32) -> Result<Store, Box<dyn std::error
 }
 
 /// The median µs of `f` over `runs` calls.
-fn median_us(runs: usize, mut f: impl FnMut(usize) -> Result<u64, idemstore::Error>) -> Result<f64, idemstore::Error> {
+fn median_us(
+    runs: usize,
+    mut f: impl FnMut(usize) -> Result<u64, idemstore::Error>,
+) -> Result<f64, idemstore::Error> {
     let mut t = Vec::with_capacity(runs);
     for i in 0..runs {
         let s = Instant::now();
@@ -53,7 +56,10 @@ fn median_us(runs: usize, mut f: impl FnMut(usize) -> Result<u64, idemstore::Err
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     println!("one fire_schedules, median µs (same run)\n");
-    println!("{:>34} | {:>10} | {:>10} | {:>7}", "", "10", "10,000", "ratio");
+    println!(
+        "{:>34} | {:>10} | {:>10} | {:>7}",
+        "", "10", "10,000", "ratio"
+    );
     println!("{}", "-".repeat(70));
     let small = store_with(dir.path(), 10)?;
     let large = store_with(dir.path(), 10_000)?;
@@ -64,7 +70,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Nothing due: the firing looks at the index's first key and stops.
     let idle = |s: &Store| median_us(200, |_| s.outbox().fire_schedules(t0));
     let (a, b) = (idle(&small)?, idle(&large)?);
-    println!("{:>34} | {a:>10.1} | {b:>10.1} | {:>6.2}x", "nothing due", b / a);
+    println!(
+        "{:>34} | {a:>10.1} | {b:>10.1} | {:>6.2}x",
+        "nothing due",
+        b / a
+    );
     // Due: each call moves the clock to the time at which the next 10 of
     // the large store's slots (or 10 of the small one's) come due.
     let due = |s: &Store, n: i64| -> Result<(f64, f64), idemstore::Error> {
@@ -81,8 +91,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok((us, fired as f64 / 50.0))
     };
     let ((a, ka), (b, kb)) = (due(&small, 10)?, due(&large, 10_000)?);
-    println!("{:>34} | {a:>10.1} | {b:>10.1} | {:>6.2}x", "about 10 slots due", b / a);
-    println!("{:>34} | {ka:>10.1} | {kb:>10.1} |", "entries per firing (mean)");
+    println!(
+        "{:>34} | {a:>10.1} | {b:>10.1} | {:>6.2}x",
+        "about 10 slots due",
+        b / a
+    );
+    println!(
+        "{:>34} | {ka:>10.1} | {kb:>10.1} |",
+        "entries per firing (mean)"
+    );
     Ok(())
 }
 

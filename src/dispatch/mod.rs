@@ -174,6 +174,8 @@
 //! and the stats are the same; on PostgreSQL, dispatchers in many processes
 //! share one outbox.
 
+#[cfg(feature = "tokio")]
+mod background;
 mod clock;
 mod janitor;
 mod retry;
