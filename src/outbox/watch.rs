@@ -166,6 +166,9 @@ struct Seen {
     /// When the next entry may be claimed (micros): the front of the
     /// destinations' ready line, if any.
     earliest_due: Option<i64>,
+    /// The earliest next slot of a schedule (micros; the smallest for one
+    /// not started), if any.
+    next_slot: Option<i64>,
 }
 
 impl Seen {
@@ -178,18 +181,22 @@ impl Seen {
         Ok(Seen {
             next_id,
             earliest_due,
+            next_slot: super::schedules::next_slot(tx)?,
         })
     }
 
     /// Whether going from `self` to `now` may have made work due sooner: an
-    /// enqueue, or an earliest due time that moved earlier or appeared.
+    /// enqueue, or an earliest due time or schedule slot that moved earlier
+    /// or appeared (a schedule set or resumed).
     fn wakes(self, now: Seen) -> bool {
+        let sooner = |before: Option<i64>, now: Option<i64>| match (before, now) {
+            (Some(before), Some(now)) => now < before,
+            (None, Some(_)) => true,
+            (_, None) => false,
+        };
         now.next_id > self.next_id
-            || match (self.earliest_due, now.earliest_due) {
-                (Some(before), Some(now)) => now < before,
-                (None, Some(_)) => true,
-                (_, None) => false,
-            }
+            || sooner(self.earliest_due, now.earliest_due)
+            || sooner(self.next_slot, now.next_slot)
     }
 }
 
@@ -344,6 +351,7 @@ mod tests {
         Seen {
             next_id,
             earliest_due,
+            next_slot: None,
         }
     }
 
@@ -361,6 +369,13 @@ mod tests {
             "the last pending entry claimed"
         );
         assert!(!seen(5, None).wakes(seen(5, None)));
+        let slot = |next_slot| Seen {
+            next_slot,
+            ..seen(5, None)
+        };
+        assert!(slot(None).wakes(slot(Some(i64::MIN))), "a schedule set");
+        assert!(slot(Some(900)).wakes(slot(Some(800))), "one due sooner");
+        assert!(!slot(Some(800)).wakes(slot(Some(900))), "a slot fired");
     }
 
     /// A poller on a shared store whose own file handle cannot be read (a
