@@ -203,6 +203,25 @@
 //! [`Outbox::destinations`] reports each destination's policy, pause,
 //! circuit, hold, tokens, entries in flight and entries by status.
 //!
+//! # Schedules
+//!
+//! A [`Schedule`] enqueues an entry per slot: at the instants of a cron
+//! expression (feature `cron`; in a named time zone with feature `tz`), or
+//! at the multiples of an interval since the Unix epoch
+//! ([`Schedule::every`]). [`Outbox::set_schedule`] stores it; the
+//! dispatchers fire it by their clock, each slot's entry (key
+//! `idemstore:schedule:<name>:<slot>`, read back with
+//! [`OutboxEntry::slot`]) enqueued in the transaction that moves the
+//! schedule past the slot, so however many dispatchers and processes fire,
+//! a slot yields one entry, which then has every guarantee of an entry.
+//! Setting a schedule reads no clock: it starts at the first firing that
+//! sees it, and the slots before never fire; from then on the slots that
+//! pass while nothing fires (the store down, the schedule paused) are dealt
+//! with by its [`Missed`] policy: the latest only (the default), all (at
+//! most [`MAX_MISSED_SLOTS`]), or none but one at most [`ON_TIME`] late.
+//! A firing reads the index of next slots from its front, so it costs per
+//! due slot, whatever the number of schedules.
+//!
 //! # Layout
 //!
 //! One row per entry (`id → record`), written whole by its enqueue, and
