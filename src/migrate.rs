@@ -3,7 +3,8 @@
 //! [`to_postgres`] copies every row of an embedded [`Store`] into a
 //! [`PgStore`]'s schema, as it was: the keys of every inbox with their
 //! claim times; every outbox record with its id, status, claim, attempt
-//! history and ordering; the destinations' policies and pauses; every
+//! history and ordering; the destinations' policies and pauses; the
+//! schedules, each with its start and the slots it dealt with; every
 //! idempotency record — completed responses with their stored response,
 //! and reservations — with its fence. A program that outgrows one machine
 //! stops, runs the copy, and starts again on the server with nothing
@@ -194,6 +195,9 @@ pub struct MigrationReport {
     pub idempotency_keys: Tally<(String, String)>,
     /// Destinations whose policy or pause was copied.
     pub destinations: u64,
+    /// Outbox schedules copied, each with its start and the slots it dealt
+    /// with (a schedule of the same name already on the server is kept).
+    pub schedules: u64,
 }
 
 impl MigrationReport {
@@ -206,8 +210,8 @@ impl MigrationReport {
 
 /// Copies every row of `store` into `pg`'s schema (see the [module
 /// docs](self)): first the id and fence sequences, then the inboxes, the
-/// outbox, the destinations' policies and pauses, and the idempotency
-/// records, [`batch_size`](MigrateOptions::batch_size) rows a transaction;
+/// outbox, the destinations' policies and pauses, the schedules, and the
+/// idempotency records, [`batch_size`](MigrateOptions::batch_size) rows a transaction;
 /// then counts what the server holds. `progress` is called after each
 /// batch.
 ///
@@ -273,6 +277,9 @@ pub fn to_postgres(
     outbox_tally.target = pg.outbox().counts()?.total();
     // Policies and pauses, which the entries' claims obey from then on.
     let destinations = pg.import_destinations(&outbox.destinations()?)?;
+    // Schedules after their entries: a slot already fired keeps its entry,
+    // and the server's firings go on from the last slot dealt with.
+    let schedules = pg.outbox().import_schedules(&outbox.schedule_records()?)?;
 
     for page in key_pages(&keys, batch) {
         let page = page?;
@@ -288,6 +295,7 @@ pub fn to_postgres(
         outbox: outbox_tally,
         idempotency_keys: key_tally,
         destinations,
+        schedules,
     })
 }
 

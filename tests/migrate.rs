@@ -553,6 +553,53 @@ fn destination_policies_pauses_and_sequences_survive_the_copy() -> TestResult {
 }
 
 #[test]
+fn schedules_survive_the_copy_and_fire_on_from_where_they_were() -> TestResult {
+    let Some(url) = url() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("schedules.idem");
+    let every = idemstore::Schedule::every("reports", std::time::Duration::from_secs(300))?
+        .missed(idemstore::Missed::All);
+    {
+        let store = Store::open(&file)?;
+        let outbox = store.outbox();
+        outbox.set_schedule_at("five", every.clone(), t(0))?;
+        outbox.set_schedule("later", every)?;
+        outbox.pause_schedule("later")?;
+        // Two slots fired on the file: 5 and 10 minutes in.
+        assert_eq!(
+            outbox.fire_schedules(t(0) + chrono::TimeDelta::minutes(12))?,
+            2
+        );
+    }
+    let schema = unique_schema();
+    let _drop = common::pg::DropSchema {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["schedules"]["copied"], 2, "{v}");
+    let pg = PgStore::builder()
+        .schema(&schema)
+        .pool_size(1)
+        .connect(&url)?;
+    let outbox = pg.outbox();
+    let on_file = Store::open(&file)?.outbox().schedules()?;
+    assert_eq!(outbox.schedules()?, on_file);
+    // The server goes on from the slot after the last one dealt with: the
+    // 15-minute slot, not the two the file fired already.
+    assert_eq!(
+        outbox.fire_schedules(t(0) + chrono::TimeDelta::minutes(16))?,
+        1
+    );
+    let reports = outbox.list(&OutboxFilter::default().destination("reports"), 100)?;
+    assert_eq!(reports.len(), 3);
+    // Again: nothing copied twice.
+    let v = migrate(&file, &url, &schema)?;
+    assert_eq!(v["schedules"]["copied"], 0, "{v}");
+    Ok(())
+}
+
+#[test]
 fn a_row_the_server_refuses_is_named() -> TestResult {
     let Some(url) = url() else { return Ok(()) };
     let dir = tempfile::tempdir()?;

@@ -368,6 +368,19 @@ pub(crate) fn due_slots(
     Ok((chosen, latest))
 }
 
+/// A schedule whole, with its state: what `migrate` copies from a store
+/// file to a server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ScheduleRecord {
+    pub(crate) name: String,
+    pub(crate) schedule: Schedule,
+    pub(crate) paused: bool,
+    /// The last slot dealt with (µs); `None` until it starts.
+    pub(crate) after: Option<i64>,
+    /// The latest slot fired (µs).
+    pub(crate) last_fired: Option<i64>,
+}
+
 /// The idempotency key of `name`'s entry for `slot`.
 pub(crate) fn slot_key(name: &str, slot: i64) -> String {
     format!("{SLOT_KEY_PREFIX}{name}:{slot}")

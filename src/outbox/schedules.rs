@@ -17,7 +17,7 @@ use chrono::{DateTime, Utc};
 use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::schedule::{Missed, Schedule, When, due_slots, slot_key};
+use super::schedule::{Missed, Schedule, ScheduleRecord, When, due_slots, slot_key};
 use super::types::{NewEntry, check_field};
 use super::{Outbox, ops};
 use crate::codec::{decode, encode, from_micros, micros};
@@ -321,6 +321,33 @@ impl Outbox {
     /// Every schedule, by name, with its next slot and the last one fired.
     pub fn schedules(&self) -> Result<Vec<ScheduleInfo>> {
         self.engine.read(list)
+    }
+
+    /// Every schedule whole, with its state, by name (for `migrate`).
+    pub(crate) fn schedule_records(&self) -> Result<Vec<ScheduleRecord>> {
+        self.engine.read(|tx| {
+            let Some(table) = open_read(tx, OUTBOX_SCHEDULES)? else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for row in table.iter()? {
+                let (name, bytes) = row?;
+                let r = read(bytes.value(), name.value())?;
+                out.push(ScheduleRecord {
+                    name: name.value().to_owned(),
+                    schedule: Schedule {
+                        destination: r.destination,
+                        payload: r.payload,
+                        when: r.when,
+                        missed: r.missed,
+                    },
+                    paused: r.paused,
+                    after: r.after,
+                    last_fired: r.last_fired,
+                });
+            }
+            Ok(out)
+        })
     }
 
     /// Fires the schedules due at `now` (see [`Outbox::set_schedule`]): the

@@ -93,6 +93,7 @@ mod with_postgres {
             outbox,
             idempotency_keys: keys,
             destinations,
+            schedules,
             ..
         } = report;
         if json {
@@ -108,6 +109,7 @@ mod with_postgres {
                 "outbox": tally_json(outbox),
                 "idempotency_keys": tally_json(keys),
                 "destinations": { "copied": destinations },
+                "schedules": { "copied": schedules },
             }));
         } else {
             out!("{} → PostgreSQL schema {schema}", file.display());
@@ -131,6 +133,7 @@ mod with_postgres {
                 copied_text(keys)
             );
             out!("destinations: {destinations} policies or pauses copied");
+            out!("schedules: {schedules} copied");
         }
         tell_conflicts(outbox, "outbox records", schema, |id| format!("id {id}"));
         tell_conflicts(keys, "idempotency records", schema, |(t, k)| {

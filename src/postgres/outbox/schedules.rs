@@ -16,7 +16,7 @@ use super::PgOutbox;
 use crate::codec::{from_micros, micros};
 use crate::error::{Error, Result};
 use crate::outbox::rules::check_entry;
-use crate::outbox::schedule::{When, due_slots, slot_key};
+use crate::outbox::schedule::{ScheduleRecord, When, due_slots, slot_key};
 use crate::outbox::{MAX_SCHEDULE_NAME_LEN, Missed, NewEntry, Schedule, ScheduleInfo};
 use crate::postgres::blocking::wait;
 use crate::postgres::conn::{Db, Mode, in_transaction};
@@ -355,6 +355,43 @@ impl PgOutbox {
         &self,
     ) -> crate::backend::BoxFuture<'_, Result<Option<DateTime<Utc>>>> {
         Box::pin(self.next_schedule_slot_async())
+    }
+
+    /// Copies `records` (a store file's schedules, with their state) into
+    /// the server's table, keeping a schedule already there under the same
+    /// name: the number copied. One transaction.
+    pub(crate) fn import_schedules(&self, records: &[ScheduleRecord]) -> Result<u64> {
+        wait(async {
+            refuse_reentrant()?;
+            let s = self.s();
+            run!(self.server, Mode::Tx, |conn| {
+                in_transaction!(conn, |db| {
+                    let mut copied = 0;
+                    for r in records {
+                        if self.lock_schedule(db, &r.name).await?.is_some() {
+                            continue;
+                        }
+                        let stored = Stored {
+                            name: r.name.clone(),
+                            destination: r.schedule.destination.clone(),
+                            payload: r.schedule.payload.clone(),
+                            when: r.schedule.when.clone(),
+                            missed: r.schedule.missed,
+                            paused: r.paused,
+                            after: r.after,
+                            last_fired: r.last_fired,
+                        };
+                        self.write_schedule(db, &stored).await?;
+                        copied += 1;
+                    }
+                    if copied > 0 {
+                        db.execute("SELECT pg_notify($1, '')", &[&schema::channel(s)])
+                            .await?;
+                    }
+                    Ok(copied)
+                })
+            })
+        })
     }
 
     /// The schedule `name`, its row locked for this transaction.
