@@ -370,6 +370,7 @@ pub(crate) fn due_slots(
 
 /// A schedule whole, with its state: what `migrate` copies from a store
 /// file to a server.
+#[cfg(feature = "postgres")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ScheduleRecord {
     pub(crate) name: String,

@@ -17,7 +17,9 @@ use chrono::{DateTime, Utc};
 use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::schedule::{Missed, Schedule, ScheduleRecord, When, due_slots, slot_key};
+#[cfg(feature = "postgres")]
+use super::schedule::ScheduleRecord;
+use super::schedule::{Missed, Schedule, When, due_slots, slot_key};
 use super::types::{NewEntry, check_field};
 use super::{Outbox, ops};
 use crate::codec::{decode, encode, from_micros, micros};
@@ -324,6 +326,7 @@ impl Outbox {
     }
 
     /// Every schedule whole, with its state, by name (for `migrate`).
+    #[cfg(feature = "postgres")]
     pub(crate) fn schedule_records(&self) -> Result<Vec<ScheduleRecord>> {
         self.engine.read(|tx| {
             let Some(table) = open_read(tx, OUTBOX_SCHEDULES)? else {
