@@ -279,8 +279,10 @@ use rules::{
     Change, check_entry, mark_failed_change, mark_outcome_unknown_change, plan_settle_and_claim,
     plan_settlements,
 };
-pub use schedule::{MAX_MISSED_SLOTS, Missed, ON_TIME, SLOT_KEY_PREFIX, Schedule};
-pub use schedules::{MAX_SCHEDULE_NAME_LEN, ScheduleInfo};
+pub use schedule::{
+    MAX_MISSED_SLOTS, MAX_SCHEDULE_NAME_LEN, Missed, ON_TIME, SLOT_KEY_PREFIX, Schedule,
+    ScheduleInfo,
+};
 pub(crate) use types::check_field;
 pub use types::{
     AttemptRecord, Enqueued, Fence, MAX_ATTEMPT_HISTORY, MAX_OUTBOX_FIELD_LEN, NewEntry,

@@ -27,6 +27,8 @@ use croner::Cron;
 use croner::parser::{CronParser, Seconds};
 use serde::{Deserialize, Serialize};
 
+use super::types::NewEntry;
+use crate::codec::from_micros;
 use crate::error::{Error, Result};
 
 /// The most missed slots [`Missed::All`] enqueues in one firing: the latest
@@ -368,18 +370,161 @@ pub(crate) fn due_slots(
     Ok((chosen, latest))
 }
 
-/// A schedule whole, with its state: what `migrate` copies from a store
-/// file to a server.
-#[cfg(feature = "postgres")]
+/// Longest schedule name accepted, in bytes (its entries' keys carry it).
+pub const MAX_SCHEDULE_NAME_LEN: usize = 512;
+
+/// A schedule as [`Outbox::schedules`](super::Outbox::schedules) lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ScheduleInfo {
+    /// Its name.
+    pub name: String,
+    /// The destination of its entries.
+    pub destination: String,
+    /// Its cron expression, or `every <interval>`.
+    pub spec: String,
+    /// What a firing does with missed slots.
+    pub missed: Missed,
+    /// Whether it is paused.
+    pub paused: bool,
+    /// The next slot it will deal with (fire, or drop by its [`Missed`]
+    /// policy); `None` until it starts (the first firing that sees it: see
+    /// [`Outbox::set_schedule`](super::Outbox::set_schedule)), or if it has
+    /// no slot left.
+    pub next_slot: Option<DateTime<Utc>>,
+    /// The latest slot whose entry it enqueued.
+    pub last_fired: Option<DateTime<Utc>>,
+}
+
+/// `set_schedule`'s checks, on either backend: the name, and the entry its
+/// slots would enqueue (destination, payload within `max_body`).
+pub(crate) fn check(name: &str, schedule: &Schedule, max_body: usize) -> Result<()> {
+    check_name(name)?;
+    super::rules::check_entry(&entry(name, schedule, i64::MIN), max_body)
+}
+
+/// A schedule's name: 1 to [`MAX_SCHEDULE_NAME_LEN`] bytes.
+pub(crate) fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::invalid("schedule", "a schedule needs a name"));
+    }
+    if name.len() > MAX_SCHEDULE_NAME_LEN {
+        return Err(Error::invalid(
+            "schedule",
+            format!(
+                "the name is {} bytes, over {MAX_SCHEDULE_NAME_LEN}",
+                name.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The entry of `name`'s `slot`.
+fn entry(name: &str, schedule: &Schedule, slot: i64) -> NewEntry {
+    NewEntry::new(
+        format!("schedule:{name}"),
+        schedule.destination.clone(),
+        slot_key(name, slot),
+        schedule.payload.clone(),
+    )
+}
+
+/// A schedule whole, with its state: what both backends store, and fire
+/// by the rules below (and what `migrate` copies from a file to a server).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ScheduleRecord {
     pub(crate) name: String,
     pub(crate) schedule: Schedule,
     pub(crate) paused: bool,
-    /// The last slot dealt with (µs); `None` until it starts.
+    /// The last slot dealt with (µs): the slots up to it are done. `None`
+    /// until the schedule starts (the first firing that sees it stores its
+    /// `now` here).
     pub(crate) after: Option<i64>,
-    /// The latest slot fired (µs).
+    /// The latest slot whose entry was enqueued (µs).
     pub(crate) last_fired: Option<i64>,
+}
+
+impl ScheduleRecord {
+    /// `schedule` set under `name`, replacing `old` if there is one: a
+    /// replaced schedule keeps its pause, its start and the slots it dealt
+    /// with; a new one starts at `start` (`None`: at its first firing).
+    pub(crate) fn set(
+        name: &str,
+        schedule: Schedule,
+        start: Option<i64>,
+        old: Option<&ScheduleRecord>,
+    ) -> ScheduleRecord {
+        ScheduleRecord {
+            name: name.to_owned(),
+            schedule,
+            paused: old.is_some_and(|o| o.paused),
+            after: old.map_or(start, |o| o.after.or(start)),
+            last_fired: old.and_then(|o| o.last_fired),
+        }
+    }
+
+    /// Its key in the index of due schedules: its next slot, or `i64::MIN`
+    /// until it starts (due at once, for the firing that starts it);
+    /// `None` while paused or with no slot left.
+    pub(crate) fn due_key(&self) -> Result<Option<i64>> {
+        if self.paused {
+            return Ok(None);
+        }
+        match self.after {
+            None => Ok(Some(i64::MIN)),
+            Some(after) => self.schedule.when.next_after(after),
+        }
+    }
+
+    /// Fires it at `now`: starts it if it has not started, else moves it
+    /// past its due slots; the entries of the slots its [`Missed`] policy
+    /// fires, oldest first, to enqueue in the same transaction.
+    pub(crate) fn fire(&mut self, now: i64) -> Result<Vec<NewEntry>> {
+        let Some(after) = self.after else {
+            // It starts now: the slots up to now are before its time.
+            self.after = Some(now);
+            return Ok(Vec::new());
+        };
+        let (slots, last) = due_slots(&self.schedule.when, self.schedule.missed, after, now)?;
+        self.after = Some(last);
+        if let Some(latest) = slots.last() {
+            self.last_fired = Some(*latest);
+        }
+        Ok(slots
+            .iter()
+            .map(|slot| entry(&self.name, &self.schedule, *slot))
+            .collect())
+    }
+
+    /// How it is listed; `table` names it in the error of a time out of
+    /// range.
+    pub(crate) fn info(&self, table: &'static str) -> Result<ScheduleInfo> {
+        let at = |us: i64| from_micros(table, &self.name, us);
+        let next_slot = match self.after {
+            Some(after) => self.schedule.when.next_after(after)?.map(at).transpose()?,
+            None => None,
+        };
+        Ok(ScheduleInfo {
+            name: self.name.clone(),
+            destination: self.schedule.destination.clone(),
+            spec: self.schedule.when.spec(),
+            missed: self.schedule.missed,
+            paused: self.paused,
+            next_slot,
+            last_fired: self.last_fired.map(at).transpose()?,
+        })
+    }
+}
+
+/// The time of a due index key (`table` names it in an error): a schedule
+/// not started yet is due at the earliest time there is.
+pub(crate) fn slot_time(table: &'static str, at: Option<i64>) -> Result<Option<DateTime<Utc>>> {
+    match at {
+        None => Ok(None),
+        Some(i64::MIN) => Ok(Some(DateTime::<Utc>::MIN_UTC)),
+        Some(at) => from_micros(table, &"next slot", at).map(Some),
+    }
 }
 
 /// The idempotency key of `name`'s entry for `slot`.

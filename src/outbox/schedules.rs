@@ -17,22 +17,18 @@ use chrono::{DateTime, Utc};
 use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-#[cfg(feature = "postgres")]
-use super::schedule::ScheduleRecord;
-use super::schedule::{Missed, Schedule, When, due_slots, slot_key};
-use super::types::{NewEntry, check_field};
+use super::schedule::{
+    Missed, Schedule, ScheduleInfo, ScheduleRecord, When, check, check_name, slot_time,
+};
 use super::{Outbox, ops};
-use crate::codec::{decode, encode, from_micros, micros};
+use crate::codec::{decode, encode, micros};
 use crate::error::{Error, Result};
 use crate::schema::{OUTBOX_SCHEDULE_DUE, OUTBOX_SCHEDULES, open_read, open_write};
 
 /// The schedules' table, as errors name it.
 const TABLE: &str = "idemstore.v1.outbox.schedules";
 
-/// Longest schedule name accepted, in bytes (its entries' keys carry it).
-pub const MAX_SCHEDULE_NAME_LEN: usize = 512;
-
-/// A stored schedule.
+/// A stored schedule: a [`ScheduleRecord`] but its name, which is the key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Record {
     destination: String,
@@ -40,116 +36,64 @@ struct Record {
     when: When,
     missed: Missed,
     paused: bool,
-    /// The last slot dealt with (µs): the slots up to it are done. `None`
-    /// until the schedule starts (the first firing that sees it, which
-    /// stores its `now` here).
     after: Option<i64>,
-    /// The latest slot whose entry was enqueued (µs).
     last_fired: Option<i64>,
 }
 
-/// A schedule as [`Outbox::schedules`] lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ScheduleInfo {
-    /// Its name.
-    pub name: String,
-    /// The destination of its entries.
-    pub destination: String,
-    /// Its cron expression, or `every <interval>`.
-    pub spec: String,
-    /// What a firing does with missed slots.
-    pub missed: Missed,
-    /// Whether it is paused.
-    pub paused: bool,
-    /// The next slot it will deal with (fire, or drop by its [`Missed`]
-    /// policy); `None` until it starts (the first firing that sees it: see
-    /// [`Outbox::set_schedule`]), or if it has no slot left.
-    pub next_slot: Option<DateTime<Utc>>,
-    /// The latest slot whose entry it enqueued.
-    pub last_fired: Option<DateTime<Utc>>,
+fn read(bytes: &[u8], name: &str) -> Result<ScheduleRecord> {
+    let r: Record = decode(TABLE, &name, bytes)?;
+    Ok(ScheduleRecord {
+        name: name.to_owned(),
+        schedule: Schedule {
+            destination: r.destination,
+            payload: r.payload,
+            when: r.when,
+            missed: r.missed,
+        },
+        paused: r.paused,
+        after: r.after,
+        last_fired: r.last_fired,
+    })
 }
 
-fn check_name(name: &str) -> Result<()> {
-    if name.is_empty() {
-        return Err(Error::invalid("schedule", "a schedule needs a name"));
-    }
-    if name.len() > MAX_SCHEDULE_NAME_LEN {
-        return Err(Error::invalid(
-            "schedule",
-            format!(
-                "the name is {} bytes, over {MAX_SCHEDULE_NAME_LEN}",
-                name.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-fn read(bytes: &[u8], name: &str) -> Result<Record> {
-    decode(TABLE, &name, bytes)
-}
-
-/// The due index's key of `record`: its next slot, or `i64::MIN` until it
-/// starts (due at once, for the firing that starts it); `None` while paused
-/// or with no slot left.
-fn due_key(record: &Record) -> Result<Option<i64>> {
-    if record.paused {
-        return Ok(None);
-    }
-    match record.after {
-        None => Ok(Some(i64::MIN)),
-        Some(after) => record.when.next_after(after),
-    }
-}
-
-/// Writes `record` under `name`, moving its due index entry from `old`.
-fn put(tx: &WriteTransaction, name: &str, record: &Record, old: Option<&Record>) -> Result<()> {
+/// Writes `record`, moving its due index entry from where `old` had it.
+fn put(tx: &WriteTransaction, record: &ScheduleRecord, old: Option<&ScheduleRecord>) -> Result<()> {
+    let name = record.name.as_str();
     let mut due = open_write(tx, OUTBOX_SCHEDULE_DUE)?;
-    if let Some(old) = old
-        && let Some(at) = due_key(old)?
-    {
+    if let Some(at) = old.map(ScheduleRecord::due_key).transpose()?.flatten() {
         due.remove((at, name))?;
     }
-    if let Some(at) = due_key(record)? {
+    if let Some(at) = record.due_key()? {
         due.insert((at, name), ())?;
     }
-    open_write(tx, OUTBOX_SCHEDULES)?.insert(name, encode(record).as_slice())?;
+    let stored = Record {
+        destination: record.schedule.destination.clone(),
+        payload: record.schedule.payload.clone(),
+        when: record.schedule.when.clone(),
+        missed: record.schedule.missed,
+        paused: record.paused,
+        after: record.after,
+        last_fired: record.last_fired,
+    };
+    open_write(tx, OUTBOX_SCHEDULES)?.insert(name, encode(&stored).as_slice())?;
     Ok(())
 }
 
-fn get(tx: &WriteTransaction, name: &str) -> Result<Option<Record>> {
+fn get(tx: &WriteTransaction, name: &str) -> Result<Option<ScheduleRecord>> {
     let table = open_write(tx, OUTBOX_SCHEDULES)?;
     let record = table.get(name)?;
     record.map(|r| read(r.value(), name)).transpose()
 }
 
-fn info(name: &str, r: &Record) -> Result<ScheduleInfo> {
-    let at = |us: i64| from_micros(TABLE, &name, us);
-    let next_slot = match r.after {
-        Some(after) => r.when.next_after(after)?.map(at).transpose()?,
-        None => None,
-    };
-    Ok(ScheduleInfo {
-        name: name.to_owned(),
-        destination: r.destination.clone(),
-        spec: r.when.spec(),
-        missed: r.missed,
-        paused: r.paused,
-        next_slot,
-        last_fired: r.last_fired.map(at).transpose()?,
-    })
-}
-
-/// Every schedule, by name.
-pub(super) fn list(tx: &ReadTransaction) -> Result<Vec<ScheduleInfo>> {
+/// Every schedule whole, by name.
+fn records(tx: &ReadTransaction) -> Result<Vec<ScheduleRecord>> {
     let Some(table) = open_read(tx, OUTBOX_SCHEDULES)? else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
     for row in table.iter()? {
         let (name, bytes) = row?;
-        out.push(info(name.value(), &read(bytes.value(), name.value())?)?);
+        out.push(read(bytes.value(), name.value())?);
     }
     Ok(out)
 }
@@ -163,51 +107,30 @@ pub(super) fn next_slot(tx: &ReadTransaction) -> Result<Option<i64>> {
     Ok(due.first()?.map(|(k, _)| k.value().0))
 }
 
-/// Fires every schedule due at `now`: enqueues the entries of its due
-/// slots (by its [`Missed`] policy) and moves it past them. The number of
-/// entries enqueued.
+/// Fires every schedule due at `now` (see [`ScheduleRecord::fire`]): the
+/// number of entries enqueued.
 pub(super) fn fire(tx: &WriteTransaction, now: i64) -> Result<u64> {
-    let due: Vec<(i64, String)> = {
+    let due: Vec<String> = {
         let table = open_write(tx, OUTBOX_SCHEDULE_DUE)?;
         let mut out = Vec::new();
-        for row in table.range(..=(now, "\u{10ffff}"))? {
-            let (k, _) = row?;
-            let (at, name) = k.value();
-            out.push((at, name.to_owned()));
+        // Every key whose slot is at most `now`, whatever its name.
+        for row in table.range(..(now.saturating_add(1), ""))? {
+            out.push(row?.0.value().1.to_owned());
         }
         out
     };
     let mut enqueued = 0;
-    for (_, name) in due {
+    for name in due {
         let Some(old) = get(tx, &name)? else {
             continue;
         };
         let mut record = old.clone();
-        let Some(after) = old.after else {
-            // It starts now: the slots up to now are before its time.
-            record.after = Some(now);
-            put(tx, &name, &record, Some(&old))?;
-            continue;
-        };
-        let (slots, last) = due_slots(&old.when, old.missed, after, now)?;
-        let entries: Vec<NewEntry> = slots
-            .iter()
-            .map(|slot| {
-                NewEntry::new(
-                    format!("schedule:{name}"),
-                    old.destination.clone(),
-                    slot_key(&name, *slot),
-                    old.payload.clone(),
-                )
-            })
-            .collect();
+        let entries = record.fire(now)?;
         if !entries.is_empty() {
             let out = ops::enqueue(tx, &entries, now)?;
             enqueued += out.iter().filter(|e| e.is_new()).count() as u64;
-            record.last_fired = slots.last().copied().or(old.last_fired);
         }
-        record.after = Some(last);
-        put(tx, &name, &record, Some(&old))?;
+        put(tx, &record, Some(&old))?;
     }
     Ok(enqueued)
 }
@@ -246,27 +169,12 @@ impl Outbox {
     }
 
     fn put_schedule(&self, name: &str, schedule: Schedule, start: Option<i64>) -> Result<()> {
-        check_name(name)?;
-        check_field("destination", &schedule.destination)?;
-        self.check_entry(&NewEntry::new(
-            format!("schedule:{name}"),
-            schedule.destination.clone(),
-            slot_key(name, i64::MIN),
-            schedule.payload.clone(),
-        ))?;
+        check(name, &schedule, self.max_body)?;
         let name = name.to_owned();
         self.engine.execute(move |tx| {
             let old = get(tx, &name)?;
-            let record = Record {
-                destination: schedule.destination.clone(),
-                payload: schedule.payload.clone(),
-                when: schedule.when.clone(),
-                missed: schedule.missed,
-                paused: old.as_ref().is_some_and(|o| o.paused),
-                after: old.as_ref().map_or(start, |o| o.after.or(start)),
-                last_fired: old.as_ref().and_then(|o| o.last_fired),
-            };
-            put(tx, &name, &record, old.as_ref())
+            let record = ScheduleRecord::set(&name, schedule.clone(), start, old.as_ref());
+            put(tx, &record, old.as_ref())
         })?;
         // The dispatchers look at it now.
         self.notify();
@@ -283,7 +191,7 @@ impl Outbox {
             let Some(old) = get(tx, &name)? else {
                 return Ok(());
             };
-            if let Some(at) = due_key(&old)? {
+            if let Some(at) = old.due_key()? {
                 open_write(tx, OUTBOX_SCHEDULE_DUE)?.remove((at, name.as_str()))?;
             }
             open_write(tx, OUTBOX_SCHEDULES)?.remove(name.as_str())?;
@@ -316,41 +224,23 @@ impl Outbox {
             };
             let mut record = old.clone();
             record.paused = paused;
-            put(tx, &name, &record, Some(&old))
+            put(tx, &record, Some(&old))
         })
     }
 
     /// Every schedule, by name, with its next slot and the last one fired.
     pub fn schedules(&self) -> Result<Vec<ScheduleInfo>> {
-        self.engine.read(list)
+        self.engine
+            .read(records)?
+            .iter()
+            .map(|r| r.info(TABLE))
+            .collect()
     }
 
     /// Every schedule whole, with its state, by name (for `migrate`).
     #[cfg(feature = "postgres")]
     pub(crate) fn schedule_records(&self) -> Result<Vec<ScheduleRecord>> {
-        self.engine.read(|tx| {
-            let Some(table) = open_read(tx, OUTBOX_SCHEDULES)? else {
-                return Ok(Vec::new());
-            };
-            let mut out = Vec::new();
-            for row in table.iter()? {
-                let (name, bytes) = row?;
-                let r = read(bytes.value(), name.value())?;
-                out.push(ScheduleRecord {
-                    name: name.value().to_owned(),
-                    schedule: Schedule {
-                        destination: r.destination,
-                        payload: r.payload,
-                        when: r.when,
-                        missed: r.missed,
-                    },
-                    paused: r.paused,
-                    after: r.after,
-                    last_fired: r.last_fired,
-                });
-            }
-            Ok(out)
-        })
+        self.engine.read(records)
     }
 
     /// Fires the schedules due at `now` (see [`Outbox::set_schedule`]): the
@@ -371,7 +261,7 @@ impl Outbox {
     /// When the next schedule is due (possibly in the past: a firing is
     /// waiting), or `None` if no unpaused schedule has a slot left.
     pub fn next_schedule_slot(&self) -> Result<Option<DateTime<Utc>>> {
-        slot_time(self.engine.read(next_slot)?)
+        slot_time(TABLE, self.engine.read(next_slot)?)
     }
 
     /// [`Outbox::fire_schedules`] for the async dispatcher, boxed for the
@@ -404,17 +294,6 @@ impl Outbox {
     pub(crate) fn next_schedule_slot_boxed(
         &self,
     ) -> super::tasks::Boxed<'_, Result<Option<DateTime<Utc>>>> {
-        Box::pin(async move { slot_time(self.engine.read_async(next_slot).await?) })
-    }
-}
-
-/// The time of a due index key: a schedule not started yet is due at the
-/// earliest time there is.
-fn slot_time(at: Option<i64>) -> Result<Option<DateTime<Utc>>> {
-    match at {
-        None => Ok(None),
-        // Not started yet: due at once.
-        Some(i64::MIN) => Ok(Some(DateTime::<Utc>::MIN_UTC)),
-        Some(at) => from_micros(TABLE, &"next slot", at).map(Some),
+        Box::pin(async move { slot_time(TABLE, self.engine.read_async(next_slot).await?) })
     }
 }

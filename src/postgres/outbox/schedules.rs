@@ -13,11 +13,10 @@ use tokio_postgres::GenericClient;
 use tokio_postgres::Row;
 
 use super::PgOutbox;
-use crate::codec::{from_micros, micros};
+use crate::codec::micros;
 use crate::error::{Error, Result};
-use crate::outbox::rules::check_entry;
-use crate::outbox::schedule::{ScheduleRecord, When, due_slots, slot_key};
-use crate::outbox::{MAX_SCHEDULE_NAME_LEN, Missed, NewEntry, Schedule, ScheduleInfo};
+use crate::outbox::schedule::{ScheduleRecord, When, check, check_name, slot_time};
+use crate::outbox::{Missed, Schedule, ScheduleInfo};
 use crate::postgres::blocking::wait;
 use crate::postgres::conn::{Db, Mode, in_transaction};
 use crate::postgres::errors::{corrupted, utf8};
@@ -29,18 +28,6 @@ const TABLE: &str = "schedules";
 const COLS: &str = "name, destination, payload, cron, every_us, missed, paused, after_us, \
                     last_fired, time_zone";
 
-/// A stored schedule.
-struct Stored {
-    name: String,
-    destination: String,
-    payload: Vec<u8>,
-    when: When,
-    missed: Missed,
-    paused: bool,
-    after: Option<i64>,
-    last_fired: Option<i64>,
-}
-
 fn missed_text(m: Missed) -> &'static str {
     match m {
         Missed::Latest => "latest",
@@ -49,7 +36,7 @@ fn missed_text(m: Missed) -> &'static str {
     }
 }
 
-fn read(r: &Row) -> Result<Stored> {
+fn read(r: &Row) -> Result<ScheduleRecord> {
     let name = utf8(TABLE, &"?", r.try_get(0)?)?;
     let cron: Option<String> = r.try_get(3)?;
     let every: Option<i64> = r.try_get(4)?;
@@ -74,41 +61,18 @@ fn read(r: &Row) -> Result<Stored> {
             ));
         }
     };
-    Ok(Stored {
-        destination: utf8(TABLE, &name, r.try_get(1)?)?,
-        payload: r.try_get(2)?,
-        when,
-        missed,
+    Ok(ScheduleRecord {
+        schedule: Schedule {
+            destination: utf8(TABLE, &name, r.try_get(1)?)?,
+            payload: r.try_get(2)?,
+            when,
+            missed,
+        },
         paused: r.try_get(6)?,
         after: r.try_get(7)?,
         last_fired: r.try_get(8)?,
         name,
     })
-}
-
-/// The due column of `s`: its next slot, `i64::MIN` until it starts,
-/// `NULL` while paused or with no slot left (the embedded store's rule).
-fn next_slot(s: &Stored) -> Result<Option<i64>> {
-    if s.paused {
-        return Ok(None);
-    }
-    match s.after {
-        None => Ok(Some(i64::MIN)),
-        Some(after) => s.when.next_after(after),
-    }
-}
-
-fn check_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > MAX_SCHEDULE_NAME_LEN {
-        return Err(Error::invalid(
-            "schedule",
-            format!(
-                "a name of 1 to {MAX_SCHEDULE_NAME_LEN} bytes, not {}",
-                name.len()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 impl PgOutbox {
@@ -135,32 +99,14 @@ impl PgOutbox {
     }
 
     async fn put_schedule(&self, name: &str, schedule: Schedule, start: Option<i64>) -> Result<()> {
-        check_name(name)?;
-        check_entry(
-            &NewEntry::new(
-                format!("schedule:{name}"),
-                schedule.destination.clone(),
-                slot_key(name, i64::MIN),
-                schedule.payload.clone(),
-            ),
-            self.server.max_body,
-        )?;
+        check(name, &schedule, self.server.max_body)?;
         refuse_reentrant()?;
         let s = self.s().to_owned();
         run!(self.server, Mode::Tx, |conn| {
             in_transaction!(conn, |db| {
                 let old = self.lock_schedule(db, name).await?;
-                let stored = Stored {
-                    name: name.to_owned(),
-                    destination: schedule.destination.clone(),
-                    payload: schedule.payload.clone(),
-                    when: schedule.when.clone(),
-                    missed: schedule.missed,
-                    paused: old.as_ref().is_some_and(|o| o.paused),
-                    after: old.as_ref().map_or(start, |o| o.after.or(start)),
-                    last_fired: old.as_ref().and_then(|o| o.last_fired),
-                };
-                self.write_schedule(db, &stored).await?;
+                let record = ScheduleRecord::set(name, schedule.clone(), start, old.as_ref());
+                self.write_schedule(db, &record).await?;
                 db.execute("SELECT pg_notify($1, '')", &[&schema::channel(&s)])
                     .await?;
                 Ok(())
@@ -239,25 +185,7 @@ impl PgOutbox {
                 )
                 .await
         })?;
-        let at = |name: &str, us: i64| from_micros(TABLE, &name, us);
-        let mut out = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let st = read(r)?;
-            let next = match st.after {
-                Some(after) => st.when.next_after(after)?,
-                None => None,
-            };
-            out.push(ScheduleInfo {
-                name: st.name.clone(),
-                destination: st.destination.clone(),
-                spec: st.when.spec(),
-                missed: st.missed,
-                paused: st.paused,
-                next_slot: next.map(|us| at(&st.name, us)).transpose()?,
-                last_fired: st.last_fired.map(|us| at(&st.name, us)).transpose()?,
-            });
-        }
-        Ok(out)
+        rows.iter().map(|r| read(r)?.info(TABLE)).collect()
     }
 
     /// [`Outbox::fire_schedules`](crate::Outbox::fire_schedules) on the
@@ -287,30 +215,13 @@ impl PgOutbox {
                     .await?;
                 let mut enqueued = 0;
                 for r in &rows {
-                    let mut st = read(r)?;
-                    let Some(after) = st.after else {
-                        // It starts now.
-                        st.after = Some(now);
-                        self.write_schedule(db, &st).await?;
-                        continue;
-                    };
-                    let (slots, last) = due_slots(&st.when, st.missed, after, now)?;
-                    for slot in &slots {
-                        let entry = NewEntry::new(
-                            format!("schedule:{}", st.name),
-                            st.destination.clone(),
-                            slot_key(&st.name, *slot),
-                            st.payload.clone(),
-                        );
+                    let mut record = read(r)?;
+                    for entry in record.fire(now)? {
                         if self.insert(db, &entry, now).await?.is_new() {
                             enqueued += 1;
                         }
                     }
-                    if let Some(latest) = slots.last() {
-                        st.last_fired = Some(*latest);
-                    }
-                    st.after = Some(last);
-                    self.write_schedule(db, &st).await?;
+                    self.write_schedule(db, &record).await?;
                 }
                 Ok(enqueued)
             })
@@ -325,11 +236,7 @@ impl PgOutbox {
 
     /// [`PgOutbox::next_schedule_slot`], awaited.
     pub async fn next_schedule_slot_async(&self) -> Result<Option<DateTime<Utc>>> {
-        match self.next_slot_micros().await? {
-            None => Ok(None),
-            Some(i64::MIN) => Ok(Some(DateTime::<Utc>::MIN_UTC)),
-            Some(at) => from_micros(TABLE, &"next slot", at).map(Some),
-        }
+        slot_time(TABLE, self.next_slot_micros().await?)
     }
 
     async fn next_slot_micros(&self) -> Result<Option<i64>> {
@@ -371,17 +278,7 @@ impl PgOutbox {
                         if self.lock_schedule(db, &r.name).await?.is_some() {
                             continue;
                         }
-                        let stored = Stored {
-                            name: r.name.clone(),
-                            destination: r.schedule.destination.clone(),
-                            payload: r.schedule.payload.clone(),
-                            when: r.schedule.when.clone(),
-                            missed: r.schedule.missed,
-                            paused: r.paused,
-                            after: r.after,
-                            last_fired: r.last_fired,
-                        };
-                        self.write_schedule(db, &stored).await?;
+                        self.write_schedule(db, r).await?;
                         copied += 1;
                     }
                     if copied > 0 {
@@ -399,7 +296,7 @@ impl PgOutbox {
         &self,
         db: &mut Db<'_, impl GenericClient + Sync>,
         name: &str,
-    ) -> Result<Option<Stored>> {
+    ) -> Result<Option<ScheduleRecord>> {
         let s = self.s();
         let row = db
             .query_opt(
@@ -413,10 +310,11 @@ impl PgOutbox {
     async fn write_schedule(
         &self,
         db: &mut Db<'_, impl GenericClient + Sync>,
-        st: &Stored,
+        st: &ScheduleRecord,
     ) -> Result<()> {
         let s = self.s();
-        let (cron, zone, every): (Option<&str>, Option<&str>, Option<i64>) = match &st.when {
+        let (cron, zone, every): (Option<&str>, Option<&str>, Option<i64>) = match &st.schedule.when
+        {
             When::Cron(expr) => (Some(expr.as_str()), None, None),
             When::CronIn(expr, zone) => (Some(expr.as_str()), Some(zone.as_str()), None),
             When::Every(us) => (None, None, Some(i64::try_from(*us).unwrap_or(i64::MAX))),
@@ -432,15 +330,15 @@ impl PgOutbox {
             ),
             &[
                 &st.name.as_bytes(),
-                &st.destination.as_bytes(),
-                &st.payload,
+                &st.schedule.destination.as_bytes(),
+                &st.schedule.payload,
                 &cron,
                 &every,
-                &missed_text(st.missed),
+                &missed_text(st.schedule.missed),
                 &st.paused,
                 &st.after,
                 &st.last_fired,
-                &next_slot(st)?,
+                &st.due_key()?,
                 &zone,
             ],
         )
