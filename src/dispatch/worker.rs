@@ -190,21 +190,31 @@ pub(super) async fn claimed_async(
 /// [`Outbox::set_schedule`](crate::Outbox::set_schedule)) and tells when
 /// the next one is due. A failure is counted as `"schedules"`.
 pub(super) fn fire_schedules(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
-    ctx.outbox
-        .fire_schedules(ctx.clock.now())
-        .and_then(|_| ctx.outbox.next_schedule_slot())
-        .map_err(|e| {
-            ctx.store_error("schedules", &e);
-            BackOff
-        })
+    let now = ctx.clock.now();
+    // Most wake-ups are other commits with no slot due: one look then.
+    let fired = ctx.outbox.next_schedule_slot().and_then(|next| match next {
+        Some(at) if at <= now => ctx
+            .outbox
+            .fire_schedules(now)
+            .and_then(|_| ctx.outbox.next_schedule_slot()),
+        later => Ok(later),
+    });
+    fired.map_err(|e| {
+        ctx.store_error("schedules", &e);
+        BackOff
+    })
 }
 
 /// [`fire_schedules`] through the backend's async calls.
 #[cfg(feature = "tokio")]
 pub(super) async fn fire_schedules_async(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, BackOff> {
-    let fired = match ctx.outbox.fire_schedules_async(ctx.clock.now()).await {
-        Ok(_) => ctx.outbox.next_schedule_slot_async().await,
-        Err(e) => Err(e),
+    let now = ctx.clock.now();
+    let fired = match ctx.outbox.next_schedule_slot_async().await {
+        Ok(Some(at)) if at <= now => match ctx.outbox.fire_schedules_async(now).await {
+            Ok(_) => ctx.outbox.next_schedule_slot_async().await,
+            Err(e) => Err(e),
+        },
+        later => later,
     };
     fired.map_err(|e| {
         ctx.store_error("schedules", &e);
