@@ -150,7 +150,7 @@ impl Outbox {
     /// [`Missed`] policy, and none fires twice: a replaced schedule keeps
     /// its start and the slots it dealt with. Durable, and seen by every
     /// process on the file. Fails with [`Error::InvalidInput`] for an empty
-    /// name or one over [`MAX_SCHEDULE_NAME_LEN`] bytes, or a bad
+    /// name or one over [`MAX_SCHEDULE_NAME_LEN`](super::MAX_SCHEDULE_NAME_LEN) bytes, or a bad
     /// destination or payload, storing nothing.
     pub fn set_schedule(&self, name: &str, schedule: Schedule) -> Result<()> {
         self.put_schedule(name, schedule, None)
